@@ -1,0 +1,46 @@
+"""Builds the CUDA extension ``vllm_kbit._C`` when nvcc and a CUDA build of torch are present.
+
+The extension holds only ``TORCH_LIBRARY_IMPL`` registrations (no Python symbols,
+no pybind11), so it is built against the limited API and one ``.so`` serves any
+Python that has torch 2.11.0; ``vllm_kbit.ops`` loads it with
+``torch.ops.load_library``. Without nvcc or with a CPU build of torch, the
+package installs without it and the PyTorch reference serves every op.
+"""
+
+import glob
+import os
+import shutil
+
+from setuptools import setup
+
+
+def cuda_extensions():
+    import torch
+    from torch.utils import cpp_extension
+
+    if torch.version.cuda is None or cpp_extension.CUDA_HOME is None or shutil.which("nvcc", path=os.path.join(cpp_extension.CUDA_HOME, "bin")) is None:
+        print("vllm-kbit: no nvcc or no CUDA build of torch: installing without CUDA kernels")
+        return [], {}
+    os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
+    # CPU machines have nvcc without the cuBLAS headers ATen/cuda needs; torch's CUDA wheels ship them.
+    nvidia_include = [p for p in (os.path.join(d, "nvidia", "cu13", "include") for d in __import__("site").getsitepackages()) if os.path.isdir(p)]
+    ext = cpp_extension.CUDAExtension(
+        name="vllm_kbit._C",
+        sources=sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu")),
+        include_dirs=[os.path.abspath("csrc"), *nvidia_include],
+        extra_compile_args={
+            "cxx": ["-O3", "-std=c++17", "-DPy_LIMITED_API=0x030a0000"],
+            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "-DPy_LIMITED_API=0x030a0000"],
+        },
+        py_limited_api=True,
+    )
+    build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
+    return [ext], {"build_ext": build_ext}
+
+
+ext_modules, cmdclass = cuda_extensions()
+setup(
+    ext_modules=ext_modules,
+    cmdclass=cmdclass,
+    options={"bdist_wheel": {"py_limited_api": "cp310"}} if ext_modules else {},
+)

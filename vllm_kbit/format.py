@@ -1,0 +1,318 @@
+"""The kbit weight format, in PyTorch: the reference every kernel is checked against.
+
+A weight ``W[N, K]`` (PyTorch Linear layout, out x in) is cut into blocks of 32
+consecutive elements along K. Each block stores
+
+* one scale: the block's absmax rounded to the nearest E4M4 code (uint8), and
+* one k-bit index per element into a ``2**k``-entry codebook, chosen against the
+  *decoded* scale, packed as k bit-planes: bit ``i`` of word ``b`` is bit ``b`` of
+  element ``i``'s index.
+
+Flat layout (checkpoints, stable): ``qweight`` int32 ``[N, K/32, k]`` and
+``absmax`` uint8 ``[N, K/32]``. Runtime layout (internal, produced once at load
+by :func:`repack`): tiles of ``TILE_N`` rows x ``TILE_KB`` blocks, see
+:func:`repack`.
+
+Every function here runs on any device and is exact: the CUDA kernels must
+reproduce it bit for bit (packed words, scale codes and dequantized values).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+BLOCK_SIZE = 32
+SUPPORTED_BITS = (2, 3, 4, 5)
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+E4M4_BIAS = 11
+E4M4_MAX = 31.0  # 2**(15 - 11) * (1 + 15/16): the largest scale a block can have
+
+# Runtime tile: TILE_N rows (output features) by TILE_KB blocks of 32 along K.
+TILE_N = 64
+TILE_KB = 4
+
+
+# ----------------------------------------------------------------------------- checks
+
+
+def check_bits(k: int) -> None:
+    if not isinstance(k, int) or k not in SUPPORTED_BITS:
+        raise ValueError(f"kbit: k={k!r} is not supported; k must be one of {SUPPORTED_BITS}")
+
+
+def check_float_dtype(t: torch.Tensor, what: str) -> None:
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"kbit: {what} has dtype {t.dtype}; supported: float16, bfloat16, float32")
+
+
+def check_contiguous(t: torch.Tensor, what: str) -> None:
+    if not t.is_contiguous():
+        raise ValueError(f"kbit: {what} must be contiguous (call .contiguous() first)")
+
+
+def check_weight(W: torch.Tensor) -> None:
+    check_float_dtype(W, "weight")
+    if W.dim() != 2:
+        raise ValueError(f"kbit: weight must be 2-D [N, K], got shape {tuple(W.shape)}")
+    if W.shape[1] % BLOCK_SIZE != 0 or W.shape[1] == 0:
+        raise ValueError(
+            f"kbit: weight K={W.shape[1]} (shape {tuple(W.shape)}) is not a positive multiple of {BLOCK_SIZE}"
+        )
+    check_contiguous(W, "weight")
+
+
+def check_codebook(codebook: torch.Tensor, k: int) -> None:
+    """A codebook is 2**k float32 values, strictly ascending, finite, with max |c| == 1."""
+    check_bits(k)
+    if codebook.dtype != torch.float32 or codebook.dim() != 1:
+        raise TypeError(
+            f"kbit: codebook must be a 1-D float32 tensor, got {codebook.dtype} of shape {tuple(codebook.shape)}"
+        )
+    if codebook.numel() != 2**k:
+        raise ValueError(f"kbit: codebook has {codebook.numel()} entries but k={k} needs {2**k}")
+    check_contiguous(codebook, "codebook")
+
+
+def check_codebook_values(codebook: torch.Tensor) -> None:
+    """Value checks (host sync): only for codebooks that come from users or checkpoints."""
+    cb = codebook.detach().double().cpu()
+    if not torch.isfinite(cb).all():
+        raise ValueError("kbit: codebook has non-finite values")
+    if not (cb[1:] > cb[:-1]).all():
+        raise ValueError("kbit: codebook must be strictly ascending")
+    if cb.abs().max().item() != 1.0:
+        raise ValueError(f"kbit: codebook must have max |c| == 1, got {cb.abs().max().item()}")
+
+
+def check_packed(qweight: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor) -> int:
+    """Checks a flat-layout (qweight, absmax, codebook) triple; returns k."""
+    if qweight.dtype != torch.int32 or qweight.dim() != 3:
+        raise TypeError(
+            f"kbit: qweight must be int32 [N, K/32, k], got {qweight.dtype} of shape {tuple(qweight.shape)}"
+        )
+    k = qweight.shape[2]
+    check_bits(k)
+    if absmax.dtype != torch.uint8 or tuple(absmax.shape) != tuple(qweight.shape[:2]):
+        raise ValueError(
+            f"kbit: absmax must be uint8 {list(qweight.shape[:2])} to match qweight {list(qweight.shape)}, "
+            f"got {absmax.dtype} {list(absmax.shape)}"
+        )
+    check_codebook(codebook, k)
+    check_contiguous(qweight, "qweight")
+    check_contiguous(absmax, "absmax")
+    return k
+
+
+# ----------------------------------------------------------------------------- codebook
+
+
+@functools.lru_cache(maxsize=None)
+def _normal_float_codebook_cpu(k: int) -> torch.Tensor:
+    # 2**k equiprobable bins of N(0,1); each level is the mean of N(0,1) inside its bin:
+    # E[X | a < X < b] = (phi(a) - phi(b)) / P(a < X < b), P = 2**-k. Then scaled to max |c| = 1.
+    n = 2**k
+    edges = torch.special.ndtri(torch.arange(n + 1, dtype=torch.float64) / n)
+    pdf = torch.exp(-0.5 * edges.square()) / math.sqrt(2 * math.pi)
+    pdf = torch.where(torch.isinf(edges), torch.zeros_like(pdf), pdf)
+    levels = (pdf[:-1] - pdf[1:]) * n
+    return (levels / levels.abs().max()).float()
+
+
+def normal_float_codebook(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The default codebook: 2**k normal-float levels, ascending, symmetric, max |c| == 1."""
+    check_bits(k)
+    return _normal_float_codebook_cpu(k).to(device)
+
+
+def codebook_thresholds(codebook: torch.Tensor) -> torch.Tensor:
+    """Decision thresholds between neighbouring levels, in float32: (c[i] + c[i+1]) * 0.5."""
+    return (codebook[:-1] + codebook[1:]) * 0.5
+
+
+# ----------------------------------------------------------------------------- E4M4 scale
+
+
+@functools.lru_cache(maxsize=None)
+def _e4m4_table_cpu() -> torch.Tensor:
+    code = torch.arange(256, dtype=torch.int64)
+    e, m = code >> 4, (code & 15).double()
+    normal = torch.ldexp(1.0 + m / 16, e - E4M4_BIAS)
+    subnormal = torch.ldexp(m / 16, torch.full_like(e, 1 - E4M4_BIAS))
+    return torch.where(e > 0, normal, subnormal).float()
+
+
+def e4m4_table(device: torch.device | str = "cpu") -> torch.Tensor:
+    """All 256 E4M4 values, float32, ascending in the code (code 0 is 0.0)."""
+    return _e4m4_table_cpu().to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _e4m4_midpoints_cpu() -> torch.Tensor:
+    t = _e4m4_table_cpu()
+    return (t[:-1] + t[1:]) * 0.5  # exact in float32: the values have 5 significant bits
+
+
+def e4m4_decode(code: torch.Tensor) -> torch.Tensor:
+    """uint8 codes -> float32 scales."""
+    return e4m4_table(code.device)[code.long()]
+
+
+def e4m4_encode(x: torch.Tensor) -> torch.Tensor:
+    """Non-negative float32 -> the nearest E4M4 code (ties to the lower code; > 31 saturates to 255)."""
+    mid = _e4m4_midpoints_cpu().to(x.device)
+    return torch.searchsorted(mid, x.float().contiguous(), right=False).to(torch.uint8)
+
+
+# ----------------------------------------------------------------------------- bit-planes
+
+
+def pack_bitplanes(idx: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices [..., 32] (each < 2**k) -> int32 words [..., k]; bit i of word b = bit b of idx[i]."""
+    weights = torch.ones(BLOCK_SIZE, dtype=torch.int64, device=idx.device) << torch.arange(
+        BLOCK_SIZE, device=idx.device
+    )
+    planes = [(((idx.long() >> b) & 1) * weights).sum(-1) for b in range(k)]
+    words = torch.stack(planes, dim=-1)
+    return (words - (words >= 2**31).long() * 2**32).to(torch.int32)
+
+
+def unpack_bitplanes(words: torch.Tensor) -> torch.Tensor:
+    """int32 words [..., k] -> indices [..., 32] (int64)."""
+    lanes = torch.arange(BLOCK_SIZE, device=words.device)
+    bits = (words.long().unsqueeze(-2) >> lanes.view(-1, 1)) & 1  # [..., 32, k]
+    return (bits << torch.arange(words.shape[-1], device=words.device)).sum(-1)
+
+
+# ----------------------------------------------------------------------------- quantize / dequantize
+
+
+def block_scales(W: torch.Tensor) -> torch.Tensor:
+    """Per-block absmax of W[N, K] as E4M4 codes [N, K/32]."""
+    N, K = W.shape
+    amax = W.float().view(N, K // BLOCK_SIZE, BLOCK_SIZE).abs().amax(-1)
+    return e4m4_encode(amax)
+
+
+def choose_indices(W: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor) -> torch.Tensor:
+    """Index of each element of W[N, K] against decoded block scales [N, K/32].
+
+    idx = #{i : w > fp32(t_i * s)} with t the codebook thresholds: nearest level, ties
+    to the lower one. Comparing w against the product (no division) keeps the
+    rounding identical on every device.
+    """
+    N, K = W.shape
+    w = W.float().view(N, K // BLOCK_SIZE, BLOCK_SIZE)
+    idx = torch.zeros(w.shape, dtype=torch.uint8, device=W.device)
+    for t in codebook_thresholds(codebook.to(W.device)):
+        idx += w > (t * scale).unsqueeze(-1)
+    return idx
+
+
+def quantize(W: torch.Tensor, codebook: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """W[N, K] (fp16/bf16/fp32) -> (qweight int32 [N, K/32, k], absmax uint8 [N, K/32])."""
+    check_weight(W)
+    check_codebook(codebook, k)
+    absmax = block_scales(W)
+    idx = choose_indices(W, e4m4_decode(absmax), codebook)
+    return pack_bitplanes(idx, k), absmax
+
+
+def dequantize(
+    qweight: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Flat layout -> W[N, K] in dtype: fp32(codebook[idx] * scale), then rounded to dtype."""
+    check_packed(qweight, absmax, codebook)
+    if dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"kbit: output dtype {dtype} is not supported; supported: float16, bfloat16, float32")
+    N, KB, _ = qweight.shape
+    idx = unpack_bitplanes(qweight)
+    values = codebook.to(qweight.device)[idx] * e4m4_decode(absmax).unsqueeze(-1)
+    return values.view(N, KB * BLOCK_SIZE).to(dtype)
+
+
+# ----------------------------------------------------------------------------- runtime layout
+
+
+def runtime_shapes(N: int, K: int, k: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Shapes of the runtime (qweight, absmax) for a [N, K] weight: N padded to TILE_N, K/32 to TILE_KB."""
+    n_tiles = -(-N // TILE_N)
+    kb_tiles = -(-(K // BLOCK_SIZE) // TILE_KB)
+    return (n_tiles, kb_tiles, k, TILE_N, TILE_KB), (n_tiles, kb_tiles, TILE_N, TILE_KB)
+
+
+def repack(qweight: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flat -> runtime layout.
+
+    qweight_rt[nt, kt, b, r, j] = qweight[nt*TILE_N + r, kt*TILE_KB + j, b]
+    absmax_rt[nt, kt, r, j]     = absmax[nt*TILE_N + r, kt*TILE_KB + j]
+
+    One tile (TILE_N rows x TILE_KB blocks) is contiguous and tiles of one row band
+    follow each other along K, so a kernel streams a row band front to back. Inside
+    a tile, bit-plane b of the TILE_KB blocks of one row is one 16-byte vector, and
+    the 64 rows of that plane are consecutive: a warp reads one plane of 32 rows as
+    512 contiguous bytes. Padding rows/blocks hold zero words and scale code 0, so
+    they dequantize to 0.
+    """
+    if qweight.dtype != torch.int32 or qweight.dim() != 3:
+        raise TypeError(
+            f"kbit: qweight must be int32 [N, K/32, k], got {qweight.dtype} of shape {tuple(qweight.shape)}"
+        )
+    N, KB, k = qweight.shape
+    check_bits(k)
+    if absmax.dtype != torch.uint8 or tuple(absmax.shape) != (N, KB):
+        raise ValueError(
+            f"kbit: absmax must be uint8 {[N, KB]} to match qweight {[N, KB, k]}, got {absmax.dtype} {list(absmax.shape)}"
+        )
+    q_shape, a_shape = runtime_shapes(N, KB * BLOCK_SIZE, k)
+    nt, kt = q_shape[0], q_shape[1]
+    q = qweight.new_zeros(nt * TILE_N, kt * TILE_KB, k)
+    q[:N, :KB] = qweight
+    a = absmax.new_zeros(nt * TILE_N, kt * TILE_KB)
+    a[:N, :KB] = absmax
+    q_rt = q.view(nt, TILE_N, kt, TILE_KB, k).permute(0, 2, 4, 1, 3).contiguous()
+    a_rt = a.view(nt, TILE_N, kt, TILE_KB).permute(0, 2, 1, 3).contiguous()
+    return q_rt, a_rt
+
+
+def unrepack(qweight_rt: torch.Tensor, absmax_rt: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Runtime -> flat layout (inverse of :func:`repack`), for a weight of shape [N, K]."""
+    check_runtime(qweight_rt, absmax_rt, N, K)
+    nt, kt, k = qweight_rt.shape[:3]
+    q = qweight_rt.permute(0, 3, 1, 4, 2).reshape(nt * TILE_N, kt * TILE_KB, k)
+    a = absmax_rt.permute(0, 2, 1, 3).reshape(nt * TILE_N, kt * TILE_KB)
+    KB = K // BLOCK_SIZE
+    return q[:N, :KB].contiguous(), a[:N, :KB].contiguous()
+
+
+def check_runtime(qweight_rt: torch.Tensor, absmax_rt: torch.Tensor, N: int, K: int) -> int:
+    """Checks a runtime-layout pair against the weight shape [N, K]; returns k."""
+    if N <= 0 or K <= 0 or K % BLOCK_SIZE != 0:
+        raise ValueError(f"kbit: weight shape [{N}, {K}] needs N > 0 and K a positive multiple of {BLOCK_SIZE}")
+    if qweight_rt.dtype != torch.int32 or qweight_rt.dim() != 5:
+        raise TypeError(
+            f"kbit: runtime qweight must be int32 [N/{TILE_N}, K/{32 * TILE_KB}, k, {TILE_N}, {TILE_KB}], "
+            f"got {qweight_rt.dtype} of shape {tuple(qweight_rt.shape)}"
+        )
+    k = qweight_rt.shape[2]
+    check_bits(k)
+    q_shape, a_shape = runtime_shapes(N, K, k)
+    if tuple(qweight_rt.shape) != q_shape or absmax_rt.dtype != torch.uint8 or tuple(absmax_rt.shape) != a_shape:
+        raise ValueError(
+            f"kbit: runtime tensors for [{N}, {K}] must be int32 {list(q_shape)} and uint8 {list(a_shape)}, got "
+            f"{qweight_rt.dtype} {list(qweight_rt.shape)} and {absmax_rt.dtype} {list(absmax_rt.shape)}"
+        )
+    check_contiguous(qweight_rt, "runtime qweight")
+    check_contiguous(absmax_rt, "runtime absmax")
+    return k
+
+
+def dequantize_runtime(
+    qweight_rt: torch.Tensor, absmax_rt: torch.Tensor, codebook: torch.Tensor, N: int, K: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Runtime layout -> W[N, K] in dtype (same values as :func:`dequantize`)."""
+    q, a = unrepack(qweight_rt, absmax_rt, N, K)
+    return dequantize(q, a, codebook, dtype)

@@ -1,0 +1,98 @@
+"""``torch.ops.kbit.*``: schemas, CPU (reference) and fake implementations.
+
+The schemas live here; the CUDA extension (``vllm_kbit/_C*.so``, built from
+``csrc/``) only adds CUDA kernels to them with ``TORCH_LIBRARY_IMPL``. Without
+the extension (a CPU-only install) the PyTorch reference also serves CUDA
+tensors, slowly, and :data:`HAS_CUDA_KERNELS` is False.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import torch
+
+from vllm_kbit import format as fmt
+
+_lib = torch.library.Library("kbit", "DEF")
+
+_SCHEMAS = {
+    "quantize": "quantize(Tensor W, Tensor codebook, int k) -> (Tensor qweight, Tensor absmax)",
+    "dequantize": "dequantize(Tensor qweight, Tensor absmax, Tensor codebook, ScalarType dtype) -> Tensor",
+    "repack": "repack(Tensor qweight, Tensor absmax) -> (Tensor qweight_rt, Tensor absmax_rt)",
+    "unrepack": "unrepack(Tensor qweight_rt, Tensor absmax_rt, SymInt N, SymInt K) -> (Tensor qweight, Tensor absmax)",
+    "dequantize_runtime": (
+        "dequantize_runtime(Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, SymInt N, SymInt K, "
+        "ScalarType dtype) -> Tensor"
+    ),
+}
+for _schema in _SCHEMAS.values():
+    _lib.define(_schema)
+
+# The reference implementations are device-agnostic PyTorch.
+_REFERENCE = {
+    "quantize": fmt.quantize,
+    "dequantize": fmt.dequantize,
+    "repack": fmt.repack,
+    "unrepack": fmt.unrepack,
+    "dequantize_runtime": fmt.dequantize_runtime,
+}
+# Ops that have CUDA kernels in csrc/; the rest run the reference on every device.
+_CUDA_KERNEL_OPS = ("quantize", "dequantize", "repack", "dequantize_runtime")
+
+for _name, _fn in _REFERENCE.items():
+    _lib.impl(_name, _fn, "CPU")
+_lib.impl("unrepack", fmt.unrepack, "CUDA")
+
+
+def _load_extension() -> bool:
+    here = os.path.dirname(__file__)
+    candidates = sorted(glob.glob(os.path.join(here, "_C*.so")))
+    if not candidates or not torch.cuda.is_available() and os.environ.get("VLLM_KBIT_LOAD_EXTENSION") != "1":
+        # Loading needs libcudart; on machines without a GPU the reference serves everything.
+        return False
+    torch.ops.load_library(candidates[0])
+    return True
+
+
+HAS_CUDA_KERNELS = _load_extension()
+if not HAS_CUDA_KERNELS:
+    for _name in _CUDA_KERNEL_OPS:
+        _lib.impl(_name, _REFERENCE[_name], "CUDA")
+
+
+# ----------------------------------------------------------------------------- fake (meta) implementations
+# Shapes only: under torch.compile sizes may be symbolic; the real kernels validate.
+
+
+@torch.library.register_fake("kbit::quantize")
+def _quantize_fake(W, codebook, k):
+    N, K = W.shape
+    return W.new_empty(N, K // fmt.BLOCK_SIZE, k, dtype=torch.int32), W.new_empty(
+        N, K // fmt.BLOCK_SIZE, dtype=torch.uint8
+    )
+
+
+@torch.library.register_fake("kbit::dequantize")
+def _dequantize_fake(qweight, absmax, codebook, dtype):
+    N, KB, _ = qweight.shape
+    return qweight.new_empty(N, KB * fmt.BLOCK_SIZE, dtype=dtype)
+
+
+@torch.library.register_fake("kbit::repack")
+def _repack_fake(qweight, absmax):
+    N, KB, k = qweight.shape
+    q_shape, a_shape = fmt.runtime_shapes(N, KB * fmt.BLOCK_SIZE, k)
+    return qweight.new_empty(q_shape), absmax.new_empty(a_shape)
+
+
+@torch.library.register_fake("kbit::unrepack")
+def _unrepack_fake(qweight_rt, absmax_rt, N, K):
+    k = qweight_rt.shape[2]
+    return qweight_rt.new_empty(N, K // fmt.BLOCK_SIZE, k), absmax_rt.new_empty(N, K // fmt.BLOCK_SIZE)
+
+
+@torch.library.register_fake("kbit::dequantize_runtime")
+def _dequantize_runtime_fake(qweight_rt, absmax_rt, codebook, N, K, dtype):
+    return qweight_rt.new_empty(N, K, dtype=dtype)

@@ -1,0 +1,66 @@
+"""The user-facing quantized weight: one object holding the packed tensors and their meaning."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kbit import format as fmt
+from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+
+
+@dataclass(frozen=True)
+class KbitWeight:
+    """A [N, K] weight in the flat kbit layout (see :mod:`vllm_kbit.format`)."""
+
+    qweight: torch.Tensor  # int32 [N, K/32, k]
+    absmax: torch.Tensor  # uint8 [N, K/32], E4M4 codes
+    codebook: torch.Tensor  # float32 [2**k]
+    k: int
+    shape: tuple[int, int]
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.ops.kbit.dequantize(self.qweight, self.absmax, self.codebook, dtype)
+
+    def repack(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The runtime layout the kernels read (computed once at load)."""
+        return torch.ops.kbit.repack(self.qweight, self.absmax)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qweight.nbytes + self.absmax.nbytes
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8 * self.nbytes / (self.shape[0] * self.shape[1])
+
+
+def check_representable(W: torch.Tensor) -> None:
+    """Refuses weights the format cannot hold: non-finite values or |w| beyond the E4M4 range.
+
+    Syncs with the host (one reduction): a load-time check, never on a forward path.
+    """
+    amax = W.detach().abs().amax().float().item() if W.numel() else 0.0
+    if amax != amax or amax == float("inf"):
+        raise ValueError("kbit: weight has NaN or Inf values; cannot quantize")
+    if amax > fmt.E4M4_MAX * (1 + 1 / 64):
+        raise ValueError(
+            f"kbit: weight has |w| = {amax:.4g}, above the largest E4M4 block scale {fmt.E4M4_MAX}; "
+            "leave this module unquantized (modules_to_not_convert)"
+        )
+
+
+def quantize(W: torch.Tensor, k: int = 4, codebook: torch.Tensor | None = None) -> KbitWeight:
+    """Quantizes W[N, K] (fp16/bf16/fp32, K % 32 == 0) to k bits on W's device."""
+    fmt.check_bits(k)
+    fmt.check_weight(W)
+    if codebook is None:
+        codebook = fmt.normal_float_codebook(k, W.device)
+    else:
+        fmt.check_codebook(codebook, k)
+        fmt.check_codebook_values(codebook)
+        codebook = codebook.to(W.device)
+    check_representable(W)
+    qweight, absmax = torch.ops.kbit.quantize(W, codebook, k)
+    return KbitWeight(qweight, absmax, codebook, k, (W.shape[0], W.shape[1]))
