@@ -26,9 +26,23 @@ _SCHEMAS = {
         "dequantize_runtime(Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, SymInt N, SymInt K, "
         "ScalarType dtype) -> Tensor"
     ),
+    "linear": (
+        "linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, SymInt N, SymInt K, "
+        "Tensor? bias) -> Tensor"
+    ),
 }
 for _schema in _SCHEMAS.values():
     _lib.define(_schema)
+
+
+def _linear_reference(x, qweight_rt, absmax_rt, codebook, N, K, bias):
+    """out[..., N] = x[..., K] @ dequant(W).T (+ bias), in x's dtype."""
+    fmt.check_float_dtype(x, "x")
+    if x.shape[-1] != K:
+        raise ValueError(f"kbit: x has {x.shape[-1]} features but the weight has K={K}")
+    W = fmt.dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.dtype)
+    return torch.nn.functional.linear(x, W, bias)
+
 
 # The reference implementations are device-agnostic PyTorch.
 _REFERENCE = {
@@ -37,6 +51,7 @@ _REFERENCE = {
     "repack": fmt.repack,
     "unrepack": fmt.unrepack,
     "dequantize_runtime": fmt.dequantize_runtime,
+    "linear": _linear_reference,
 }
 # Ops that have CUDA kernels in csrc/; the rest run the reference on every device.
 _CUDA_KERNEL_OPS = ("quantize", "dequantize", "repack", "dequantize_runtime")
@@ -96,3 +111,8 @@ def _unrepack_fake(qweight_rt, absmax_rt, N, K):
 @torch.library.register_fake("kbit::dequantize_runtime")
 def _dequantize_runtime_fake(qweight_rt, absmax_rt, codebook, N, K, dtype):
     return qweight_rt.new_empty(N, K, dtype=dtype)
+
+
+@torch.library.register_fake("kbit::linear")
+def _linear_fake(x, qweight_rt, absmax_rt, codebook, N, K, bias):
+    return x.new_empty(*x.shape[:-1], N)
