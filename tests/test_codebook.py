@@ -1,0 +1,67 @@
+"""Normal-float codebooks and the validation of custom ones."""
+
+import math
+
+import pytest
+import torch
+
+from vllm_kbit import format as fmt
+
+
+@pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
+def test_normal_float_codebook_properties(k):
+    cb = fmt.normal_float_codebook(k)
+    assert cb.dtype == torch.float32 and cb.shape == (2**k,)
+    fmt.check_codebook(cb, k)
+    fmt.check_codebook_values(cb)
+    assert torch.allclose(cb, -cb.flip(0), atol=1e-7)  # symmetric
+    assert cb[0] == -1 and cb[-1] == 1
+
+
+@pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
+def test_levels_are_means_of_equiprobable_normal_bins(k):
+    # Monte-Carlo: sort 2**21 N(0,1) draws, cut into 2**k equal-count bins, average each bin.
+    x = torch.randn(2**21, generator=torch.Generator().manual_seed(k), dtype=torch.float64).sort().values
+    means = x.view(2**k, -1).mean(1)
+    expected = means / means.abs().max()
+    assert torch.allclose(fmt.normal_float_codebook(k).double(), expected, atol=5e-3)
+
+
+def test_k2_level_is_the_closed_form():
+    # Quartile bins: outer mean = 4 phi(q), inner mean = 4 (phi(0) - phi(q)); the codebook is their ratio.
+    q = 0.6744897501960817
+    phi = lambda t: math.exp(-t * t / 2) / math.sqrt(2 * math.pi)
+    assert fmt.normal_float_codebook(2)[2].item() == pytest.approx((phi(0) - phi(q)) / phi(q), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "values, message",
+    [
+        ([-0.9, -0.5, 0.5, 0.9], "max |c| == 1"),
+        ([-1.0, 0.5, -0.5, 1.0], "ascending"),
+        ([-1.0, -0.5, -0.5, 1.0], "ascending"),
+        ([-1.0, float("nan"), 0.5, 1.0], "non-finite"),
+    ],
+)
+def test_bad_custom_codebook_values_are_refused(values, message):
+    with pytest.raises(ValueError, match=message):
+        fmt.check_codebook_values(torch.tensor(values))
+
+
+def test_bad_codebook_structure_is_refused():
+    with pytest.raises(ValueError, match="needs 8"):
+        fmt.check_codebook(fmt.normal_float_codebook(2), 3)
+    with pytest.raises(TypeError, match="float32"):
+        fmt.check_codebook(fmt.normal_float_codebook(2).double(), 2)
+
+
+def test_asymmetric_custom_codebook_quantizes_to_its_own_levels():
+    import vllm_kbit
+
+    cb = torch.tensor([-1.0, -0.2, 0.1, 0.3, 0.45, 0.6, 0.8, 0.95])
+    W = torch.randn(16, 64, generator=torch.Generator().manual_seed(3))
+    w = vllm_kbit.quantize(W, 3, codebook=cb)
+    D = w.dequantize(torch.float32).view(16, 2, 32)
+    scale = fmt.e4m4_decode(w.absmax).unsqueeze(-1)
+    levels = cb * scale.unsqueeze(-1)  # [16, 2, 1, 8]: the 8 values each block may hold
+    assert (D.unsqueeze(-1) == levels).any(-1).all()
