@@ -114,3 +114,28 @@ def test_runtime_tile_element_placement():
     n, kb, b = 67, 9, 2
     assert q_rt[n // 64, kb // 4, b, n % 64, kb % 4] == q[n, kb, b]
     assert a_rt[n // 64, kb // 4, n % 64, kb % 4] == a[n, kb]
+
+
+@pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
+def test_searched_scale_is_never_worse_than_absmax_on_any_block(k):
+    W = torch.randn(64, 1024, generator=torch.Generator().manual_seed(400 + k))
+    W[0, :32] = 0  # all-zero block
+    W[1, :32] = 0.5  # constant block
+    W[2, 32:64] = 0.01
+    W[2, 40] = 3.0  # single outlier
+    w = W.view(64, -1, 32)
+    cb = fmt.normal_float_codebook(k)
+    errs = []
+    for candidates in (1, 5):
+        q, a = fmt.quantize(W, cb, k, candidates)
+        D = fmt.dequantize(q, a, cb, torch.float32).view(64, -1, 32)
+        errs.append(fmt.block_squared_error(w, D))
+    assert (errs[1] <= errs[0]).all()
+    assert errs[1].sum() < 0.95 * errs[0].sum()
+
+
+def test_block_squared_error_matches_float64_sum():
+    w = torch.randn(100, 32, generator=torch.Generator().manual_seed(8))
+    v = torch.randn(100, 32, generator=torch.Generator().manual_seed(9))
+    ref = (w.double() - v.double()).square().sum(-1)
+    assert torch.allclose(fmt.block_squared_error(w, v).double(), ref, rtol=1e-5)

@@ -30,6 +30,8 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 E4M4_BIAS = 11
 E4M4_MAX = 31.0  # 2**(15 - 11) * (1 + 15/16): the largest scale a block can have
+# Scale candidates per block (see block_scales); 1 = plain absmax, what the CUDA kernel does today.
+DEFAULT_SCALE_CANDIDATES = 1
 
 # Runtime tile: TILE_N rows (output features) by TILE_KB blocks of 32 along K.
 TILE_N = 64
@@ -190,8 +192,8 @@ def unpack_bitplanes(words: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- quantize / dequantize
 
 
-def block_scales(W: torch.Tensor) -> torch.Tensor:
-    """Per-block absmax of W[N, K] as E4M4 codes [N, K/32]."""
+def block_absmax_codes(W: torch.Tensor) -> torch.Tensor:
+    """Per-block absmax of W[N, K] rounded to the nearest E4M4 code [N, K/32]."""
     N, K = W.shape
     amax = W.float().view(N, K // BLOCK_SIZE, BLOCK_SIZE).abs().amax(-1)
     return e4m4_encode(amax)
@@ -212,11 +214,61 @@ def choose_indices(W: torch.Tensor, scale: torch.Tensor, codebook: torch.Tensor)
     return idx
 
 
-def quantize(W: torch.Tensor, codebook: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def block_squared_error(w: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """Sum over each block [..., 32] of fp32 (w - v)^2, in one fixed order every device reproduces.
+
+    Each element's error is rounded separately (subtract, then square: no fused
+    multiply-add). The 32 terms are summed as 4 quarters of 8 consecutive elements:
+    inside a quarter pairwise (j + j+4, then + j+2, then + j+1), then the quarters
+    (q + q+2, then + q+1) -- the order of a kernel whose 4 lanes hold 8 elements each
+    and combine with xor-shuffles.
+    """
+    e = (w - values).square().view(*w.shape[:-1], 4, 8)
+    e = e[..., :4] + e[..., 4:]
+    e = e[..., :2] + e[..., 2:]
+    e = e[..., 0] + e[..., 1]
+    e = e[..., :2] + e[..., 2:]
+    return e[..., 0] + e[..., 1]
+
+
+def block_scales(W: torch.Tensor, codebook: torch.Tensor, scale_candidates: int) -> torch.Tensor:
+    """E4M4 scale code per block [N, K/32], chosen by block squared error.
+
+    Candidates are the absmax code and the ``scale_candidates - 1`` codes just below
+    it (a smaller scale trades clipping the largest element for finer steps
+    everywhere else); the one with the smallest error wins, ties going to the larger
+    scale. ``scale_candidates=1`` is plain absmax.
+    """
+    if scale_candidates < 1:
+        raise ValueError(f"kbit: scale_candidates={scale_candidates} must be >= 1")
+    absmax_code = block_absmax_codes(W)
+    if scale_candidates == 1:
+        return absmax_code
+    N, K = W.shape
+    w = W.float().view(N, K // BLOCK_SIZE, BLOCK_SIZE)
+    cb = codebook.to(W.device)
+    best_code, best_err = absmax_code, None
+    for step in range(scale_candidates):
+        code = (absmax_code.int() - step).clamp(min=0).to(torch.uint8)
+        scale = e4m4_decode(code)
+        values = cb[choose_indices(W, scale, cb).long()] * scale.unsqueeze(-1)
+        err = block_squared_error(w, values)
+        if best_err is None:
+            best_err = err
+            continue
+        better = err < best_err
+        best_code = torch.where(better, code, best_code)
+        best_err = torch.where(better, err, best_err)
+    return best_code
+
+
+def quantize(
+    W: torch.Tensor, codebook: torch.Tensor, k: int, scale_candidates: int = DEFAULT_SCALE_CANDIDATES
+) -> tuple[torch.Tensor, torch.Tensor]:
     """W[N, K] (fp16/bf16/fp32) -> (qweight int32 [N, K/32, k], absmax uint8 [N, K/32])."""
     check_weight(W)
     check_codebook(codebook, k)
-    absmax = block_scales(W)
+    absmax = block_scales(W, codebook, scale_candidates)
     idx = choose_indices(W, e4m4_decode(absmax), codebook)
     return pack_bitplanes(idx, k), absmax
 
