@@ -1,0 +1,235 @@
+"""Bad input to the plugin and to `vllm-kbit convert`: clear errors, or the documented unquantized rule."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from vllm_kbit import tiny_models
+from vllm_kbit.cli import main as cli_main
+from vllm_kbit.convert import ConvertError, convert
+from vllm_kbit.settings import KbitSettings
+
+from .conftest import online_kwargs, run_engine, settings_of
+
+
+# ----------------------------------------------------------------------------- settings
+
+
+@pytest.mark.parametrize("bits", [1, 6, 8, "4", 4.0, True])
+def test_unknown_bits_are_refused(bits):
+    with pytest.raises(ValueError, match="not supported"):
+        KbitSettings(bits=bits)
+    with pytest.raises(ValueError, match="not supported"):
+        KbitSettings(bits=4, bits_overrides={"experts": bits})
+
+
+def test_bad_config_dicts_are_refused():
+    from vllm_kbit.vllm.config import KbitConfig
+
+    with pytest.raises(ValueError, match="blocksize"):
+        KbitConfig.from_config({"quant_method": "kbit", "bits": 4, "blocksize": 64})
+    with pytest.raises(ValueError, match="unknown quantization_config keys"):
+        KbitConfig.from_config({"quant_method": "kbit", "bitz": 4})
+    with pytest.raises(ValueError, match="not a valid regex"):
+        KbitConfig.from_config({"quant_method": "kbit", "bits_overrides": {"(": 3}})
+    with pytest.raises(ValueError, match="codebook has 8 entries"):
+        KbitConfig.from_config({"quant_method": "kbit", "bits": 4, "codebook": [-1, -0.5, -0.2, 0, 0.2, 0.4, 0.7, 1]})
+    cfg = KbitConfig.from_config({"quant_method": "kbit", "bits": 2, "codebook": [-1, -0.25, 0.3, 1]})
+    assert cfg.settings.codebook(2).tolist() == pytest.approx([-1, -0.25, 0.3, 1])
+
+
+def test_unknown_bits_fail_the_engine_with_a_clear_error(tiny, tmp_path):
+    proc = run_engine(tiny["qwen3"], str(tmp_path), online_kwargs({"bits": 7}), check=False)
+    assert proc.returncode != 0
+    assert "bits=7 is not supported" in proc.stderr
+
+
+# ----------------------------------------------------------------------------- unsupported layers
+
+
+def _fake_moe_layer(**overrides):
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    cfg = dict(activation=MoEActivation.SILU, is_act_and_mul=True, has_bias=False, hidden_dim=256,
+               intermediate_size_per_partition=128)
+    cfg.update(overrides)
+    return types.SimpleNamespace(moe_config=types.SimpleNamespace(**cfg))
+
+
+def test_unsupported_moe_layers_are_refused_by_name():
+    from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+
+    from vllm_kbit.vllm.moe_method import check_moe_layer
+
+    check_moe_layer(_fake_moe_layer(), "model.layers.0.mlp.experts")
+    with pytest.raises(ValueError, match=r"'model.layers.0.mlp.experts' uses activation.*SiLU"):
+        check_moe_layer(_fake_moe_layer(activation=MoEActivation.GELU), "model.layers.0.mlp.experts")
+    with pytest.raises(ValueError, match="expert biases"):
+        check_moe_layer(_fake_moe_layer(has_bias=True), "model.layers.0.mlp.experts")
+    with pytest.raises(ValueError, match="intermediate size per rank 48, not a multiple of 32"):
+        check_moe_layer(_fake_moe_layer(intermediate_size_per_partition=48), "model.layers.0.mlp.experts")
+
+
+def test_moe_with_k_not_multiple_of_32_fails_naming_the_layer(tmp_path):
+    model = tiny_models.build("qwen3_moe", str(tmp_path / "m"), moe_intermediate=48)
+    proc = run_engine(model, str(tmp_path / "run"), {"quantization": "kbit"}, check=False)
+    assert proc.returncode != 0
+    assert "MoE layer 'model.layers.0.mlp.experts' has intermediate size per rank 48" in proc.stderr
+    with pytest.raises(ConvertError, match=r"experts\.0\.down_proj\.weight has K=48"):
+        convert(model, str(tmp_path / "out"), KbitSettings(), progress=False)
+
+
+def test_linear_with_k_not_multiple_of_32_stays_unquantized(tmp_path, engine):
+    """The documented rule: a linear layer with K % 32 != 0 is left in bf16, online and in convert alike."""
+    model = tiny_models.build("qwen3", str(tmp_path / "m"), intermediate=1000)
+    out = str(tmp_path / "kbit")
+    summary = convert(model, out, KbitSettings(), progress=False)
+    assert summary.left_unquantized == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    converted = engine("qwen3-k1000-converted", out)
+    layers = converted["layers"]
+    assert layers["model.layers.0.mlp.down_proj"]["method"] == "UnquantizedLinearMethod"
+    assert layers["model.layers.0.mlp.gate_up_proj"]["method"] == "KbitLinearMethod"
+    assert len(converted["tokens"]) == 8 and all(len(t) == 24 for t in converted["tokens"])
+
+
+# ----------------------------------------------------------------------------- corrupted checkpoints
+
+
+def _corrupt(src: str, dst: str, edit) -> str:
+    shutil.copytree(src, dst)
+    index = json.load(open(os.path.join(dst, "model.safetensors.index.json")))
+    for shard in sorted(set(index["weight_map"].values())):
+        path = os.path.join(dst, shard)
+        tensors = load_file(path)
+        edit(tensors)
+        save_file(tensors, path, metadata={"format": "pt"})
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k in _all_keys(dst)}
+    json.dump(index, open(os.path.join(dst, "model.safetensors.index.json"), "w"))
+    return dst
+
+
+def _all_keys(d: str) -> set:
+    from safetensors import safe_open
+
+    keys = set()
+    for f in os.listdir(d):
+        if f.endswith(".safetensors"):
+            with safe_open(os.path.join(d, f), "pt") as sf:
+                keys |= set(sf.keys())
+    return keys
+
+
+def test_corrupted_qweight_dtype_is_refused(converted_qwen3_moe, tmp_path):
+    def edit(t):
+        key = "model.layers.0.self_attn.q_proj.qweight"
+        if key in t:
+            t[key] = t[key].to(torch.int64)
+
+    bad = _corrupt(converted_qwen3_moe, str(tmp_path / "bad"), edit)
+    proc = run_engine(bad, str(tmp_path / "run"), check=False)
+    assert proc.returncode != 0
+    assert "checkpoint tensor model.layers.0.self_attn.qkv_proj.qweight (shard q) is torch.int64" in proc.stderr
+
+
+def test_missing_absmax_is_refused(converted_qwen3_moe, tmp_path):
+    def edit(t):
+        t.pop("model.layers.1.self_attn.k_proj.absmax", None)
+        t.pop("model.layers.0.mlp.experts.5.up_proj.absmax", None)
+
+    bad = _corrupt(converted_qwen3_moe, str(tmp_path / "bad"), edit)
+    proc = run_engine(bad, str(tmp_path / "run"), check=False)
+    assert proc.returncode != 0
+    assert "checkpoint has 15 of the 16 absmax tensors of w13 for MoE layer 'model.layers.0.mlp.experts'" in proc.stderr or (
+        "checkpoint has no absmax for layer 'model.layers.1.self_attn.qkv_proj'" in proc.stderr
+    )
+
+
+# ----------------------------------------------------------------------------- convert
+
+
+def test_convert_refuses_bad_locations_and_inputs(tiny, tmp_path, capsys):
+    src = tiny["qwen3"]
+    with pytest.raises(ConvertError, match="overlaps the input"):
+        convert(src, src, KbitSettings(), progress=False)
+    with pytest.raises(ConvertError, match="overlaps the input"):
+        convert(src, os.path.join(src, "sub"), KbitSettings(), progress=False)
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "x").write_text("x")
+    with pytest.raises(ConvertError, match="not empty"):
+        convert(src, str(busy), KbitSettings(), progress=False)
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    shutil.copy(os.path.join(src, "config.json"), pickled)
+    torch.save({"w": torch.zeros(2)}, pickled / "pytorch_model.bin")
+    with pytest.raises(ConvertError, match="pickle-based checkpoints are never loaded"):
+        convert(str(pickled), str(tmp_path / "o1"), KbitSettings(), progress=False)
+
+    broken = tmp_path / "broken"
+    shutil.copytree(src, broken)
+    data = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ConvertError, match="cannot read"):
+        convert(str(broken), str(tmp_path / "o2"), KbitSettings(), progress=False)
+
+    (broken / "config.json").write_text("{not json")
+    with pytest.raises(ConvertError, match="not valid JSON"):
+        convert(str(broken), str(tmp_path / "o3"), KbitSettings(), progress=False)
+
+    # The CLI turns these into one-line errors and exit code 2.
+    assert cli_main(["convert", src, src, "--quiet"]) == 2
+    assert "overlaps the input" in capsys.readouterr().err
+    assert cli_main(["convert", src, str(tmp_path / "o4"), "--bits", "6", "--quiet"]) == 2
+    assert "bits=6 is not supported" in capsys.readouterr().err
+
+
+def test_convert_refuses_already_quantized_input(converted_qwen3_moe, tmp_path):
+    with pytest.raises(ConvertError, match="already quantized"):
+        convert(converted_qwen3_moe, str(tmp_path / "again"), KbitSettings(), progress=False)
+
+
+def test_convert_cli_writes_sharded_checkpoint_with_overrides(tiny, tmp_path, capsys):
+    out = tmp_path / "out"
+    rc = cli_main(["convert", tiny["glm4_moe"], str(out), "--bits", "4", "--bits-overrides", "experts=3",
+                   r"self_attn\.=5", "--max-shard-size", "1MB", "--quiet"])
+    assert rc == 0
+    printed = capsys.readouterr().out
+    assert "GiB saved" in printed
+    config = json.load(open(out / "config.json"))
+    qc = config["quantization_config"]
+    assert qc["quant_method"] == "kbit" and qc["prequantized"] is True and qc["bits"] == 4
+    assert qc["bits_overrides"] == {"experts": 3, r"self_attn\.": 5}
+    index = json.load(open(out / "model.safetensors.index.json"))
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and all(os.path.exists(out / s) for s in shards)
+    assert (out / "tokenizer.json").exists() and (out / "generation_config.json").exists()
+    keys = _all_keys(str(out))
+    from safetensors import safe_open
+
+    def tensor(name):
+        with safe_open(out / index["weight_map"][name], "pt") as f:
+            return f.get_tensor(name)
+
+    assert tensor("model.layers.1.mlp.experts.0.gate_proj.qweight").shape[-1] == 3
+    assert tensor("model.layers.0.self_attn.q_proj.qweight").shape[-1] == 5
+    assert tensor("model.layers.0.mlp.gate_proj.qweight").shape[-1] == 4
+    assert "model.layers.1.mlp.gate.weight" in keys and "lm_head.weight" in keys  # defaults left in bf16
+    assert "model.embed_tokens.weight" in keys
+    # Bit-identical to quantizing the same tensor in memory.
+    import vllm_kbit
+    from safetensors import safe_open as so
+
+    with so(os.path.join(tiny["glm4_moe"], "model.safetensors"), "pt") as f:
+        w = f.get_tensor("model.layers.1.mlp.experts.0.gate_proj.weight")
+    q = vllm_kbit.quantize(w, 3)
+    assert torch.equal(q.qweight, tensor("model.layers.1.mlp.experts.0.gate_proj.qweight"))
+    assert torch.equal(q.absmax, tensor("model.layers.1.mlp.experts.0.gate_proj.absmax"))
+    assert settings_of(qc).bits_for("model.layers.1.mlp.experts") == 3

@@ -1,0 +1,101 @@
+"""End to end on vLLM's CPU backend: online kbit, converted checkpoints, mixed bits, tensor parallel.
+
+Each engine configuration starts once per session (see conftest.engine).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from .conftest import ONLINE, TEXT_PROMPTS, dequantized_checkpoint, max_logprob_gap, online_kwargs, settings_of, token_match
+
+MIN_TOKEN_MATCH = 0.95
+MAX_LOGPROB_GAP = 0.1  # bf16 noise between two ways of computing the same dequantized model
+
+
+def _online(engine, tiny, kind: str, k: int, config: dict | None = None, **extra):
+    config = ONLINE[k] if config is None else config
+    return engine(f"{kind}-online{k}", tiny[kind], online_kwargs(config), text_prompts=TEXT_PROMPTS, **extra)
+
+
+def _dequantized(engine, tiny, tmp_path_factory, kind: str, k: int, config: dict | None = None):
+    config = ONLINE[k] if config is None else config
+    ref_dir = dequantized_checkpoint(tiny[kind], str(tmp_path_factory.mktemp(f"{kind}-deq{k}")), settings_of(config))
+    return engine(f"{kind}-deq{k}", ref_dir)
+
+
+def _kbit_layers(result: dict) -> dict:
+    return {name: info for name, info in result["layers"].items() if "bits" in info}
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_online_matches_dequantized_model(engine, tiny, tmp_path_factory, k):
+    got = _online(engine, tiny, "qwen3_moe", k)
+    ref = _dequantized(engine, tiny, tmp_path_factory, "qwen3_moe", k)
+    layers = _kbit_layers(got)
+    assert any(i["method"] == "KbitOnlineMoEMethod" for i in layers.values()), layers
+    assert any(i["method"] == "KbitOnlineLinearMethod" for i in layers.values()), layers
+    match = token_match(got["tokens"], ref["tokens"])
+    gap = max_logprob_gap(got, ref)
+    print(f"k={k}: greedy token match {match:.1%}, max logprob gap {gap:.4f}")
+    assert match >= MIN_TOKEN_MATCH
+    assert gap <= MAX_LOGPROB_GAP
+
+
+def test_mixed_bits_and_modules_to_not_convert_take_effect(engine, tiny):
+    layers = _online(engine, tiny, "qwen3_moe", 3)["layers"]
+    for i in range(2):
+        for proj in ("qkv_proj", "o_proj"):
+            info = layers[f"model.layers.{i}.self_attn.{proj}"]
+            assert (info["method"], info["bits"]) == ("KbitOnlineLinearMethod", 5), info
+            assert info["params"]["qweight"][0] == "torch.int32" and info["params"]["qweight"][1][2] == 5
+        assert layers[f"model.layers.{i}.mlp.gate"]["method"] == "UnquantizedLinearMethod"
+    moe0 = layers["model.layers.0.mlp.experts"]
+    assert (moe0["method"], moe0["bits"]) == ("KbitOnlineMoEMethod", 3), moe0
+    assert layers["model.layers.1.mlp.experts"]["method"] == "UnquantizedFusedMoEMethod"
+    assert "w13_weight" in layers["model.layers.1.mlp.experts"]["params"]
+
+
+def test_converted_checkpoint_is_detected_and_identical_to_online(engine, tiny, converted_offline):
+    online = _online(engine, tiny, "qwen3_moe", 4)
+    conv = converted_offline  # served with no quantization flag
+    on_layers, conv_layers = _kbit_layers(online), _kbit_layers(conv)
+    assert set(on_layers) == set(conv_layers) and on_layers
+    for name, info in conv_layers.items():
+        assert info["method"] in ("KbitLinearMethod", "KbitMoEMethod"), (name, info)
+        assert info["hash"] == on_layers[name]["hash"], f"packed weights of {name} differ"
+    assert conv["tokens"] == online["tokens"]
+    assert conv["texts"] == online["texts"]
+
+
+def test_tensor_parallel_2_matches_tp1(engine, tiny):
+    tp1 = _online(engine, tiny, "qwen3_moe", 4)
+    tp2 = engine(
+        "qwen3_moe-online4-tp2",
+        tiny["qwen3_moe"],
+        {**online_kwargs(ONLINE[4]), "tensor_parallel_size": 2},
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+    )
+    # Each rank holds half of every sharded layer.
+    qkv = [r["model.layers.0.self_attn.qkv_proj"]["params"]["qweight"][1] for r in tp2["layers_per_rank"]]
+    assert len(qkv) == 2
+    match = token_match(tp2["tokens"], tp1["tokens"])
+    print(f"TP2 vs TP1: greedy token match {match:.1%}")
+    assert tp2["tokens"] == tp1["tokens"]
+
+
+@pytest.mark.parametrize("kind", ["glm4_moe", "qwen3"])
+def test_other_families_match_dequantized_model(engine, tiny, tmp_path_factory, kind):
+    got = _online(engine, tiny, kind, 4)
+    ref = _dequantized(engine, tiny, tmp_path_factory, kind, 4)
+    layers = _kbit_layers(got)
+    if kind == "glm4_moe":
+        assert layers["model.layers.1.mlp.experts"]["method"] == "KbitOnlineMoEMethod"
+        assert layers["model.layers.1.mlp.shared_experts.gate_up_proj"]["method"] == "KbitOnlineLinearMethod"
+        assert layers["model.layers.0.mlp.gate_up_proj"]["method"] == "KbitOnlineLinearMethod"  # dense first layer
+    else:
+        assert layers["model.layers.0.mlp.down_proj"]["bits"] == 4
+    match = token_match(got["tokens"], ref["tokens"])
+    print(f"{kind}: greedy token match {match:.1%}, max logprob gap {max_logprob_gap(got, ref):.4f}")
+    assert match >= MIN_TOKEN_MATCH
+    assert max_logprob_gap(got, ref) <= MAX_LOGPROB_GAP

@@ -1,0 +1,107 @@
+"""``vllm-kbit``: command-line tools.
+
+    vllm-kbit convert IN_DIR OUT_DIR --bits 4 [--bits-overrides experts=3 self_attn=5]
+        [--modules-to-not-convert lm_head gate] [--device cpu|cuda] [--max-shard-size 4GB] [--overwrite]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+
+from vllm_kbit import format as fmt
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+
+
+def _size(text: str) -> int:
+    m = _SIZE.match(text)
+    if not m:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (e.g. 500MB, 4GB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "B").upper()])
+
+
+def _overrides(items: list[str]) -> dict[str, int]:
+    """``REGEX=BITS`` pairs, or one JSON object ``{"REGEX": BITS}``."""
+    if len(items) == 1 and items[0].lstrip().startswith("{"):
+        try:
+            value = json.loads(items[0])
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--bits-overrides: invalid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError("--bits-overrides: JSON must be an object {\"regex\": bits}")
+        return value
+    out: dict[str, int] = {}
+    for item in items:
+        pattern, sep, bits = item.rpartition("=")
+        if not sep or not pattern or not bits.strip().isdigit():
+            raise ValueError(f"--bits-overrides: {item!r} is not REGEX=BITS (e.g. experts=3)")
+        out[pattern] = int(bits)
+    return out
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="vllm-kbit", description="k-bit weight quantization tools for vLLM")
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser(
+        "convert",
+        help="write a pre-quantized kbit checkpoint from a bf16/fp16 safetensors checkpoint",
+        description="Quantize a Hugging Face safetensors checkpoint to kbit; `vllm serve OUT_DIR` then needs no flag.",
+    )
+    c.add_argument("in_dir", help="bf16/fp16 Hugging Face model directory (safetensors)")
+    c.add_argument("out_dir", help="output directory (must be empty or absent unless --overwrite)")
+    c.add_argument("--bits", type=int, default=4, help=f"bits per weight, one of {fmt.SUPPORTED_BITS} (default 4)")
+    c.add_argument(
+        "--bits-overrides",
+        nargs="+",
+        default=[],
+        metavar="REGEX=BITS",
+        help="per-module bits: the first regex found in a module name wins (e.g. experts=3 self_attn=5)",
+    )
+    c.add_argument(
+        "--modules-to-not-convert",
+        nargs="*",
+        default=None,
+        metavar="NAME",
+        help="modules left in bf16 (replaces the default: lm_head, router gates, embeddings)",
+    )
+    c.add_argument("--device", default="cpu", help="device that quantizes (cpu, cuda, cuda:1, ...)")
+    c.add_argument("--max-shard-size", type=_size, default="4GB", help="largest output shard (default 4GB)")
+    c.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR (never the input)")
+    c.add_argument("--quiet", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from vllm_kbit.convert import ConvertError, convert
+    from vllm_kbit.settings import KbitSettings
+
+    try:
+        settings = KbitSettings(
+            bits=args.bits,
+            bits_overrides=_overrides(args.bits_overrides),
+            modules_to_not_convert=args.modules_to_not_convert,
+        )
+        summary = convert(
+            args.in_dir,
+            args.out_dir,
+            settings,
+            device=args.device,
+            max_shard_bytes=args.max_shard_size,
+            overwrite=args.overwrite,
+            progress=not args.quiet,
+        )
+    except (ConvertError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(summary.format())
+    print(f"wrote {args.out_dir}: serve it with `vllm serve {args.out_dir}`")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

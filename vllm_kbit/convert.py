@@ -1,0 +1,278 @@
+"""Convert a bf16/fp16 Hugging Face safetensors checkpoint into a pre-quantized kbit checkpoint.
+
+Reads the input shards one tensor at a time (``safetensors.safe_open``; nothing is
+ever unpickled: ``.bin``/``.pt`` checkpoints are refused), quantizes each linear
+weight ``<p>.weight`` into ``<p>.qweight`` int32 ``[N, K/32, k]`` + ``<p>.absmax``
+uint8 ``[N, K/32]`` (design.md section 3), copies every other tensor unchanged, and
+writes sharded safetensors plus ``model.safetensors.index.json``. config.json gains
+``quantization_config`` (``"prequantized": true``), so ``vllm serve OUT_DIR``
+needs no flag; every other top-level file (tokenizer, generation config, ...) is
+copied.
+
+Which tensors are quantized: 2-D floating-point ``.weight`` tensors, except
+
+* embeddings and output heads (names with a component in :data:`NEVER_QUANTIZED`),
+* modules matched by ``modules_to_not_convert`` (per-expert tensors are matched
+  as their ``<block>.experts`` module, see :mod:`vllm_kbit.settings`),
+* linear weights whose K is not a multiple of 32 (left in bf16, the same rule the
+  vLLM plugin applies online); per-expert weights with such a K are an error.
+
+The packed tensors are exactly what online quantization (``--quantization kbit``)
+of the same checkpoint produces when vLLM runs in the checkpoint's dtype.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm_kbit import format as fmt
+from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+from vllm_kbit.settings import KbitSettings, module_key
+from vllm_kbit.weight import check_representable
+
+NEVER_QUANTIZED = ("embed_tokens", "lm_head", "wte", "wpe", "embeddings", "embed_positions")
+WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".msgpack", ".h5")
+INDEX_NAME = "model.safetensors.index.json"
+DEFAULT_MAX_SHARD_BYTES = 4 * 1024**3
+
+
+class ConvertError(ValueError):
+    """A malformed input checkpoint or an unusable output location."""
+
+
+@dataclass
+class ConvertSummary:
+    tensors: int = 0
+    quantized: int = 0
+    input_bytes: int = 0
+    output_bytes: int = 0
+    quantized_input_bytes: int = 0
+    quantized_output_bytes: int = 0
+    left_unquantized: list[str] = field(default_factory=list)
+    shards: list[str] = field(default_factory=list)
+
+    def format(self) -> str:
+        gib = 1024**3
+        lines = [
+            f"tensors: {self.tensors} ({self.quantized} quantized) in {len(self.shards)} shard(s)",
+            f"size: {self.input_bytes / gib:.3f} GiB -> {self.output_bytes / gib:.3f} GiB "
+            f"({self.output_bytes / max(self.input_bytes, 1):.1%} of the input, "
+            f"{(self.input_bytes - self.output_bytes) / gib:.3f} GiB saved)",
+        ]
+        if self.quantized:
+            lines.append(
+                f"quantized weights: {self.quantized_input_bytes / gib:.3f} GiB -> "
+                f"{self.quantized_output_bytes / gib:.3f} GiB"
+            )
+        if self.left_unquantized:
+            lines.append(f"left unquantized (K not a multiple of 32): {', '.join(self.left_unquantized)}")
+        return "\n".join(lines)
+
+
+def _input_files(in_dir: str) -> list[str]:
+    index = os.path.join(in_dir, INDEX_NAME)
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ConvertError(f"kbit convert: {index} is not a valid safetensors index: {e}") from None
+        files = sorted(set(weight_map.values()))
+        for name in files:
+            if not os.path.isfile(os.path.join(in_dir, name)):
+                raise ConvertError(f"kbit convert: {INDEX_NAME} lists {name}, which is missing from {in_dir}")
+        return files
+    files = sorted(f for f in os.listdir(in_dir) if f.endswith(".safetensors"))
+    if not files:
+        others = sorted(f for f in os.listdir(in_dir) if f.endswith(WEIGHT_SUFFIXES))
+        hint = f" (found {', '.join(others)}: pickle-based checkpoints are never loaded; convert them to safetensors)" if others else ""
+        raise ConvertError(f"kbit convert: no .safetensors files in {in_dir}{hint}")
+    return files
+
+
+def _read_config(in_dir: str) -> dict:
+    path = os.path.join(in_dir, "config.json")
+    if not os.path.isfile(path):
+        raise ConvertError(f"kbit convert: {in_dir} has no config.json; expected a Hugging Face model directory")
+    try:
+        with open(path) as f:
+            config = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConvertError(f"kbit convert: {path} is not valid JSON: {e}") from None
+    if not isinstance(config, dict):
+        raise ConvertError(f"kbit convert: {path} does not hold a JSON object")
+    if "quantization_config" in config:
+        method = config["quantization_config"].get("quant_method", "?")
+        raise ConvertError(f"kbit convert: {in_dir} is already quantized (quant_method={method!r}); give a bf16/fp16 checkpoint")
+    return config
+
+
+def _check_output(in_dir: str, out_dir: str, overwrite: bool) -> None:
+    src, dst = os.path.realpath(in_dir), os.path.realpath(out_dir)
+    if src == dst or dst.startswith(src + os.sep) or src.startswith(dst + os.sep):
+        raise ConvertError(f"kbit convert: output {out_dir} overlaps the input {in_dir}; choose another directory")
+    if os.path.exists(dst) and not os.path.isdir(dst):
+        raise ConvertError(f"kbit convert: output {out_dir} exists and is not a directory")
+    if os.path.isdir(dst) and os.listdir(dst) and not overwrite:
+        raise ConvertError(f"kbit convert: output {out_dir} is not empty (pass --overwrite to replace its contents)")
+
+
+def quantization_decision(name: str, tensor_shape: tuple, dtype: torch.dtype, settings: KbitSettings) -> int | None:
+    """Bits to quantize checkpoint tensor ``name`` with, or None to copy it unchanged.
+
+    Raises for per-expert weights whose K the format cannot hold.
+    """
+    if not name.endswith(".weight") or len(tensor_shape) != 2 or not dtype.is_floating_point:
+        return None
+    module = name[: -len(".weight")]
+    if any(f".{c}." in f".{module}." for c in NEVER_QUANTIZED):
+        return None
+    key = module_key(module)
+    if settings.is_skipped(key):
+        return None
+    if tensor_shape[1] % fmt.BLOCK_SIZE != 0:
+        if key != module:
+            raise ConvertError(
+                f"kbit convert: expert weight {name} has K={tensor_shape[1]}, not a multiple of {fmt.BLOCK_SIZE}; "
+                f"add {key!r} to modules_to_not_convert"
+            )
+        return -1
+    return settings.bits_for(key)
+
+
+def convert(
+    in_dir: str,
+    out_dir: str,
+    settings: KbitSettings,
+    device: str = "cpu",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> ConvertSummary:
+    """Writes the kbit checkpoint of ``in_dir`` to ``out_dir``; returns what was done."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
+    if not os.path.isdir(in_dir):
+        raise ConvertError(f"kbit convert: input {in_dir} is not a directory")
+    config = _read_config(in_dir)
+    files = _input_files(in_dir)
+    _check_output(in_dir, out_dir, overwrite)
+    if os.path.isdir(out_dir) and overwrite:
+        shutil.rmtree(out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    settings = KbitSettings.from_dict({**settings.to_dict(), "prequantized": True})
+    codebooks = {k: settings.codebook(k).to(device) for k in settings.bit_widths}
+
+    def open_shard(name):
+        try:
+            return safe_open(os.path.join(in_dir, name), framework="pt", device=device)
+        except (SafetensorError, OSError) as e:
+            raise ConvertError(f"kbit convert: cannot read {name}: {e}") from None
+
+    total = 0
+    for name in files:
+        with open_shard(name) as f:
+            total += len(list(f.keys()))
+
+    summary = ConvertSummary()
+    pending: dict[str, torch.Tensor] = {}
+    pending_bytes = 0
+    weight_map: dict[str, str] = {}
+    tmp_names: list[str] = []
+
+    def flush():
+        nonlocal pending, pending_bytes
+        if not pending:
+            return
+        tmp = f"model-{len(tmp_names) + 1:05d}.safetensors.tmp"
+        save_file(pending, os.path.join(out_dir, tmp), metadata={"format": "pt"})
+        for t in pending:
+            weight_map[t] = tmp
+        tmp_names.append(tmp)
+        pending, pending_bytes = {}, 0
+
+    def add(name, t):
+        nonlocal pending_bytes
+        t = t.contiguous().cpu()
+        if pending_bytes and pending_bytes + t.nbytes > max_shard_bytes:
+            flush()
+        pending[name] = t
+        pending_bytes += t.nbytes
+        summary.output_bytes += t.nbytes
+
+    bar = tqdm(total=total, desc="kbit convert", unit="tensor", disable=not progress)
+    for file_name in files:
+        with open_shard(file_name) as f:
+            for name in f.keys():
+                try:
+                    sl = f.get_slice(name)
+                    shape, dtype = tuple(sl.get_shape()), _DTYPES.get(sl.get_dtype())
+                    if dtype is None:
+                        raise ConvertError(f"kbit convert: tensor {name} in {file_name} has unsupported dtype {sl.get_dtype()}")
+                    bits = quantization_decision(name, shape, dtype, settings)
+                    t = f.get_tensor(name)
+                except SafetensorError as e:
+                    raise ConvertError(f"kbit convert: cannot read tensor {name} from {file_name}: {e}") from None
+                summary.tensors += 1
+                summary.input_bytes += t.nbytes
+                if bits is None or bits == -1:
+                    if bits == -1:
+                        summary.left_unquantized.append(name[: -len(".weight")])
+                    add(name, t)
+                else:
+                    try:
+                        check_representable(t)
+                    except ValueError as e:
+                        raise ConvertError(f"kbit convert: tensor {name}: {e}") from None
+                    qweight, absmax = torch.ops.kbit.quantize(t.contiguous(), codebooks[bits], bits)
+                    module = name[: -len(".weight")]
+                    add(f"{module}.qweight", qweight)
+                    add(f"{module}.absmax", absmax)
+                    summary.quantized += 1
+                    summary.quantized_input_bytes += t.nbytes
+                    summary.quantized_output_bytes += qweight.nbytes + absmax.nbytes
+                del t
+                bar.update(1)
+    bar.close()
+    flush()
+
+    n = len(tmp_names)
+    final = {tmp: f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i, tmp in enumerate(tmp_names)}
+    for tmp, dst in final.items():
+        os.replace(os.path.join(out_dir, tmp), os.path.join(out_dir, dst))
+    summary.shards = list(final.values())
+    with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
+        json.dump({"metadata": {"total_size": summary.output_bytes}, "weight_map": {k: final[v] for k, v in sorted(weight_map.items())}}, f, indent=2)
+
+    config["quantization_config"] = settings.to_dict()
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    for entry in sorted(os.listdir(in_dir)):
+        src = os.path.join(in_dir, entry)
+        if not os.path.isfile(src) or entry in ("config.json", INDEX_NAME) or entry.endswith(WEIGHT_SUFFIXES):
+            continue
+        shutil.copy2(src, os.path.join(out_dir, entry))
+    return summary
+
+
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}

@@ -1,0 +1,107 @@
+"""``torch.ops.kbit.fused_moe``: routed experts (SiLU-and-mul MLPs) on kbit weights in the runtime layout.
+
+Weights of the E local experts are stacked runtime tensors: ``w13_qweight``
+``[E, *runtime_shape(2I, H)]`` (gate rows then up rows), ``w2_qweight``
+``[E, *runtime_shape(H, I)]`` and their absmax codes likewise, one codebook
+for both. ``topk_ids`` hold global expert ids; ``expert_map`` (optional, [global
+experts] int32) maps them to local ids, -1 for experts on other ranks, which
+then contribute nothing. The schema is what a grouped CUDA kernel (one launch,
+device-side expert offsets) will implement; until it lands the PyTorch
+reference below serves CPU and CUDA alike.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_kbit import format as fmt
+from vllm_kbit import ops  # noqa: F401  (defines the kbit namespace)
+
+_lib = torch.library.Library("kbit", "FRAGMENT")
+_lib.define(
+    "fused_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_absmax, "
+    "Tensor w2_qweight, Tensor w2_absmax, Tensor codebook, SymInt intermediate_size, Tensor? expert_map, "
+    "bool apply_router_weight_on_input) -> Tensor"
+)
+
+
+def _fused_moe_reference(
+    x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size, expert_map,
+    apply_router_weight_on_input,
+):
+    """out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j].
+
+    Device-side only (no host sync, no data-dependent shapes): each local expert
+    runs on every token and a per-token combine weight (zero where the expert was
+    not picked) selects the result.
+    """
+    fmt.check_float_dtype(x, "x")
+    if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"kbit: fused_moe needs x [T, H] and topk_ids/topk_weights [T, top_k], got {list(x.shape)}, "
+            f"{list(topk_ids.shape)} and {list(topk_weights.shape)}"
+        )
+    T, H = x.shape
+    I = intermediate_size
+    E = w13_qweight.shape[0]
+    ids = topk_ids.long()
+    if expert_map is not None:
+        ids = expert_map.long()[ids]
+    # combine[t, e] = sum of the router weights token t gives local expert e; column E collects non-local picks.
+    combine = torch.zeros(T, E + 1, dtype=torch.float32, device=x.device)
+    combine.scatter_add_(1, torch.where(ids < 0, E, ids), topk_weights.float())
+    picked = torch.zeros(T, E + 1, dtype=torch.float32, device=x.device)
+    picked.scatter_add_(1, torch.where(ids < 0, E, ids), torch.ones_like(topk_weights, dtype=torch.float32))
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    for e in range(E):
+        w13 = fmt.dequantize_runtime(w13_qweight[e], w13_absmax[e], codebook, 2 * I, H, x.dtype)
+        w2 = fmt.dequantize_runtime(w2_qweight[e], w2_absmax[e], codebook, H, I, x.dtype)
+        if apply_router_weight_on_input:
+            xe = (x.float() * combine[:, e : e + 1]).to(x.dtype)
+            scale = picked[:, e : e + 1]
+        else:
+            xe = x
+            scale = combine[:, e : e + 1]
+        gate_up = torch.nn.functional.linear(xe, w13)
+        h = torch.nn.functional.silu(gate_up[:, :I]) * gate_up[:, I:]
+        out += torch.nn.functional.linear(h, w2).float() * scale
+    return out.to(x.dtype)
+
+
+_lib.impl("fused_moe", _fused_moe_reference, "CPU")
+# The grouped CUDA kernel will replace this registration; until then CUDA runs the reference.
+_lib.impl("fused_moe", _fused_moe_reference, "CUDA")
+
+
+@torch.library.register_fake("kbit::fused_moe")
+def _fused_moe_fake(
+    x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size, expert_map,
+    apply_router_weight_on_input,
+):
+    return torch.empty_like(x)
+
+
+def kbit_fused_moe(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_absmax: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_absmax: torch.Tensor,
+    codebook: torch.Tensor,
+    intermediate_size: int,
+    expert_map: torch.Tensor | None = None,
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
+    """Routed-expert MLPs of a MoE block on kbit weights; see the module docstring for the layout."""
+    return torch.ops.kbit.fused_moe(
+        x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
+        expert_map, apply_router_weight_on_input,
+    )
+
+
+def stack_runtime(flat: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-expert flat (qweight, absmax) pairs -> stacked runtime tensors [E, ...]."""
+    rt = [torch.ops.kbit.repack(q.contiguous(), a.contiguous()) for q, a in flat]
+    return torch.stack([q for q, _ in rt]), torch.stack([a for _, a in rt])

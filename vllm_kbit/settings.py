@@ -1,0 +1,188 @@
+"""kbit quantization settings: bits, codebook, per-module overrides, skipped modules (no vLLM import).
+
+Used by the vLLM plugin (:mod:`vllm_kbit.vllm.config`) and by ``vllm-kbit convert``.
+
+Where the settings come from
+----------------------------
+* Pre-quantized checkpoint (``vllm-kbit convert``): config.json carries
+  ``quantization_config = {"quant_method": "kbit", "prequantized": true, "bits": k,
+  "blocksize": 32, "codebook": ..., "modules_to_not_convert": [...],
+  "bits_overrides": {...}}``; vLLM detects it with no ``--quantization`` flag.
+* Online (a bf16/fp16 checkpoint): ``--quantization kbit`` alone quantizes with
+  the defaults below. Settings go through vLLM's ``--hf-overrides``, which merges
+  a ``quantization_config`` dict into the model config (vLLM then needs no
+  ``--quantization`` flag either)::
+
+      vllm serve MODEL --hf-overrides '{"quantization_config": {"quant_method": "kbit",
+          "bits": 3, "bits_overrides": {"self_attn": 5}}}'
+
+Fields
+------
+``bits``: 2..5 (default 4). ``codebook``: ``"normal_float"`` (default), a list of
+``2**bits`` ascending float32 values with max |c| == 1, or a dict ``{"<k>": [...]}``
+per bit width. ``bits_overrides``: ``{regex: bits}``; a module takes the bits of
+the first regex (in order) that ``re.search`` finds in its name. ``modules_to_not_convert``:
+module names left in bf16; an entry matches whole dotted components of a name
+(``"gate"`` matches ``model.layers.0.mlp.gate``, not ``gate_proj``). Default:
+:data:`DEFAULT_MODULES_TO_NOT_CONVERT` (router gates and lm_head); a given list
+replaces it.
+
+Names are checkpoint (Hugging Face) module names. A fused vLLM layer (qkv_proj,
+gate_up_proj) is looked up through its shards (q_proj, k_proj, v_proj, ...); all
+its shards must agree. The routed experts of one MoE block are one module named
+``<block>.experts`` (e.g. ``model.layers.3.mlp.experts``).
+
+Rules for layers the format cannot hold
+---------------------------------------
+* A linear layer whose input size K is not a multiple of 32 stays unquantized
+  (bf16), with a warning naming it; ``vllm-kbit convert`` applies the same rule.
+* Routed experts whose hidden or intermediate size is not a multiple of 32 are
+  refused with an error naming the layer (add it to ``modules_to_not_convert``).
+* Embeddings and lm_head are never quantized (vLLM runs them as embeddings);
+  layers other than linear and FusedMoE are left to vLLM unchanged.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from vllm_kbit import format as fmt
+
+QUANT_METHOD = "kbit"
+DEFAULT_BITS = 4
+DEFAULT_CODEBOOK = "normal_float"
+DEFAULT_MODULES_TO_NOT_CONVERT = ("lm_head", "gate", "shared_expert_gate", "embed_tokens")
+_EXPERT_TENSOR = re.compile(r"^(?P<block>.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")
+_KNOWN_KEYS = {
+    "quant_method",
+    "bits",
+    "blocksize",
+    "codebook",
+    "bits_overrides",
+    "modules_to_not_convert",
+    "prequantized",
+}
+
+
+def module_key(checkpoint_module: str) -> str:
+    """The name a checkpoint module is looked up by: per-expert projections map to their ``<block>.experts``."""
+    m = _EXPERT_TENSOR.match(checkpoint_module)
+    return m.group("block") if m else checkpoint_module
+
+
+def name_matches(entry: str, name: str) -> bool:
+    """True when ``entry`` is a run of whole dotted components of ``name``."""
+    return re.search(r"(^|\.)" + re.escape(entry) + r"(\.|$)", name) is not None
+
+
+class KbitSettings:
+    """The settings of a kbit quantization, independent of vLLM (shared by the plugin and ``vllm-kbit convert``)."""
+
+    def __init__(
+        self,
+        bits: int = DEFAULT_BITS,
+        codebook: str | list | dict | None = None,
+        bits_overrides: dict[str, int] | None = None,
+        modules_to_not_convert: list[str] | tuple[str, ...] | None = None,
+        prequantized: bool = False,
+    ) -> None:
+        _check_bits(bits, "bits")
+        self.bits = bits
+        self.bits_overrides: dict[str, int] = dict(bits_overrides or {})
+        for pattern, k in self.bits_overrides.items():
+            _check_bits(k, f"bits_overrides[{pattern!r}]")
+            try:
+                re.compile(pattern)
+            except re.error as e:
+                raise ValueError(f"kbit: bits_overrides key {pattern!r} is not a valid regex: {e}") from None
+        if modules_to_not_convert is None:
+            modules_to_not_convert = DEFAULT_MODULES_TO_NOT_CONVERT
+        if isinstance(modules_to_not_convert, str) or not all(isinstance(m, str) for m in modules_to_not_convert):
+            raise ValueError(f"kbit: modules_to_not_convert must be a list of names, got {modules_to_not_convert!r}")
+        self.modules_to_not_convert = list(modules_to_not_convert)
+        self.codebook_spec = DEFAULT_CODEBOOK if codebook is None else codebook
+        self.bit_widths = sorted({bits, *self.bits_overrides.values()})
+        self._codebooks = {k: self._make_codebook(k) for k in self.bit_widths}
+        self.prequantized = bool(prequantized)
+
+    # ------------------------------------------------------------------ codebooks
+
+    def _make_codebook(self, k: int) -> torch.Tensor:
+        spec = self.codebook_spec
+        if spec == DEFAULT_CODEBOOK:
+            return fmt.normal_float_codebook(k)
+        if isinstance(spec, dict):
+            if str(k) not in spec:
+                raise ValueError(f"kbit: codebook dict has no entry for {k} bits (keys: {sorted(spec)})")
+            values = spec[str(k)]
+        elif isinstance(spec, (list, tuple)):
+            if len(self.bit_widths) > 1:
+                raise ValueError("kbit: a codebook list serves one bit width; with bits_overrides give {\"<k>\": [...]}")
+            values = spec
+        else:
+            raise ValueError(f"kbit: codebook must be {DEFAULT_CODEBOOK!r}, a list or a dict, got {spec!r}")
+        cb = torch.tensor(values, dtype=torch.float32)
+        fmt.check_codebook(cb, k)
+        fmt.check_codebook_values(cb)
+        return cb
+
+    def codebook(self, k: int) -> torch.Tensor:
+        return self._codebooks[k]
+
+    # ------------------------------------------------------------------ per-module decisions
+
+    def is_skipped(self, module: str) -> bool:
+        return any(name_matches(entry, module) for entry in self.modules_to_not_convert)
+
+    def bits_for(self, module: str) -> int:
+        for pattern, k in self.bits_overrides.items():
+            if re.search(pattern, module):
+                return k
+        return self.bits
+
+    # ------------------------------------------------------------------ (de)serialisation
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> "KbitSettings":
+        if not isinstance(config, dict):
+            raise ValueError(f"kbit: quantization_config must be a dict, got {type(config).__name__}")
+        method = config.get("quant_method", QUANT_METHOD)
+        if method != QUANT_METHOD:
+            raise ValueError(f"kbit: quantization_config has quant_method={method!r}, expected {QUANT_METHOD!r}")
+        unknown = sorted(set(config) - _KNOWN_KEYS)
+        if unknown:
+            raise ValueError(f"kbit: unknown quantization_config keys {unknown}; known: {sorted(_KNOWN_KEYS)}")
+        blocksize = config.get("blocksize", fmt.BLOCK_SIZE)
+        if blocksize != fmt.BLOCK_SIZE:
+            raise ValueError(f"kbit: blocksize={blocksize!r} is not supported; the format uses {fmt.BLOCK_SIZE}")
+        overrides = config.get("bits_overrides") or {}
+        if not isinstance(overrides, dict):
+            raise ValueError(f"kbit: bits_overrides must be a dict {{regex: bits}}, got {overrides!r}")
+        return cls(
+            bits=config.get("bits", DEFAULT_BITS),
+            codebook=config.get("codebook"),
+            bits_overrides=overrides,
+            modules_to_not_convert=config.get("modules_to_not_convert"),
+            prequantized=config.get("prequantized", False),
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "quant_method": QUANT_METHOD,
+            "prequantized": self.prequantized,
+            "bits": self.bits,
+            "blocksize": fmt.BLOCK_SIZE,
+            "codebook": self.codebook_spec,
+            "modules_to_not_convert": list(self.modules_to_not_convert),
+        }
+        if self.bits_overrides:
+            out["bits_overrides"] = dict(self.bits_overrides)
+        return out
+
+
+def _check_bits(k: Any, what: str) -> None:
+    if isinstance(k, bool) or not isinstance(k, int) or k not in fmt.SUPPORTED_BITS:
+        raise ValueError(f"kbit: {what}={k!r} is not supported; bits must be one of {fmt.SUPPORTED_BITS}")

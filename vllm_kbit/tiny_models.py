@@ -1,0 +1,116 @@
+"""Tiny random Hugging Face checkpoints (built locally, nothing downloaded) for the demo and the tests.
+
+Each builder writes a complete model directory: ``config.json``, bf16
+``model.safetensors`` from ``save_pretrained``, a byte-level tokenizer (256 byte
+tokens + ``<|endoftext|>``) and ``generation_config.json``. Weights are drawn
+from a seeded generator, so the same call always writes the same checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB_SIZE = 384  # 256 byte tokens + 1 special token, padded
+EOS_TOKEN = "<|endoftext|>"
+EOS_TOKEN_ID = 256
+
+
+def _byte_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet, key=lambda c: ord(c)))}
+    vocab[EOS_TOKEN] = EOS_TOKEN_ID
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+
+
+def _common(hidden: int, layers: int) -> dict:
+    return dict(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=512,
+        initializer_range=0.05,
+        tie_word_embeddings=False,
+        bos_token_id=EOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=EOS_TOKEN_ID,
+    )
+
+
+def qwen3_moe_config(hidden: int = 256, layers: int = 2, experts: int = 8, top_k: int = 2, moe_intermediate: int = 128):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        **_common(hidden, layers),
+        intermediate_size=4 * hidden,
+        moe_intermediate_size=moe_intermediate,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+
+
+def glm4_moe_config(hidden: int = 256, layers: int = 2, experts: int = 8, top_k: int = 2, moe_intermediate: int = 128):
+    """GLM-4 MoE: first layer dense, then shared + routed experts with grouped sigmoid routing."""
+    from transformers import Glm4MoeConfig
+
+    return Glm4MoeConfig(
+        **_common(hidden, layers),
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=moe_intermediate,
+        n_routed_experts=experts,
+        n_shared_experts=1,
+        num_experts_per_tok=top_k,
+        first_k_dense_replace=1,
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        partial_rotary_factor=0.5,
+        use_qk_norm=False,
+    )
+
+
+def qwen3_dense_config(hidden: int = 256, layers: int = 2, intermediate: int | None = None):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**_common(hidden, layers), intermediate_size=intermediate or 4 * hidden)
+
+
+BUILDERS = {"qwen3_moe": qwen3_moe_config, "glm4_moe": glm4_moe_config, "qwen3": qwen3_dense_config}
+
+
+def build(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
+    """Writes the tiny ``kind`` checkpoint ("qwen3_moe", "glm4_moe" or "qwen3") to out_dir; returns out_dir."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    if kind not in BUILDERS:
+        raise ValueError(f"unknown tiny model {kind!r}; choose from {sorted(BUILDERS)}")
+    config = BUILDERS[kind](**overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():  # transformers zero-inits some tensors (biases, router bias); make every weight non-trivial
+        gen = torch.Generator().manual_seed(seed)
+        for name, p in model.named_parameters():
+            if p.dim() >= 2:
+                p.copy_(torch.randn(p.shape, generator=gen) * config.initializer_range)
+    model = model.to(torch.bfloat16)
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    _byte_tokenizer().save_pretrained(out_dir)
+    GenerationConfig(bos_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID).save_pretrained(
+        out_dir
+    )
+    return out_dir

@@ -1,0 +1,1 @@
+"""vLLM integration: the ``kbit`` quantization config and its linear / FusedMoE methods (imports vLLM)."""

@@ -1,0 +1,119 @@
+"""``KbitConfig``: the vLLM ``QuantizationConfig`` registered as ``kbit`` (see :mod:`vllm_kbit.plugin`).
+
+How vLLM 0.26 reaches it:
+
+* ``--quantization kbit`` on a bf16/fp16 checkpoint whose config.json has no
+  ``quantization_config``: vLLM builds ``KbitConfig()`` (defaults: 4 bits,
+  normal-float codebook, default ``modules_to_not_convert``) and the weights are
+  quantized while loading.
+* ``--hf-overrides '{"quantization_config": {"quant_method": "kbit", "bits": 3, ...}}'``
+  puts the settings into the model config; vLLM calls :meth:`KbitConfig.from_config`
+  with them (``--quantization kbit`` is then optional). Without
+  ``"prequantized": true`` the checkpoint is taken as bf16/fp16 and quantized online.
+* A checkpoint written by ``vllm-kbit convert`` carries
+  ``{"quant_method": "kbit", "prequantized": true, ...}`` in config.json and is
+  detected with no flag.
+
+The fields and per-module rules are documented in :mod:`vllm_kbit.settings`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.layers.fused_moe import RoutedExperts
+from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
+from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from vllm_kbit import format as fmt
+from vllm_kbit.settings import QUANT_METHOD, KbitSettings
+from vllm_kbit.vllm.linear_method import KbitLinearMethod, KbitOnlineLinearMethod
+from vllm_kbit.vllm.moe_method import KbitMoEMethod, KbitOnlineMoEMethod
+
+logger = init_logger(__name__)
+
+
+class KbitConfig(QuantizationConfig):
+    """k-bit (2..5) blockwise normal-float weight quantization; activations stay bf16/fp16."""
+
+    def __init__(self, settings: KbitSettings | None = None) -> None:
+        super().__init__()
+        self.settings = settings if settings is not None else KbitSettings()
+
+    def __repr__(self) -> str:
+        return f"KbitConfig({self.settings.to_dict()})"
+
+    @classmethod
+    def get_name(cls) -> str:
+        return QUANT_METHOD
+
+    @classmethod
+    def get_supported_act_dtypes(cls) -> list[torch.dtype]:
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return 80
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @classmethod
+    def from_config(cls, config: dict[str, Any]) -> "KbitConfig":
+        return cls(KbitSettings.from_dict(config))
+
+    # ------------------------------------------------------------------ per-layer decisions
+
+    def _shard_names(self, prefix: str) -> list[str]:
+        """Checkpoint module names behind a vLLM layer (qkv_proj -> q_proj, k_proj, v_proj)."""
+        head, _, last = prefix.rpartition(".")
+        shards = self.packed_modules_mapping.get(last)
+        if not shards:
+            return [prefix]
+        return [f"{head}.{s}" if head else s for s in shards]
+
+    def _resolve(self, prefix: str) -> int | None:
+        """Bits for the layer, or None when it stays unquantized; fused shards must agree."""
+        names = self._shard_names(prefix)
+        skipped = {self.settings.is_skipped(n) for n in names}
+        if len(skipped) > 1:
+            raise ValueError(
+                f"kbit: fused layer {prefix!r} has shards {names} of which only some are in modules_to_not_convert; "
+                "list all of them or none"
+            )
+        if skipped.pop():
+            return None
+        bits = {self.settings.bits_for(n) for n in names}
+        if len(bits) > 1:
+            raise ValueError(
+                f"kbit: fused layer {prefix!r} has shards {names} with different bits {sorted(bits)} from "
+                "bits_overrides; fused shards must share one bit width"
+            )
+        return bits.pop()
+
+    def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, LinearBase):
+            bits = self._resolve(prefix)
+            if bits is None:
+                return UnquantizedLinearMethod()
+            if layer.input_size % fmt.BLOCK_SIZE != 0:
+                logger.warning(
+                    "kbit: layer %s has K=%d, not a multiple of %d: left unquantized",
+                    prefix,
+                    layer.input_size,
+                    fmt.BLOCK_SIZE,
+                )
+                return UnquantizedLinearMethod()
+            cls = KbitLinearMethod if self.settings.prequantized else KbitOnlineLinearMethod
+            return cls(prefix, bits, self.settings.codebook(bits))
+        if isinstance(layer, RoutedExperts):
+            bits = self._resolve(prefix)
+            if bits is None:
+                return UnquantizedFusedMoEMethod(layer.moe_config)
+            cls = KbitMoEMethod if self.settings.prequantized else KbitOnlineMoEMethod
+            return cls(layer, prefix, bits, self.settings.codebook(bits))
+        return None

@@ -1,0 +1,195 @@
+"""kbit linear methods for every vLLM ``LinearBase`` (column, row, merged column, QKV, replicated).
+
+* :class:`KbitLinearMethod` loads a pre-quantized checkpoint: ``qweight`` int32
+  ``[N, K/32, k]`` and ``absmax`` uint8 ``[N, K/32]`` as vLLM ``ModelWeightParameter``
+  (output_dim 0, input_dim 1), so vLLM's loaders shard them along N (column / fused
+  QKV / gate_up) and along K/32 (row parallel) exactly like a bf16 weight.
+* :class:`KbitOnlineLinearMethod` loads a bf16/fp16 checkpoint: the weight lives
+  on the meta device and vLLM's layerwise loading materializes it only once the
+  whole layer has arrived; ``process_weights_after_loading`` quantizes it and
+  frees the bf16 copy, so peak memory is the packed model plus one layer in bf16.
+
+Both end the same way: the flat tensors are repacked once to the runtime layout
+and ``apply`` calls ``torch.ops.kbit.linear`` (+ bias).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
+from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
+from vllm.model_executor.parameter import ModelWeightParameter
+from vllm.model_executor.utils import replace_parameter
+
+from vllm_kbit import format as fmt
+from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+from vllm_kbit.weight import check_representable
+
+logger = init_logger(__name__)
+
+
+def install_runtime_weights(
+    layer: torch.nn.Module, prefix: str, qweight: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor
+) -> None:
+    """Flat (qweight, absmax) of shape [N, K] -> runtime layout on the layer as ``qweight``/``absmax``."""
+    N, KB, k = qweight.shape
+    if k != layer.kbit_bits:
+        raise ValueError(f"kbit: layer {prefix!r} has {k}-bit qweight but its config says {layer.kbit_bits} bits")
+    qweight_rt, absmax_rt = torch.ops.kbit.repack(qweight.contiguous(), absmax.contiguous())
+    replace_parameter(layer, "qweight", qweight_rt)
+    replace_parameter(layer, "absmax", absmax_rt)
+    layer.register_buffer("kbit_codebook", codebook.to(qweight_rt.device), persistent=False)
+    layer.kbit_shape = (N, KB * fmt.BLOCK_SIZE)
+
+
+def _expected_shards(layer: torch.nn.Module) -> set:
+    """Shard ids the model's loader passes for a complete weight of this layer."""
+    if hasattr(layer, "total_num_kv_heads"):  # QKVParallelLinear
+        return {"q", "k", "v"}
+    if hasattr(layer, "output_sizes") and len(layer.output_sizes) > 1:  # MergedColumnParallelLinear
+        return set(range(len(layer.output_sizes)))
+    return {None}
+
+
+class _KbitLinearBase(LinearMethodBase):
+    def __init__(self, prefix: str, bits: int, codebook: torch.Tensor):
+        self.prefix = prefix
+        self.bits = bits
+        self.codebook = codebook
+
+    def _check_partition(self, layer: torch.nn.Module, input_size_per_partition: int) -> None:
+        if input_size_per_partition % fmt.BLOCK_SIZE != 0:
+            raise ValueError(
+                f"kbit: layer {self.prefix!r} has {input_size_per_partition} input features per tensor-parallel "
+                f"rank (K={layer.input_size}), not a multiple of {fmt.BLOCK_SIZE}; use a smaller tensor-parallel size "
+                "or add the layer to modules_to_not_convert"
+            )
+        layer.kbit_bits = self.bits
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        N, K = layer.kbit_shape
+        return torch.ops.kbit.linear(x, layer.qweight, layer.absmax, layer.kbit_codebook, N, K, bias)
+
+
+@register_weight_loader_v2_supported_method
+class KbitLinearMethod(_KbitLinearBase):
+    """Pre-quantized kbit checkpoint: packed parameters, repacked to the runtime layout after loading."""
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ):
+        self._check_partition(layer, input_size_per_partition)
+        N = sum(output_partition_sizes)
+        KB = input_size_per_partition // fmt.BLOCK_SIZE
+        loader = extra_weight_attrs["weight_loader"]
+        layer.kbit_loaded_shards = {"qweight": set(), "absmax": set()}
+        qweight = ModelWeightParameter(
+            data=torch.empty(N, KB, self.bits, dtype=torch.int32),
+            input_dim=1,
+            output_dim=0,
+            weight_loader=functools.partial(self._load, layer, "qweight", loader),
+        )
+        absmax = ModelWeightParameter(
+            data=torch.empty(N, KB, dtype=torch.uint8),
+            input_dim=1,
+            output_dim=0,
+            weight_loader=functools.partial(self._load, layer, "absmax", loader),
+        )
+        layer.register_parameter("qweight", qweight)
+        layer.register_parameter("absmax", absmax)
+
+    def _load(self, layer, name, loader, param, loaded_weight, loaded_shard_id=None, *args, **kwargs):
+        """Checks a checkpoint tensor before vLLM's (sharding) loader copies it in."""
+        want_dtype, want_dim = (torch.int32, 3) if name == "qweight" else (torch.uint8, 2)
+        KB = layer.input_size // fmt.BLOCK_SIZE
+        if (
+            loaded_weight.dtype != want_dtype
+            or loaded_weight.dim() != want_dim
+            or loaded_weight.shape[1] != KB
+            or (name == "qweight" and loaded_weight.shape[2] != self.bits)
+        ):
+            want = f"[N, {KB}, {self.bits}]" if name == "qweight" else f"[N, {KB}]"
+            raise ValueError(
+                f"kbit: checkpoint tensor {self.prefix}.{name} (shard {loaded_shard_id}) is "
+                f"{loaded_weight.dtype} {list(loaded_weight.shape)}, expected {want_dtype} {want} "
+                f"for a {self.bits}-bit layer with K={layer.input_size}: corrupted or mismatched checkpoint"
+            )
+        try:
+            loader(param, loaded_weight, loaded_shard_id, *args, **kwargs) if loaded_shard_id is not None else loader(
+                param, loaded_weight
+            )
+        except AssertionError:
+            raise ValueError(
+                f"kbit: checkpoint tensor {self.prefix}.{name} (shard {loaded_shard_id}) of shape "
+                f"{list(loaded_weight.shape)} does not fit the layer's parameter {list(param.shape)}: "
+                "corrupted or mismatched checkpoint"
+            ) from None
+        layer.kbit_loaded_shards[name].add(loaded_shard_id)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if getattr(layer, "_already_called_process_weights_after_loading", False):
+            return
+        expected = _expected_shards(layer)
+        for name, loaded in layer.kbit_loaded_shards.items():
+            if None not in loaded and not expected <= loaded:
+                missing = sorted(map(str, expected - loaded))
+                raise ValueError(
+                    f"kbit: checkpoint has no {name} for layer {self.prefix!r} (missing shards: {missing}); "
+                    "the pre-quantized checkpoint is incomplete"
+                )
+        install_runtime_weights(layer, self.prefix, layer.qweight.data, layer.absmax.data, self.codebook)
+        del layer.kbit_loaded_shards
+        layer._already_called_process_weights_after_loading = True
+
+
+@register_weight_loader_v2_supported_method
+class KbitOnlineLinearMethod(_KbitLinearBase):
+    """bf16/fp16 checkpoint quantized while loading (vLLM's layerwise online processing)."""
+
+    uses_meta_device: bool = True
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        input_size_per_partition: int,
+        output_partition_sizes: list[int],
+        input_size: int,
+        output_size: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ):
+        self._check_partition(layer, input_size_per_partition)
+        weight = ModelWeightParameter(
+            data=torch.empty(sum(output_partition_sizes), input_size_per_partition, device="meta", dtype=params_dtype),
+            input_dim=1,
+            output_dim=0,
+            weight_loader=extra_weight_attrs["weight_loader"],
+        )
+        layer.register_parameter("weight", weight)
+        initialize_online_processing(layer)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if getattr(layer, "_already_called_process_weights_after_loading", False):
+            return
+        W = layer.weight.data
+        if W.device.type == "meta":
+            raise ValueError(f"kbit: checkpoint has no weight for layer {self.prefix!r}")
+        try:
+            check_representable(W)
+        except ValueError as e:
+            raise ValueError(f"kbit: layer {self.prefix!r}: {e}") from None
+        codebook = self.codebook.to(W.device)
+        qweight, absmax = torch.ops.kbit.quantize(W.contiguous(), codebook, self.bits)
+        del layer.weight
+        install_runtime_weights(layer, self.prefix, qweight, absmax, codebook)
+        layer._already_called_process_weights_after_loading = True

@@ -1,0 +1,229 @@
+"""kbit methods for vLLM's FusedMoE (routed experts): packed w13/w2 per expert, ``apply`` -> ``kbit_fused_moe``.
+
+* :class:`KbitMoEMethod` loads a pre-quantized checkpoint: per expert
+  ``w13_qweight`` int32 ``[E, 2I, H/32, k]`` (gate rows, then up rows),
+  ``w2_qweight`` ``[E, H, I/32, k]`` and the matching uint8 ``*_absmax``. Every
+  tensor goes through the layer's own expert ``weight_loader``, so tensor
+  parallel sharding (w1/w3 along rows, w2 along I/32) and expert-parallel maps
+  (global -> local expert id, experts of other ranks skipped) are vLLM's.
+* :class:`KbitOnlineMoEMethod` loads bf16/fp16 experts on the meta device;
+  vLLM's layerwise loading materializes the block once all its experts arrived,
+  then each expert is quantized and the bf16 block is freed.
+
+After loading, each expert is repacked to the runtime layout and the experts
+are stacked ``[E, ...]`` for :func:`vllm_kbit.moe.kbit_fused_moe`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
+from vllm.model_executor.utils import replace_parameter, set_weight_attrs
+from vllm.platforms import current_platform
+
+from vllm_kbit import format as fmt
+from vllm_kbit.moe import kbit_fused_moe, stack_runtime
+from vllm_kbit.weight import check_representable
+
+
+def check_moe_layer(layer: torch.nn.Module, prefix: str) -> None:
+    """Refuses MoE blocks the kbit path cannot run, naming the layer."""
+    moe = layer.moe_config
+    if moe.activation != MoEActivation.SILU or not moe.is_act_and_mul:
+        raise ValueError(
+            f"kbit: MoE layer {prefix!r} uses activation {moe.activation}; only SiLU-and-mul experts are supported "
+            "(add the layer to modules_to_not_convert)"
+        )
+    if moe.has_bias:
+        raise ValueError(
+            f"kbit: MoE layer {prefix!r} has expert biases, which kbit does not support "
+            "(add the layer to modules_to_not_convert)"
+        )
+    for what, size in (("hidden size", moe.hidden_dim), ("intermediate size per rank", moe.intermediate_size_per_partition)):
+        if size % fmt.BLOCK_SIZE != 0:
+            raise ValueError(
+                f"kbit: MoE layer {prefix!r} has {what} {size}, not a multiple of {fmt.BLOCK_SIZE}; "
+                "add it to modules_to_not_convert (or use a smaller tensor-parallel size)"
+            )
+
+
+class _KbitMoEBase(FusedMoEMethodBase):
+    def __init__(self, layer: torch.nn.Module, prefix: str, bits: int, codebook: torch.Tensor):
+        super().__init__(layer.moe_config)
+        check_moe_layer(layer, prefix)
+        self.prefix = prefix
+        self.bits = bits
+        self.codebook = codebook
+
+    def get_fused_moe_quant_config(self, layer: torch.nn.Module):
+        return None
+
+    def _install(self, layer: torch.nn.Module, w13: list, w2: list) -> None:
+        """Per-expert flat (qweight, absmax) -> stacked runtime parameters on the layer."""
+        w13_q, w13_a = stack_runtime(w13)
+        w2_q, w2_a = stack_runtime(w2)
+        replace_parameter(layer, "w13_qweight", w13_q)
+        replace_parameter(layer, "w13_absmax", w13_a)
+        replace_parameter(layer, "w2_qweight", w2_q)
+        replace_parameter(layer, "w2_absmax", w2_a)
+        layer.register_buffer("kbit_codebook", self.codebook.to(w13_q.device), persistent=False)
+        layer._already_called_process_weights_after_loading = True
+
+    @property
+    def is_monolithic(self) -> bool:
+        # vLLM's router ops are CUDA kernels; on CPU route here with vLLM's CPU routing, as its own CPU MoE does.
+        return current_platform.is_cpu()
+
+    def apply_monolithic(self, layer, x, router_logits, input_ids=None) -> torch.Tensor:
+        from vllm.model_executor.layers.fused_moe.cpu_fused_moe import select_experts as cpu_select_experts
+
+        topk_weights, topk_ids = cpu_select_experts(
+            hidden_states=x,
+            router_logits=router_logits,
+            top_k=layer.top_k,
+            use_grouped_topk=layer.use_grouped_topk,
+            renormalize=layer.renormalize,
+            topk_group=layer.topk_group,
+            num_expert_group=layer.num_expert_group,
+            custom_routing_function=layer.custom_routing_function,
+            scoring_func=layer.scoring_func,
+            routed_scaling_factor=layer.routed_scaling_factor,
+            e_score_correction_bias=layer.e_score_correction_bias,
+        )
+        return self.apply(layer, x, topk_weights, topk_ids, None, None)
+
+    def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
+        return kbit_fused_moe(
+            x,
+            topk_ids,
+            topk_weights,
+            layer.w13_qweight,
+            layer.w13_absmax,
+            layer.w2_qweight,
+            layer.w2_absmax,
+            layer.kbit_codebook,
+            layer.intermediate_size_per_partition,
+            layer.expert_map,
+            layer.apply_router_weight_on_input,
+        )
+
+
+class KbitMoEMethod(_KbitMoEBase):
+    """Pre-quantized kbit experts."""
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ):
+        H, I, k = hidden_size, intermediate_size_per_partition, self.bits
+        shapes = {
+            "w13_qweight": ((num_experts, 2 * I, H // 32, k), torch.int32),
+            "w13_absmax": ((num_experts, 2 * I, H // 32), torch.uint8),
+            "w2_qweight": ((num_experts, H, I // 32, k), torch.int32),
+            "w2_absmax": ((num_experts, H, I // 32), torch.uint8),
+        }
+        layer.kbit_loaded = {name: set() for name in shapes}
+        expert_loader = extra_weight_attrs["weight_loader"]
+        for name, (shape, dtype) in shapes.items():
+            param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": functools.partial(self._load, layer, name, expert_loader)})
+
+    def _load(self, layer, name, expert_loader, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+        """Checks one expert's checkpoint tensor, then hands it to the layer's expert loader (TP / EP aware)."""
+        H = layer.moe_config.hidden_dim
+        I_full = layer.moe_config.intermediate_size
+        K = H if name.startswith("w13") else I_full
+        is_q = name.endswith("qweight")
+        want_dtype, want_dim = (torch.int32, 3) if is_q else (torch.uint8, 2)
+        if (
+            loaded_weight.dtype != want_dtype
+            or loaded_weight.dim() != want_dim
+            or loaded_weight.shape[1] != K // 32
+            or (is_q and loaded_weight.shape[2] != self.bits)
+        ):
+            want = f"[N, {K // 32}, {self.bits}]" if is_q else f"[N, {K // 32}]"
+            raise ValueError(
+                f"kbit: checkpoint tensor {self.prefix} expert {expert_id} {shard_id} {name.split('_', 1)[1]} is "
+                f"{loaded_weight.dtype} {list(loaded_weight.shape)}, expected {want_dtype} {want}: "
+                "corrupted or mismatched checkpoint"
+            )
+        # The expert loader dispatches on the tensor name: present absmax as a plain (unscaled) weight.
+        try:
+            ok = expert_loader(
+                param, loaded_weight, weight_name.replace("absmax", "absmax_weight"), shard_id, expert_id,
+                return_success=True,
+            )
+        except RuntimeError as e:
+            raise ValueError(
+                f"kbit: checkpoint tensor for {self.prefix} expert {expert_id} {shard_id} of shape "
+                f"{list(loaded_weight.shape)} does not fit {name} {list(param.shape)}: {e}"
+            ) from None
+        if ok:
+            layer.kbit_loaded[name].add((expert_id, shard_id))
+        return ok if return_success else None
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if getattr(layer, "_already_called_process_weights_after_loading", False):
+            return
+        E = layer.local_num_experts
+        for name, loaded in layer.kbit_loaded.items():
+            want = E * (2 if name.startswith("w13") else 1)
+            if len(loaded) != want:
+                raise ValueError(
+                    f"kbit: checkpoint has {len(loaded)} of the {want} {name.split('_', 1)[1]} tensors of "
+                    f"{name.split('_')[0]} for MoE layer {self.prefix!r}: incomplete pre-quantized checkpoint"
+                )
+        w13 = [(layer.w13_qweight.data[e], layer.w13_absmax.data[e]) for e in range(E)]
+        w2 = [(layer.w2_qweight.data[e], layer.w2_absmax.data[e]) for e in range(E)]
+        del layer.kbit_loaded
+        self._install(layer, w13, w2)
+
+
+class KbitOnlineMoEMethod(_KbitMoEBase):
+    """bf16/fp16 experts quantized while loading (vLLM's layerwise online processing)."""
+
+    uses_meta_device: bool = True
+
+    def create_weights(
+        self,
+        layer: torch.nn.Module,
+        num_experts: int,
+        hidden_size: int,
+        intermediate_size_per_partition: int,
+        params_dtype: torch.dtype,
+        **extra_weight_attrs,
+    ):
+        H, I = hidden_size, intermediate_size_per_partition
+        for name, shape in (("w13_weight", (num_experts, 2 * I, H)), ("w2_weight", (num_experts, H, I))):
+            param = torch.nn.Parameter(torch.empty(shape, device="meta", dtype=params_dtype), requires_grad=False)
+            layer.register_parameter(name, param)
+            set_weight_attrs(param, extra_weight_attrs)
+        initialize_online_processing(layer)
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if getattr(layer, "_already_called_process_weights_after_loading", False):
+            return
+        w13_full, w2_full = layer.w13_weight.data, layer.w2_weight.data
+        if w13_full.device.type == "meta" or w2_full.device.type == "meta":
+            raise ValueError(f"kbit: checkpoint has no expert weights for MoE layer {self.prefix!r}")
+        codebook = self.codebook.to(w13_full.device)
+        packed = {"w13": [], "w2": []}
+        for name, W in (("w13", w13_full), ("w2", w2_full)):
+            try:
+                check_representable(W)
+            except ValueError as e:
+                raise ValueError(f"kbit: MoE layer {self.prefix!r} {name}: {e}") from None
+            for e in range(W.shape[0]):
+                packed[name].append(torch.ops.kbit.quantize(W[e].contiguous(), codebook, self.bits))
+        del layer.w13_weight, layer.w2_weight
+        self._install(layer, packed["w13"], packed["w2"])
