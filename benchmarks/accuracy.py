@@ -48,10 +48,10 @@ def kbit_fp32_absmax(x: torch.Tensor, k: int) -> torch.Tensor:
     return (cb[idx] * s).flatten()
 
 
-def kbit(x: torch.Tensor, k: int, scale_candidates: int) -> torch.Tensor:
+def kbit(x: torch.Tensor, k: int, search_scale: bool) -> torch.Tensor:
     cb = fmt.normal_float_codebook(k)
     W = x.view(-1, 1024)
-    q, a = fmt.quantize(W, cb, k, scale_candidates)
+    q, a = fmt.quantize(W, cb, k, search_scale)
     return fmt.dequantize(q, a, cb, torch.float32).flatten()
 
 
@@ -85,8 +85,8 @@ def int_rtn_g128(x: torch.Tensor, k: int) -> torch.Tensor:
 def methods():
     for k in fmt.SUPPORTED_BITS:
         yield "kbit, fp32 absmax scale", k, k + 0.25, lambda x, k=k: kbit_fp32_absmax(x, k)
-        yield "kbit, E4M4 absmax", k, k + 0.25, lambda x, k=k: kbit(x, k, 1)
-        yield "kbit, E4M4 searched (absmax code and 4 below)", k, k + 0.25, lambda x, k=k: kbit(x, k, 5)
+        yield "kbit, E4M4 absmax", k, k + 0.25, lambda x, k=k: kbit(x, k, False)
+        yield "kbit, E4M4 searched (absmax code -8..+8, block MSE)", k, k + 0.25, lambda x, k=k: kbit(x, k, True)
     yield "NF4, blocks of 64, fp32 absmax", 4, 4.5, nf4_blocks64
     for k in (2, 3, 4):
         yield "int RTN asymmetric, groups of 128", k, k + 0.25, lambda x, k=k: int_rtn_g128(x, k)

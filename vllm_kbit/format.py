@@ -30,8 +30,10 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 E4M4_BIAS = 11
 E4M4_MAX = 31.0  # 2**(15 - 11) * (1 + 15/16): the largest scale a block can have
-# Scale candidates per block (see block_scales); 1 = plain absmax, what the CUDA kernel does today.
-DEFAULT_SCALE_CANDIDATES = 1
+# Scale search (see block_scales): E4M4 code offsets tried around each block's absmax code,
+# -8..+8 (about x0.7..x1.4). Off by default until the CUDA quantize kernel implements it.
+SCALE_SEARCH_OFFSETS = tuple(d for d in range(-8, 9) if d != 0)
+DEFAULT_SEARCH_SCALE = False
 
 # Runtime tile: TILE_N rows (output features) by TILE_KB blocks of 32 along K.
 TILE_N = 64
@@ -231,25 +233,25 @@ def block_squared_error(w: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return e[..., 0] + e[..., 1]
 
 
-def block_scales(W: torch.Tensor, codebook: torch.Tensor, scale_candidates: int) -> torch.Tensor:
-    """E4M4 scale code per block [N, K/32], chosen by block squared error.
+def block_scales(W: torch.Tensor, codebook: torch.Tensor, search: bool) -> torch.Tensor:
+    """E4M4 scale code per block [N, K/32].
 
-    Candidates are the absmax code and the ``scale_candidates - 1`` codes just below
-    it (a smaller scale trades clipping the largest element for finer steps
-    everywhere else); the one with the smallest error wins, ties going to the larger
-    scale. ``scale_candidates=1`` is plain absmax.
+    Without search: the absmax code. With search: the absmax code and its neighbours
+    ``absmax_code + SCALE_SEARCH_OFFSETS`` (clamped to 0..255) are tried in that order and
+    the one with the smallest block squared error wins (strictly smaller: ties keep the
+    earlier candidate, so the absmax code wins every tie). A smaller scale clips the
+    largest element for finer steps elsewhere; a larger one moves the block's big values
+    next to the codebook's outer levels.
     """
-    if scale_candidates < 1:
-        raise ValueError(f"kbit: scale_candidates={scale_candidates} must be >= 1")
     absmax_code = block_absmax_codes(W)
-    if scale_candidates == 1:
+    if not search:
         return absmax_code
     N, K = W.shape
     w = W.float().view(N, K // BLOCK_SIZE, BLOCK_SIZE)
     cb = codebook.to(W.device)
     best_code, best_err = absmax_code, None
-    for step in range(scale_candidates):
-        code = (absmax_code.int() - step).clamp(min=0).to(torch.uint8)
+    for offset in (0, *SCALE_SEARCH_OFFSETS):
+        code = (absmax_code.int() + offset).clamp(0, 255).to(torch.uint8)
         scale = e4m4_decode(code)
         values = cb[choose_indices(W, scale, cb).long()] * scale.unsqueeze(-1)
         err = block_squared_error(w, values)
@@ -263,12 +265,12 @@ def block_scales(W: torch.Tensor, codebook: torch.Tensor, scale_candidates: int)
 
 
 def quantize(
-    W: torch.Tensor, codebook: torch.Tensor, k: int, scale_candidates: int = DEFAULT_SCALE_CANDIDATES
+    W: torch.Tensor, codebook: torch.Tensor, k: int, search_scale: bool = DEFAULT_SEARCH_SCALE
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """W[N, K] (fp16/bf16/fp32) -> (qweight int32 [N, K/32, k], absmax uint8 [N, K/32])."""
     check_weight(W)
     check_codebook(codebook, k)
-    absmax = block_scales(W, codebook, scale_candidates)
+    absmax = block_scales(W, codebook, search_scale)
     idx = choose_indices(W, e4m4_decode(absmax), codebook)
     return pack_bitplanes(idx, k), absmax
 
