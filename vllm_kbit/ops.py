@@ -54,7 +54,7 @@ _REFERENCE = {
     "linear": _linear_reference,
 }
 # Ops that have CUDA kernels in csrc/; the rest run the reference on every device.
-_CUDA_KERNEL_OPS = ("quantize", "dequantize", "repack", "dequantize_runtime")
+_CUDA_KERNEL_OPS = ("quantize", "dequantize", "repack", "dequantize_runtime", "linear")
 
 for _name, _fn in _REFERENCE.items():
     _lib.impl(_name, _fn, "CPU")

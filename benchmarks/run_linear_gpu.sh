@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# One device call for the dense linear path: build (unless a built vllm_kbit/_C.abi3.so was
+# carried), resource usage + SASS of one GEMV instance, the GPU tests, compute-sanitizer on
+# one shape, and bench_linear.py. Everything lands in $OUT (at most 8 files).
+#   KBIT_COMMIT=<sha> bash benchmarks/run_linear_gpu.sh [bench args...]
+# Steps are skipped with SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1.
+set -o pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kbit_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1; then  # pytest for machines without it
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+fi
+if [ ! -f vllm_kbit/_C.abi3.so ]; then
+  MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
+fi
+{
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv
+  cuobjdump -res-usage vllm_kbit/_C.abi3.so 2>&1 | grep -A1 gemv_kernel | grep -oE "(gemv_kernelI[A-Za-z0-9_]+|REG:[0-9]+|SHARED:[0-9]+|STACK:[0-9]+)" | paste - - - -
+  fn=$(cuobjdump -symbols vllm_kbit/_C.abi3.so 2>/dev/null | grep -oE "_ZN[A-Za-z0-9_]*gemv_kernelI13__nv_bfloat16Li4ELi1EE[A-Za-z0-9_]*" | head -1)
+  echo "== SASS op counts of $fn"
+  cuobjdump -sass -fun "$fn" vllm_kbit/_C.abi3.so | grep -oE "^\s+/\*[0-9a-f]{4}\*/\s+[A-Z0-9_.]+" | awk '{print $2}' | sed -E 's/\..*//' | sort | uniq -c | sort -rn
+} >"$OUT/kernel_info.txt" 2>&1
+
+if [ -z "$SKIP_TESTS" ]; then
+  timeout 420 python3 -m pytest tests/gpu/test_linear_cuda.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
+fi
+if [ -z "$SKIP_SANITIZER" ]; then
+  cat >/tmp/sanitize_linear.py <<'EOF'
+import torch, vllm_kbit
+from vllm_kbit import format as fmt
+from vllm_kbit.linear import KbitLinearWeight, kbit_linear
+for (N, K, k) in [(1000, 2080, 4), (130, 4096, 5), (64, 96, 2)]:
+    q_shape, a_shape = fmt.runtime_shapes(N, K, k)
+    W = vllm_kbit.quantize(torch.randn(N, K, device="cuda", dtype=torch.bfloat16), k)
+    w = KbitLinearWeight.from_kbit(W)
+    for M in (1, 2, 3, 4):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        kbit_linear(x, w, torch.randn(N, device="cuda", dtype=torch.bfloat16))
+torch.cuda.synchronize()
+print("sanitizer workload done")
+EOF
+  for tool in memcheck racecheck; do
+    timeout 240 compute-sanitizer --tool $tool --kernel-name regex:gemv python3 /tmp/sanitize_linear.py 2>&1 | tail -6
+  done | tee "$OUT/sanitizer.log"
+fi
+if [ -z "$SKIP_BENCH" ]; then
+  timeout 420 python3 benchmarks/bench_linear.py --commit "${KBIT_COMMIT:-unknown}" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80
+fi

@@ -1,0 +1,365 @@
+// kbit GEMV for M = 1..4: C[M, N] = A[M, K] @ dequant(W)^T (+ bias).
+//
+// Work split. A CTA of kWarps warps owns one runtime n-tile (64 output rows) and one K split
+// (a contiguous range of 128-wide k-tiles); its warps take the split's k-tiles round robin.
+// Lane l owns rows l and l + 32 of the tile, so one warp-wide 16-byte load of bit-plane b
+// reads 512 contiguous bytes (format.repack puts the 64 rows of a plane next to each other)
+// and every activation value a lane loads serves two weight rows and all M activation rows.
+// The splits of one n-tile form a thread-block cluster and are summed through distributed
+// shared memory: no workspace, no counters, nothing to zero, deterministic order.
+//
+// Dequantization per block of 32 elements: the k plane words are regrouped into index words
+// whose 4-bit (k <= 4) or 8-bit (k = 5) fields each hold one element's index (bit b of field s
+// of word r = bit F*s + r of plane b), then each index picks its codebook value from a register
+// with one shuffle, the value is multiplied into all M activation rows, and the block's E4M4
+// scale is applied once to the block's fp32 partial sum instead of once per element.
+#include "gemv.cuh"
+#include "kbit_format.cuh"
+
+#include <algorithm>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+#include <cooperative_groups.h>
+
+namespace kbit {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kWarps = 4;                // warps per CTA, all on the same n-tile
+constexpr int kThreads = 32 * kWarps;
+constexpr int kRowsPerLane = kTileN / 32;  // lane l owns rows l and l + 32 of the n-tile
+
+// ----------------------------------------------------------------------------- activations
+
+// Widening of two packed activations to fp32 (exact) and the final rounding of an output.
+template <typename T>
+struct Act;
+
+template <>
+struct Act<__nv_bfloat16> {
+  // A bf16 is the high half of its fp32: one shift or one mask per element.
+  __device__ static __forceinline__ float2 widen(uint32_t w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+  }
+  __device__ static __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static __forceinline__ __nv_bfloat16 narrow(float v) { return __float2bfloat16_rn(v); }
+};
+
+template <>
+struct Act<__half> {
+  __device__ static __forceinline__ float2 widen(uint32_t w) { return __half22float2(bits_as<__half2>(w)); }
+  __device__ static __forceinline__ float to_float(__half v) { return __half2float(v); }
+  __device__ static __forceinline__ __half narrow(float v) { return __float2half_rn(v); }
+};
+
+// ----------------------------------------------------------------------------- loads
+
+// Weights are read exactly once: keep them out of L1, which holds the activations every warp re-reads.
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t load_stream(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// Word j of a 16-byte vector; j is a compile-time constant after unrolling, so this is a register pick.
+__device__ __forceinline__ uint32_t word(const uint4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// ----------------------------------------------------------------------------- dequantization
+
+// E4M4 code -> scale with two instructions: the code's bits shifted into an fp32 exponent and
+// mantissa give 2^(e-127)(1+m/16) (e > 0) or the subnormal m/16 * 2^-126 (e = 0); the exact
+// multiply by 2^116 re-biases both to format.e4m4_table's 2^(e-11)(1+m/16) and m/16 * 2^-10.
+// Needs subnormals kept (no -ftz / fast-math), which setup.py guarantees.
+__device__ __forceinline__ float decode_scale(uint32_t codes, int j) {
+  return __uint_as_float(((codes >> (8 * j)) & 0xFFu) << 19) * 0x1p116f;
+}
+
+// Index fields: F bits per element, F index words per block (32 / F elements each).
+template <int BITS>
+struct Fields {
+  static constexpr int kBits = BITS <= 4 ? 4 : 8;
+  static constexpr uint32_t kLowBits = kBits == 4 ? 0x11111111u : 0x01010101u;  // bit 0 of every field
+};
+
+// x >> d for d >= 0, x << -d otherwise (d is a compile-time constant: one SHF or nothing).
+__device__ __forceinline__ uint32_t shift_right(uint32_t x, int d) { return d >= 0 ? x >> d : x << -d; }
+
+// Index words of one block from its plane words: q[r] field s bit b = plane b bit (F*s + r),
+// i.e. field s of q[r] is the index of element F*s + r. One shift and one LOP3 per (r, b).
+template <int BITS>
+__device__ __forceinline__ void gather_indices(const uint32_t (&plane)[BITS], uint32_t (&q)[Fields<BITS>::kBits]) {
+  constexpr int F = Fields<BITS>::kBits;
+#pragma unroll
+  for (int r = 0; r < F; ++r) {
+    q[r] = 0;
+#pragma unroll
+    for (int b = 0; b < BITS; ++b) q[r] |= shift_right(plane[b], r - b) & (Fields<BITS>::kLowBits << b);
+  }
+}
+
+// Codebook value of element e of a block. The shuffle reads the source lane mod 32, so only
+// the low 5 bits of the shifted word matter: they are e's index plus, for 4-bit fields, the
+// lowest bit of the next field times 16, which the codebook register's replication
+// (lane L holds codebook[L mod 2^k]) makes harmless.
+// e is an unrolled loop counter, so q[e % F] and the shift are compile-time after unrolling.
+template <int BITS>
+__device__ __forceinline__ float lookup(float codebook_reg, const uint32_t (&q)[Fields<BITS>::kBits], int e) {
+  constexpr int F = Fields<BITS>::kBits;
+  return __shfl_sync(0xFFFFFFFFu, codebook_reg, static_cast<int>(q[e % F] >> (F * (e / F))));
+}
+
+// Adds one block (32 elements along K) of this lane's two rows times all M activation rows.
+// Activations come 8 at a time (one 16-byte load per row, an L1 broadcast across the warp);
+// each codebook value feeds M fused multiply-adds into two alternating partial sums (ILP),
+// and the block scale multiplies the partial sum once.
+template <typename T, int BITS, int M, int J>
+__device__ __forceinline__ void dot_block(const T* __restrict__ a_block, int K, float codebook_reg,
+                                          const uint4 (&planes)[kRowsPerLane][BITS],
+                                          const uint32_t (&codes)[kRowsPerLane], float (&acc)[kRowsPerLane][M]) {
+  constexpr int F = Fields<BITS>::kBits;
+  uint32_t q[kRowsPerLane][F];
+#pragma unroll
+  for (int row = 0; row < kRowsPerLane; ++row) {
+    uint32_t plane[BITS];
+#pragma unroll
+    for (int b = 0; b < BITS; ++b) plane[b] = word(planes[row][b], J);
+    gather_indices<BITS>(plane, q[row]);
+  }
+  float part[kRowsPerLane][M][2];
+#pragma unroll
+  for (int row = 0; row < kRowsPerLane; ++row)
+#pragma unroll
+    for (int m = 0; m < M; ++m) part[row][m][0] = part[row][m][1] = 0.f;
+
+#pragma unroll
+  for (int c = 0; c < kBlockSize / 8; ++c) {
+    float a[M][8];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(a_block + static_cast<int64_t>(m) * K) + c);
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        const float2 f = Act<T>::widen(word(raw, p));
+        a[m][2 * p] = f.x;
+        a[m][2 * p + 1] = f.y;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int row = 0; row < kRowsPerLane; ++row) {
+        const float v = lookup<BITS>(codebook_reg, q[row], 8 * c + i);
+#pragma unroll
+        for (int m = 0; m < M; ++m) part[row][m][i & 1] = fmaf(v, a[m][i], part[row][m][i & 1]);
+      }
+    }
+  }
+#pragma unroll
+  for (int row = 0; row < kRowsPerLane; ++row) {
+    const float scale = decode_scale(codes[row], J);
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[row][m] = fmaf(scale, part[row][m][0] + part[row][m][1], acc[row][m]);
+  }
+}
+
+// ----------------------------------------------------------------------------- kernel
+
+// Grid: n_tiles * splits CTAs in clusters of `splits` (CTA = n-tile * splits + split). qweight and
+// absmax are the runtime layout viewed as 16-byte plane vectors and 4-code words.
+template <typename T, int BITS, int M>
+__global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A, const uint4* __restrict__ qweight,
+                                                        const uint32_t* __restrict__ absmax,
+                                                        const float* __restrict__ codebook, const T* __restrict__ bias,
+                                                        T* __restrict__ C, int N, int K, int k_tiles, int splits) {
+  __shared__ float warp_sums[kWarps][M][kTileN];
+  __shared__ float cta_sums[M * kTileN];
+
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n_tile = blockIdx.x / splits, split = blockIdx.x % splits;
+  const int kt_begin = split * k_tiles / splits, kt_end = (split + 1) * k_tiles / splits;
+  const int k_blocks = K / kBlockSize;
+  const float codebook_reg = __ldg(codebook + (lane & ((1 << BITS) - 1)));
+
+  float acc[kRowsPerLane][M];
+#pragma unroll
+  for (int row = 0; row < kRowsPerLane; ++row)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[row][m] = 0.f;
+
+  for (int kt = kt_begin + warp; kt < kt_end; kt += kWarps) {
+    const int64_t tile = static_cast<int64_t>(n_tile) * k_tiles + kt;
+    // All of the tile's loads for this lane go out before any use: 2k+2 requests in flight.
+    uint4 planes[kRowsPerLane][BITS];
+    uint32_t codes[kRowsPerLane];
+#pragma unroll
+    for (int row = 0; row < kRowsPerLane; ++row) {
+#pragma unroll
+      for (int b = 0; b < BITS; ++b) planes[row][b] = load_stream(qweight + (tile * BITS + b) * kTileN + lane + 32 * row);
+      codes[row] = load_stream(absmax + tile * kTileN + lane + 32 * row);
+    }
+    const T* a_tile = A + static_cast<int64_t>(kt) * kTileKB * kBlockSize;
+    // Blocks past K/32 (the last k-tile's padding) are skipped: their activations don't exist.
+    const int blocks = min(kTileKB, k_blocks - kt * kTileKB);
+    dot_block<T, BITS, M, 0>(a_tile, K, codebook_reg, planes, codes, acc);
+    if (blocks > 1) dot_block<T, BITS, M, 1>(a_tile + kBlockSize, K, codebook_reg, planes, codes, acc);
+    if (blocks > 2) dot_block<T, BITS, M, 2>(a_tile + 2 * kBlockSize, K, codebook_reg, planes, codes, acc);
+    if (blocks > 3) dot_block<T, BITS, M, 3>(a_tile + 3 * kBlockSize, K, codebook_reg, planes, codes, acc);
+  }
+
+#pragma unroll
+  for (int row = 0; row < kRowsPerLane; ++row)
+#pragma unroll
+    for (int m = 0; m < M; ++m) warp_sums[warp][m][lane + 32 * row] = acc[row][m];
+  __syncthreads();
+
+  // Output i = m * 64 + r of the tile (activation row m, tile row r) is finished by thread
+  // i % kThreads, summing the warps (then the splits) in a fixed order.
+  constexpr int kOutputs = M * kTileN;
+  constexpr int kPerThread = (kOutputs + kThreads - 1) / kThreads;
+  float total[kPerThread];
+#pragma unroll
+  for (int t = 0; t < kPerThread; ++t) {
+    const int i = threadIdx.x + t * kThreads;
+    total[t] = 0.f;
+    if (i < kOutputs) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) total[t] += warp_sums[w][i / kTileN][i % kTileN];
+    }
+  }
+  if (splits > 1) {
+    // Split 0 of the cluster adds the other splits' sums from their shared memory; the second
+    // cluster barrier keeps every CTA (and so its shared memory) alive until those reads are done.
+    cg::cluster_group cluster = cg::this_cluster();
+#pragma unroll
+    for (int t = 0; t < kPerThread; ++t) {
+      const int i = threadIdx.x + t * kThreads;
+      if (i < kOutputs) cta_sums[i] = total[t];
+    }
+    cluster.sync();
+    if (split == 0) {
+      for (int s = 1; s < splits; ++s) {
+        const float* remote = cluster.map_shared_rank(cta_sums, s);
+#pragma unroll
+        for (int t = 0; t < kPerThread; ++t) {
+          const int i = threadIdx.x + t * kThreads;
+          if (i < kOutputs) total[t] += remote[i];
+        }
+      }
+    }
+    cluster.sync();
+  }
+  if (split != 0) return;
+#pragma unroll
+  for (int t = 0; t < kPerThread; ++t) {
+    const int i = threadIdx.x + t * kThreads;
+    const int n = n_tile * kTileN + i % kTileN;
+    if (i < kOutputs && n < N) {
+      float v = total[t];
+      if (bias != nullptr) v += Act<T>::to_float(bias[n]);
+      C[static_cast<int64_t>(i / kTileN) * N + n] = Act<T>::narrow(v);
+    }
+  }
+}
+
+template <typename T, int BITS, int M>
+void launch_typed(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                  const at::Tensor& codebook, const T* bias, int N, int K, at::Tensor& C) {
+  const int n_tiles = static_cast<int>(qweight_rt.size(0)), k_tiles = static_cast<int>(qweight_rt.size(1));
+  const int splits = gemv_splits(n_tiles, k_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(n_tiles * splits));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = 0;
+  config.stream = at::cuda::getCurrentCUDAStream();
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(splits);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, gemv_kernel<T, BITS, M>, reinterpret_cast<const T*>(A.data_ptr()),
+                                    reinterpret_cast<const uint4*>(qweight_rt.data_ptr()),
+                                    reinterpret_cast<const uint32_t*>(absmax_rt.data_ptr()),
+                                    codebook.data_ptr<float>(), bias, reinterpret_cast<T*>(C.data_ptr()), N, K,
+                                    k_tiles, splits));
+}
+
+template <typename T, int BITS>
+void launch_bits(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, const T* bias,
+                 int N, int K, at::Tensor& C) {
+  switch (A.size(0)) {
+    case 1: return launch_typed<T, BITS, 1>(A, q, a, cb, bias, N, K, C);
+    case 2: return launch_typed<T, BITS, 2>(A, q, a, cb, bias, N, K, C);
+    case 3: return launch_typed<T, BITS, 3>(A, q, a, cb, bias, N, K, C);
+    case 4: return launch_typed<T, BITS, 4>(A, q, a, cb, bias, N, K, C);
+    default: TORCH_CHECK(false, "kbit gemv: M=", A.size(0), " is outside 1..", kGemvMaxM);
+  }
+}
+
+template <typename T>
+void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb,
+                  const std::optional<at::Tensor>& bias, int N, int K, at::Tensor& C) {
+  const T* bias_ptr = bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
+  switch (q.size(2)) {
+    case 2: return launch_bits<T, 2>(A, q, a, cb, bias_ptr, N, K, C);
+    case 3: return launch_bits<T, 3>(A, q, a, cb, bias_ptr, N, K, C);
+    case 4: return launch_bits<T, 4>(A, q, a, cb, bias_ptr, N, K, C);
+    case 5: return launch_bits<T, 5>(A, q, a, cb, bias_ptr, N, K, C);
+    default: TORCH_CHECK(false, "kbit gemv: k=", q.size(2), " is not supported");
+  }
+}
+
+}  // namespace
+
+int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
+  // Cost model: k-tiles the busiest SM streams, slowed down when fewer than kStreamingWarps
+  // warps per SM have loads in flight. Cost = num / den; the smallest wins, ties to fewer splits.
+  constexpr int64_t kResidentCtas = 8;      // CTAs of kThreads one SM holds at once (registers)
+  constexpr int64_t kStreamingWarps = 16;   // warps per SM that keep enough bytes in flight
+  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(kGemvMaxSplits, k_tiles));
+  int best = 1;
+  int64_t best_num = -1, best_den = 1;
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    const int64_t per_sm = (n_tiles * s + num_sms - 1) / num_sms;
+    const int64_t tiles = (k_tiles + s - 1) / s;
+    const int64_t active = std::min<int64_t>(kWarps, tiles);
+    const int64_t streaming = std::min(std::min(per_sm, kResidentCtas) * active, kStreamingWarps);
+    const int64_t num = per_sm * tiles * kStreamingWarps, den = streaming;
+    if (best_num < 0 || num * best_den < best_num * den) {
+      best = static_cast<int>(s);
+      best_num = num;
+      best_den = den;
+    }
+  }
+  return best;
+}
+
+void launch_gemv(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                 const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
+                 at::Tensor& C) {
+  TORCH_CHECK(N <= INT32_MAX && K <= INT32_MAX && qweight_rt.size(0) * qweight_rt.size(1) <= INT32_MAX,
+              "kbit gemv: weight too large");
+  if (A.scalar_type() == at::kBFloat16) {
+    launch_dtype<__nv_bfloat16>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C);
+  } else {
+    TORCH_CHECK(A.scalar_type() == at::kHalf, "kbit gemv: activations must be bf16 or fp16");
+    launch_dtype<__half>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C);
+  }
+}
+
+}  // namespace kbit

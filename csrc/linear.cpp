@@ -1,0 +1,113 @@
+// kbit::linear on CUDA: out[..., N] = x[..., K] @ dequant(W)^T (+ bias), W in the runtime layout.
+//
+// Picks a path by M (rows of x) from one table. Everything here is metadata work: no host
+// sync, and every allocation's size follows from the shapes alone, so calls are capturable
+// in CUDA graphs.
+#include "gemv.cuh"
+
+#include <cstdint>
+#include <limits>
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+namespace kbit {
+namespace {
+
+enum class LinearPath { kGemv, kDequantCublas };
+
+// The largest M each path serves, in order (H100, benchmarks/results/bench_linear_*.md).
+// GEMV wins while the weights dominate the bytes; past it the weights are dequantized to
+// x's dtype and cuBLAS runs the matmul, until a fused MMA kernel takes over small M.
+struct PathRow {
+  int64_t max_m;
+  LinearPath path;
+};
+constexpr PathRow kLinearPaths[] = {
+    {kGemvMaxM, LinearPath::kGemv},
+    {std::numeric_limits<int64_t>::max(), LinearPath::kDequantCublas},
+};
+
+LinearPath pick_path(int64_t M, at::ScalarType dtype) {
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return LinearPath::kDequantCublas;  // fp32 x
+  for (const PathRow& row : kLinearPaths) {
+    if (M <= row.max_m) return row.path;
+  }
+  return LinearPath::kDequantCublas;
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, int64_t N,
+                  int64_t K, const std::optional<at::Tensor>& bias) {
+  TORCH_CHECK(x.is_cuda(), "kbit linear: x must be a CUDA tensor");
+  const auto dt = x.scalar_type();
+  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat,
+              "kbit linear: x has dtype ", dt, "; supported: bfloat16, float16, float32");
+  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "kbit linear: x has ", x.dim() ? x.size(-1) : 0,
+              " features but the weight has K=", K);
+  TORCH_CHECK(N > 0 && K > 0 && K % 32 == 0, "kbit linear: weight shape [", N, ", ", K,
+              "] needs N > 0 and K a positive multiple of 32");
+  TORCH_CHECK(q.scalar_type() == at::kInt && q.dim() == 5, "kbit linear: runtime qweight must be int32 5-D");
+  const int64_t k = q.size(2);
+  TORCH_CHECK(k >= 2 && k <= 5, "kbit linear: k=", k, " is not supported");
+  const int64_t n_tiles = (N + 63) / 64, k_tiles = (K / 32 + 3) / 4;
+  TORCH_CHECK(q.size(0) == n_tiles && q.size(1) == k_tiles && q.size(3) == 64 && q.size(4) == 4,
+              "kbit linear: runtime qweight shape ", q.sizes(), " does not match weight [", N, ", ", K, "]");
+  TORCH_CHECK(a.scalar_type() == at::kByte && a.dim() == 4 && a.size(0) == n_tiles && a.size(1) == k_tiles &&
+                  a.size(2) == 64 && a.size(3) == 4,
+              "kbit linear: runtime absmax must be uint8 [", n_tiles, ", ", k_tiles, ", 64, 4], got ", a.sizes());
+  TORCH_CHECK(q.is_contiguous() && a.is_contiguous(), "kbit linear: runtime tensors must be contiguous");
+  TORCH_CHECK(cb.scalar_type() == at::kFloat && cb.dim() == 1 && cb.numel() == (int64_t{1} << k) && cb.is_contiguous(),
+              "kbit linear: codebook must be float32 [", int64_t{1} << k, "]");
+  TORCH_CHECK(q.device() == x.device() && a.device() == x.device() && cb.device() == x.device(),
+              "kbit linear: all tensors must be on ", x.device());
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == dt && bias->device() == x.device(),
+                "kbit linear: bias must be [", N, "] of x's dtype on x's device");
+  }
+}
+
+at::Tensor dequantize_runtime(const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, int64_t N, int64_t K,
+                              at::ScalarType dtype) {
+  // Through the dispatcher: whichever CUDA kernel is registered for kbit::dequantize_runtime.
+  static const auto op = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("kbit::dequantize_runtime", "")
+                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt,
+                                                c10::SymInt, at::ScalarType)>();
+  return op.call(q, a, cb, c10::SymInt(N), c10::SymInt(K), dtype);
+}
+
+at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                       const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
+  check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
+  const c10::DeviceGuard guard(x.device());
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  const int64_t M = x.numel() / K;
+  if (M == 0) return at::empty(out_shape, x.options());
+
+  if (pick_path(M, x.scalar_type()) == LinearPath::kGemv) {
+    at::Tensor A = x.reshape({M, K}).contiguous();
+    if (reinterpret_cast<uintptr_t>(A.data_ptr()) % 16 != 0) A = A.clone();  // the kernel reads 16-byte vectors
+    at::Tensor C = at::empty({M, N}, x.options());
+    std::optional<at::Tensor> b;
+    if (bias.has_value()) b = bias->contiguous();
+    launch_gemv(A, qweight_rt, absmax_rt, codebook, b, N, K, C);
+    return C.view(out_shape);
+  }
+  const at::Tensor W = dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.scalar_type());
+  return at::linear(x, W, bias);
+}
+
+int64_t gemv_splits_op(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
+  return gemv_splits(n_tiles, k_tiles, num_sms);
+}
+
+}  // namespace
+}  // namespace kbit
+
+// The split-K heuristic as an op, so tests can check it against its Python mirror.
+TORCH_LIBRARY_FRAGMENT(kbit, m) { m.def("_gemv_splits(int n_tiles, int k_tiles, int num_sms) -> int", &kbit::gemv_splits_op); }
+
+TORCH_LIBRARY_IMPL(kbit, CUDA, m) { m.impl("linear", &kbit::linear_cuda); }

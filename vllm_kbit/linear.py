@@ -1,0 +1,75 @@
+"""``kbit_linear``: the dense entry point, ``x @ dequant(W).T (+ bias)`` on a runtime-layout weight.
+
+The op ``torch.ops.kbit.linear`` picks its kernel by M (rows of x) from one table in
+``csrc/linear.cpp``: the GEMV kernel for M <= 4, dequantize + cuBLAS above. Without the
+CUDA extension the PyTorch reference serves every device.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from vllm_kbit import format as fmt
+from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+from vllm_kbit.weight import KbitWeight
+
+_linear = torch.ops.kbit.linear.default
+
+# Mirrors csrc/gemv.cu (kWarps, kResidentCtas, kStreamingWarps) and csrc/gemv.cuh (kGemvMaxSplits).
+_GEMV_WARPS = 4
+_GEMV_RESIDENT_CTAS = 8
+_GEMV_STREAMING_WARPS = 16
+GEMV_MAX_SPLITS = 8
+
+
+@dataclass(frozen=True)
+class KbitLinearWeight:
+    """A [N, K] kbit weight in the runtime layout the kernels read (built once at load)."""
+
+    qweight_rt: torch.Tensor  # int32 [ceil(N/64), ceil(K/128), k, 64, 4]
+    absmax_rt: torch.Tensor  # uint8 [ceil(N/64), ceil(K/128), 64, 4], E4M4 codes
+    codebook: torch.Tensor  # float32 [2**k]
+    N: int
+    K: int
+    k: int
+
+    @classmethod
+    def from_kbit(cls, weight: KbitWeight) -> KbitLinearWeight:
+        qweight_rt, absmax_rt = weight.repack()
+        N, K = weight.shape
+        return cls(qweight_rt, absmax_rt, weight.codebook, N, K, weight.k)
+
+    def dequantize(self, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+        return torch.ops.kbit.dequantize_runtime(self.qweight_rt, self.absmax_rt, self.codebook, self.N, self.K, dtype)
+
+
+def kbit_linear(x: torch.Tensor, weight: KbitLinearWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """out[..., N] = x[..., K] @ dequant(W).T (+ bias), in x's dtype. No host sync; graph-capturable."""
+    return _linear(x, weight.qweight_rt, weight.absmax_rt, weight.codebook, weight.N, weight.K, bias)
+
+
+def gemv_splits(n_tiles: int, k_tiles: int, num_sms: int) -> int:
+    """The GEMV's K splits per n-tile, exactly as csrc/gemv.cu computes them (see gemv_splits there).
+
+    The result is in [1, min(GEMV_MAX_SPLITS, k_tiles)], and split s owns k-tiles
+    [s*k_tiles//S, (s+1)*k_tiles//S), which is non-empty for every s because S <= k_tiles.
+    """
+    max_splits = max(1, min(GEMV_MAX_SPLITS, k_tiles))
+    best, best_num, best_den = 1, -1, 1
+    for s in range(1, max_splits + 1):
+        per_sm = -(-(n_tiles * s) // num_sms)
+        tiles = -(-k_tiles // s)
+        active = min(_GEMV_WARPS, tiles)
+        streaming = min(min(per_sm, _GEMV_RESIDENT_CTAS) * active, _GEMV_STREAMING_WARPS)
+        num, den = per_sm * tiles * _GEMV_STREAMING_WARPS, streaming
+        if best_num < 0 or num * best_den < best_num * den:
+            best, best_num, best_den = s, num, den
+    return best
+
+
+def gemv_tiles(N: int, K: int) -> tuple[int, int]:
+    """(n_tiles, k_tiles) of a [N, K] weight's runtime layout."""
+    q_shape, _ = fmt.runtime_shapes(N, K, 2)
+    return q_shape[0], q_shape[1]
