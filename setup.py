@@ -34,8 +34,9 @@ def cuda_extensions():
         },
         py_limited_api=True,
     )
-    build_ext = cpp_extension.BuildExtension.with_options(use_ninja=True)
-    return [ext], {"build_ext": build_ext}
+    # BuildExtension uses ninja by default; with_options(use_ninja=...) breaks on setuptools >= 80
+    # (its Command.__init__ rejects the unknown keyword).
+    return [ext], {"build_ext": cpp_extension.BuildExtension}
 
 
 ext_modules, cmdclass = cuda_extensions()
