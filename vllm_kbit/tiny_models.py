@@ -114,3 +114,16 @@ def build(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
         out_dir
     )
     return out_dir
+
+
+if __name__ == "__main__":
+    # python -m vllm_kbit.tiny_models KIND OUT_DIR: writes the checkpoint (if absent) and prints OUT_DIR.
+    import sys
+
+    kind, out = sys.argv[1], sys.argv[2]
+    if not os.path.exists(os.path.join(out, "config.json")):
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        build(kind, out)
+    print(out)

@@ -16,7 +16,7 @@ from vllm_kbit.cli import main as cli_main
 from vllm_kbit.convert import ConvertError, convert
 from vllm_kbit.settings import KbitSettings
 
-from .conftest import online_kwargs, run_engine, settings_of
+from kbit_e2e import online_kwargs, run_engine, settings_of
 
 
 # ----------------------------------------------------------------------------- settings

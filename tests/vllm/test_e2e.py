@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from .conftest import ONLINE, TEXT_PROMPTS, dequantized_checkpoint, max_logprob_gap, online_kwargs, settings_of, token_match
+from kbit_e2e import ONLINE, TEXT_PROMPTS, dequantized_checkpoint, max_logprob_gap, online_kwargs, settings_of, token_match
 
 MIN_TOKEN_MATCH = 0.95
 MAX_LOGPROB_GAP = 0.1  # bf16 noise between two ways of computing the same dequantized model
@@ -21,7 +21,7 @@ def _online(engine, tiny, kind: str, k: int, config: dict | None = None, **extra
 def _dequantized(engine, tiny, tmp_path_factory, kind: str, k: int, config: dict | None = None):
     config = ONLINE[k] if config is None else config
     ref_dir = dequantized_checkpoint(tiny[kind], str(tmp_path_factory.mktemp(f"{kind}-deq{k}")), settings_of(config))
-    return engine(f"{kind}-deq{k}", ref_dir)
+    return engine(f"{kind}-deq{k}", ref_dir, text_prompts=TEXT_PROMPTS)
 
 
 def _kbit_layers(result: dict) -> dict:

@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from .conftest import TEXT_PROMPTS
+from kbit_e2e import TEXT_PROMPTS
 
 START_TIMEOUT_S = 420
 

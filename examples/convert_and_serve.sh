@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Pre-quantized kbit: convert once with `vllm-kbit convert`, then `vllm serve` the output with no flag
+# (the kbit quantization_config in its config.json is detected).
+#
+#   MODEL=/path/to/bf16-checkpoint OUT=/path/to/kbit-checkpoint examples/convert_and_serve.sh
+#
+# MODEL: a bf16/fp16 safetensors model directory; default: a tiny random Qwen3-MoE built locally.
+set -euo pipefail
+MODEL=${MODEL:-$(python -m vllm_kbit.tiny_models qwen3_moe /tmp/kbit-examples/tiny-qwen3-moe)}
+OUT=${OUT:-/tmp/kbit-examples/$(basename "$MODEL")-kbit4}
+PORT=${PORT:-8000}
+
+# 4 bits, routed experts at 3 bits; add --device cuda to quantize on the GPU.
+vllm-kbit convert "$MODEL" "$OUT" --bits 4 --bits-overrides experts=3 --overwrite
+
+vllm serve "$OUT" --host 127.0.0.1 --port "$PORT" --served-model-name kbit-model --max-model-len 1024 \
+    --gpu-memory-utilization "${GPU_MEMORY_UTILIZATION:-0.3}" &
+SERVER=$!
+trap 'kill $SERVER; wait $SERVER 2>/dev/null || true' EXIT
+
+until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
+    kill -0 $SERVER
+    sleep 2
+done
+curl -s "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
+    -d '{"model": "kbit-model", "prompt": "Once upon a time", "max_tokens": 16, "temperature": 0}'
+echo

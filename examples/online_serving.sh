@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Online kbit: `vllm serve` a bf16/fp16 Hugging Face checkpoint, quantizing its weights while loading.
+#
+#   MODEL=Qwen/Qwen3-30B-A3B examples/online_serving.sh
+#
+# MODEL: a bf16/fp16 model id or directory; default: a tiny random Qwen3-MoE built locally.
+# Settings go through --hf-overrides (a quantization_config dict); `--quantization kbit`
+# alone means 4 bits with the defaults. Here: 3 bits, attention layers at 5 bits.
+set -euo pipefail
+MODEL=${MODEL:-$(python -m vllm_kbit.tiny_models qwen3_moe /tmp/kbit-examples/tiny-qwen3-moe)}
+PORT=${PORT:-8000}
+
+vllm serve "$MODEL" --quantization kbit \
+    --hf-overrides '{"quantization_config": {"quant_method": "kbit", "bits": 3, "bits_overrides": {"self_attn\\.": 5}}}' \
+    --host 127.0.0.1 --port "$PORT" --served-model-name kbit-model --max-model-len 1024 \
+    --gpu-memory-utilization "${GPU_MEMORY_UTILIZATION:-0.3}" &
+SERVER=$!
+trap 'kill $SERVER; wait $SERVER 2>/dev/null || true' EXIT
+
+until curl -sf "http://127.0.0.1:$PORT/health" >/dev/null; do
+    kill -0 $SERVER  # stop waiting if the server died
+    sleep 2
+done
+curl -s "http://127.0.0.1:$PORT/v1/completions" -H 'Content-Type: application/json' \
+    -d '{"model": "kbit-model", "prompt": "The capital of France is", "max_tokens": 16, "temperature": 0}'
+echo

@@ -1,0 +1,114 @@
+"""Helpers of the vLLM end-to-end tests: prompts, settings per k, engine runs in fresh processes, comparisons."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from vllm_kbit.convert import quantization_decision
+from vllm_kbit.settings import KbitSettings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RUNNER = os.path.join(HERE, "engine_runner.py")
+ENGINE_TIMEOUT_S = 600
+
+# 8 prompts of 12 random byte tokens; 24 greedy tokens each.
+_gen = torch.Generator().manual_seed(1234)
+PROMPTS = [torch.randint(0, 256, (12,), generator=_gen).tolist() for _ in range(8)]
+MAX_TOKENS = 24
+TEXT_PROMPTS = ["Hello world"]
+
+# Online settings per k; k=3 also exercises per-module bits and modules_to_not_convert:
+# attention at 5 bits, the routed experts of layer 1 left in bf16.
+ONLINE = {
+    2: {"bits": 2},
+    3: {
+        "bits": 3,
+        "bits_overrides": {r"self_attn\.": 5},
+        "modules_to_not_convert": ["lm_head", "gate", "layers.1.mlp.experts"],
+    },
+    4: {"bits": 4},
+    5: {"bits": 5},
+}
+
+
+def settings_of(config: dict) -> KbitSettings:
+    return KbitSettings.from_dict({"quant_method": "kbit", **config})
+
+
+def dequantized_checkpoint(src: str, dst: str, settings: KbitSettings) -> str:
+    """Copy of ``src`` whose quantized weights are replaced by their dequantized bf16 values (a plain checkpoint)."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import vllm_kbit
+
+    os.makedirs(dst, exist_ok=True)
+    for name in [f for f in os.listdir(src) if not f.endswith(".safetensors")]:
+        with open(os.path.join(src, name), "rb") as fi, open(os.path.join(dst, name), "wb") as fo:
+            fo.write(fi.read())
+    for shard in sorted(f for f in os.listdir(src) if f.endswith(".safetensors")):
+        out = {}
+        with safe_open(os.path.join(src, shard), "pt") as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                bits = quantization_decision(key, tuple(t.shape), t.dtype, settings)
+                if bits is not None and bits > 0:
+                    q = vllm_kbit.quantize(t, bits, settings.codebook(bits))
+                    t = q.dequantize(t.dtype)
+                out[key] = t.contiguous()
+        save_file(out, os.path.join(dst, shard), metadata={"format": "pt"})
+    return dst
+
+
+def run_engine(model: str, workdir: str, llm_kwargs: dict | None = None, env: dict | None = None,
+               text_prompts: list[str] | None = None, check: bool = True) -> dict | subprocess.CompletedProcess:
+    """Starts one engine in a fresh process, generates greedily from PROMPTS and returns the runner's JSON."""
+    os.makedirs(workdir, exist_ok=True)
+    spec_path, out_path = os.path.join(workdir, "spec.json"), os.path.join(workdir, "out.json")
+    with open(spec_path, "w") as f:
+        json.dump(
+            {"model": model, "llm_kwargs": llm_kwargs or {}, "prompts": PROMPTS, "text_prompts": text_prompts or [],
+             "max_tokens": MAX_TOKENS, "logprobs": 5},
+            f,
+        )
+    proc = subprocess.run(
+        [sys.executable, RUNNER, spec_path, out_path],
+        env={**os.environ, **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=ENGINE_TIMEOUT_S,
+    )
+    if not check:
+        return proc
+    if proc.returncode != 0:
+        raise AssertionError(f"engine for {model} failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+    with open(out_path) as f:
+        return json.load(f)
+
+
+def token_match(a: list[list[int]], b: list[list[int]]) -> float:
+    """Fraction of generated positions with the same token."""
+    assert len(a) == len(b) and [len(r) for r in a] == [len(r) for r in b], "runs generated different shapes"
+    same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+    return same / sum(len(r) for r in a)
+
+
+def max_logprob_gap(a: dict, b: dict) -> float:
+    """Largest |logprob difference| of the chosen token, over positions where both runs chose the same prefix."""
+    worst = 0.0
+    for ta, tb, la, lb in zip(a["tokens"], b["tokens"], a["logprobs"], b["logprobs"]):
+        for x, y, sa, sb in zip(ta, tb, la, lb):
+            if x != y:
+                break
+            worst = max(worst, abs(sa[str(x)] - sb[str(x)]))
+    return worst
+
+
+def online_kwargs(config: dict) -> dict:
+    """LLM kwargs for online kbit quantization with the given quantization_config (the --hf-overrides route)."""
+    return {"quantization": "kbit", "hf_overrides": {"quantization_config": {"quant_method": "kbit", **config}}}

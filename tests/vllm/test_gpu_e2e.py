@@ -1,0 +1,32 @@
+"""The end-to-end checks on a GPU with vLLM's CUDA build (`pytest -m gpu`); skipped without a CUDA GPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kbit_e2e import ONLINE, dequantized_checkpoint, max_logprob_gap, online_kwargs, settings_of, token_match
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU and vLLM's CUDA build"),
+]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe"])
+def test_gpu_online_matches_dequantized_model(engine, tiny, tmp_path_factory, kind):
+    got = engine(f"gpu-{kind}-online4", tiny[kind], online_kwargs(ONLINE[4]))
+    ref_dir = dequantized_checkpoint(tiny[kind], str(tmp_path_factory.mktemp(f"gpu-{kind}-deq4")), settings_of(ONLINE[4]))
+    ref = engine(f"gpu-{kind}-deq4", ref_dir)
+    assert any(i.get("method") == "KbitOnlineMoEMethod" for i in got["layers"].values())
+    match = token_match(got["tokens"], ref["tokens"])
+    print(f"GPU {kind}: greedy token match {match:.1%}, max logprob gap {max_logprob_gap(got, ref):.4f}")
+    assert match >= 0.95
+    assert max_logprob_gap(got, ref) <= 0.1
+
+
+def test_gpu_converted_checkpoint_identical_to_online(engine, tiny, converted_qwen3_moe):
+    online = engine("gpu-qwen3_moe-online4", tiny["qwen3_moe"], online_kwargs(ONLINE[4]))
+    conv = engine("gpu-qwen3_moe-converted4", converted_qwen3_moe)
+    hashed = {n: i["hash"] for n, i in online["layers"].items() if "hash" in i}
+    assert hashed and hashed == {n: i["hash"] for n, i in conv["layers"].items() if "hash" in i}
+    assert conv["tokens"] == online["tokens"]
