@@ -126,7 +126,7 @@ __device__ __forceinline__ float lookup(float codebook_reg, const uint32_t (&q)[
 // each codebook value feeds M fused multiply-adds into two alternating partial sums (ILP),
 // and the block scale multiplies the partial sum once.
 template <typename T, int BITS, int M, int J>
-__device__ __forceinline__ void dot_block(const T* __restrict__ a_block, int K, float codebook_reg,
+__device__ __forceinline__ void dot_block(const T* __restrict__ a_block, bool valid, int K, float codebook_reg,
                                           const uint4 (&planes)[kRowsPerLane][BITS],
                                           const uint32_t (&codes)[kRowsPerLane], float (&acc)[kRowsPerLane][M]) {
   constexpr int F = Fields<BITS>::kBits;
@@ -171,7 +171,7 @@ __device__ __forceinline__ void dot_block(const T* __restrict__ a_block, int K, 
   for (int row = 0; row < kRowsPerLane; ++row) {
     const float scale = decode_scale(codes[row], J);
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[row][m] = fmaf(scale, part[row][m][0] + part[row][m][1], acc[row][m]);
+    for (int m = 0; m < M; ++m) acc[row][m] = valid ? fmaf(scale, part[row][m][0] + part[row][m][1], acc[row][m]) : acc[row][m];
   }
 }
 
@@ -187,7 +187,9 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
   __shared__ float warp_sums[kWarps][M][kTileN];
   __shared__ float cta_sums[M * kTileN];
 
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // The warp index through a shuffle from lane 0: provably warp-uniform to the compiler, so the
+  // k-tile loop below counts as convergent and its shuffles need no divergence handling.
+  const int warp = __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
   const int n_tile = blockIdx.x / splits, split = blockIdx.x % splits;
   const int kt_begin = split * k_tiles / splits, kt_end = (split + 1) * k_tiles / splits;
   const int k_blocks = K / kBlockSize;
@@ -210,13 +212,15 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
       for (int b = 0; b < BITS; ++b) planes[row][b] = load_stream(qweight + (tile * BITS + b) * kTileN + lane + 32 * row);
       codes[row] = load_stream(absmax + tile * kTileN + lane + 32 * row);
     }
+    // Blocks past K/32 (the last k-tile's padding) have no activations: they read block 0's
+    // instead and their sums are dropped. No branch around the shuffles, so the compiler keeps
+    // them plain warp-wide SHFLs instead of wrapping each in a divergence-safe loop.
     const T* a_tile = A + static_cast<int64_t>(kt) * kTileKB * kBlockSize;
-    // Blocks past K/32 (the last k-tile's padding) are skipped: their activations don't exist.
     const int blocks = min(kTileKB, k_blocks - kt * kTileKB);
-    dot_block<T, BITS, M, 0>(a_tile, K, codebook_reg, planes, codes, acc);
-    if (blocks > 1) dot_block<T, BITS, M, 1>(a_tile + kBlockSize, K, codebook_reg, planes, codes, acc);
-    if (blocks > 2) dot_block<T, BITS, M, 2>(a_tile + 2 * kBlockSize, K, codebook_reg, planes, codes, acc);
-    if (blocks > 3) dot_block<T, BITS, M, 3>(a_tile + 3 * kBlockSize, K, codebook_reg, planes, codes, acc);
+    dot_block<T, BITS, M, 0>(a_tile, true, K, codebook_reg, planes, codes, acc);
+    dot_block<T, BITS, M, 1>(a_tile + (blocks > 1) * kBlockSize, blocks > 1, K, codebook_reg, planes, codes, acc);
+    dot_block<T, BITS, M, 2>(a_tile + (blocks > 2) * 2 * kBlockSize, blocks > 2, K, codebook_reg, planes, codes, acc);
+    dot_block<T, BITS, M, 3>(a_tile + (blocks > 3) * 3 * kBlockSize, blocks > 3, K, codebook_reg, planes, codes, acc);
   }
 
 #pragma unroll
