@@ -86,7 +86,11 @@ def run_engine(model: str, workdir: str, llm_kwargs: dict | None = None, env: di
     if not check:
         return proc
     if proc.returncode != 0:
-        raise AssertionError(f"engine for {model} failed (rc={proc.returncode}):\n{proc.stderr[-6000:]}")
+        causes = [line for line in proc.stderr.splitlines() if "Error" in line and "Traceback" not in line]
+        raise AssertionError(
+            f"engine for {model} failed (rc={proc.returncode}); error lines:\n" + "\n".join(causes[:20])
+            + f"\n--- stderr tail ---\n{proc.stderr[-3000:]}"
+        )
     with open(out_path) as f:
         return json.load(f)
 

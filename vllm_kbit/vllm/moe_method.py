@@ -2,7 +2,8 @@
 
 * :class:`KbitMoEMethod` loads a pre-quantized checkpoint: per expert
   ``w13_qweight`` int32 ``[E, 2I, H/32, k]`` (gate rows, then up rows),
-  ``w2_qweight`` ``[E, H, I/32, k]`` and the matching uint8 ``*_absmax``. Every
+  ``w2_qweight`` ``[E, H, I/32, k]`` and the matching uint8 ``*_absmax``
+  (qweights held as ``[E, N, K/32 * k]`` while loading). Every
   tensor goes through the layer's own expert ``weight_loader``, so tensor
   parallel sharding (w1/w3 along rows, w2 along I/32) and expert-parallel maps
   (global -> local expert id, experts of other ranks skipped) are vLLM's.
@@ -49,6 +50,29 @@ def check_moe_layer(layer: torch.nn.Module, prefix: str) -> None:
                 f"kbit: MoE layer {prefix!r} has {what} {size}, not a multiple of {fmt.BLOCK_SIZE}; "
                 "add it to modules_to_not_convert (or use a smaller tensor-parallel size)"
             )
+
+
+def _load_per_expert_tensors(layer: torch.nn.Module, weights):
+    """``load_weights`` of a RoutedExperts holding kbit experts: each checkpoint tensor is one expert's
+    ``qweight``/``absmax``, handed to the layer's expert loader with vLLM's (physical) expert mapping."""
+    mapping = layer.get_expert_mapping()
+    for expert_name, loaded_weight in weights:
+        qual_name = f"{layer.layer_name}.{expert_name}"
+        for param_name, weight_name, expert_id, shard_id in mapping:
+            if weight_name not in qual_name:
+                continue
+            full_name = qual_name.replace(weight_name, param_name)
+            name = full_name.removeprefix(f"{layer.layer_name}.")
+            param = getattr(layer, name)
+            if param.weight_loader(
+                param=param,
+                loaded_weight=loaded_weight,
+                weight_name=full_name,
+                shard_id=shard_id,
+                expert_id=expert_id,
+                return_success=True,
+            ):
+                yield name
 
 
 class _KbitMoEBase(FusedMoEMethodBase):
@@ -125,13 +149,18 @@ class KbitMoEMethod(_KbitMoEBase):
         **extra_weight_attrs,
     ):
         H, I, k = hidden_size, intermediate_size_per_partition, self.bits
+        # vLLM's expert loader takes 2-D tensors per expert; each qweight row [K/32, k] is held flattened to
+        # K/32 * k words while loading (blocks stay contiguous, so sharding K/32 across ranks is unchanged).
         shapes = {
-            "w13_qweight": ((num_experts, 2 * I, H // 32, k), torch.int32),
+            "w13_qweight": ((num_experts, 2 * I, H // 32 * k), torch.int32),
             "w13_absmax": ((num_experts, 2 * I, H // 32), torch.uint8),
-            "w2_qweight": ((num_experts, H, I // 32, k), torch.int32),
+            "w2_qweight": ((num_experts, H, I // 32 * k), torch.int32),
             "w2_absmax": ((num_experts, H, I // 32), torch.uint8),
         }
         layer.kbit_loaded = {name: set() for name in shapes}
+        # vLLM's RoutedExperts.load_weights takes every 3-D checkpoint tensor for a stack of experts; a kbit
+        # expert's qweight is 3-D ([N, K/32, k]) but holds one expert, so this layer loads per expert.
+        layer.load_weights = functools.partial(_load_per_expert_tensors, layer)
         expert_loader = extra_weight_attrs["weight_loader"]
         for name, (shape, dtype) in shapes.items():
             param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
@@ -160,8 +189,8 @@ class KbitMoEMethod(_KbitMoEBase):
         # The expert loader dispatches on the tensor name: present absmax as a plain (unscaled) weight.
         try:
             ok = expert_loader(
-                param, loaded_weight, weight_name.replace("absmax", "absmax_weight"), shard_id, expert_id,
-                return_success=True,
+                param, loaded_weight.reshape(loaded_weight.shape[0], -1),
+                weight_name.replace("absmax", "absmax_weight"), shard_id, expert_id, return_success=True,
             )
         except RuntimeError as e:
             raise ValueError(
@@ -183,8 +212,9 @@ class KbitMoEMethod(_KbitMoEBase):
                     f"kbit: checkpoint has {len(loaded)} of the {want} {name.split('_', 1)[1]} tensors of "
                     f"{name.split('_')[0]} for MoE layer {self.prefix!r}: incomplete pre-quantized checkpoint"
                 )
-        w13 = [(layer.w13_qweight.data[e], layer.w13_absmax.data[e]) for e in range(E)]
-        w2 = [(layer.w2_qweight.data[e], layer.w2_absmax.data[e]) for e in range(E)]
+        k = self.bits
+        w13 = [(layer.w13_qweight.data[e].unflatten(-1, (-1, k)), layer.w13_absmax.data[e]) for e in range(E)]
+        w2 = [(layer.w2_qweight.data[e].unflatten(-1, (-1, k)), layer.w2_absmax.data[e]) for e in range(E)]
         del layer.kbit_loaded
         self._install(layer, w13, w2)
 
