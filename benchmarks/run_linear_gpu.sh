@@ -42,7 +42,7 @@ torch.cuda.synchronize()
 print("sanitizer workload done")
 EOF
   for tool in memcheck racecheck; do
-    timeout 240 compute-sanitizer --tool $tool --kernel-name regex:gemv python3 /tmp/sanitize_linear.py 2>&1 | tail -6
+    timeout 240 compute-sanitizer --tool $tool --kernel-name kns=gemv_kernel python3 /tmp/sanitize_linear.py 2>&1 | tail -6
   done | tee "$OUT/sanitizer.log"
 fi
 if [ -z "$SKIP_BENCH" ]; then

@@ -175,6 +175,20 @@ __device__ __forceinline__ void dot_block(const T* __restrict__ a_block, bool va
   }
 }
 
+// This lane's share of runtime tile `tile`: bit-plane vectors and scale codes of rows lane and
+// lane + 32. Plane b of the tile's 64 rows is 64 consecutive 16-byte vectors (format.repack).
+template <int BITS>
+__device__ __forceinline__ void load_tile(const uint4* __restrict__ qweight, const uint32_t* __restrict__ absmax,
+                                          int64_t tile, int lane, uint4 (&planes)[kRowsPerLane][BITS],
+                                          uint32_t (&codes)[kRowsPerLane]) {
+#pragma unroll
+  for (int row = 0; row < kRowsPerLane; ++row) {
+#pragma unroll
+    for (int b = 0; b < BITS; ++b) planes[row][b] = load_stream(qweight + (tile * BITS + b) * kTileN + lane + 32 * row);
+    codes[row] = load_stream(absmax + tile * kTileN + lane + 32 * row);
+  }
+}
+
 // ----------------------------------------------------------------------------- kernel
 
 // Grid: n_tiles * splits CTAs in clusters of `splits` (CTA = n-tile * splits + split). qweight and
@@ -201,16 +215,18 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[row][m] = 0.f;
 
-  for (int kt = kt_begin + warp; kt < kt_end; kt += kWarps) {
-    const int64_t tile = static_cast<int64_t>(n_tile) * k_tiles + kt;
-    // All of the tile's loads for this lane go out before any use: 2k+2 requests in flight.
-    uint4 planes[kRowsPerLane][BITS];
-    uint32_t codes[kRowsPerLane];
-#pragma unroll
-    for (int row = 0; row < kRowsPerLane; ++row) {
-#pragma unroll
-      for (int b = 0; b < BITS; ++b) planes[row][b] = load_stream(qweight + (tile * BITS + b) * kTileN + lane + 32 * row);
-      codes[row] = load_stream(absmax + tile * kTileN + lane + 32 * row);
+  // Software pipeline over this warp's k-tiles: the next tile's loads are issued before the
+  // current tile is dequantized, so every warp keeps 2k+2 16/4-byte requests in flight while it
+  // computes (without it a warp alternates between waiting on HBM and computing).
+  uint4 planes[kRowsPerLane][BITS];
+  uint32_t codes[kRowsPerLane];
+  int kt = kt_begin + warp;
+  if (kt < kt_end) load_tile<BITS>(qweight, absmax, static_cast<int64_t>(n_tile) * k_tiles + kt, lane, planes, codes);
+  for (; kt < kt_end; kt += kWarps) {
+    uint4 next_planes[kRowsPerLane][BITS];
+    uint32_t next_codes[kRowsPerLane];
+    if (kt + kWarps < kt_end) {
+      load_tile<BITS>(qweight, absmax, static_cast<int64_t>(n_tile) * k_tiles + kt + kWarps, lane, next_planes, next_codes);
     }
     // Blocks past K/32 (the last k-tile's padding) have no activations: they read block 0's
     // instead and their sums are dropped. No branch around the shuffles, so the compiler keeps
@@ -221,6 +237,12 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
     dot_block<T, BITS, M, 1>(a_tile + (blocks > 1) * kBlockSize, blocks > 1, K, codebook_reg, planes, codes, acc);
     dot_block<T, BITS, M, 2>(a_tile + (blocks > 2) * 2 * kBlockSize, blocks > 2, K, codebook_reg, planes, codes, acc);
     dot_block<T, BITS, M, 3>(a_tile + (blocks > 3) * 3 * kBlockSize, blocks > 3, K, codebook_reg, planes, codes, acc);
+#pragma unroll
+    for (int row = 0; row < kRowsPerLane; ++row) {
+#pragma unroll
+      for (int b = 0; b < BITS; ++b) planes[row][b] = next_planes[row][b];
+      codes[row] = next_codes[row];
+    }
   }
 
 #pragma unroll
@@ -331,19 +353,20 @@ void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
 }  // namespace
 
 int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
-  // Cost model: k-tiles the busiest SM streams, slowed down when fewer than kStreamingWarps
-  // warps per SM have loads in flight. Cost = num / den; the smallest wins, ties to fewer splits.
+  // Cost model: k-tile slots the busiest SM spends (its CTAs times the slowest warp's k-tiles
+  // times the warps), slowed down when fewer than kStreamingWarps warps per SM have loads in flight. Cost = num / den; the smallest wins, ties to fewer splits.
   constexpr int64_t kResidentCtas = 8;      // CTAs of kThreads one SM holds at once (registers)
   constexpr int64_t kStreamingWarps = 16;   // warps per SM that keep enough bytes in flight
   const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(kGemvMaxSplits, k_tiles));
   int best = 1;
   int64_t best_num = -1, best_den = 1;
   for (int64_t s = 1; s <= max_splits; ++s) {
-    const int64_t per_sm = (n_tiles * s + num_sms - 1) / num_sms;
-    const int64_t tiles = (k_tiles + s - 1) / s;
+    const int64_t per_sm = (n_tiles * s + num_sms - 1) / num_sms;   // CTAs on the busiest SM
+    const int64_t tiles = (k_tiles + s - 1) / s;                        // k-tiles of the largest split
+    const int64_t warp_iters = (tiles + kWarps - 1) / kWarps;           // its slowest warp's k-tiles
     const int64_t active = std::min<int64_t>(kWarps, tiles);
     const int64_t streaming = std::min(std::min(per_sm, kResidentCtas) * active, kStreamingWarps);
-    const int64_t num = per_sm * tiles * kStreamingWarps, den = streaming;
+    const int64_t num = per_sm * warp_iters * kWarps * kStreamingWarps, den = streaming;
     if (best_num < 0 || num * best_den < best_num * den) {
       best = static_cast<int>(s);
       best_num = num;

@@ -61,9 +61,10 @@ def gemv_splits(n_tiles: int, k_tiles: int, num_sms: int) -> int:
     for s in range(1, max_splits + 1):
         per_sm = -(-(n_tiles * s) // num_sms)
         tiles = -(-k_tiles // s)
+        warp_iters = -(-tiles // _GEMV_WARPS)
         active = min(_GEMV_WARPS, tiles)
         streaming = min(min(per_sm, _GEMV_RESIDENT_CTAS) * active, _GEMV_STREAMING_WARPS)
-        num, den = per_sm * tiles * _GEMV_STREAMING_WARPS, streaming
+        num, den = per_sm * warp_iters * _GEMV_WARPS * _GEMV_STREAMING_WARPS, streaming
         if best_num < 0 or num * best_den < best_num * den:
             best, best_num, best_den = s, num, den
     return best
