@@ -3,8 +3,9 @@
 // Work split. A CTA of kWarps warps owns one runtime n-tile (64 output rows) and one K split
 // (a contiguous range of 128-wide k-tiles); its warps take the split's k-tiles round robin.
 // Lane l owns rows l and l + 32 of the tile, so one warp-wide 16-byte load of bit-plane b
-// reads 512 contiguous bytes (format.repack puts the 64 rows of a plane next to each other)
-// and every activation value a lane loads serves two weight rows and all M activation rows.
+// reads 512 contiguous bytes (format.repack puts the 64 rows of a plane next to each other).
+// A warp widens its k-tile's activations to fp32 once into shared memory; every value a lane
+// reads back serves two weight rows, and every dequantized weight serves all M activation rows.
 // The splits of one n-tile form a thread-block cluster and are summed through distributed
 // shared memory: no workspace, no counters, nothing to zero, deterministic order.
 //
@@ -122,11 +123,11 @@ __device__ __forceinline__ float lookup(float codebook_reg, const uint32_t (&q)[
 }
 
 // Adds one block (32 elements along K) of this lane's two rows times all M activation rows.
-// Activations come 8 at a time (one 16-byte load per row, an L1 broadcast across the warp);
-// each codebook value feeds M fused multiply-adds into two alternating partial sums (ILP),
-// and the block scale multiplies the partial sum once.
-template <typename T, int BITS, int M, int J>
-__device__ __forceinline__ void dot_block(const T* __restrict__ a_block, bool valid, int K, float codebook_reg,
+// Activations come as fp32 from the warp's staging buffer, 4 per 16-byte shared load (one
+// address for the whole warp: a broadcast); each codebook value feeds M fused multiply-adds
+// into two alternating partial sums (ILP), and the block scale multiplies the partial sum once.
+template <int BITS, int M, int J>
+__device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, float codebook_reg,
                                           const uint4 (&planes)[kRowsPerLane][BITS],
                                           const uint32_t (&codes)[kRowsPerLane], float (&acc)[kRowsPerLane][M]) {
   constexpr int F = Fields<BITS>::kBits;
@@ -149,13 +150,10 @@ __device__ __forceinline__ void dot_block(const T* __restrict__ a_block, bool va
     float a[M][8];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
-      const uint4 raw = __ldg(reinterpret_cast<const uint4*>(a_block + static_cast<int64_t>(m) * K) + c);
-#pragma unroll
-      for (int p = 0; p < 4; ++p) {
-        const float2 f = Act<T>::widen(word(raw, p));
-        a[m][2 * p] = f.x;
-        a[m][2 * p + 1] = f.y;
-      }
+      const float4 lo = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c];
+      const float4 hi = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c + 1];
+      a[m][0] = lo.x, a[m][1] = lo.y, a[m][2] = lo.z, a[m][3] = lo.w;
+      a[m][4] = hi.x, a[m][5] = hi.y, a[m][6] = hi.z, a[m][7] = hi.w;
     }
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
@@ -171,7 +169,7 @@ __device__ __forceinline__ void dot_block(const T* __restrict__ a_block, bool va
   for (int row = 0; row < kRowsPerLane; ++row) {
     const float scale = decode_scale(codes[row], J);
 #pragma unroll
-    for (int m = 0; m < M; ++m) acc[row][m] = valid ? fmaf(scale, part[row][m][0] + part[row][m][1], acc[row][m]) : acc[row][m];
+    for (int m = 0; m < M; ++m) acc[row][m] = fmaf(scale, part[row][m][0] + part[row][m][1], acc[row][m]);
   }
 }
 
@@ -198,6 +196,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
                                                         const uint32_t* __restrict__ absmax,
                                                         const float* __restrict__ codebook, const T* __restrict__ bias,
                                                         T* __restrict__ C, int N, int K, int k_tiles, int splits) {
+  __shared__ float4 a_stage[kWarps][M * kTileKB * kBlockSize / 4];  // per warp: its k-tile's activations, fp32
   __shared__ float warp_sums[kWarps][M][kTileN];
   __shared__ float cta_sums[M * kTileN];
 
@@ -206,7 +205,6 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
   const int warp = __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
   const int n_tile = blockIdx.x / splits, split = blockIdx.x % splits;
   const int kt_begin = split * k_tiles / splits, kt_end = (split + 1) * k_tiles / splits;
-  const int k_blocks = K / kBlockSize;
   const float codebook_reg = __ldg(codebook + (lane & ((1 << BITS) - 1)));
 
   float acc[kRowsPerLane][M];
@@ -228,15 +226,26 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
     if (kt + kWarps < kt_end) {
       load_tile<BITS>(qweight, absmax, static_cast<int64_t>(n_tile) * k_tiles + kt + kWarps, lane, next_planes, next_codes);
     }
-    // Blocks past K/32 (the last k-tile's padding) have no activations: they read block 0's
-    // instead and their sums are dropped. No branch around the shuffles, so the compiler keeps
-    // them plain warp-wide SHFLs instead of wrapping each in a divergence-safe loop.
-    const T* a_tile = A + static_cast<int64_t>(kt) * kTileKB * kBlockSize;
-    const int blocks = min(kTileKB, k_blocks - kt * kTileKB);
-    dot_block<T, BITS, M, 0>(a_tile, true, K, codebook_reg, planes, codes, acc);
-    dot_block<T, BITS, M, 1>(a_tile + (blocks > 1) * kBlockSize, blocks > 1, K, codebook_reg, planes, codes, acc);
-    dot_block<T, BITS, M, 2>(a_tile + (blocks > 2) * 2 * kBlockSize, blocks > 2, K, codebook_reg, planes, codes, acc);
-    dot_block<T, BITS, M, 3>(a_tile + (blocks > 3) * 3 * kBlockSize, blocks > 3, K, codebook_reg, planes, codes, acc);
+    // The tile's 128 x M activations, widened to fp32 once per warp instead of once per lane:
+    // lane l stages elements 4l..4l+3 of every row. Elements past K (the last k-tile's padding
+    // blocks, whose scales are 0) are staged as 0, so padding adds exactly nothing.
+    __syncwarp();  // every lane is done reading the previous tile's activations
+    const int e = kt * kTileKB * kBlockSize + 4 * lane;
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+      if (e < K) {
+        const uint2 raw = __ldg(reinterpret_cast<const uint2*>(A + static_cast<int64_t>(m) * K + e));
+        const float2 lo = Act<T>::widen(raw.x), hi = Act<T>::widen(raw.y);
+        v = make_float4(lo.x, lo.y, hi.x, hi.y);
+      }
+      a_stage[warp][m * 32 + lane] = v;
+    }
+    __syncwarp();
+    dot_block<BITS, M, 0>(a_stage[warp], codebook_reg, planes, codes, acc);
+    dot_block<BITS, M, 1>(a_stage[warp], codebook_reg, planes, codes, acc);
+    dot_block<BITS, M, 2>(a_stage[warp], codebook_reg, planes, codes, acc);
+    dot_block<BITS, M, 3>(a_stage[warp], codebook_reg, planes, codes, acc);
 #pragma unroll
     for (int row = 0; row < kRowsPerLane; ++row) {
 #pragma unroll
