@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # One device call for the dense linear path: build (unless a built vllm_kbit/_C.abi3.so was
 # carried), resource usage + SASS of one GEMV instance, the GPU tests, compute-sanitizer on
-# one shape, and bench_linear.py. Everything lands in $OUT (at most 8 files).
+# one shape, an Nsight Compute profile of the largest shape, and bench_linear.py. Everything lands in $OUT (at most 8 files).
 #   KBIT_COMMIT=<sha> bash benchmarks/run_linear_gpu.sh [bench args...]
-# Steps are skipped with SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1.
+# Steps are skipped with SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_PROFILE=1, SKIP_BENCH=1.
 set -o pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/kbit_out}
@@ -24,7 +24,8 @@ fi
 } >"$OUT/kernel_info.txt" 2>&1
 
 if [ -z "$SKIP_TESTS" ]; then
-  timeout 420 python3 -m pytest tests/gpu/test_linear_cuda.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15
+  timeout 420 python3 -m pytest tests/gpu/test_linear_cuda.py -q -x -p no:cacheprovider 2>&1 | tee "$OUT/tests.log" | tail -15 ||
+    { echo "GPU tests failed: not benchmarking"; exit 1; }
 fi
 if [ -z "$SKIP_SANITIZER" ]; then
   cat >/tmp/sanitize_linear.py <<'EOF'
@@ -44,6 +45,23 @@ EOF
   for tool in memcheck racecheck; do
     timeout 240 compute-sanitizer --tool $tool --kernel-name kns=gemv_kernel python3 /tmp/sanitize_linear.py 2>&1 | tail -6
   done | tee "$OUT/sanitizer.log"
+fi
+if [ -z "$SKIP_PROFILE" ]; then  # Nsight Compute on the largest shape, k=4, M=1 and M=4, at the card's own clocks
+  cat >/tmp/profile_linear.py <<'EOF'
+import torch
+from vllm_kbit import format as fmt
+from vllm_kbit.linear import KbitLinearWeight, kbit_linear
+N, K, k = 28672, 8192, 4
+q_shape, a_shape = fmt.runtime_shapes(N, K, k)
+w = KbitLinearWeight(torch.randint(-2**31, 2**31 - 1, q_shape, dtype=torch.int32, device="cuda"),
+                     torch.randint(100, 180, a_shape, dtype=torch.uint8, device="cuda"), fmt.normal_float_codebook(k, "cuda"), N, K, k)
+for M in (1, 4):
+    kbit_linear(torch.randn(M, K, device="cuda", dtype=torch.bfloat16), w)
+torch.cuda.synchronize()
+EOF
+  timeout 180 ncu --clock-control none --kernel-name regex:gemv_kernel --launch-count 2 --section SpeedOfLight \
+    --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis \
+    python3 /tmp/profile_linear.py >>"$OUT/kernel_info.txt" 2>&1
 fi
 if [ -z "$SKIP_BENCH" ]; then
   timeout 420 python3 benchmarks/bench_linear.py --commit "${KBIT_COMMIT:-unknown}" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80
