@@ -18,9 +18,11 @@ namespace {
 
 enum class LinearPath { kGemv, kDequantCublas };
 
-// The largest M each path serves, in order (H100, benchmarks/results/bench_linear_*.md).
-// GEMV wins while the weights dominate the bytes; past it the weights are dequantized to
-// x's dtype and cuBLAS runs the matmul, until a fused MMA kernel takes over small M.
+// The largest M each path serves, in order. The GEMV exists for M <= 4 (H100,
+// benchmarks/results/bench_linear_H100_2026-11-21.md, COLD k=4: 8192x28672 M=4 102 us vs
+// 162 us cuBLAS bf16; 2048x5120 M=4 9.2 vs 10.1). Above it the weights are dequantized to x's
+// dtype and cuBLAS runs the matmul (8192x28672 M=8: 413 us), until a fused MMA kernel takes
+// over small M.
 struct PathRow {
   int64_t max_m;
   LinearPath path;
