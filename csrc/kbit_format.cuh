@@ -1,0 +1,198 @@
+// Device helpers for the kbit format. vllm_kbit/format.py is the spec: every helper
+// here reproduces one of its steps bit for bit (no fast-math, explicit _rn arithmetic).
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <utility>
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace kbit {
+
+constexpr int kBlockSize = 32;  // elements per quantization block (format.BLOCK_SIZE)
+constexpr int kTileN = 64;      // runtime tile rows (format.TILE_N)
+constexpr int kTileKB = 4;      // runtime tile blocks along K (format.TILE_KB)
+constexpr int kE4M4Bias = 11;   // format.E4M4_BIAS
+
+// Reinterprets the bits of one 32-bit value as another type (packed halves <-> registers).
+template <typename To, typename From>
+__host__ __device__ __forceinline__ To bits_as(const From& v) {
+  static_assert(sizeof(To) == sizeof(From), "bits_as needs equal sizes");
+  To out;
+  memcpy(&out, &v, sizeof(To));
+  return out;
+}
+
+// ----------------------------------------------------------------------------- E4M4 scale
+
+// Decoded scale of a code, exactly format.e4m4_table: normal 2^(e-11)*(1+m/16) built as
+// IEEE bits (no rounding possible), subnormal m*2^-14 (an exact product), code 0 -> 0.
+__host__ __device__ __forceinline__ float e4m4_decode(uint32_t code) {
+  const uint32_t e = code >> 4, m = code & 15u;
+  if (e == 0) return static_cast<float>(m) * 6.103515625e-05f;  // 2^-14
+  return bits_as<float>(((e - kE4M4Bias + 127u) << 23) | (m << 19));
+}
+
+// Midpoint between codes c and c+1, as format._e4m4_midpoints computes it in fp32 (exact:
+// both values have 5 significant bits and adjacent exponents).
+__host__ __device__ __forceinline__ float e4m4_midpoint(uint32_t c) {
+  return (e4m4_decode(c) + e4m4_decode(c + 1)) * 0.5f;
+}
+
+// Nearest code to x >= 0 (or NaN), = format.e4m4_encode: the number of midpoints below x
+// (searchsorted right=False), so ties go to the lower code and x > 31.5 saturates at 255.
+// The code whose value is the largest <= x comes from x's exponent and top 4 mantissa bits
+// (or x*2^14 below the normal range); one comparison with its upper midpoint finishes it.
+// NaN gives 255 like torch.searchsorted (NaN sorts last).
+__host__ __device__ __forceinline__ uint32_t e4m4_encode(float x) {
+  if (!(x == x)) return 255u;
+  uint32_t c;
+  if (x >= 9.765625e-04f) {  // 2^-10: smallest normal E4M4 value
+    const uint32_t bits = bits_as<uint32_t>(x);
+    const int e = static_cast<int>(bits >> 23) - 127 + kE4M4Bias;
+    if (e > 15) return 255u;
+    c = (static_cast<uint32_t>(e) << 4) | ((bits >> 19) & 15u);
+  } else {
+    c = static_cast<uint32_t>(x * 16384.0f);  // exact product, truncation = floor for x >= 0
+  }
+  return (c < 255u && x > e4m4_midpoint(c)) ? c + 1 : c;
+}
+
+// ----------------------------------------------------------------------------- codebook
+
+// Decision threshold between levels c0 < c1 in fp32: format.codebook_thresholds.
+__device__ __forceinline__ float codebook_threshold(float c0, float c1) {
+  return __fmul_rn(__fadd_rn(c0, c1), 0.5f);
+}
+
+// Threshold against a block's decoded scale: a plain fp32 product (choose_indices), never
+// contracted into anything else.
+__device__ __forceinline__ float scaled_threshold(float t, float s) { return __fmul_rn(t, s); }
+
+// ----------------------------------------------------------------------------- element types
+// A quantize "unit" is one 32-bit register compared against a threshold with one instruction
+// giving an all-ones mask per element: two elements for 16-bit types, one for fp32. For
+// 16-bit types unit p holds elements p (low half) and p + 16 (high half) of the block, so the
+// mask bits at positions p and p + 16 are exactly bit-plane bits p and p + 16.
+
+template <typename T>
+struct ElemTraits;
+
+template <>
+struct ElemTraits<__nv_bfloat16> {
+  static constexpr int kUnits = 16;
+  // |w| as integer bits: clearing the sign makes bit order = magnitude order (NaN above Inf).
+  static constexpr uint32_t kAbsMask = 0x7FFF7FFFu;
+  __device__ static __forceinline__ uint32_t max_bits(uint32_t a, uint32_t b) { return __vmaxu2(a, b); }
+  __device__ static __forceinline__ float absmax_to_float(uint32_t m) {
+    return __uint_as_float(__vmaxu2(m, m >> 16) << 16);  // larger half as fp32 (exact widening)
+  }
+  // w > t (fp32) <=> w > round_down_bf16(t) for any bf16 w, so the fp32 comparison of the
+  // reference becomes one packed bf16 compare; the threshold is duplicated into both halves.
+  __device__ static __forceinline__ uint32_t threshold(float t) {
+    return bits_as<uint32_t>(__bfloat162bfloat162(__float2bfloat16_rd(t)));
+  }
+  __device__ static __forceinline__ uint32_t gt_mask(uint32_t u, uint32_t t) {
+    return __hgt2_mask(bits_as<__nv_bfloat162>(u), bits_as<__nv_bfloat162>(t));
+  }
+  __device__ static __forceinline__ uint32_t plane_bits(int p) { return 0x00010001u << p; }
+};
+
+template <>
+struct ElemTraits<__half> {
+  static constexpr int kUnits = 16;
+  static constexpr uint32_t kAbsMask = 0x7FFF7FFFu;
+  __device__ static __forceinline__ uint32_t max_bits(uint32_t a, uint32_t b) { return __vmaxu2(a, b); }
+  __device__ static __forceinline__ float absmax_to_float(uint32_t m) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(__vmaxu2(m, m >> 16))));
+  }
+  // Same rounding-down argument as bf16 (fp16 subnormals included: no flush to zero).
+  __device__ static __forceinline__ uint32_t threshold(float t) {
+    return bits_as<uint32_t>(__half2half2(__float2half_rd(t)));
+  }
+  __device__ static __forceinline__ uint32_t gt_mask(uint32_t u, uint32_t t) {
+    return __hgt2_mask(bits_as<__half2>(u), bits_as<__half2>(t));
+  }
+  __device__ static __forceinline__ uint32_t plane_bits(int p) { return 0x00010001u << p; }
+};
+
+template <>
+struct ElemTraits<float> {
+  static constexpr int kUnits = 32;
+  static constexpr uint32_t kAbsMask = 0x7FFFFFFFu;
+  __device__ static __forceinline__ uint32_t max_bits(uint32_t a, uint32_t b) { return a > b ? a : b; }
+  __device__ static __forceinline__ float absmax_to_float(uint32_t m) { return __uint_as_float(m); }
+  __device__ static __forceinline__ uint32_t threshold(float t) { return __float_as_uint(t); }
+  __device__ static __forceinline__ uint32_t gt_mask(uint32_t u, uint32_t t) {
+    uint32_t m;
+    asm("set.gt.u32.f32 %0, %1, %2;" : "=r"(m) : "f"(__uint_as_float(u)), "f"(__uint_as_float(t)));
+    return m;
+  }
+  __device__ static __forceinline__ uint32_t plane_bits(int p) { return 1u << p; }
+};
+
+// ----------------------------------------------------------------------------- index search
+
+// Bitwise select: a where mask bits are 0, b where they are 1 (one LOP3).
+__device__ __forceinline__ uint32_t select_bits(uint32_t mask, uint32_t a, uint32_t b) {
+  return (a & ~mask) | (b & mask);
+}
+
+// Calls f(std::integral_constant<int, i>) for i = 0 .. N-1: compile-time indices, so the
+// register arrays below are never indexed at run time (which would move them to local memory).
+template <typename F, int... Is>
+__device__ __forceinline__ void static_for_impl(F&& f, std::integer_sequence<int, Is...>) {
+  (f(std::integral_constant<int, Is>{}), ...);
+}
+template <int N, typename F>
+__device__ __forceinline__ void static_for(F&& f) {
+  static_for_impl(f, std::make_integer_sequence<int, N>{});
+}
+
+// Index of each element of a unit, OR-ed into the K bit-plane words at plane_bits.
+// idx = #{i : w > T[i]} equals a binary search because the scaled thresholds are
+// non-decreasing (ascending codebook, s >= 0): level l compares against the middle
+// threshold of the range its l higher bits select, and its mask is bit K-1-l of idx.
+// The candidate thresholds of level l are narrowed with the masks of the levels above,
+// lowest first (2^l - 1 bitwise selects).
+template <typename T, int K>
+__device__ __forceinline__ void search_unit(uint32_t unit, const uint32_t (&thr)[(1 << K) - 1], uint32_t plane_bits,
+                                            uint32_t (&words)[K]) {
+  uint32_t m[K];
+  static_for<K>([&](auto L) {
+    constexpr int l = L;
+    uint32_t cand[1 << l];
+    static_for<(1 << l)>([&](auto P) { cand[P] = thr[(P << (K - l)) + (1 << (K - l - 1)) - 1]; });
+    static_for<l>([&](auto R) {
+      constexpr int j = l - 1 - R;
+      static_for<(1 << j)>([&](auto Q) { cand[Q] = select_bits(m[j], cand[2 * Q], cand[2 * Q + 1]); });
+    });
+    m[l] = ElemTraits<T>::gt_mask(unit, cand[0]);
+    words[K - 1 - l] |= m[l] & plane_bits;
+  });
+}
+
+// ----------------------------------------------------------------------------- bit-plane unpack
+
+// Bits 0..3 of x moved to bits 0, 8, 16, 24 (the four partial products x<<7i land on
+// distinct bits, so the multiply never carries into the kept ones).
+__device__ __forceinline__ uint32_t spread_nibble(uint32_t x) { return (x * 0x00204081u) & 0x01010101u; }
+
+// Indices of elements 8q .. 8q+7 of a block from its K plane words, one per byte:
+// lo holds elements 8q..8q+3, hi 8q+4..8q+7 (byte j = element j's index).
+template <int K>
+__device__ __forceinline__ void unpack_octet(const uint32_t (&words)[K], int q, uint32_t& lo, uint32_t& hi) {
+  lo = 0;
+  hi = 0;
+#pragma unroll
+  for (int b = 0; b < K; ++b) {
+    const uint32_t byte = words[b] >> (8 * q);
+    lo |= spread_nibble(byte & 15u) << b;
+    hi |= spread_nibble((byte >> 4) & 15u) << b;
+  }
+}
+
+}  // namespace kbit

@@ -1,0 +1,50 @@
+// kbit repack: flat layout -> runtime layout (format.repack), once at load time.
+//
+// One thread per runtime word: it computes which flat word (or padding zero) belongs there,
+// so every output element is written, padding included. Threads below the absmax_rt size
+// also write one scale code. Writes are coalesced; reads gather (load time only).
+#include "kbit_format.cuh"
+#include "kbit_ops.h"
+#include "launch_utils.cuh"
+
+namespace kbit {
+namespace {
+
+constexpr int kThreads = 256;
+
+__global__ void __launch_bounds__(kThreads)
+    repack_kernel(const int32_t* __restrict__ qweight, const uint8_t* __restrict__ absmax, int32_t* __restrict__ qweight_rt,
+                  uint8_t* __restrict__ absmax_rt, int64_t N, int64_t KB, int64_t k, int64_t KT, int64_t rt_words,
+                  int64_t rt_codes) {
+  constexpr int64_t kTile = kTileN * kTileKB;
+  for (int64_t o = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; o < rt_words;
+       o += static_cast<int64_t>(gridDim.x) * kThreads) {
+    // qweight_rt[nt, kt, b, r, j] = qweight[nt*64 + r, kt*4 + j, b]
+    const int64_t j = o % kTileKB, r = (o / kTileKB) % kTileN, rest = o / kTile;
+    const int64_t b = rest % k, tile = rest / k;
+    const int64_t n = (tile / KT) * kTileN + r, kb = (tile % KT) * kTileKB + j;
+    qweight_rt[o] = (n < N && kb < KB) ? qweight[(n * KB + kb) * k + b] : 0;
+    if (o < rt_codes) {
+      // absmax_rt[nt, kt, r, j] = absmax[nt*64 + r, kt*4 + j]
+      const int64_t ctile = o / kTile;
+      const int64_t cn = (ctile / KT) * kTileN + r, ckb = (ctile % KT) * kTileKB + j;
+      absmax_rt[o] = (cn < N && ckb < KB) ? absmax[cn * KB + ckb] : 0;
+    }
+  }
+}
+
+}  // namespace
+
+void launch_repack(const at::Tensor& qweight, const at::Tensor& absmax, at::Tensor& qweight_rt, at::Tensor& absmax_rt) {
+  const int64_t rt_words = qweight_rt.numel();
+  if (rt_words == 0) return;
+  const int64_t N = qweight.size(0), KB = qweight.size(1), k = qweight.size(2);
+  const int64_t KT = qweight_rt.size(1);
+  const int grid = persistent_grid(repack_kernel, kThreads, (rt_words + kThreads - 1) / kThreads);
+  repack_kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+      qweight.data_ptr<int32_t>(), absmax.data_ptr<uint8_t>(), qweight_rt.data_ptr<int32_t>(),
+      absmax_rt.data_ptr<uint8_t>(), N, KB, k, KT, rt_words, absmax_rt.numel());
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+}  // namespace kbit
