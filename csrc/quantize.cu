@@ -1,10 +1,12 @@
 // kbit quantize: W [N, K] -> bit-plane qweight [N, K/32, k] + E4M4 absmax [N, K/32].
 //
-// One lane owns one 32-element block: it reads the block with 16-byte loads, takes the
-// absmax on integer bits, encodes/decodes the scale, scales the codebook thresholds once,
-// then finds every element's index with a k-step branch-free binary search whose masks are
-// the bit-planes themselves. A warp covers 32 consecutive blocks; its packed words go
-// through shared memory so the qweight stores are coalesced.
+// One lane owns one 32-element block: it takes the absmax on integer bits, encodes/decodes
+// the scale, scales the codebook thresholds once, then finds every element's index with a
+// k-step branch-free binary search whose masks are the bit-planes themselves. A warp covers
+// 32 consecutive blocks (a "group"). While it computes one group, the next one is already
+// on its way into shared memory (cp.async, coalesced 512-byte rows, double buffered), so
+// every warp keeps loads in flight through its long compute phase. Packed words go through
+// shared memory too, so the qweight stores are coalesced.
 #include "kbit_format.cuh"
 #include "kbit_ops.h"
 #include "launch_utils.cuh"
@@ -14,37 +16,77 @@
 namespace kbit {
 namespace {
 
-constexpr int kThreads = 256;
-constexpr int kWarps = kThreads / 32;
+// 8 warps per block for 16-bit inputs, 4 for fp32 (whose groups take twice the shared memory).
+template <typename T>
+constexpr int kWarps = sizeof(T) == 4 ? 4 : 8;
+template <typename T>
+constexpr int kThreads = 32 * kWarps<T>;
 
-// Resident blocks per SM the register budget is sized for: 4 (64 registers) where the
-// search fits, 2 (128) for k=5 and fp32, whose 31 thresholds / 32 input words need more.
+// Resident blocks per SM the register budget is sized for: 64 registers where the search
+// fits, 128 for k=5 (31 thresholds) and fp32 (32 input words).
 template <typename T, int K>
-constexpr int kMinBlocks = (K == 5 || sizeof(T) == 4) ? 2 : 4;
+constexpr int kMinBlocks = sizeof(T) == 4 ? 4 : (K == 5 ? 2 : 4);
+
+// 16-byte asynchronous global -> shared copy (L2 only: every byte is read once).
+__device__ __forceinline__ void cp_async16(uint4* smem, const uint4* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
+               "l"(gmem)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Waits until at most one committed group (the prefetch just issued) is still in flight.
+__device__ __forceinline__ void cp_async_wait_prior() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
+
+// Shared-memory slot of 16-byte chunk c of the block owned by `lane`: XOR-swizzled so that
+// a warp reading chunk c of its 32 blocks (64 or 128 bytes apart) hits 32 distinct banks.
+template <int kChunks>
+__device__ __forceinline__ int chunk_slot(int lane, int c) {
+  return lane * kChunks + (c ^ ((lane * kChunks / 8) & (kChunks - 1)));
+}
 
 template <typename T, int K>
-__global__ void __launch_bounds__(kThreads, kMinBlocks<T, K>) quantize_kernel(const T* __restrict__ W, const float* __restrict__ codebook,
-                                                            uint32_t* __restrict__ qweight, uint8_t* __restrict__ absmax,
-                                                            int64_t n_blocks) {
+__global__ void __launch_bounds__(kThreads<T>, kMinBlocks<T, K>)
+    quantize_kernel(const T* __restrict__ W, const float* __restrict__ codebook, uint32_t* __restrict__ qweight,
+                    uint8_t* __restrict__ absmax, int64_t n_blocks) {
   constexpr int kLevels = 1 << K;
-  constexpr int kRaw = kBlockSize * sizeof(T) / 4;  // 32-bit registers per block
+  constexpr int kChunks = kBlockSize * sizeof(T) / 16;  // 16-byte chunks per block
+  constexpr int kGroupChunks = 32 * kChunks;
+  constexpr int kW = kWarps<T>;
   using Traits = ElemTraits<T>;
-  __shared__ uint32_t stage[kWarps][32 * K];
+  __shared__ uint4 buf[kW][2][kGroupChunks];
+  __shared__ uint32_t stage[kW][32 * K];
 
   float t[kLevels - 1];
 #pragma unroll
   for (int i = 0; i < kLevels - 1; ++i) t[i] = codebook_threshold(__ldg(codebook + i), __ldg(codebook + i + 1));
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kWarps;
-  for (int64_t group = static_cast<int64_t>(blockIdx.x) * kWarps + warp; group * 32 < n_blocks; group += warp_stride) {
+  const uint4* src = reinterpret_cast<const uint4*>(W);
+  const int64_t n_chunks = n_blocks * kChunks;
+  // Copy instruction i of the warp moves chunks i*32 .. i*32+31 of the group: 512 contiguous bytes.
+  auto prefetch = [&](int64_t group, int s) {
+#pragma unroll
+    for (int i = 0; i < kChunks; ++i) {
+      const int c = i * 32 + lane;
+      const int64_t g = group * kGroupChunks + c;
+      if (g < n_chunks) cp_async16(&buf[warp][s][chunk_slot<kChunks>(c / kChunks, c % kChunks)], src + g);
+    }
+    cp_async_commit();
+  };
+
+  const int64_t warp_stride = static_cast<int64_t>(gridDim.x) * kW;
+  int64_t group = static_cast<int64_t>(blockIdx.x) * kW + warp;
+  prefetch(group, 0);
+  for (int s = 0; group * 32 < n_blocks; group += warp_stride, s ^= 1) {
+    prefetch(group + warp_stride, s ^ 1);
+    cp_async_wait_prior();
+    __syncwarp();  // every lane's copies of this group are complete and visible
     const int64_t blk = group * 32 + lane;
     if (blk < n_blocks) {
-      uint32_t raw[kRaw];
-      const uint4* src = reinterpret_cast<const uint4*>(W) + blk * (kRaw / 4);
+      uint32_t raw[kChunks * 4];
 #pragma unroll
-      for (int i = 0; i < kRaw / 4; ++i) {
-        const uint4 v = __ldg(src + i);
+      for (int i = 0; i < kChunks; ++i) {
+        const uint4 v = buf[warp][s][chunk_slot<kChunks>(lane, i)];
         raw[4 * i] = v.x;
         raw[4 * i + 1] = v.y;
         raw[4 * i + 2] = v.z;
@@ -52,13 +94,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<T, K>) quantize_kernel(co
       }
       uint32_t amax = 0;
 #pragma unroll
-      for (int i = 0; i < kRaw; ++i) amax = Traits::max_bits(amax, raw[i] & Traits::kAbsMask);
+      for (int i = 0; i < kChunks * 4; ++i) amax = Traits::max_bits(amax, raw[i] & Traits::kAbsMask);
       const uint32_t code = e4m4_encode(Traits::absmax_to_float(amax));
-      const float s = e4m4_decode(code);
+      const float sc = e4m4_decode(code);
 
       uint32_t thr[kLevels - 1];
 #pragma unroll
-      for (int i = 0; i < kLevels - 1; ++i) thr[i] = Traits::threshold(scaled_threshold(t[i], s));
+      for (int i = 0; i < kLevels - 1; ++i) thr[i] = Traits::threshold(scaled_threshold(t[i], sc));
 
       uint32_t words[K];
 #pragma unroll
@@ -85,7 +127,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks<T, K>) quantize_kernel(co
       const int64_t o = out_base + b * 32 + lane;
       if (o < out_end) qweight[o] = stage[warp][b * 32 + lane];
     }
-    __syncwarp();
+    __syncwarp();  // stage and buf[s] are free for the next iteration's writes
   }
 }
 
@@ -94,8 +136,8 @@ void launch_typed(const at::Tensor& W, const at::Tensor& codebook, at::Tensor& q
   const int64_t n_blocks = absmax.numel();
   const int64_t groups = (n_blocks + 31) / 32;
   auto kernel = quantize_kernel<T, K>;
-  const int grid = persistent_grid(kernel, kThreads, (groups + kWarps - 1) / kWarps);
-  kernel<<<grid, kThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+  const int grid = persistent_grid(kernel, kThreads<T>, (groups + kWarps<T> - 1) / kWarps<T>);
+  kernel<<<grid, kThreads<T>, 0, at::cuda::getCurrentCUDAStream()>>>(
       reinterpret_cast<const T*>(W.data_ptr()), codebook.data_ptr<float>(),
       reinterpret_cast<uint32_t*>(qweight.data_ptr<int32_t>()), absmax.data_ptr<uint8_t>(), n_blocks);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
