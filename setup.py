@@ -29,8 +29,8 @@ def cuda_extensions():
         sources=sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu")),
         include_dirs=[os.path.abspath("csrc"), *nvidia_include],
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17", "-DPy_LIMITED_API=0x030a0000"],
-            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "-DPy_LIMITED_API=0x030a0000"],
+            "cxx": ["-O3", "-std=c++17"],
+            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
         },
         py_limited_api=True,
     )

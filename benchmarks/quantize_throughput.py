@@ -80,11 +80,12 @@ def bench_shape(K: int, N: int, copy_gbs: float) -> list[dict]:
     weights = [torch.randn(N, K, device="cuda", dtype=torch.bfloat16, generator=gen) for _ in range(n_copies)]
     for k in BITS:
         cb = fmt.normal_float_codebook(k, "cuda")
-        calls = [lambda W=W: torch.ops.kbit.quantize(W, cb, k) for W in weights] * max(1, 8 // n_copies)
-        ms = median_ms(calls)
         q_bytes = N * (K // 32) * (4 * k + 1)
-        rows.append(dict(op="quantize", K=K, N=N, k=k, dtype="bfloat16", ms=ms, read_gbs=in_bytes / ms / 1e6,
-                         total_gbs=(in_bytes + q_bytes) / ms / 1e6, copies=n_copies))
+        for search in (False, True):
+            calls = [lambda W=W: torch.ops.kbit.quantize(W, cb, k, search) for W in weights] * max(1, 8 // n_copies)
+            ms = median_ms(calls)
+            rows.append(dict(op="quantize_searched" if search else "quantize", K=K, N=N, k=k, dtype="bfloat16", ms=ms,
+                             read_gbs=in_bytes / ms / 1e6, total_gbs=(in_bytes + q_bytes) / ms / 1e6, copies=n_copies))
 
         packed = [torch.ops.kbit.quantize(W, cb, k) for W in weights[: copies_for(q_bytes + in_bytes)]]
         calls = [lambda q=q, a=a: torch.ops.kbit.dequantize(q, a, cb, torch.bfloat16) for q, a in packed]

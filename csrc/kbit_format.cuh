@@ -99,6 +99,10 @@ struct ElemTraits<__nv_bfloat16> {
     return __hgt2_mask(bits_as<__nv_bfloat162>(u), bits_as<__nv_bfloat162>(t));
   }
   __device__ static __forceinline__ uint32_t plane_bits(int p) { return 0x00010001u << p; }
+  // Element i of a block held as 16 registers of two (element 2r low, 2r+1 high), widened exactly.
+  __device__ static __forceinline__ float element(const uint32_t* raw, int i) {
+    return __uint_as_float((i & 1) ? (raw[i / 2] & 0xFFFF0000u) : (raw[i / 2] << 16));
+  }
 };
 
 template <>
@@ -117,6 +121,9 @@ struct ElemTraits<__half> {
     return __hgt2_mask(bits_as<__half2>(u), bits_as<__half2>(t));
   }
   __device__ static __forceinline__ uint32_t plane_bits(int p) { return 0x00010001u << p; }
+  __device__ static __forceinline__ float element(const uint32_t* raw, int i) {
+    return __half2float(__ushort_as_half(static_cast<unsigned short>((i & 1) ? raw[i / 2] >> 16 : raw[i / 2])));
+  }
 };
 
 template <>
@@ -132,6 +139,7 @@ struct ElemTraits<float> {
     return m;
   }
   __device__ static __forceinline__ uint32_t plane_bits(int p) { return 1u << p; }
+  __device__ static __forceinline__ float element(const uint32_t* raw, int i) { return __uint_as_float(raw[i]); }
 };
 
 // ----------------------------------------------------------------------------- index search

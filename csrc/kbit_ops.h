@@ -6,9 +6,10 @@
 
 namespace kbit {
 
-// W [N, K] (fp16/bf16/fp32, 16-byte aligned) -> qweight int32 [N, K/32, k], absmax uint8 [N, K/32].
-void launch_quantize(const at::Tensor& W, const at::Tensor& codebook, int64_t k, at::Tensor& qweight,
-                     at::Tensor& absmax);
+// W [N, K] (fp16/bf16/fp32, 16-byte aligned) -> qweight int32 [N, K/32, k], absmax uint8 [N, K/32];
+// search_scale picks each block's scale code by block squared error (format.block_scales).
+void launch_quantize(const at::Tensor& W, const at::Tensor& codebook, int64_t k, bool search_scale,
+                     at::Tensor& qweight, at::Tensor& absmax);
 
 // Flat (qweight [N, KB, k]) or runtime (qweight_rt [N/64, KB/4, k, 64, 4]) layout -> out [N, KB*32].
 void launch_dequantize(const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook, int64_t k,

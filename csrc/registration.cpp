@@ -71,7 +71,8 @@ int64_t check_flat(const at::Tensor& qweight, const at::Tensor& absmax) {
   return k;
 }
 
-std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& W, const at::Tensor& codebook, int64_t k) {
+std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& W, const at::Tensor& codebook, int64_t k,
+                                            bool search_scale) {
   TORCH_CHECK_TYPE(is_float_dtype(W.scalar_type()), "kbit: weight has dtype ", W.scalar_type(),
                    "; supported: float16, bfloat16, float32");
   TORCH_CHECK_VALUE(W.dim() == 2, "kbit: weight must be 2-D [N, K], got shape ", W.sizes());
@@ -87,7 +88,7 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& W, const at::Tenso
   const at::Tensor Wa = reinterpret_cast<uintptr_t>(W.data_ptr()) % 16 == 0 ? W : W.clone();
   at::Tensor qweight = at::empty({N, KB, k}, W.options().dtype(at::kInt));
   at::Tensor absmax = at::empty({N, KB}, W.options().dtype(at::kByte));
-  launch_quantize(Wa, codebook, k, qweight, absmax);
+  launch_quantize(Wa, codebook, k, search_scale, qweight, absmax);
   return {qweight, absmax};
 }
 

@@ -20,6 +20,7 @@ def test_opcheck_every_op(k):
     bias = torch.randn(70, dtype=torch.bfloat16)
     cases = [
         (torch.ops.kbit.quantize.default, (W, w.codebook, k)),
+        (torch.ops.kbit.quantize.default, (W, w.codebook, k, False)),
         (torch.ops.kbit.dequantize.default, (w.qweight, w.absmax, w.codebook, torch.float16)),
         (torch.ops.kbit.repack.default, (w.qweight, w.absmax)),
         (torch.ops.kbit.unrepack.default, (q_rt, a_rt, 70, 160)),

@@ -31,9 +31,9 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 E4M4_BIAS = 11
 E4M4_MAX = 31.0  # 2**(15 - 11) * (1 + 15/16): the largest scale a block can have
 # Scale search (see block_scales): E4M4 code offsets tried around each block's absmax code,
-# -8..+8 (about x0.7..x1.4). Off by default until the CUDA quantize kernel implements it.
+# -8..+8 (about x0.7..x1.4). On by default; search_scale=False gives plain absmax scales.
 SCALE_SEARCH_OFFSETS = tuple(d for d in range(-8, 9) if d != 0)
-DEFAULT_SEARCH_SCALE = False
+DEFAULT_SEARCH_SCALE = True
 
 # Runtime tile: TILE_N rows (output features) by TILE_KB blocks of 32 along K.
 TILE_N = 64

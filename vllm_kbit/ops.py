@@ -18,7 +18,9 @@ from vllm_kbit import format as fmt
 _lib = torch.library.Library("kbit", "DEF")
 
 _SCHEMAS = {
-    "quantize": "quantize(Tensor W, Tensor codebook, int k) -> (Tensor qweight, Tensor absmax)",
+    "quantize": (
+        "quantize(Tensor W, Tensor codebook, int k, bool search_scale=True) -> (Tensor qweight, Tensor absmax)"
+    ),
     "dequantize": "dequantize(Tensor qweight, Tensor absmax, Tensor codebook, ScalarType dtype) -> Tensor",
     "repack": "repack(Tensor qweight, Tensor absmax) -> (Tensor qweight_rt, Tensor absmax_rt)",
     "unrepack": "unrepack(Tensor qweight_rt, Tensor absmax_rt, SymInt N, SymInt K) -> (Tensor qweight, Tensor absmax)",
@@ -82,7 +84,7 @@ if not HAS_CUDA_KERNELS:
 
 
 @torch.library.register_fake("kbit::quantize")
-def _quantize_fake(W, codebook, k):
+def _quantize_fake(W, codebook, k, search_scale=True):
     N, K = W.shape
     return W.new_empty(N, K // fmt.BLOCK_SIZE, k, dtype=torch.int32), W.new_empty(
         N, K // fmt.BLOCK_SIZE, dtype=torch.uint8

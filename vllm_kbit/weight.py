@@ -51,8 +51,15 @@ def check_representable(W: torch.Tensor) -> None:
         )
 
 
-def quantize(W: torch.Tensor, k: int = 4, codebook: torch.Tensor | None = None) -> KbitWeight:
-    """Quantizes W[N, K] (fp16/bf16/fp32, K % 32 == 0) to k bits on W's device."""
+def quantize(
+    W: torch.Tensor, k: int = 4, codebook: torch.Tensor | None = None, search_scale: bool = fmt.DEFAULT_SEARCH_SCALE
+) -> KbitWeight:
+    """Quantizes W[N, K] (fp16/bf16/fp32, K % 32 == 0) to k bits on W's device.
+
+    search_scale (default) picks each block's E4M4 scale by block squared error among the
+    absmax code and its neighbours; False keeps plain absmax scales (bit-exact with other
+    absmax implementations of the format).
+    """
     fmt.check_bits(k)
     fmt.check_weight(W)
     if codebook is None:
@@ -62,5 +69,5 @@ def quantize(W: torch.Tensor, k: int = 4, codebook: torch.Tensor | None = None) 
         fmt.check_codebook_values(codebook)
         codebook = codebook.to(W.device)
     check_representable(W)
-    qweight, absmax = torch.ops.kbit.quantize(W, codebook, k)
+    qweight, absmax = torch.ops.kbit.quantize(W, codebook, k, search_scale)
     return KbitWeight(qweight, absmax, codebook, k, (W.shape[0], W.shape[1]))

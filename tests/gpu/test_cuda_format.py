@@ -109,11 +109,12 @@ def test_random_case_matches_reference(case):
     W, cb, k, out_dtype = _random_case(case)
     N, K = W.shape
     KB = K // fmt.BLOCK_SIZE
-    q_ref, a_ref = fmt.quantize(W, cb, k)
+    search_scale = case % 3 != 0  # two cases in three with the (default) scale search, one plain absmax
+    q_ref, a_ref = fmt.quantize(W, cb, k, search_scale)
     Wd, cbd = W.cuda(), cb.cuda()
 
     _poison_cache(W.numel() * 4)
-    q, a = torch.ops.kbit.quantize(Wd, cbd, k)
+    q, a = torch.ops.kbit.quantize(Wd, cbd, k, search_scale)
     _assert_same(a, a_ref, "absmax")
     _assert_same(q, q_ref, "qweight")
 
