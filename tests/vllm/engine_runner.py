@@ -1,9 +1,9 @@
 """Runs one vLLM engine in its own process for the tests: ``python engine_runner.py SPEC.json OUT.json``.
 
 SPEC: {"model": dir, "llm_kwargs": {...}, "prompts": [[token ids]...], "text_prompts": [str...],
-       "max_tokens": n, "logprobs": n}
+       "max_tokens": n, "logprobs": n, "probes": [[token ids]...]}
 OUT:  {"tokens": [[ids]], "logprobs": [[{id: logprob}]], "texts": [str], "layers": {name: info},
-       "memory": {VmHWM, ...}}
+       "probes": [{"argmax": [ids], "logprob": [floats]}], "memory": {VmHWM, ...}}
 
 Each engine gets a fresh process, so engines never share memory or distributed
 state and a failing load shows its own error on stderr.
@@ -25,7 +25,7 @@ def main(spec_path: str, out_path: str) -> None:
 
     with open(spec_path) as f:
         spec = json.load(f)
-    kwargs = dict(gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=256, seed=0)
+    kwargs = dict(gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=256, seed=0, enable_prefix_caching=False)
     kwargs.update(spec.get("llm_kwargs", {}))
     llm = LLM(model=spec["model"], **kwargs)
     layers = llm.apply_model(layer_summary)
@@ -35,7 +35,22 @@ def main(spec_path: str, out_path: str) -> None:
     )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec.get("prompts", [])] + spec.get("text_prompts", [])
     outputs = llm.generate(prompts, params, use_tqdm=False)
+    # Teacher-forced probes: on fixed token sequences, the model's greedy (argmax) next token and the
+    # logprob of the actual next token at every position, independent of what the model generated.
+    probe_out = llm.generate(
+        [TokensPrompt(prompt_token_ids=p) for p in spec.get("probes", [])],
+        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
+        use_tqdm=False,
+    ) if spec.get("probes") else []
+    probes = []
+    for o, seq in zip(probe_out, spec.get("probes", [])):
+        argmax, actual = [], []
+        for pos, step in enumerate(o.prompt_logprobs[1:], start=1):
+            argmax.append(next(t for t, lp in step.items() if lp.rank == 1))
+            actual.append(step[seq[pos]].logprob)
+        probes.append({"argmax": argmax, "logprob": actual})
     result = {
+        "probes": probes,
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "texts": [o.outputs[0].text for o in outputs],
         "logprobs": [

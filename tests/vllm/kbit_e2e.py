@@ -20,6 +20,8 @@ ENGINE_TIMEOUT_S = 600
 _gen = torch.Generator().manual_seed(1234)
 PROMPTS = [torch.randint(0, 256, (12,), generator=_gen).tolist() for _ in range(8)]
 MAX_TOKENS = 24
+# Teacher-forced probes: each prompt followed by 24 fixed random tokens.
+PROBES = [p + torch.randint(0, 256, (24,), generator=_gen).tolist() for p in PROMPTS]
 TEXT_PROMPTS = ["Hello world"]
 
 # Online settings per k; k=3 also exercises per-module bits and modules_to_not_convert:
@@ -73,7 +75,7 @@ def run_engine(model: str, workdir: str, llm_kwargs: dict | None = None, env: di
     with open(spec_path, "w") as f:
         json.dump(
             {"model": model, "llm_kwargs": llm_kwargs or {}, "prompts": PROMPTS, "text_prompts": text_prompts or [],
-             "max_tokens": MAX_TOKENS, "logprobs": 5},
+             "max_tokens": MAX_TOKENS, "logprobs": 5, "probes": PROBES},
             f,
         )
     proc = subprocess.run(
@@ -86,7 +88,8 @@ def run_engine(model: str, workdir: str, llm_kwargs: dict | None = None, env: di
     if not check:
         return proc
     if proc.returncode != 0:
-        causes = [line for line in proc.stderr.splitlines() if "Error" in line and "Traceback" not in line]
+        # vLLM logs the workers' errors on stdout; the engine's own failure comes on stderr.
+        causes = [line for line in (proc.stdout + proc.stderr).splitlines() if "Error" in line and "Traceback" not in line]
         raise AssertionError(
             f"engine for {model} failed (rc={proc.returncode}); error lines:\n" + "\n".join(causes[:20])
             + f"\n--- stderr tail ---\n{proc.stderr[-3000:]}"
@@ -100,6 +103,18 @@ def token_match(a: list[list[int]], b: list[list[int]]) -> float:
     assert len(a) == len(b) and [len(r) for r in a] == [len(r) for r in b], "runs generated different shapes"
     same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
     return same / sum(len(r) for r in a)
+
+
+def probe_match(a: dict, b: dict) -> float:
+    """Fraction of teacher-forced positions (same contexts for both runs) where the greedy next token agrees."""
+    pairs = [(x, y) for pa, pb in zip(a["probes"], b["probes"]) for x, y in zip(pa["argmax"], pb["argmax"])]
+    assert pairs and len(a["probes"]) == len(b["probes"])
+    return sum(x == y for x, y in pairs) / len(pairs)
+
+
+def probe_logprob_gap(a: dict, b: dict) -> float:
+    """Largest |difference| of the logprob given to the actual next token, over all teacher-forced positions."""
+    return max(abs(x - y) for pa, pb in zip(a["probes"], b["probes"]) for x, y in zip(pa["logprob"], pb["logprob"]))
 
 
 def max_logprob_gap(a: dict, b: dict) -> float:

@@ -48,7 +48,7 @@ def test_bad_config_dicts_are_refused():
 def test_unknown_bits_fail_the_engine_with_a_clear_error(tiny, tmp_path):
     proc = run_engine(tiny["qwen3"], str(tmp_path), online_kwargs({"bits": 7}), check=False)
     assert proc.returncode != 0
-    assert "bits=7 is not supported" in proc.stderr
+    assert "bits=7 is not supported" in proc.stdout + proc.stderr
 
 
 # ----------------------------------------------------------------------------- unsupported layers
@@ -81,7 +81,7 @@ def test_moe_with_k_not_multiple_of_32_fails_naming_the_layer(tmp_path):
     model = tiny_models.build("qwen3_moe", str(tmp_path / "m"), moe_intermediate=48)
     proc = run_engine(model, str(tmp_path / "run"), {"quantization": "kbit"}, check=False)
     assert proc.returncode != 0
-    assert "MoE layer 'model.layers.0.mlp.experts' has intermediate size per rank 48" in proc.stderr
+    assert "MoE layer 'model.layers.0.mlp.experts' has intermediate size per rank 48" in proc.stdout + proc.stderr
     with pytest.raises(ConvertError, match=r"experts\.0\.down_proj\.weight has K=48"):
         convert(model, str(tmp_path / "out"), KbitSettings(), progress=False)
 
@@ -135,7 +135,7 @@ def test_corrupted_qweight_dtype_is_refused(converted_qwen3_moe, tmp_path):
     bad = _corrupt(converted_qwen3_moe, str(tmp_path / "bad"), edit)
     proc = run_engine(bad, str(tmp_path / "run"), check=False)
     assert proc.returncode != 0
-    assert "checkpoint tensor model.layers.0.self_attn.qkv_proj.qweight (shard q) is torch.int64" in proc.stderr
+    assert "checkpoint tensor model.layers.0.self_attn.qkv_proj.qweight (shard q) is torch.int64" in proc.stdout + proc.stderr
 
 
 def test_missing_absmax_is_refused(converted_qwen3_moe, tmp_path):
@@ -146,8 +146,8 @@ def test_missing_absmax_is_refused(converted_qwen3_moe, tmp_path):
     bad = _corrupt(converted_qwen3_moe, str(tmp_path / "bad"), edit)
     proc = run_engine(bad, str(tmp_path / "run"), check=False)
     assert proc.returncode != 0
-    assert "checkpoint has 15 of the 16 absmax tensors of w13 for MoE layer 'model.layers.0.mlp.experts'" in proc.stderr or (
-        "checkpoint has no absmax for layer 'model.layers.1.self_attn.qkv_proj'" in proc.stderr
+    assert "checkpoint has 15 of the 16 absmax tensors of w13 for MoE layer 'model.layers.0.mlp.experts'" in proc.stdout + proc.stderr or (
+        "checkpoint has no absmax for layer 'model.layers.1.self_attn.qkv_proj'" in proc.stdout + proc.stderr
     )
 
 

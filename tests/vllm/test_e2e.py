@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kbit_e2e import ONLINE, TEXT_PROMPTS, dequantized_checkpoint, max_logprob_gap, online_kwargs, settings_of, token_match
+from kbit_e2e import ONLINE, TEXT_PROMPTS, dequantized_checkpoint, max_logprob_gap, online_kwargs, probe_logprob_gap, probe_match, settings_of, token_match
 
 MIN_TOKEN_MATCH = 0.95
 MAX_LOGPROB_GAP = 0.1  # bf16 noise between two ways of computing the same dequantized model
@@ -24,6 +24,17 @@ def _dequantized(engine, tiny, tmp_path_factory, kind: str, k: int, config: dict
     return engine(f"{kind}-deq{k}", ref_dir, text_prompts=TEXT_PROMPTS)
 
 
+def _compare(what: str, got: dict, ref: dict) -> None:
+    """kbit vs the dequantized bf16 model: greedy next tokens agree on >= 95% of teacher-forced positions
+    (fixed contexts, so one near-tie does not derail the rest of a sequence) and logprobs agree to bf16 noise."""
+    match, gap = probe_match(got, ref), probe_logprob_gap(got, ref)
+    free = token_match(got["tokens"], ref["tokens"])
+    print(f"{what}: teacher-forced greedy match {match:.1%}, max logprob gap {gap:.4f}; "
+          f"free-running greedy match {free:.1%} (logprob gap on the common prefix {max_logprob_gap(got, ref):.4f})")
+    assert match >= MIN_TOKEN_MATCH
+    assert gap <= MAX_LOGPROB_GAP
+
+
 def _kbit_layers(result: dict) -> dict:
     return {name: info for name, info in result["layers"].items() if "bits" in info}
 
@@ -35,11 +46,7 @@ def test_online_matches_dequantized_model(engine, tiny, tmp_path_factory, k):
     layers = _kbit_layers(got)
     assert any(i["method"] == "KbitOnlineMoEMethod" for i in layers.values()), layers
     assert any(i["method"] == "KbitOnlineLinearMethod" for i in layers.values()), layers
-    match = token_match(got["tokens"], ref["tokens"])
-    gap = max_logprob_gap(got, ref)
-    print(f"k={k}: greedy token match {match:.1%}, max logprob gap {gap:.4f}")
-    assert match >= MIN_TOKEN_MATCH
-    assert gap <= MAX_LOGPROB_GAP
+    _compare(f"qwen3_moe k={k}", got, ref)
 
 
 def test_mixed_bits_and_modules_to_not_convert_take_effect(engine, tiny):
@@ -76,9 +83,15 @@ def test_tensor_parallel_2_matches_tp1(engine, tiny):
         {**online_kwargs(ONLINE[4]), "tensor_parallel_size": 2},
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
     )
-    # Each rank holds half of every sharded layer.
-    qkv = [r["model.layers.0.self_attn.qkv_proj"]["params"]["qweight"][1] for r in tp2["layers_per_rank"]]
-    assert len(qkv) == 2
+    # Each rank holds half of every sharded layer (runtime tiles of 64 rows along N, of 4 blocks along K).
+    ranks = tp2["layers_per_rank"]
+    assert len(ranks) == 2
+    qkv1 = tp1["layers"]["model.layers.0.self_attn.qkv_proj"]["params"]["qweight"][1]
+    o1 = tp1["layers"]["model.layers.0.self_attn.o_proj"]["params"]["qweight"][1]
+    for r in ranks:
+        assert r["model.layers.0.self_attn.qkv_proj"]["params"]["qweight"][1][0] * 2 == qkv1[0]
+        assert r["model.layers.0.self_attn.o_proj"]["params"]["qweight"][1][1] * 2 == o1[1]
+    assert ranks[0]["model.layers.0.mlp.experts"]["hash"] != ranks[1]["model.layers.0.mlp.experts"]["hash"]
     match = token_match(tp2["tokens"], tp1["tokens"])
     print(f"TP2 vs TP1: greedy token match {match:.1%}")
     assert tp2["tokens"] == tp1["tokens"]
@@ -95,7 +108,4 @@ def test_other_families_match_dequantized_model(engine, tiny, tmp_path_factory, 
         assert layers["model.layers.0.mlp.gate_up_proj"]["method"] == "KbitOnlineLinearMethod"  # dense first layer
     else:
         assert layers["model.layers.0.mlp.down_proj"]["bits"] == 4
-    match = token_match(got["tokens"], ref["tokens"])
-    print(f"{kind}: greedy token match {match:.1%}, max logprob gap {max_logprob_gap(got, ref):.4f}")
-    assert match >= MIN_TOKEN_MATCH
-    assert max_logprob_gap(got, ref) <= MAX_LOGPROB_GAP
+    _compare(f"{kind} k=4", got, ref)
