@@ -15,6 +15,7 @@
 // with one shuffle, the value is multiplied into all M activation rows, and the block's E4M4
 // scale is applied once to the block's fp32 partial sum instead of once per element.
 #include "gemv.cuh"
+#include "dequant_core.cuh"
 #include "kbit_format.cuh"
 
 #include <algorithm>
@@ -76,60 +77,6 @@ __device__ __forceinline__ uint32_t load_stream(const uint32_t* p) {
 // Word j of a 16-byte vector; j is a compile-time constant after unrolling, so this is a register pick.
 __device__ __forceinline__ uint32_t word(const uint4& v, int j) {
   return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
-}
-
-// ----------------------------------------------------------------------------- dequantization
-
-// E4M4 code -> scale with two instructions: the code's bits shifted into an fp32 exponent and
-// mantissa give 2^(e-127)(1+m/16) (e > 0) or the subnormal m/16 * 2^-126 (e = 0); the exact
-// multiply by 2^116 re-biases both to format.e4m4_table's 2^(e-11)(1+m/16) and m/16 * 2^-10.
-// Needs subnormals kept (no -ftz / fast-math), which setup.py guarantees.
-__device__ __forceinline__ float decode_scale(uint32_t codes, int j) {
-  return __uint_as_float(((codes >> (8 * j)) & 0xFFu) << 19) * 0x1p116f;
-}
-
-// Index fields: F bits per element, F index words per block (32 / F elements each).
-template <int BITS>
-struct Fields {
-  static constexpr int kBits = BITS <= 4 ? 4 : 8;
-};
-
-// Delta swap: exchanges the bits of x at mask << s with the bits of y at mask (5 ALU ops).
-__device__ __forceinline__ void swap_bits(uint32_t& x, uint32_t& y, int s, uint32_t mask) {
-  const uint32_t t = ((x >> s) ^ y) & mask;
-  y ^= t;
-  x ^= t << s;
-}
-
-// Index words of one block from its plane words: a bit-matrix transpose of the F x 32 planes
-// (missing planes are 0) in log2(F) stages of delta swaps between words i and i + s. After it,
-// field j of q[r] holds bits (F*j + r) of planes 0..F-1, i.e. the index of element F*j + r.
-// For k = 4 that is 20 ops per block instead of 28 for gathering each field bit separately;
-// swaps involving zero planes fold away for smaller k.
-template <int BITS>
-__device__ __forceinline__ void gather_indices(const uint32_t (&plane)[BITS], uint32_t (&q)[Fields<BITS>::kBits]) {
-  constexpr int F = Fields<BITS>::kBits;
-#pragma unroll
-  for (int r = 0; r < F; ++r) q[r] = r < BITS ? plane[r] : 0u;
-#pragma unroll
-  for (int s = 1; s < F; s *= 2) {
-    const uint32_t mask = s == 1 ? 0x55555555u : s == 2 ? 0x33333333u : 0x0F0F0F0Fu;
-#pragma unroll
-    for (int i = 0; i < F; ++i) {
-      if ((i & s) == 0) swap_bits(q[i], q[i + s], s, mask);
-    }
-  }
-}
-
-// Codebook value of element e of a block. The shuffle reads the source lane mod 32, so only
-// the low 5 bits of the shifted word matter: they are e's index plus, for 4-bit fields, the
-// lowest bit of the next field times 16, which the codebook register's replication
-// (lane L holds codebook[L mod 2^k]) makes harmless.
-// e is an unrolled loop counter, so q[e % F] and the shift are compile-time after unrolling.
-template <int BITS>
-__device__ __forceinline__ float lookup(float codebook_reg, const uint32_t (&q)[Fields<BITS>::kBits], int e) {
-  constexpr int F = Fields<BITS>::kBits;
-  return __shfl_sync(0xFFFFFFFFu, codebook_reg, static_cast<int>(q[e % F] >> (F * (e / F))));
 }
 
 // Adds one block (32 elements along K) of this lane's two rows times all M activation rows.
