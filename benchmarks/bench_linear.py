@@ -1,4 +1,5 @@
-"""Dense kbit linear benchmark: kbit::linear (GEMV for M <= 4, dequant + cuBLAS above) vs cuBLAS.
+"""Dense kbit linear benchmark: kbit::linear (GEMV for M <= 4, fused dequant + MMA up to MMA_MAX_M,
+dequant + cuBLAS above) and each of its kernels forced on its own, vs cuBLAS bf16 and fp16.
 
 Kernel time only: each measurement captures many back-to-back calls in one CUDA graph and
 times its replays with events (median replay / calls). HOT reuses one weight; COLD rotates
@@ -8,9 +9,14 @@ measured device-to-device copy bandwidth / time.
 
     python benchmarks/bench_linear.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
 
-Writes bench_linear_<gpu>_<date>.json (a list of records) and .md (tables) into --out.
-The records' meaning: `us` median kernel time per call, `baseline_us` cuBLAS bf16 at the same
-shape/M/regime in the same run, `roofline_pct` as above, `splits` the GEMV's K splits.
+Writes bench_linear_<gpu>_<date>.json (a list of records), .md (tables) and .png (speedup over
+cuBLAS bf16 vs M, one line per k) into --out; `--plot JSON` redraws the plot of a JSON file.
+The records' meaning: op `kbit_linear` is the dispatch (`path` says which kernel it ran),
+`kbit_mma` / `kbit_dequant_cublas` force one kernel where the dispatch picks the other (k=4,
+COLD: the crossover), `kbit_mma_r<r>` the MMA kernel with the row-group width r its heuristic
+did not pick (k=4, COLD, at VARIANT_M);
+`us` median kernel time per call, `baseline_us` cuBLAS bf16 at the same shape/M/regime in the
+same run, `roofline_pct` as above, `splits` the GEMV's K splits (M <= 4).
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import vllm_kbit  # noqa: E402
 from vllm_kbit import format as fmt  # noqa: E402
-from vllm_kbit.linear import KbitLinearWeight, gemv_splits, gemv_tiles, kbit_linear  # noqa: E402
+from vllm_kbit.linear import KbitLinearWeight, gemv_splits, gemv_tiles, kbit_linear, linear_path, mma_config  # noqa: E402
 
 # design.md section 6 as (name, K, N)
 SHAPES = [
@@ -49,8 +55,14 @@ SHAPES = [
     ("llama70b_gate_up", 8192, 28672),
 ]
 QWEN3_BLOCK = ("qkv", "kv", "o", "gate_up", "down")
-M_GEMV = (1, 2, 3, 4)
-M_LARGE = (8, 16, 64, 256, 1024)
+GOAL_SHAPES = ("llama8b_gate_up", "llama70b_gate_up")  # >= 8 MB packed at k=4
+GOAL_M = (1, 16, 64, 256, 1024)
+M_ALL = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)  # k = 4
+M_OTHER_K = (1, 4, 16, 64, 256, 1024)  # k = 2, 3, 5 (keeps the run inside one device call)
+M_SHORT = (1, 4, 8, 16, 32, 64, 128, 256, 1024)  # --short: k = 4 COLD; other k and HOT at M_SHORT_OTHER
+M_SHORT_OTHER = (16, 64)
+FORCED_MAX_M = 512  # the MMA kernel is timed up to here where the dispatch picks dequant + cuBLAS
+VARIANT_M = (8, 16, 32, 64, 128, 256)  # the MMA kernel's other row-group width is timed here (k=4 COLD)
 
 
 def copy_bandwidth() -> float:
@@ -139,14 +151,34 @@ def eager_overhead_us() -> dict:
     return out
 
 
+def mma_fn(x, w, row_groups=0):
+    op = torch.ops.kbit._mma_linear.default
+    return lambda: op(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, None, row_groups, 0)
+
+
+def m_plan(args, k: int, regime: str) -> tuple:
+    """The M values timed for k-bit weights in one regime."""
+    if args.short:
+        return M_SHORT if (k == 4 and regime == "cold") else M_SHORT_OTHER
+    return M_ALL if k == 4 else M_OTHER_K
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--commit", default=os.environ.get("KBIT_COMMIT", "unknown"))
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
     ap.add_argument("--bits", default="2,3,4,5")
-    ap.add_argument("--quick", action="store_true", help="M <= 4 and k = 4 only")
+    ap.add_argument("--regimes", default="hot,cold")
+    ap.add_argument("--short", action="store_true",
+                    help=f"Qwen3 block + large shapes; k=4 COLD at M in {M_SHORT}, other k and HOT at M in {M_SHORT_OTHER}")
+    ap.add_argument("--tag", default="", help="suffix of the output file names")
+    ap.add_argument("--plot", metavar="JSON", help="only redraw the PNG of an existing JSON file")
     args = ap.parse_args()
+    if args.plot:
+        with open(args.plot) as f:
+            plot([r for r in json.load(f) if r["regime"] in ("hot", "cold")], args.plot[: -len(".json")] + ".png")
+        return
     assert torch.cuda.is_available() and vllm_kbit.HAS_CUDA_KERNELS, "needs a GPU and the built extension"
 
     props = torch.cuda.get_device_properties(0)
@@ -157,9 +189,11 @@ def main() -> None:
     overhead = eager_overhead_us()
     print("eager host time per call (us):", {k: round(v, 2) for k, v in overhead.items()}, flush=True)
 
-    bits = [4] if args.quick else [int(b) for b in args.bits.split(",")]
-    m_all = M_GEMV if args.quick else M_GEMV + M_LARGE
+    bits = [int(b) for b in args.bits.split(",")]
+    regimes = args.regimes.split(",")
     shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
+    if args.short:
+        shapes = [s for s in shapes if s[0] in QWEN3_BLOCK + GOAL_SHAPES]
     common = dict(gpu=gpu, commit=args.commit, date=date)
     records = []
 
@@ -171,12 +205,14 @@ def main() -> None:
         return rec
 
     for name, K, N in shapes:
-        for regime in ("hot", "cold"):
+        n_tiles, _ = gemv_tiles(N, K)
+        for regime in regimes:
             base = {}
             for dtype in (torch.bfloat16, torch.float16):
                 wbytes = N * K * 2
                 Ws = [torch.randn(N, K, device="cuda", dtype=dtype) for _ in range(copies_for(wbytes, regime, l2))]
-                for M in m_all:
+                ms = sorted({M for k in bits for M in m_plan(args, k, regime)})
+                for M in ms if dtype == torch.bfloat16 else [M for M in ms if M in (1, 4, 16, 64)]:
                     x = torch.randn(M, K, device="cuda", dtype=dtype)
                     us = graph_time_us([lambda W=W: F.linear(x, W) for W in Ws])
                     base[(dtype, M)] = us
@@ -189,30 +225,49 @@ def main() -> None:
                 ws = [w0] + [random_runtime_weight(N, K, k) for _ in range(copies_for(wbytes, regime, l2) - 1)]
                 splits = gemv_splits(*gemv_tiles(N, K), sms)
                 for dtype in (torch.bfloat16, torch.float16):
-                    for M in m_all:
-                        if dtype == torch.float16 and M not in (1, 4):
+                    for M in m_plan(args, k, regime):
+                        if dtype == torch.float16 and (M not in (1, 16) or k != 4):
                             continue
                         x = torch.randn(M, K, device="cuda", dtype=dtype)
+                        nbytes = wbytes + 2 * M * (K + N)
+                        extra = dict(baseline_us=round(base[(torch.bfloat16, M)], 3),
+                                     fp16_us=round(base[(torch.float16, M)], 3) if (torch.float16, M) in base else None)
+                        path = linear_path(M)
                         us = graph_time_us([lambda w=w: kbit_linear(x, w) for w in ws])
-                        op = "kbit_gemv" if M <= 4 else "kbit_dequant_cublas"
-                        rec = record(op, name, K, N, k, M, dtype, regime, us, wbytes + 2 * M * (K + N),
-                                     dict(baseline_us=round(base[(torch.bfloat16, M)], 3),
-                                          fp16_us=round(base[(torch.float16, M)], 3), splits=splits))
-                        if dtype == torch.bfloat16 and M in (1, 4) and k == 4:
-                            print(f"{name:>17} k={k} M={M} {regime:4}: {us:8.2f} us  cuBLAS bf16 {rec['baseline_us']:8.2f}"
-                                  f"  x{rec['baseline_us'] / us:5.2f}  {rec['roofline_pct']:5.1f}% roofline  S={splits}",
+                        rec = record("kbit_linear", name, K, N, k, M, dtype, regime, us, nbytes,
+                                     dict(extra, path=path, **(dict(splits=splits) if path == "gemv" else {})))
+                        if k == 4 and regime == "cold" and dtype == torch.bfloat16 and M >= 8:
+                            if path == "mma":  # the other side of the crossover, forced
+                                us2 = graph_time_us([lambda w=w: F.linear(x, w.dequantize(dtype)) for w in ws])
+                                record("kbit_dequant_cublas", name, K, N, k, M, dtype, regime, us2, nbytes, extra)
+                            elif M <= FORCED_MAX_M:
+                                record("kbit_mma", name, K, N, k, M, dtype, regime, graph_time_us([mma_fn(x, w) for w in ws]),
+                                       nbytes, extra)
+                            p, r, _ = mma_config(M, n_tiles)
+                            other = (1 if r > 1 else (2 if p == 8 else 4))
+                            if M in (M_SHORT_OTHER if args.short else VARIANT_M):
+                                us3 = graph_time_us([mma_fn(x, w, other) for w in ws])
+                                record(f"kbit_mma_r{other}", name, K, N, k, M, dtype, regime, us3, nbytes,
+                                       dict(extra, default_r=r))
+                        if dtype == torch.bfloat16 and M in (1, 16, 64, 256) and k == 4:
+                            print(f"{name:>17} k={k} M={M:<4} {regime:4} {path:>14}: {us:8.2f} us  cuBLAS bf16 "
+                                  f"{rec['baseline_us']:8.2f}  x{rec['baseline_us'] / us:5.2f}  {rec['roofline_pct']:5.1f}% roofline",
                                   flush=True)
                 del ws, w0
                 torch.cuda.empty_cache()
 
     os.makedirs(args.out, exist_ok=True)
-    tag = f"{gpu.replace(' ', '_')}_{date[:10]}"
+    tag = f"{gpu.replace(' ', '_')}_{date[:10]}{args.tag}"
     meta = dict(common, copy_bandwidth_GBps=round(bw / 1e9, 1), sms=sms, l2_MiB=l2 >> 20, eager_host_us=overhead,
                 command=" ".join(sys.argv))
     with open(os.path.join(args.out, f"bench_linear_{tag}.json"), "w") as f:
         json.dump(json_records(meta, records), f, indent=1)
     with open(os.path.join(args.out, f"bench_linear_{tag}.md"), "w") as f:
         f.write(markdown(meta, records))
+    try:
+        plot(records, os.path.join(args.out, f"bench_linear_{tag}.png"))
+    except ImportError as e:  # matplotlib missing: `--plot JSON` redraws it elsewhere
+        print(f"no plot: {e}")
     print(markdown(meta, records, summary_only=True))
 
 
@@ -226,43 +281,124 @@ def json_records(meta, records) -> list:
     return [dict(r, **run) for r in records + eager]
 
 
+def _speedup_table(rows, lines, title):
+    """Rows of one op/regime/k/dtype as a shape x M table of `kbit / cuBLAS bf16 (speedup, roofline %)`."""
+    Ms = sorted({r["M"] for r in rows})
+    by = {(r["shape"], r["M"]): r for r in rows}
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    lines += [title, "", "| shape | K x N | " + " | ".join(f"M={M}" for M in Ms) + " |",
+              "| --- | --- | " + " | ".join("---:" for _ in Ms) + " |"]
+    for s in shapes:
+        r0 = next(r for r in rows if r["shape"] == s)
+        cells = []
+        for M in Ms:
+            r = by.get((s, M))
+            cells.append("" if r is None else
+                         f"{r['us']:.1f} / {r['baseline_us']:.1f} ({r['baseline_us'] / r['us']:.2f}x, {r['roofline_pct']:.0f}%)")
+        lines.append(f"| {s} | {r0['K']}x{r0['N']} | " + " | ".join(cells) + " |")
+    if all(s in shapes for s in QWEN3_BLOCK):
+        cells = []
+        for M in Ms:
+            if all((s, M) in by for s in QWEN3_BLOCK):
+                t = sum(by[(s, M)]["us"] for s in QWEN3_BLOCK)
+                b = sum(by[(s, M)]["baseline_us"] for s in QWEN3_BLOCK)
+                cells.append(f"{t:.1f} / {b:.1f} ({b / t:.2f}x)")
+            else:
+                cells.append("")
+        lines.append("| Qwen3 block TOTAL | 5 dense | " + " | ".join(cells) + " |")
+    lines.append("")
+
+
 def markdown(meta, records, summary_only=False) -> str:
     lines = [f"# bench_linear: {meta['gpu']}, {meta['date']}, commit {meta['commit']}", "",
              f"copy bandwidth {meta['copy_bandwidth_GBps']} GB/s; {meta['sms']} SMs; L2 {meta['l2_MiB']} MiB; "
-             f"command `{meta['command']}`", "",
-             "Eager host time per call (µs): " + ", ".join(f"{k} {v:.2f}" for k, v in meta["eager_host_us"].items()), ""]
-    kb = [r for r in records if r["op"].startswith("kbit") and r["dtype"] == "bfloat16"]
+             f"command `{meta['command']}`", ""]
+    if meta["eager_host_us"]:
+        lines += ["Eager host time per call (µs): " + ", ".join(f"{k} {v:.2f}" for k, v in meta["eager_host_us"].items()), ""]
+    lin = [r for r in records if r["op"] == "kbit_linear" and r["dtype"] == "bfloat16"]
+    by = {(r["shape"], r["M"], r["k"], r["regime"]): r for r in lin}
+    if any(r["regime"] == "cold" and r["k"] == 4 for r in lin):
+        Ms = [M for M in GOAL_M if any(r["M"] == M and r["k"] == 4 and r["regime"] == "cold" for r in lin)]
+        lines += ["## Goals (COLD, k=4, bf16): speedup of kbit_linear over cuBLAS bf16 (M=1: % of roofline too)", "",
+                  "| | " + " | ".join(f"M={M}" for M in Ms) + " |", "| --- | " + " | ".join("---:" for _ in Ms) + " |"]
+        for s in GOAL_SHAPES:
+            cells = []
+            for M in Ms:
+                r = by.get((s, M, 4, "cold"))
+                cells.append("" if r is None else f"{r['baseline_us'] / r['us']:.2f}x" + (f" ({r['roofline_pct']:.0f}%)" if M == 1 else ""))
+            lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        cells = []
+        for M in Ms:
+            rs = [by.get((s, M, 4, "cold")) for s in QWEN3_BLOCK]
+            cells.append("" if None in rs else f"{sum(r['baseline_us'] for r in rs) / sum(r['us'] for r in rs):.2f}x")
+        lines += ["| Qwen3 block TOTAL | " + " | ".join(cells) + " |", ""]
+    forced = [r for r in records if r["op"] in ("kbit_mma", "kbit_dequant_cublas")]
+    if forced:
+        lines += ["## Crossover (COLD, k=4, bf16): µs of the MMA kernel / dequant + cuBLAS (dispatch's pick in bold)", "",
+                  "| shape | " + " | ".join(f"M={M}" for M in sorted({r["M"] for r in forced})) + " |",
+                  "| --- | " + " | ".join("---:" for _ in sorted({r["M"] for r in forced})) + " |"]
+        fby = {(r["shape"], r["M"], r["op"]): r["us"] for r in forced}
+        for s in dict.fromkeys(r["shape"] for r in forced):
+            cells = []
+            for M in sorted({r["M"] for r in forced}):
+                d = by.get((s, M, 4, "cold"))
+                if d is None:
+                    cells.append("")
+                    continue
+                mma = d["us"] if d["path"] == "mma" else fby.get((s, M, "kbit_mma"))
+                deq = d["us"] if d["path"] == "dequant_cublas" else fby.get((s, M, "kbit_dequant_cublas"))
+                fmt_ = lambda v, bold: "-" if v is None else (f"**{v:.1f}**" if bold else f"{v:.1f}")
+                cells.append(f"{fmt_(mma, d['path'] == 'mma')} / {fmt_(deq, d['path'] == 'dequant_cublas')}")
+            lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        lines.append("")
+    variants = sorted({r["op"] for r in records if r["op"].startswith("kbit_mma_r")})
+    for op in variants:
+        _speedup_table([r for r in records if r["op"] == op], lines,
+                       f"## {op}: the MMA kernel with r={op[len('kbit_mma_r'):]} row groups per warp, where the "
+                       "default r differs (COLD, k=4, bf16; compare the crossover table)")
     for regime in ("cold", "hot"):
-        for k in sorted({r["k"] for r in kb}):
-            rows = [r for r in kb if r["regime"] == regime and r["k"] == k]
-            Ms = sorted({r["M"] for r in rows})
-            lines += [f"## {regime.upper()}, k={k}, bf16: kbit µs / cuBLAS bf16 µs (speedup, kbit roofline %)", "",
-                      "| shape | K x N | " + " | ".join(f"M={M}" for M in Ms) + " |",
-                      "| --- | --- | " + " | ".join("---:" for _ in Ms) + " |"]
-            by = {(r["shape"], r["M"]): r for r in rows}
-            shapes = list(dict.fromkeys(r["shape"] for r in rows))
-            for s in shapes:
-                r0 = by[(s, Ms[0])]
-                cells = []
-                for M in Ms:
-                    r = by[(s, M)]
-                    cells.append(f"{r['us']:.1f} / {r['baseline_us']:.1f} ({r['baseline_us'] / r['us']:.2f}x, {r['roofline_pct']:.0f}%)")
-                lines.append(f"| {s} | {r0['K']}x{r0['N']} | " + " | ".join(cells) + " |")
-            if all(s in shapes for s in QWEN3_BLOCK):
-                cells = []
-                for M in Ms:
-                    t = sum(by[(s, M)]["us"] for s in QWEN3_BLOCK)
-                    b = sum(by[(s, M)]["baseline_us"] for s in QWEN3_BLOCK)
-                    cells.append(f"{t:.1f} / {b:.1f} ({b / t:.2f}x)")
-                lines.append("| Qwen3 block total | 5 dense | " + " | ".join(cells) + " |")
-            lines.append("")
+        for k in sorted({r["k"] for r in lin}):
+            rows = [r for r in lin if r["regime"] == regime and r["k"] == k]
+            if rows:
+                _speedup_table(rows, lines, f"## {regime.upper()}, k={k}, bf16: kbit_linear µs / cuBLAS bf16 µs (speedup, roofline %)")
     if not summary_only:
-        lines += ["## All records", "", "| op | shape | k | M | dtype | regime | µs | cuBLAS bf16 µs | roofline % |",
-                  "| --- | --- | ---: | ---: | --- | --- | ---: | ---: | ---: |"]
+        lines += ["## All records", "", "| op | path | shape | k | M | dtype | regime | µs | cuBLAS bf16 µs | cuBLAS fp16 µs | roofline % |",
+                  "| --- | --- | --- | ---: | ---: | --- | --- | ---: | ---: | ---: | ---: |"]
         for r in records:
-            lines.append(f"| {r['op']} | {r['shape']} | {r['k']} | {r['M']} | {r['dtype']} | {r['regime']} | {r['us']:.2f} | "
-                         f"{r.get('baseline_us', '')} | {r['roofline_pct']} |")
+            lines.append(f"| {r['op']} | {r.get('path', '')} | {r['shape']} | {r['k']} | {r['M']} | {r['dtype']} | {r['regime']} | "
+                         f"{r['us']:.2f} | {r.get('baseline_us', '')} | {r.get('fp16_us', '')} | {r['roofline_pct']} |")
     return "\n".join(lines) + "\n"
+
+
+def plot(records, path) -> None:
+    """Speedup of kbit_linear over cuBLAS bf16 vs M (COLD, bf16), one line per k: the largest shape and the
+    Qwen3 block total."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    lin = [r for r in records if r["op"] == "kbit_linear" and r["dtype"] == "bfloat16" and r["regime"] == "cold"]
+    by = {(r["shape"], r["M"], r["k"]): r for r in lin}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for ax, title, shapes in ((axes[0], "llama70b_gate_up 8192x28672", ("llama70b_gate_up",)),
+                              (axes[1], "Qwen3 block TOTAL (5 dense shapes)", QWEN3_BLOCK)):
+        for k in sorted({r["k"] for r in lin}):
+            Ms = sorted(M for M in {r["M"] for r in lin if r["k"] == k} if all((s, M, k) in by for s in shapes))
+            sp = [sum(by[(s, M, k)]["baseline_us"] for s in shapes) / sum(by[(s, M, k)]["us"] for s in shapes) for M in Ms]
+            ax.plot(Ms, sp, marker="o", label=f"k={k}")
+        ax.axhline(1.0, color="gray", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("M (rows of x)")
+        ax.set_ylabel("speedup over cuBLAS bf16 (COLD)")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    r0 = records[0]
+    fig.suptitle(f"kbit_linear, {r0['gpu']}, commit {r0['commit']}, {r0['date'][:10]}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

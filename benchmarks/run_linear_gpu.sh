@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the dense linear path: build (unless a built vllm_kbit/_C.abi3.so was
-# carried), resource usage + SASS of one GEMV instance, the GPU tests, compute-sanitizer on
-# one shape, an Nsight Compute profile of the largest shape, and bench_linear.py. Everything lands in $OUT (at most 8 files).
+# carried), resource usage + SASS of one GEMV and one MMA instance, the GPU tests, compute-sanitizer
+# on one shape per kernel, an Nsight Compute profile of the largest shape (with the MMA kernel's
+# shared-memory bank conflicts), and bench_linear.py. Everything lands in $OUT (at most 8 files).
 #   KBIT_COMMIT=<sha> bash benchmarks/run_linear_gpu.sh [bench args...]
 # Steps are skipped with SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_PROFILE=1, SKIP_BENCH=1.
 set -o pipefail
@@ -17,10 +18,12 @@ if [ ! -f vllm_kbit/_C.abi3.so ]; then
 fi
 {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv
-  cuobjdump -res-usage vllm_kbit/_C.abi3.so 2>&1 | grep -A1 gemv_kernel | grep -oE "(gemv_kernelI[A-Za-z0-9_]+|REG:[0-9]+|SHARED:[0-9]+|STACK:[0-9]+)" | paste - - - -
-  fn=$(cuobjdump -symbols vllm_kbit/_C.abi3.so 2>/dev/null | grep -oE "_ZN[A-Za-z0-9_]*gemv_kernelI13__nv_bfloat16Li4ELi1EE[A-Za-z0-9_]*" | head -1)
-  echo "== SASS op counts of $fn"
-  cuobjdump -sass -fun "$fn" vllm_kbit/_C.abi3.so | grep -oE "^\s+/\*[0-9a-f]{4}\*/\s+[A-Z0-9_.]+" | awk '{print $2}' | sed -E 's/\..*//' | sort | uniq -c | sort -rn
+  cuobjdump -res-usage vllm_kbit/_C.abi3.so 2>&1 | grep -A1 -E "gemv_kernel|mma_kernel" | grep -oE "((gemv|mma)_kernelI[A-Za-z0-9_]+|REG:[0-9]+|SHARED:[0-9]+|STACK:[0-9]+)" | paste - - - -
+  for pat in gemv_kernelI13__nv_bfloat16Li4ELi1EE mma_kernelI13__nv_bfloat16Li4ELi2ELi4EE; do
+    fn=$(cuobjdump -symbols vllm_kbit/_C.abi3.so 2>/dev/null | grep -oE "_ZN[A-Za-z0-9_]*$pat[A-Za-z0-9_]*" | head -1)
+    echo "== SASS op counts of $fn"
+    cuobjdump -sass -fun "$fn" vllm_kbit/_C.abi3.so | grep -oE "^\s+/\*[0-9a-f]{4}\*/\s+[A-Z0-9_.]+" | awk '{print $2}' | sed -E 's/\..*//' | sort | uniq -c | sort -rn
+  done
 } >"$OUT/kernel_info.txt" 2>&1
 
 if [ -z "$SKIP_TESTS" ]; then
@@ -36,14 +39,17 @@ for (N, K, k) in [(1000, 2080, 4), (130, 4096, 5), (64, 96, 2)]:
     q_shape, a_shape = fmt.runtime_shapes(N, K, k)
     W = vllm_kbit.quantize(torch.randn(N, K, device="cuda", dtype=torch.bfloat16), k)
     w = KbitLinearWeight.from_kbit(W)
-    for M in (1, 2, 3, 4):
+    for M in (1, 2, 3, 4, 5, 16, 40):  # GEMV, then the MMA kernel
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         kbit_linear(x, w, torch.randn(N, device="cuda", dtype=torch.bfloat16))
 torch.cuda.synchronize()
 print("sanitizer workload done")
 EOF
-  for tool in memcheck racecheck; do
-    timeout 240 compute-sanitizer --tool $tool --kernel-name kns=gemv_kernel python3 /tmp/sanitize_linear.py 2>&1 | tail -6
+  for kernel in gemv_kernel mma_kernel; do
+    for tool in memcheck racecheck; do
+      echo "== $tool, $kernel"
+      timeout 240 compute-sanitizer --tool $tool --kernel-name kns=$kernel python3 /tmp/sanitize_linear.py 2>&1 | tail -6
+    done
   done | tee "$OUT/sanitizer.log"
 fi
 if [ -z "$SKIP_PROFILE" ]; then  # Nsight Compute on the largest shape, k=4, M=1 and M=4, at the card's own clocks
@@ -55,12 +61,13 @@ N, K, k = 28672, 8192, 4
 q_shape, a_shape = fmt.runtime_shapes(N, K, k)
 w = KbitLinearWeight(torch.randint(-2**31, 2**31 - 1, q_shape, dtype=torch.int32, device="cuda"),
                      torch.randint(100, 180, a_shape, dtype=torch.uint8, device="cuda"), fmt.normal_float_codebook(k, "cuda"), N, K, k)
-for M in (1, 4):
+for M in (1, 4, 16, 64):
     kbit_linear(torch.randn(M, K, device="cuda", dtype=torch.bfloat16), w)
 torch.cuda.synchronize()
 EOF
-  timeout 180 ncu --clock-control none --kernel-name regex:gemv_kernel --launch-count 2 --section SpeedOfLight \
+  timeout 180 ncu --clock-control none --kernel-name regex:"gemv_kernel|mma_kernel" --launch-count 4 --section SpeedOfLight \
     --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section MemoryWorkloadAnalysis \
+    --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum \
     python3 /tmp/profile_linear.py >>"$OUT/kernel_info.txt" 2>&1
 fi
 if [ -z "$SKIP_BENCH" ]; then

@@ -1,12 +1,17 @@
 // kbit::linear on CUDA: out[..., N] = x[..., K] @ dequant(W)^T (+ bias), W in the runtime layout.
 //
-// Picks a path by M (rows of x) from one table. Everything here is metadata work: no host
+// Picks a path by M (rows of x) from one table: GEMV (gemv.cu), fused dequant + MMA (mma.cu),
+// dequantize + cuBLAS. Everything here is metadata work: no host
 // sync, and every allocation's size follows from the shapes alone, so calls are capturable
 // in CUDA graphs.
 #include "gemv.cuh"
+#include "mma.cuh"
 
+#include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <limits>
+#include <vector>
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -16,25 +21,33 @@
 namespace kbit {
 namespace {
 
-enum class LinearPath { kGemv, kDequantCublas };
+enum class LinearPath { kGemv, kMma, kDequantCublas };
 
-// The largest M each path serves, in order. The GEMV exists for M <= 4 (H100,
-// benchmarks/results/bench_linear_H100_2026-11-21.md, COLD k=4: 8192x28672 M=4 102 us vs
-// 162 us cuBLAS bf16; 2048x5120 M=4 9.2 vs 10.1). Above it the weights are dequantized to x's
-// dtype and cuBLAS runs the matmul (8192x28672 M=8: 413 us), until a fused MMA kernel takes
-// over small M.
+// The largest M each path serves, in order (bf16/fp16 x; fp32 x always dequantizes).
+// GEMV for M <= 4 (H100, benchmarks/results/bench_linear_H100_2026-11-21.md, COLD k=4: 8192x28672
+// M=4 102 us vs 162 us cuBLAS bf16). Fused dequant + MMA up to kMmaMaxM, dequantize + cuBLAS above
+// (benchmarks/NOTES.md, MMA section: how the crossover was chosen). The environment variable
+// KBIT_MMA_MAX_M, read once, overrides kMmaMaxM (<= 4 turns the MMA path off without a rebuild).
+constexpr int64_t kMmaMaxM = 64;
 struct PathRow {
   int64_t max_m;
   LinearPath path;
 };
-constexpr PathRow kLinearPaths[] = {
-    {kGemvMaxM, LinearPath::kGemv},
-    {std::numeric_limits<int64_t>::max(), LinearPath::kDequantCublas},
-};
+
+const std::array<PathRow, 3>& linear_paths() {
+  static const std::array<PathRow, 3> rows = [] {
+    const char* env = std::getenv("KBIT_MMA_MAX_M");
+    const int64_t mma_max_m = env != nullptr ? std::atoll(env) : kMmaMaxM;
+    return std::array<PathRow, 3>{{{kGemvMaxM, LinearPath::kGemv},
+                                   {mma_max_m, LinearPath::kMma},
+                                   {std::numeric_limits<int64_t>::max(), LinearPath::kDequantCublas}}};
+  }();
+  return rows;
+}
 
 LinearPath pick_path(int64_t M, at::ScalarType dtype) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return LinearPath::kDequantCublas;  // fp32 x
-  for (const PathRow& row : kLinearPaths) {
+  for (const PathRow& row : linear_paths()) {
     if (M <= row.max_m) return row.path;
   }
   return LinearPath::kDequantCublas;
@@ -80,6 +93,18 @@ at::Tensor dequantize_runtime(const at::Tensor& q, const at::Tensor& a, const at
   return op.call(q, a, cb, c10::SymInt(N), c10::SymInt(K), dtype);
 }
 
+// x as a contiguous, 16-byte aligned [M, K] matrix (the kernels read 16-byte vectors).
+at::Tensor as_matrix(const at::Tensor& x, int64_t M, int64_t K) {
+  at::Tensor A = x.reshape({M, K}).contiguous();
+  if (reinterpret_cast<uintptr_t>(A.data_ptr()) % 16 != 0) A = A.clone();
+  return A;
+}
+
+std::optional<at::Tensor> contiguous_bias(const std::optional<at::Tensor>& bias) {
+  if (!bias.has_value()) return std::nullopt;
+  return bias->contiguous();
+}
+
 at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                        const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
   check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
@@ -89,27 +114,64 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const 
   const int64_t M = x.numel() / K;
   if (M == 0) return at::empty(out_shape, x.options());
 
-  if (pick_path(M, x.scalar_type()) == LinearPath::kGemv) {
-    at::Tensor A = x.reshape({M, K}).contiguous();
-    if (reinterpret_cast<uintptr_t>(A.data_ptr()) % 16 != 0) A = A.clone();  // the kernel reads 16-byte vectors
-    at::Tensor C = at::empty({M, N}, x.options());
-    std::optional<at::Tensor> b;
-    if (bias.has_value()) b = bias->contiguous();
-    launch_gemv(A, qweight_rt, absmax_rt, codebook, b, N, K, C);
-    return C.view(out_shape);
+  const LinearPath path = pick_path(M, x.scalar_type());
+  if (path == LinearPath::kDequantCublas) {
+    const at::Tensor W = dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.scalar_type());
+    return at::linear(x, W, bias);
   }
-  const at::Tensor W = dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.scalar_type());
-  return at::linear(x, W, bias);
+  const at::Tensor A = as_matrix(x, M, K);
+  at::Tensor C = at::empty({M, N}, x.options());
+  if (path == LinearPath::kGemv) {
+    launch_gemv(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+  } else {
+    launch_mma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+  }
+  return C.view(out_shape);
+}
+
+// The MMA kernel at any M >= 1 with a forced tile shape / split count (0: heuristic), for tests and
+// benchmarks; kbit::linear is the entry point.
+at::Tensor mma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                           const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
+                           int64_t row_groups, int64_t splits) {
+  check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
+  TORCH_CHECK(x.scalar_type() != at::kFloat, "kbit _mma_linear: x must be bf16 or fp16");
+  const c10::DeviceGuard guard(x.device());
+  const int64_t M = x.numel() / K;
+  TORCH_CHECK(M > 0, "kbit _mma_linear: x has no rows");
+  const at::Tensor A = as_matrix(x, M, K);
+  at::Tensor C = at::empty({M, N}, x.options());
+  launch_mma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, row_groups, splits);
+  return C;
 }
 
 int64_t gemv_splits_op(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
   return gemv_splits(n_tiles, k_tiles, num_sms);
 }
 
+int64_t mma_splits_op(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm) {
+  return mma_splits(cols, m_blocks, k_tiles, num_sms, ctas_per_sm);
+}
+
+std::vector<int64_t> mma_config_op(int64_t M, int64_t n_tiles) {
+  const MmaConfig c = mma_config(M, n_tiles);
+  return {c.p, c.r, c.m_blocks};
+}
+
 }  // namespace
 }  // namespace kbit
 
-// The split-K heuristic as an op, so tests can check it against its Python mirror.
-TORCH_LIBRARY_FRAGMENT(kbit, m) { m.def("_gemv_splits(int n_tiles, int k_tiles, int num_sms) -> int", &kbit::gemv_splits_op); }
+// The split-K heuristics and the MMA tile shape as ops, so tests can check them against their
+// Python mirrors; the MMA kernel on its own for tests and benchmarks.
+TORCH_LIBRARY_FRAGMENT(kbit, m) {
+  m.def("_gemv_splits(int n_tiles, int k_tiles, int num_sms) -> int", &kbit::gemv_splits_op);
+  m.def("_mma_splits(int cols, int m_blocks, int k_tiles, int num_sms, int ctas_per_sm) -> int", &kbit::mma_splits_op);
+  m.def("_mma_config(int M, int n_tiles) -> int[]", &kbit::mma_config_op);
+  m.def("_mma_linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, int N, int K, Tensor? bias, "
+        "int row_groups=0, int splits=0) -> Tensor");
+}
 
-TORCH_LIBRARY_IMPL(kbit, CUDA, m) { m.impl("linear", &kbit::linear_cuda); }
+TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
+  m.impl("linear", &kbit::linear_cuda);
+  m.impl("_mma_linear", &kbit::mma_linear_cuda);
+}

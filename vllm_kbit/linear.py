@@ -1,12 +1,14 @@
 """``kbit_linear``: the dense entry point, ``x @ dequant(W).T (+ bias)`` on a runtime-layout weight.
 
 The op ``torch.ops.kbit.linear`` picks its kernel by M (rows of x) from one table in
-``csrc/linear.cpp``: the GEMV kernel for M <= 4, dequantize + cuBLAS above. Without the
-CUDA extension the PyTorch reference serves every device.
+``csrc/linear.cpp``: the GEMV kernel for M <= 4, the fused dequant + MMA kernel up to
+``MMA_MAX_M``, dequantize + cuBLAS above. Without the CUDA extension the PyTorch reference
+serves every device.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,14 @@ _GEMV_WARPS = 4
 _GEMV_RESIDENT_CTAS = 8
 _GEMV_STREAMING_WARPS = 16
 GEMV_MAX_SPLITS = 8
+
+# Mirrors csrc/linear.cpp (kGemvMaxM, kMmaMaxM and its KBIT_MMA_MAX_M override) and csrc/mma.cuh
+# (kMmaMaxSplits, kMmaMaxRowTiles, kMmaWideTiles).
+GEMV_MAX_M = 4
+MMA_MAX_M = int(os.environ.get("KBIT_MMA_MAX_M", 64))
+MMA_MAX_SPLITS = 8
+_MMA_MAX_ROW_TILES = 8
+_MMA_WIDE_TILES = 128
 
 
 @dataclass(frozen=True)
@@ -74,3 +84,37 @@ def gemv_tiles(N: int, K: int) -> tuple[int, int]:
     """(n_tiles, k_tiles) of a [N, K] weight's runtime layout."""
     q_shape, _ = fmt.runtime_shapes(N, K, 2)
     return q_shape[0], q_shape[1]
+
+
+def linear_path(M: int) -> str:
+    """The kernel ``kbit::linear`` runs for M rows of bf16/fp16 x (csrc/linear.cpp's table)."""
+    if M <= GEMV_MAX_M:
+        return "gemv"
+    return "mma" if M <= MMA_MAX_M else "dequant_cublas"
+
+
+def mma_config(M: int, n_tiles: int, row_groups: int = 0) -> tuple[int, int, int]:
+    """(p, r, m_blocks) of the MMA kernel, exactly as csrc/mma.cu's mma_config: p n8 tiles of
+    activation rows per CTA, r 16-row groups of weight rows per warp, m_blocks CTA rows along M."""
+    p = 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else _MMA_MAX_ROW_TILES
+    m_blocks = -(-M // (8 * p))
+    r = row_groups or ((2 if p == _MMA_MAX_ROW_TILES else 4) if n_tiles >= _MMA_WIDE_TILES else 1)
+    return p, r, m_blocks
+
+
+def mma_splits(cols: int, m_blocks: int, k_tiles: int, num_sms: int, ctas_per_sm: int) -> int:
+    """The MMA kernel's K splits per CTA column, exactly as csrc/mma.cu computes them.
+
+    The result is in [1, min(MMA_MAX_SPLITS, k_tiles)], and split s owns k-tiles
+    [s*k_tiles//S, (s+1)*k_tiles//S), which is non-empty for every s because S <= k_tiles.
+    """
+    max_splits = max(1, min(MMA_MAX_SPLITS, k_tiles))
+    slots = max(1, ctas_per_sm)
+    best, best_cost = 1, -1
+    for s in range(1, max_splits + 1):
+        per_sm = -(-(cols * m_blocks * s) // num_sms)
+        tiles = -(-k_tiles // s)
+        cost = 4 * max(per_sm * tiles, slots * tiles) + slots * (4 + s)
+        if best_cost < 0 or cost < best_cost:
+            best, best_cost = s, cost
+    return best

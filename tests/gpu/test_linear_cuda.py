@@ -1,4 +1,5 @@
-"""kbit::linear on CUDA (GEMV for M <= 4, dequantize + cuBLAS above) against the fp32 reference.
+"""kbit::linear on CUDA (GEMV for M <= 4, fused dequant + MMA up to MMA_MAX_M, dequantize + cuBLAS
+above) and the MMA kernel on its own (kbit::_mma_linear, any M and tile shape) against the fp32 reference.
 
 Reference: A.float() @ dequant(W).float().T (+ bias), with dequant from vllm_kbit.format.
 Outputs are checked everywhere: the allocator's cache is poisoned with NaN before each call
@@ -12,7 +13,16 @@ import torch
 
 import vllm_kbit
 from vllm_kbit import format as fmt
-from vllm_kbit.linear import GEMV_MAX_SPLITS, KbitLinearWeight, gemv_splits, gemv_tiles, kbit_linear
+from vllm_kbit.linear import (
+    GEMV_MAX_SPLITS,
+    MMA_MAX_SPLITS,
+    KbitLinearWeight,
+    gemv_splits,
+    gemv_tiles,
+    kbit_linear,
+    mma_config,
+    mma_splits,
+)
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 gpu = [pytest.mark.gpu, requires_cuda]
@@ -85,20 +95,79 @@ def test_random_cases_match_reference(seed):
     _check(out, _reference(x, flat, bias), dtype)
 
 
+def _mma(x, w, bias=None, row_groups=0, splits=0):
+    return torch.ops.kbit._mma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, bias, row_groups, splits)
+
+
+def _built_row_groups(M):
+    """The r (16-row groups per warp) the MMA kernel is built with at this M (mma_kernel.cuh: launch_bits)."""
+    return [1, 2 if mma_config(M, 1)[0] == 8 else 4]
+
+
+def _random_mma_case(seed):
+    rng = random.Random(10_000 + seed)
+    M = rng.choice([rng.randint(1, 8), rng.randint(5, 16), rng.randint(9, 64), rng.randint(33, 200)])
+    N = rng.choice([rng.randint(1, 200), rng.randint(1, 1500), 64 * rng.randint(1, 24)])
+    K = 32 * rng.choice([rng.randint(1, 12), rng.randint(1, 100), 4 * rng.randint(1, 25)])
+    k = rng.choice(fmt.SUPPORTED_BITS)
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    row_groups = rng.choice([0] + _built_row_groups(M))
+    k_tiles = -(-K // 128)
+    splits = rng.choice([0, 0, rng.randint(1, min(MMA_MAX_SPLITS, k_tiles))])
+    return M, N, K, k, dtype, rng.random() < 0.5, row_groups, splits
+
+
+@pytest.mark.parametrize("seed", range(320))
+@pytest.mark.gpu
+@requires_cuda
+def test_mma_random_cases_match_reference(seed):
+    M, N, K, k, dtype, with_bias, row_groups, splits = _random_mma_case(seed)
+    gen = torch.Generator().manual_seed(seed)
+    w, flat = _random_weight(N, K, k, gen)
+    x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+    bias = torch.randn(N, generator=gen).to(dtype).cuda() if with_bias else None
+    _poison_cache(M * N * 2)
+    out = _mma(x, w, bias, row_groups, splits)
+    _check(out, _reference(x, flat, bias), dtype)
+
+
+MMA_MS = (5, 8, 16, 32, 64, 128)
+
+
 @pytest.mark.parametrize("K,N", DESIGN_SHAPES)
 @pytest.mark.gpu
 @requires_cuda
-def test_design_shapes_every_gemv_m(K, N):
+def test_design_shapes_every_m(K, N):
+    """kbit_linear at the GEMV's M and the MMA's M (and above), and the MMA kernel itself at every
+    MMA M (default tile shape), on every design.md section 6 shape and k."""
     gen = torch.Generator().manual_seed(K * 7 + N)
     for k in fmt.SUPPORTED_BITS:
         w, flat = _random_weight(N, K, k, gen)
-        x = torch.randn(8, K, generator=gen).to(torch.bfloat16).cuda()
+        x = torch.randn(max(MMA_MS), K, generator=gen).to(torch.bfloat16).cuda()
         ref = _reference(x, flat, None)
-        for M in (1, 2, 3, 4, 8):
+        for M in (1, 2, 3, 4) + MMA_MS:
             _poison_cache(M * N * 2)
             _check(kbit_linear(x[:M], w), ref[:M], torch.bfloat16)
+        for M in MMA_MS:
+            _poison_cache(M * N * 2)
+            _check(_mma(x[:M], w), ref[:M], torch.bfloat16)
         del w, flat, ref
         torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_mma_fp16_bias_every_tile_shape():
+    gen = torch.Generator().manual_seed(5)
+    w, flat = _random_weight(1000, 1056, 5, gen)
+    bias = torch.randn(1000, generator=gen).to(torch.float16).cuda()
+    x = torch.randn(130, 1056, generator=gen).to(torch.float16).cuda()
+    ref = _reference(x, flat, bias)
+    for M in (1, 7, 9, 16, 31, 64, 65, 130):
+        for r in _built_row_groups(M):
+            for splits in (1, 3, 8):
+                _poison_cache(M * 1000 * 2)
+                _check(_mma(x[:M], w, bias, r, splits), ref[:M], torch.float16)
 
 
 @pytest.mark.gpu
@@ -140,7 +209,7 @@ def test_cuda_graph_capture_and_replay():
     gen = torch.Generator().manual_seed(3)
     w, flat = _random_weight(1000, 2048, 4, gen)
     bias = torch.randn(1000, generator=gen).to(torch.bfloat16).cuda()
-    Ms = (1, 2, 3, 4, 16)
+    Ms = (1, 2, 3, 4, 5, 16, 33, 64, 100)
     static_x = {M: torch.randn(M, 2048, generator=gen).to(torch.bfloat16).cuda() for M in Ms}
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -162,7 +231,7 @@ def test_cuda_graph_capture_and_replay():
             _check(static_out[M], _reference(new_x[M], flat, bias), torch.bfloat16)
 
 
-@pytest.mark.parametrize("M", [1, 3, 4, 9])
+@pytest.mark.parametrize("M", [1, 3, 4, 9, 40, 100])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.gpu
 @requires_cuda
@@ -184,6 +253,12 @@ def test_split_heuristic_cpp_matches_python():
     cases += [(rng.randint(1, 3000), rng.randint(1, 300), rng.choice([1, 7, 114, 132, 148])) for _ in range(2000)]
     for n_tiles, k_tiles, sms in cases:
         assert torch.ops.kbit._gemv_splits(n_tiles, k_tiles, sms) == gemv_splits(n_tiles, k_tiles, sms)
+    for _ in range(3000):
+        args = (rng.randint(1, 600), rng.randint(1, 70), rng.randint(1, 300), rng.choice([1, 7, 114, 132, 148]), rng.randint(1, 9))
+        assert torch.ops.kbit._mma_splits(*args) == mma_splits(*args), args
+    for M in list(range(1, 300)) + [512, 1024, 4096]:
+        for n_tiles in (1, 8, 64, 127, 128, 448):
+            assert tuple(torch.ops.kbit._mma_config(M, n_tiles)) == mma_config(M, n_tiles)
 
 
 # ----------------------------------------------------------------------------- CPU: the split-K heuristic
@@ -207,3 +282,28 @@ def test_split_heuristic_never_makes_an_empty_split(sms):
     for k_tiles in range(1, 20):  # the smallest K, where splits are tightest
         for n_tiles in range(1, 300):
             _assert_no_empty_split(n_tiles, k_tiles, sms)
+
+
+def _assert_no_empty_mma_split(cols, m_blocks, k_tiles, sms, ctas_per_sm):
+    S = mma_splits(cols, m_blocks, k_tiles, sms, ctas_per_sm)
+    assert 1 <= S <= min(MMA_MAX_SPLITS, k_tiles)
+    bounds = [s * k_tiles // S for s in range(S + 1)]  # the kernel's partition
+    assert bounds[0] == 0 and bounds[-1] == k_tiles
+    assert all(bounds[s + 1] - bounds[s] >= 1 for s in range(S)), (cols, m_blocks, k_tiles, sms, ctas_per_sm, S)
+
+
+@pytest.mark.parametrize("sms", [114, 132, 148])
+def test_mma_split_heuristic_never_makes_an_empty_split(sms):
+    for K, N in DESIGN_SHAPES:
+        n_tiles, k_tiles = gemv_tiles(N, K)
+        for M in (1, 5, 8, 16, 32, 64, 128, 256, 1024, 4096):
+            p, r, m_blocks = mma_config(M, n_tiles)
+            for row_groups in (r, 1, 2, 4):
+                for ctas_per_sm in range(1, 9):
+                    _assert_no_empty_mma_split(-(-n_tiles // row_groups), m_blocks, k_tiles, sms, ctas_per_sm)
+    rng = random.Random(sms)
+    for _ in range(5000):
+        _assert_no_empty_mma_split(rng.randint(1, 2000), rng.randint(1, 70), rng.randint(1, 400), sms, rng.randint(1, 8))
+    for k_tiles in range(1, 20):  # the smallest K, where splits are tightest
+        for cols in range(1, 200):
+            _assert_no_empty_mma_split(cols, 1, k_tiles, sms, 1 + cols % 4)

@@ -1,0 +1,78 @@
+// kbit fused dequant + MMA: tile shape, split-K heuristic and the launcher (kernel in mma_kernel.cuh).
+#include "mma.cuh"
+#include "mma_kernel.cuh"
+
+#include <algorithm>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/util/Exception.h>
+
+namespace kbit {
+
+MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups) {
+  // p: the fewest n8 activation tiles covering M (64 rows per CTA at most, more go to grid rows).
+  const int p = M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : kMmaMaxRowTiles;
+  const int m_blocks = static_cast<int>((M + 8 * p - 1) / (8 * p));
+  // r: wide warps (4 row groups, or 2 at p = 8 where accumulators fill the registers) read each
+  // activation fragment from shared memory once per 64 (32) weight rows; narrow warps (1) give
+  // more, shorter CTAs, which small weights need to fill the GPU.
+  int r = static_cast<int>(row_groups);
+  if (r == 0) r = n_tiles >= kMmaWideTiles ? (p == kMmaMaxRowTiles ? 2 : 4) : 1;
+  return {p, r, m_blocks};
+}
+
+int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm) {
+  // Cost of S splits in quarter k-tiles x ctas_per_sm: the busiest SM's CTA k-tiles shared by its
+  // ctas_per_sm slots, but never less than one CTA's own k-tiles (latency), plus a fixed cost per CTA
+  // (pipeline fill, epilogue) growing with the cluster reduction. Smallest wins, ties to fewer splits.
+  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(kMmaMaxSplits, k_tiles));
+  const int64_t slots = std::max<int64_t>(1, ctas_per_sm);
+  int best = 1;
+  int64_t best_cost = -1;
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    const int64_t per_sm = (cols * m_blocks * s + num_sms - 1) / num_sms;  // CTAs on the busiest SM
+    const int64_t tiles = (k_tiles + s - 1) / s;                            // k-tiles of the largest split
+    const int64_t cost = 4 * std::max(per_sm * tiles, slots * tiles) + slots * (4 + s);
+    if (best_cost < 0 || cost < best_cost) {
+      best = static_cast<int>(s);
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C,
+                int64_t row_groups, int64_t splits) {
+  TORCH_CHECK(N <= INT32_MAX && K <= INT32_MAX && A.size(0) <= INT32_MAX, "kbit mma: problem too large");
+  TORCH_CHECK(row_groups == 0 || row_groups == 1 || row_groups == 2 || row_groups == 4,
+              "kbit mma: row_groups=", row_groups, "; supported: 0 (heuristic), 1, 2, 4");
+  const int64_t n_tiles = qweight_rt.size(0);
+  mma_detail::MmaLaunch L{};
+  L.A = A.data_ptr();
+  L.qweight = qweight_rt.data_ptr();
+  L.absmax = absmax_rt.data_ptr();
+  L.codebook = codebook.data_ptr<float>();
+  L.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  L.C = C.data_ptr();
+  L.M = static_cast<int>(A.size(0));
+  L.N = static_cast<int>(N);
+  L.K = static_cast<int>(K);
+  L.n_tiles = static_cast<int>(n_tiles);
+  L.k_tiles = static_cast<int>(qweight_rt.size(1));
+  L.config = mma_config(L.M, n_tiles, row_groups);
+  L.splits = static_cast<int>(splits);
+  L.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+  L.stream = at::cuda::getCurrentCUDAStream();
+  TORCH_CHECK(A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf, "kbit mma: activations must be bf16 or fp16");
+  const bool bf16 = A.scalar_type() == at::kBFloat16;
+  switch (qweight_rt.size(2)) {
+    case 2: return mma_detail::launch_mma_k<2>(L, bf16);
+    case 3: return mma_detail::launch_mma_k<3>(L, bf16);
+    case 4: return mma_detail::launch_mma_k<4>(L, bf16);
+    case 5: return mma_detail::launch_mma_k<5>(L, bf16);
+    default: TORCH_CHECK(false, "kbit mma: k=", qweight_rt.size(2), " is not supported");
+  }
+}
+
+}  // namespace kbit

@@ -1,0 +1,41 @@
+// Fused dequant + tensor-core MMA for small M: C[M, N] = A[M, K] @ dequant(W)^T (+ bias), reading
+// the runtime layout (vllm_kbit/format.py: repack) once per block of activation rows.
+// Launcher, configuration and split-K heuristic in mma.cu; kernel in mma_kernel.cuh.
+#pragma once
+
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+
+namespace kbit {
+
+constexpr int kMmaMaxSplits = 8;    // portable thread-block cluster size: split-K partners of one column
+constexpr int kMmaMaxRowTiles = 8;  // n8 activation tiles per CTA: one CTA covers at most 64 rows of A
+constexpr int kMmaWideTiles = 128;  // runtime n-tiles from which warps take wide row groups (mma_config)
+
+// Tile shape of one launch: `p` n8 tiles of activation rows per CTA (8p rows), `r` 16-row groups of
+// weight rows per warp (a CTA of 4 warps covers 64r weight rows = r runtime n-tiles), and the
+// number of CTA rows along M.
+struct MmaConfig {
+  int p;
+  int r;
+  int m_blocks;
+};
+
+// The tile shape for M activation rows and n_tiles runtime n-tiles (r forced when row_groups > 0).
+// Mirrored by vllm_kbit.linear.mma_config.
+MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups = 0);
+
+// K splits (CTAs of one cluster per CTA column) for cols x m_blocks CTA tiles over k_tiles, on num_sms
+// SMs holding ctas_per_sm CTAs each. Always in [1, min(kMmaMaxSplits, k_tiles)], so with the balanced
+// partition [s*k_tiles/S, (s+1)*k_tiles/S) every split owns at least one k-tile.
+// Mirrored exactly by vllm_kbit.linear.mma_splits (tests compare the two).
+int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm);
+
+// A [M, K] (bf16/fp16, contiguous, 16-byte aligned) -> C [M, N] of A's dtype. row_groups / splits
+// force the tile shape / split count (0: heuristic), for tests and benchmarks.
+void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C,
+                int64_t row_groups = 0, int64_t splits = 0);
+
+}  // namespace kbit

@@ -1,0 +1,8 @@
+// kbit fused dequant + MMA: the k=4 instances (one file per k, so they compile in parallel).
+#include "mma_kernel.cuh"
+
+namespace kbit {
+namespace mma_detail {
+template void launch_mma_k<4>(const MmaLaunch&, bool);
+}  // namespace mma_detail
+}  // namespace kbit

@@ -1,0 +1,375 @@
+// kbit fused dequant + MMA kernel: C[M, N] = A[M, K] @ dequant(W)^T (+ bias), mma.sync m16n8k16.
+//
+// Operands. Weights are the MMA's A operand (16 weight rows per fragment) and activations the B
+// operand (8 activation rows per n8 tile), so M = 5..8 wastes at most 3 of 8 columns instead of
+// 11 of 16 rows. C's fragment is weight row x activation row, fp32.
+//
+// K order inside a runtime k-tile (128 elements = 4 blocks of 32). The MMA sums over its 16 k
+// positions in any order, so A and B only have to agree on which physical element sits at each
+// logical k. Lane (g, t) = (lane / 4, lane % 4) holds logical k {2t, 2t+1, 2t+8, 2t+9} of both
+// fragments; in MMA j (0..7) of a k-tile these are physical elements 4j .. 4j+3 of block t. So
+// each lane dequantizes exactly one block per weight row and k-tile (the GEMV's per-block
+// transpose and shuffle lookup, dequant_core.cuh), its fragments come out of the lookups in
+// order, and its B fragment for MMA j is 4 consecutive activations (8 bytes).
+//
+// Pipeline. A CTA (4 warps) owns 64r weight rows (r runtime n-tiles), 8p activation rows and a
+// K split; per k-tile it copies the r weight tiles verbatim and the 8p x 128 activations into
+// shared memory with cp.async, kStages deep. Each warp owns 16r weight rows: it transposes its
+// plane words into index words once per k-tile (before any MMA), then per k16 step builds one A
+// fragment per row group from index words (shift, shuffle, scale, pack: no bit extraction) and
+// reuses it for all p activation tiles; each B fragment serves r row groups.
+// The K splits of one CTA column are a thread-block cluster; their fp32 partial tiles are
+// summed through distributed shared memory in rank order (deterministic, no workspace).
+#pragma once
+
+#include "dequant_core.cuh"
+#include "kbit_format.cuh"
+#include "mma.cuh"
+
+#include <algorithm>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+#include <cooperative_groups.h>
+
+namespace kbit {
+namespace mma_detail {
+
+namespace cg = cooperative_groups;
+
+constexpr int kWarps = 4;
+constexpr int kThreads = 32 * kWarps;
+constexpr int kTileK = kTileKB * kBlockSize;      // 128 elements of K per runtime tile
+constexpr int kRowChunks = kTileK * 2 / 16;       // 16-byte chunks of one activation row per k-tile
+constexpr int kSmemTarget = 110 * 1024;           // pipeline bytes that still let 2 CTAs share an SM
+
+// Bytes of one runtime tile: BITS planes of 64 rows x 4 words, then 64 rows x 4 scale codes.
+template <int BITS>
+constexpr int tile_bytes() {
+  return BITS * kTileN * kTileKB * 4 + kTileN * kTileKB;
+}
+
+template <int BITS, int P, int R>
+struct Shape {
+  static constexpr int kWBytes = R * tile_bytes<BITS>();
+  static constexpr int kXBytes = 8 * P * kTileK * 2;
+  static constexpr int kStageBytes = kWBytes + kXBytes;
+  static constexpr int kStages = std::max(2, std::min(4, kSmemTarget / kStageBytes));
+  static constexpr int kPartialUnits = kWarps * R * P * 32;  // float4 C fragments of one CTA
+  static constexpr int kSmemBytes = std::max(kStages * kStageBytes, kPartialUnits * 16);
+};
+
+template <typename T>
+struct MmaParams {
+  const T* A;
+  const uint8_t* qweight;  // runtime layout, bytes
+  const uint8_t* absmax;   // runtime layout, scale codes
+  const float* codebook;
+  const T* bias;
+  T* C;
+  int M, N, K, n_tiles, k_tiles, splits;
+};
+
+// ----------------------------------------------------------------------------- element types
+
+template <typename T>
+struct Elem;
+
+template <>
+struct Elem<__nv_bfloat16> {
+  // Two fp32 values rounded to nearest-even into one register, lo in the low half.
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
+    return bits_as<uint32_t>(__floats2bfloat162_rn(lo, hi));
+  }
+  __device__ static __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ static __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static __forceinline__ __nv_bfloat16 narrow(float v) { return __float2bfloat16_rn(v); }
+};
+
+template <>
+struct Elem<__half> {
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) { return bits_as<uint32_t>(__floats2half2_rn(lo, hi)); }
+  __device__ static __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ static __forceinline__ float to_float(__half v) { return __half2float(v); }
+  __device__ static __forceinline__ __half narrow(float v) { return __float2half_rn(v); }
+};
+
+// ----------------------------------------------------------------------------- copies
+
+// 16-byte global -> shared copy that bypasses L1 (everything is read once per CTA); valid = false
+// writes 16 zero bytes instead (padding rows of A, K past the end, n-tiles past N).
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
+  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+// Slot of 16-byte chunk ch (0..15) of activation row `row` in its 256-byte smem row. Lane (g, t)
+// reads chunk 4t + c of row 8i + g; a 16-byte load is served a quarter warp (8 lanes: g in {2h,
+// 2h+1}, t = 0..3) at a time, which is conflict-free when the 8 slots differ mod 8 (mod 128 bytes).
+// Slot bits: bit 2 = t's low bit (from ch), bit 1 = c1 ^ t's high bit, bit 0 = c0 ^ row parity.
+__device__ __forceinline__ int x_slot(int ch, int row) { return ch ^ ((ch >> 2) & 2) ^ (row & 1); }
+
+// ----------------------------------------------------------------------------- kernel
+
+// Grid: (cols * splits, m_blocks) CTAs in clusters of `splits` along x (CTA x = col * splits + split).
+template <typename T, int BITS, int P, int R>
+__global__ void __launch_bounds__(kThreads) mma_kernel(const MmaParams<T> prm) {
+  using S = Shape<BITS, P, R>;
+  constexpr int F = Fields<BITS>::kBits;
+  constexpr int kTileBytes = tile_bytes<BITS>();
+  constexpr int kTileChunks = kTileBytes / 16;
+  constexpr int kPlaneBytes = BITS * kTileN * kTileKB * 4;
+  extern __shared__ __align__(16) uint8_t smem[];
+
+  // The warp index through a shuffle from lane 0: provably warp-uniform, so the shuffles below
+  // stay plain warp-wide SHFLs.
+  const int warp = __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const int splits = prm.splits;
+  const int col = blockIdx.x / splits, split = blockIdx.x % splits;
+  const int m0 = blockIdx.y * 8 * P;
+  const int kt_begin = split * prm.k_tiles / splits, kt_end = (split + 1) * prm.k_tiles / splits;
+  const int nkt = kt_end - kt_begin;
+  const float codebook_reg = __ldg(prm.codebook + (lane & ((1 << BITS) - 1)));
+
+  // Stage `stage` <- k-tile kt: the CTA's R weight tiles verbatim, then its 8P activation rows.
+  const auto load_stage = [&](int stage, int kt) {
+    uint8_t* st = smem + stage * S::kStageBytes;
+    for (int c = threadIdx.x; c < R * kTileChunks; c += kThreads) {
+      const int rho = c / kTileChunks, cc = c % kTileChunks;
+      const int n_tile = col * R + rho;
+      const bool valid = n_tile < prm.n_tiles;
+      const int64_t tile = static_cast<int64_t>(valid ? n_tile : 0) * prm.k_tiles + kt;
+      const uint8_t* src = cc * 16 < kPlaneBytes ? prm.qweight + tile * kPlaneBytes + cc * 16
+                                                 : prm.absmax + tile * (kTileN * kTileKB) + (cc * 16 - kPlaneBytes);
+      cp_async16(st + c * 16, src, valid);
+    }
+    uint8_t* xs = st + S::kWBytes;
+    for (int c = threadIdx.x; c < 8 * P * kRowChunks; c += kThreads) {
+      const int row = c / kRowChunks, ch = c % kRowChunks;
+      const int m = m0 + row, e = kt * kTileK + ch * 8;
+      const bool valid = m < prm.M && e < prm.K;
+      cp_async16(xs + row * (kRowChunks * 16) + x_slot(ch, row) * 16,
+                 valid ? prm.A + static_cast<int64_t>(m) * prm.K + e : prm.A, valid);
+    }
+  };
+
+  float acc[R][P][4];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int i = 0; i < P; ++i)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) acc[r][i][v] = 0.f;
+
+  // One k-tile from shared memory. First every row group's plane words become index words and its
+  // two scale codes become scales (all bit work of the k-tile); then 8 MMA steps, each turning
+  // index words into one A fragment per row group by lookups alone.
+  const auto compute_stage = [&](int stage) {
+    const uint8_t* st = smem + stage * S::kStageBytes;
+    uint32_t q[R][2][F];
+    float scale[R][2];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int rg = R * warp + r;  // 16-row group of the CTA
+      const uint8_t* tile = st + (rg / 4) * kTileBytes;
+      const int row = 16 * (rg % 4) + g;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        // Word t of plane b of rows row + 8h: lanes read 32 distinct words of 8 rows x 4 blocks,
+        // one per bank (row stride 4 words).
+        uint32_t plane[BITS];
+#pragma unroll
+        for (int b = 0; b < BITS; ++b)
+          plane[b] = reinterpret_cast<const uint32_t*>(tile)[(b * kTileN + row + 8 * h) * kTileKB + t];
+        gather_indices<BITS>(plane, q[r][h]);
+        scale[r][h] = decode_scale(tile[kPlaneBytes + (row + 8 * h) * kTileKB + t], 0);
+      }
+    }
+    const uint4* xs = reinterpret_cast<const uint4*>(st + S::kWBytes);
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      uint4 xb[P];  // activations 32t + 8c .. +7 of rows 8i + g: B fragments of MMA steps 2c, 2c + 1
+#pragma unroll
+      for (int i = 0; i < P; ++i) xb[i] = xs[(8 * i + g) * kRowChunks + x_slot(4 * t + c, 8 * i + g)];
+#pragma unroll
+      for (int jj = 0; jj < 2; ++jj) {
+        const int j = 2 * c + jj;
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          uint32_t a[4];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const auto value = [&](int e) {
+              return __fmul_rn(lookup<BITS>(codebook_reg, q[r][h], e), scale[r][h]);
+            };
+            a[h] = Elem<T>::pack(value(4 * j), value(4 * j + 1));
+            a[2 + h] = Elem<T>::pack(value(4 * j + 2), value(4 * j + 3));
+          }
+#pragma unroll
+          for (int i = 0; i < P; ++i) Elem<T>::mma(acc[r][i], a, jj ? xb[i].z : xb[i].x, jj ? xb[i].w : xb[i].y);
+        }
+      }
+    }
+  };
+
+  // Multistage pipeline: k-tile it + kStages - 1 is copied while k-tile it is computed. The copy
+  // into a stage is issued after the barrier that follows every warp's last read of it.
+#pragma unroll
+  for (int s = 0; s < S::kStages - 1; ++s) {
+    if (s < nkt) load_stage(s, kt_begin + s);
+    cp_async_commit();
+  }
+  for (int it = 0; it < nkt; ++it) {
+    cp_async_wait<S::kStages - 2>();
+    __syncthreads();
+    const int next = it + S::kStages - 1;
+    if (next < nkt) load_stage(next % S::kStages, kt_begin + next);
+    cp_async_commit();
+    compute_stage(it % S::kStages);
+  }
+  cp_async_wait<0>();
+  __syncthreads();  // the partial tile below reuses the stages
+
+  const int n_base = col * kTileN * R;
+  // Output of C fragment element v of (row group rg, n8 tile i) held by lane ln, plus bias.
+  const auto store = [&](int rg, int i, int ln, const float (&v)[4]) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int n = n_base + 16 * rg + ln / 4 + 8 * h;
+      if (n >= prm.N) continue;
+      const float b = prm.bias != nullptr ? Elem<T>::to_float(prm.bias[n]) : 0.f;
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int m = m0 + 8 * i + 2 * (ln % 4) + u;
+        if (m < prm.M) prm.C[static_cast<int64_t>(m) * prm.N + n] = Elem<T>::narrow(v[2 * h + u] + b);
+      }
+    }
+  };
+  if (splits == 1) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int i = 0; i < P; ++i) store(R * warp + r, i, lane, acc[r][i]);
+    return;
+  }
+  // Split-K: every CTA of the cluster parks its partial tile in its own shared memory, then rank s
+  // sums slice s of the tile over all ranks in rank order and writes it. The second cluster
+  // barrier keeps every CTA's shared memory alive until all remote reads are done.
+  cg::cluster_group cluster = cg::this_cluster();
+  float4* part = reinterpret_cast<float4*>(smem);
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int i = 0; i < P; ++i)
+      part[((warp * R + r) * P + i) * 32 + lane] = make_float4(acc[r][i][0], acc[r][i][1], acc[r][i][2], acc[r][i][3]);
+  cluster.sync();
+  constexpr int U = S::kPartialUnits;
+  for (int u = split * U / splits + threadIdx.x; u < (split + 1) * U / splits; u += kThreads) {
+    float4 sum = cluster.map_shared_rank(part, 0)[u];
+    for (int s = 1; s < splits; ++s) {
+      const float4 x = cluster.map_shared_rank(part, s)[u];
+      sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w;
+    }
+    const float v[4] = {sum.x, sum.y, sum.z, sum.w};
+    store(u / (32 * P), (u / 32) % P, u % 32, v);
+  }
+  cluster.sync();
+}
+
+// ----------------------------------------------------------------------------- launch
+
+struct MmaLaunch {
+  const void* A;
+  const void* qweight;
+  const void* absmax;
+  const float* codebook;
+  const void* bias;
+  void* C;
+  int M, N, K, n_tiles, k_tiles;
+  MmaConfig config;
+  int splits;  // 0: heuristic
+  int num_sms;
+  cudaStream_t stream;
+};
+
+template <typename T, int BITS, int P, int R>
+void launch_instance(const MmaLaunch& L) {
+  using S = Shape<BITS, P, R>;
+  const auto kernel = mma_kernel<T, BITS, P, R>;
+  // Once per instance: the shared-memory opt-in above 48 KB, and how many CTAs an SM holds.
+  static const int ctas_per_sm = [&] {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
+    int n = 0;
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, S::kSmemBytes));
+    return std::max(n, 1);
+  }();
+  const int cols = (L.n_tiles + R - 1) / R;
+  const int splits = L.splits > 0 ? L.splits : mma_splits(cols, L.config.m_blocks, L.k_tiles, L.num_sms, ctas_per_sm);
+  TORCH_CHECK(splits >= 1 && splits <= std::min(kMmaMaxSplits, L.k_tiles), "kbit mma: splits=", splits,
+              " outside 1..", std::min(kMmaMaxSplits, L.k_tiles));
+  const MmaParams<T> prm{static_cast<const T*>(L.A), static_cast<const uint8_t*>(L.qweight),
+                         static_cast<const uint8_t*>(L.absmax), L.codebook, static_cast<const T*>(L.bias),
+                         static_cast<T*>(L.C), L.M, L.N, L.K, L.n_tiles, L.k_tiles, splits};
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(cols * splits), static_cast<unsigned>(L.config.m_blocks));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = S::kSmemBytes;
+  config.stream = L.stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(splits);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.attrs = attr;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, prm));
+}
+
+// Launches the instance of mma_config's (p, r): r = 1, or the wide r of p (4, or 2 at p = 8).
+template <typename T, int BITS>
+void launch_bits(const MmaLaunch& L) {
+  const int p = L.config.p, r = L.config.r;
+#define KBIT_MMA_CASE(P_, R_) \
+  if (p == P_ && r == R_) return launch_instance<T, BITS, P_, R_>(L);
+  KBIT_MMA_CASE(1, 1)
+  KBIT_MMA_CASE(1, 4)
+  KBIT_MMA_CASE(2, 1)
+  KBIT_MMA_CASE(2, 4)
+  KBIT_MMA_CASE(4, 1)
+  KBIT_MMA_CASE(4, 4)
+  KBIT_MMA_CASE(8, 1)
+  KBIT_MMA_CASE(8, 2)
+#undef KBIT_MMA_CASE
+  TORCH_CHECK(false, "kbit mma: no kernel for p=", p, " r=", r);
+}
+
+// Entry point per k (mma_k2.cu .. mma_k5.cu, compiled in parallel), both activation dtypes.
+template <int BITS>
+void launch_mma_k(const MmaLaunch& L, bool bf16) {
+  if (bf16) return launch_bits<__nv_bfloat16, BITS>(L);
+  return launch_bits<__half, BITS>(L);
+}
+extern template void launch_mma_k<2>(const MmaLaunch&, bool);
+extern template void launch_mma_k<3>(const MmaLaunch&, bool);
+extern template void launch_mma_k<4>(const MmaLaunch&, bool);
+extern template void launch_mma_k<5>(const MmaLaunch&, bool);
+
+}  // namespace mma_detail
+}  // namespace kbit
