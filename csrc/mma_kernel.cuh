@@ -42,7 +42,7 @@ constexpr int kWarps = 4;
 constexpr int kThreads = 32 * kWarps;
 constexpr int kTileK = kTileKB * kBlockSize;      // 128 elements of K per runtime tile
 constexpr int kRowChunks = kTileK * 2 / 16;       // 16-byte chunks of one activation row per k-tile
-constexpr int kSmemTarget = 110 * 1024;           // pipeline bytes that still let 2 CTAs share an SM
+constexpr int kSmemTarget = 72 * 1024;            // pipeline bytes that still let 3 CTAs share an SM
 
 // Bytes of one runtime tile: BITS planes of 64 rows x 4 words, then 64 rows x 4 scale codes.
 template <int BITS>
@@ -148,24 +148,36 @@ __global__ void __launch_bounds__(kThreads) mma_kernel(const MmaParams<T> prm) {
   const int nkt = kt_end - kt_begin;
   const float codebook_reg = __ldg(prm.codebook + (lane & ((1 << BITS) - 1)));
 
-  // Stage `stage` <- k-tile kt: the CTA's R weight tiles verbatim, then its 8P activation rows.
+  // Stage `stage` <- k-tile kt: the CTA's R weight tiles verbatim (plane chunks, then scale-code
+  // chunks), then its 8P activation rows. Loop bounds are compile-time, so each thread issues a
+  // fixed list of copies; thread x copies activation chunk x % 16 of rows x / 16 + 8i, whose smem
+  // slot is the same for every i (8i keeps the row parity).
+  const int x_row = threadIdx.x / kRowChunks, x_ch = threadIdx.x % kRowChunks;
+  const int x_off = x_row * (kRowChunks * 16) + x_slot(x_ch, x_row) * 16;
   const auto load_stage = [&](int stage, int kt) {
     uint8_t* st = smem + stage * S::kStageBytes;
-    for (int c = threadIdx.x; c < R * kTileChunks; c += kThreads) {
-      const int rho = c / kTileChunks, cc = c % kTileChunks;
+#pragma unroll
+    for (int rho = 0; rho < R; ++rho) {
       const int n_tile = col * R + rho;
       const bool valid = n_tile < prm.n_tiles;
-      const int64_t tile = static_cast<int64_t>(valid ? n_tile : 0) * prm.k_tiles + kt;
-      const uint8_t* src = cc * 16 < kPlaneBytes ? prm.qweight + tile * kPlaneBytes + cc * 16
-                                                 : prm.absmax + tile * (kTileN * kTileKB) + (cc * 16 - kPlaneBytes);
-      cp_async16(st + c * 16, src, valid);
+      const int64_t tile = valid ? static_cast<int64_t>(n_tile) * prm.k_tiles + kt : 0;
+      const uint8_t* planes = prm.qweight + tile * kPlaneBytes;
+      const uint8_t* codes = prm.absmax + tile * (kTileN * kTileKB);
+#pragma unroll
+      for (int it = 0; it < (kTileChunks + kThreads - 1) / kThreads; ++it) {
+        const int c = threadIdx.x + it * kThreads;  // 16-byte chunk of the tile
+        if (c < kTileChunks) {
+          cp_async16(st + rho * kTileBytes + c * 16, c * 16 < kPlaneBytes ? planes + c * 16 : codes + (c * 16 - kPlaneBytes),
+                     valid);
+        }
+      }
     }
-    uint8_t* xs = st + S::kWBytes;
-    for (int c = threadIdx.x; c < 8 * P * kRowChunks; c += kThreads) {
-      const int row = c / kRowChunks, ch = c % kRowChunks;
-      const int m = m0 + row, e = kt * kTileK + ch * 8;
+    const int e = kt * kTileK + x_ch * 8;
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const int m = m0 + x_row + 8 * i;
       const bool valid = m < prm.M && e < prm.K;
-      cp_async16(xs + row * (kRowChunks * 16) + x_slot(ch, row) * 16,
+      cp_async16(st + S::kWBytes + x_off + i * 8 * (kRowChunks * 16),
                  valid ? prm.A + static_cast<int64_t>(m) * prm.K + e : prm.A, valid);
     }
   };
