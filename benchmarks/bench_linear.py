@@ -159,7 +159,9 @@ def mma_fn(x, w, row_groups=0):
 def m_plan(args, k: int, regime: str) -> tuple:
     """The M values timed for k-bit weights in one regime."""
     if args.short:
-        return M_SHORT if (k == 4 and regime == "cold") else M_SHORT_OTHER
+        if regime == "hot":
+            return M_SHORT_OTHER if k == 4 else ()
+        return M_SHORT if k == 4 else M_SHORT_OTHER
     return M_ALL if k == 4 else M_OTHER_K
 
 
@@ -171,7 +173,7 @@ def main() -> None:
     ap.add_argument("--bits", default="2,3,4,5")
     ap.add_argument("--regimes", default="hot,cold")
     ap.add_argument("--short", action="store_true",
-                    help=f"Qwen3 block + large shapes; k=4 COLD at M in {M_SHORT}, other k and HOT at M in {M_SHORT_OTHER}")
+                    help=f"Qwen3 block + large shapes; k=4 COLD at M in {M_SHORT}, other k COLD and k=4 HOT at M in {M_SHORT_OTHER}")
     ap.add_argument("--tag", default="", help="suffix of the output file names")
     ap.add_argument("--plot", metavar="JSON", help="only redraw the PNG of an existing JSON file")
     args = ap.parse_args()

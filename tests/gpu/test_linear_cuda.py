@@ -20,6 +20,7 @@ from vllm_kbit.linear import (
     gemv_splits,
     gemv_tiles,
     kbit_linear,
+    linear_path,
     mma_config,
     mma_splits,
 )
@@ -60,15 +61,17 @@ def _poison_cache(nbytes):
     torch.full((nbytes // 4 + 1024,), float("nan"), device="cuda")  # freed at once: its block stays cached
 
 
-def _check(out, ref, dtype):
-    assert out.dtype == dtype and out.shape == ref.shape
-    assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
+def _check(out, ref, dtype, what=""):
+    assert out.dtype == dtype and out.shape == ref.shape, what
+    bad = ~torch.isfinite(out)
+    assert not bad.any(), f"{what}: {int(bad.sum())} unwritten or non-finite outputs, first at {bad.nonzero()[0].tolist()}"
     err = (out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-30)
     tol = 6e-3 if dtype == torch.bfloat16 else 2e-3
-    assert err < tol, f"relative error {err:.2e} >= {tol}"
+    assert err < tol, f"{what}: relative error {err:.2e} >= {tol}"
     # Elementwise: every output within a few output ulps of the reference, scaled by the row's size.
     scale = ref.abs() + ref.pow(2).mean(-1, keepdim=True).sqrt()
-    assert ((out.float() - ref).abs() <= 4 * tol * scale).all()
+    off = (out.float() - ref).abs() > 4 * tol * scale
+    assert not off.any(), f"{what}: {int(off.sum())} outputs off, first at {off.nonzero()[0].tolist()}"
 
 
 def _random_case(seed):
@@ -128,7 +131,7 @@ def test_mma_random_cases_match_reference(seed):
     bias = torch.randn(N, generator=gen).to(dtype).cuda() if with_bias else None
     _poison_cache(M * N * 2)
     out = _mma(x, w, bias, row_groups, splits)
-    _check(out, _reference(x, flat, bias), dtype)
+    _check(out, _reference(x, flat, bias), dtype, f"M={M} N={N} K={K} k={k} {dtype} bias={with_bias} r={row_groups} S={splits}")
 
 
 MMA_MS = (5, 8, 16, 32, 64, 128)
@@ -147,10 +150,10 @@ def test_design_shapes_every_m(K, N):
         ref = _reference(x, flat, None)
         for M in (1, 2, 3, 4) + MMA_MS:
             _poison_cache(M * N * 2)
-            _check(kbit_linear(x[:M], w), ref[:M], torch.bfloat16)
+            _check(kbit_linear(x[:M], w), ref[:M], torch.bfloat16, f"kbit_linear M={M} k={k} ({linear_path(M)})")
         for M in MMA_MS:
             _poison_cache(M * N * 2)
-            _check(_mma(x[:M], w), ref[:M], torch.bfloat16)
+            _check(_mma(x[:M], w), ref[:M], torch.bfloat16, f"_mma_linear M={M} k={k} config={mma_config(M, w.qweight_rt.shape[0])}")
         del w, flat, ref
         torch.cuda.empty_cache()
 
@@ -167,7 +170,7 @@ def test_mma_fp16_bias_every_tile_shape():
         for r in _built_row_groups(M):
             for splits in (1, 3, 8):
                 _poison_cache(M * 1000 * 2)
-                _check(_mma(x[:M], w, bias, r, splits), ref[:M], torch.float16)
+                _check(_mma(x[:M], w, bias, r, splits), ref[:M], torch.float16, f"M={M} r={r} S={splits}")
 
 
 @pytest.mark.gpu
