@@ -194,10 +194,20 @@ def main() -> None:
     bits = [int(b) for b in args.bits.split(",")]
     regimes = args.regimes.split(",")
     shapes = [s for s in SHAPES if s[0] in args.shapes.split(",")]
-    if args.short:
-        shapes = [s for s in shapes if s[0] in QWEN3_BLOCK + GOAL_SHAPES]
+    if args.short:  # the goal shapes first: a run cut short still has them
+        shapes = [s for name in GOAL_SHAPES + QWEN3_BLOCK for s in shapes if s[0] == name]
     common = dict(gpu=gpu, commit=args.commit, date=date)
     records = []
+    os.makedirs(args.out, exist_ok=True)
+    tag = f"{gpu.replace(' ', '_')}_{date[:10]}{args.tag}"
+    meta = dict(common, copy_bandwidth_GBps=round(bw / 1e9, 1), sms=sms, l2_MiB=l2 >> 20, eager_host_us=overhead,
+                command=" ".join(sys.argv))
+
+    def write_tables():
+        with open(os.path.join(args.out, f"bench_linear_{tag}.json"), "w") as f:
+            json.dump(json_records(meta, records), f, indent=1)
+        with open(os.path.join(args.out, f"bench_linear_{tag}.md"), "w") as f:
+            f.write(markdown(meta, records))
 
     def record(op, name, K, N, k, M, dtype, regime, us, nbytes, extra=None):
         rec = dict(common, op=op, shape=name, N=N, K=K, k=k, M=M, dtype=str(dtype).replace("torch.", ""),
@@ -238,7 +248,7 @@ def main() -> None:
                         us = graph_time_us([lambda w=w: kbit_linear(x, w) for w in ws])
                         rec = record("kbit_linear", name, K, N, k, M, dtype, regime, us, nbytes,
                                      dict(extra, path=path, **(dict(splits=splits) if path == "gemv" else {})))
-                        if k == 4 and regime == "cold" and dtype == torch.bfloat16 and M >= 8:
+                        if k == 4 and regime == "cold" and dtype == torch.bfloat16 and M >= 4:
                             if path == "mma":  # the other side of the crossover, forced
                                 us2 = graph_time_us([lambda w=w: F.linear(x, w.dequantize(dtype)) for w in ws])
                                 record("kbit_dequant_cublas", name, K, N, k, M, dtype, regime, us2, nbytes, extra)
@@ -257,20 +267,14 @@ def main() -> None:
                                   flush=True)
                 del ws, w0
                 torch.cuda.empty_cache()
+        write_tables()  # after every shape, so a run cut short keeps what it measured
 
-    os.makedirs(args.out, exist_ok=True)
-    tag = f"{gpu.replace(' ', '_')}_{date[:10]}{args.tag}"
-    meta = dict(common, copy_bandwidth_GBps=round(bw / 1e9, 1), sms=sms, l2_MiB=l2 >> 20, eager_host_us=overhead,
-                command=" ".join(sys.argv))
-    with open(os.path.join(args.out, f"bench_linear_{tag}.json"), "w") as f:
-        json.dump(json_records(meta, records), f, indent=1)
-    with open(os.path.join(args.out, f"bench_linear_{tag}.md"), "w") as f:
-        f.write(markdown(meta, records))
     try:
         plot(records, os.path.join(args.out, f"bench_linear_{tag}.png"))
     except ImportError as e:  # matplotlib missing: `--plot JSON` redraws it elsewhere
         print(f"no plot: {e}")
     print(markdown(meta, records, summary_only=True))
+    print("\n".join(headline(records)))
 
 
 def json_records(meta, records) -> list:
@@ -311,12 +315,9 @@ def _speedup_table(rows, lines, title):
     lines.append("")
 
 
-def markdown(meta, records, summary_only=False) -> str:
-    lines = [f"# bench_linear: {meta['gpu']}, {meta['date']}, commit {meta['commit']}", "",
-             f"copy bandwidth {meta['copy_bandwidth_GBps']} GB/s; {meta['sms']} SMs; L2 {meta['l2_MiB']} MiB; "
-             f"command `{meta['command']}`", ""]
-    if meta["eager_host_us"]:
-        lines += ["Eager host time per call (µs): " + ", ".join(f"{k} {v:.2f}" for k, v in meta["eager_host_us"].items()), ""]
+def headline(records) -> list:
+    """The goal table (COLD, k=4) and the MMA / dequant + cuBLAS crossover, as markdown lines."""
+    lines = []
     lin = [r for r in records if r["op"] == "kbit_linear" and r["dtype"] == "bfloat16"]
     by = {(r["shape"], r["M"], r["k"], r["regime"]): r for r in lin}
     if any(r["regime"] == "cold" and r["k"] == 4 for r in lin):
@@ -353,6 +354,17 @@ def markdown(meta, records, summary_only=False) -> str:
                 cells.append(f"{fmt_(mma, d['path'] == 'mma')} / {fmt_(deq, d['path'] == 'dequant_cublas')}")
             lines.append(f"| {s} | " + " | ".join(cells) + " |")
         lines.append("")
+    return lines
+
+
+def markdown(meta, records, summary_only=False) -> str:
+    lines = [f"# bench_linear: {meta['gpu']}, {meta['date']}, commit {meta['commit']}", "",
+             f"copy bandwidth {meta['copy_bandwidth_GBps']} GB/s; {meta['sms']} SMs; L2 {meta['l2_MiB']} MiB; "
+             f"command `{meta['command']}`", ""]
+    if meta["eager_host_us"]:
+        lines += ["Eager host time per call (µs): " + ", ".join(f"{k} {v:.2f}" for k, v in meta["eager_host_us"].items()), ""]
+    lines += headline(records)
+    lin = [r for r in records if r["op"] == "kbit_linear" and r["dtype"] == "bfloat16"]
     variants = sorted({r["op"] for r in records if r["op"].startswith("kbit_mma_r")})
     for op in variants:
         _speedup_table([r for r in records if r["op"] == op], lines,

@@ -62,6 +62,7 @@ void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Ten
   L.k_tiles = static_cast<int>(qweight_rt.size(1));
   L.config = mma_config(L.M, n_tiles, row_groups);
   L.splits = static_cast<int>(splits);
+  L.device = A.get_device();
   L.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   L.stream = at::cuda::getCurrentCUDAStream();
   TORCH_CHECK(A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf, "kbit mma: activations must be bf16 or fp16");

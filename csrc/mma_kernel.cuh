@@ -27,6 +27,7 @@
 #include "mma.cuh"
 
 #include <algorithm>
+#include <atomic>
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
@@ -43,6 +44,7 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kTileK = kTileKB * kBlockSize;      // 128 elements of K per runtime tile
 constexpr int kRowChunks = kTileK * 2 / 16;       // 16-byte chunks of one activation row per k-tile
 constexpr int kSmemTarget = 72 * 1024;            // pipeline bytes that still let 3 CTAs share an SM
+constexpr int kMaxDevices = 64;                   // devices the per-device launch preparation tracks
 
 // Bytes of one runtime tile: BITS planes of 64 rows x 4 words, then 64 rows x 4 scale codes.
 template <int BITS>
@@ -317,6 +319,7 @@ struct MmaLaunch {
   int M, N, K, n_tiles, k_tiles;
   MmaConfig config;
   int splits;  // 0: heuristic
+  int device;
   int num_sms;
   cudaStream_t stream;
 };
@@ -325,13 +328,18 @@ template <typename T, int BITS, int P, int R>
 void launch_instance(const MmaLaunch& L) {
   using S = Shape<BITS, P, R>;
   const auto kernel = mma_kernel<T, BITS, P, R>;
-  // Once per instance: the shared-memory opt-in above 48 KB, and how many CTAs an SM holds.
-  static const int ctas_per_sm = [&] {
+  // Once per instance and device (the opt-in is per device): the shared-memory opt-in above 48 KB,
+  // and how many CTAs an SM holds (0 = not prepared yet; preparing twice is harmless).
+  static std::atomic<int> prepared[kMaxDevices] = {};
+  const int device = L.device;
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "kbit mma: device index ", device, " >= ", kMaxDevices);
+  int ctas_per_sm = prepared[device].load(std::memory_order_relaxed);
+  if (ctas_per_sm == 0) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
-    int n = 0;
-    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, kThreads, S::kSmemBytes));
-    return std::max(n, 1);
-  }();
+    C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, kThreads, S::kSmemBytes));
+    ctas_per_sm = std::max(ctas_per_sm, 1);
+    prepared[device].store(ctas_per_sm, std::memory_order_relaxed);
+  }
   const int cols = (L.n_tiles + R - 1) / R;
   const int splits = L.splits > 0 ? L.splits : mma_splits(cols, L.config.m_blocks, L.k_tiles, L.num_sms, ctas_per_sm);
   TORCH_CHECK(splits >= 1 && splits <= std::min(kMmaMaxSplits, L.k_tiles), "kbit mma: splits=", splits,
