@@ -17,7 +17,7 @@ T0=$(date +%s)
 } >"$LOG" 2>&1
 
 echo "== GPU tests ($(($(date +%s) - T0)) s)" | tee -a "$LOG"
-timeout 70 python3 -m pytest tests/gpu/test_linear_cuda.py -q -p no:cacheprovider -n 8 --maxfail=10 2>&1 | tail -30 | tee -a "$LOG"
+timeout 70 python3 -m pytest tests/gpu/test_linear_cuda.py -q -p no:cacheprovider -n 8 --maxfail=10 -rf 2>&1 | tee -a "$LOG" | tail -30
 
 echo "== compute-sanitizer on mma_kernel ($(($(date +%s) - T0)) s)" | tee -a "$LOG"
 cat >/tmp/sanitize_mma.py <<'PY'
@@ -56,10 +56,10 @@ PY
 timeout 22 ncu --clock-control none --kernel-name regex:mma_kernel --launch-count 2 --section SpeedOfLight \
   --section WarpStateStats --section Occupancy \
   --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed_op_shared_ld.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed_op_shfl.sum,smsp__inst_executed.sum \
-  python3 /tmp/profile_mma.py 2>&1 | grep -vE "^==PROF==|^\s*$" | tail -70 | tee -a "$LOG"
+  python3 /tmp/profile_mma.py 2>&1 | grep -vE "^==PROF==|^\s*$" | tee -a "$LOG" | tail -40
 
 echo "== bench ($(($(date +%s) - T0)) s)" | tee -a "$LOG"
-timeout 62 python3 benchmarks/bench_linear.py --short --commit "${KBIT_COMMIT:-unknown}" --out /tmp/mma_bench --tag _mma 2>&1 | tail -45 | tee -a "$LOG"
+timeout 62 python3 benchmarks/bench_linear.py --short --commit "${KBIT_COMMIT:-unknown}" --out /tmp/mma_bench --tag _mma 2>&1 | tee -a "$LOG" | tail -45
 cp /tmp/mma_bench/bench_linear_*_mma.json "$OUT/mma_bench.json" 2>/dev/null
 cp /tmp/mma_bench/bench_linear_*_mma.md "$OUT/mma_bench.md" 2>/dev/null
 echo "== done ($(($(date +%s) - T0)) s)" | tee -a "$LOG"
