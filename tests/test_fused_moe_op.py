@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import vllm_kbit
-from vllm_kbit.moe import kbit_fused_moe, stack_runtime
+from vllm_kbit.moe import CHUNK_ROWS, chunk_rows, kbit_fused_moe, max_chunks, route_reference, stack_runtime
 
 E, H, I, T, TOP_K = 6, 64, 96, 7, 2
 
@@ -81,3 +81,31 @@ def test_fused_moe_opcheck_and_fake():
         fake_args = [mode.from_tensor(a) if isinstance(a, torch.Tensor) else a for a in args]
         out = torch.ops.kbit.fused_moe(*fake_args)
     assert out.shape == (T, H) and out.dtype == torch.bfloat16
+
+
+def test_route_reference_groups_slots_by_local_expert():
+    """Slots sorted by local expert (stable), -1 for experts not on this rank or ids past the map."""
+    ids = torch.tensor([[1, 0], [1, 3], [2, 5]], dtype=torch.int32)
+    expert_map = torch.tensor([0, 1, -1, 2], dtype=torch.int32)
+    offsets, pos, local = route_reference(ids, expert_map, 3)
+    assert offsets.tolist() == [0, 1, 3, 4]
+    assert local.tolist() == [1, 0, 1, 2, -1, -1]
+    assert pos.tolist() == [1, 0, 2, 3, -1, -1]
+    offsets, pos, local = route_reference(ids, None, 2)  # no map: ids >= E are not local
+    assert offsets.tolist() == [0, 1, 3] and pos.tolist() == [1, 0, 2, -1, -1, -1]
+
+
+def test_max_chunks_bounds_every_routing():
+    """The grouped GEMV's grid (max_chunks) covers the chunks any split of the slots over the experts needs."""
+    g = torch.Generator().manual_seed(0)
+    assert chunk_rows(1) == 1 and chunk_rows(2) == CHUNK_ROWS
+    for _ in range(3000):
+        E = int(torch.randint(1, 24, (1,), generator=g))
+        S = int(torch.randint(0, 100, (1,), generator=g))
+        rows = 1 if torch.rand(1, generator=g) < 0.3 else CHUNK_ROWS
+        picks = torch.randint(0, E + 1, (S,), generator=g)  # E: on another rank
+        if torch.rand(1, generator=g) < 0.2:
+            picks[:] = 0
+        counts = torch.bincount(picks[picks < E], minlength=E)
+        need = int(((counts + rows - 1) // rows).sum())
+        assert need <= max_chunks(S, E, rows) <= max(S, 0)

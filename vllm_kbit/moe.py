@@ -5,9 +5,13 @@ Weights of the E local experts are stacked runtime tensors: ``w13_qweight``
 ``[E, *runtime_shape(H, I)]`` and their absmax codes likewise, one codebook
 for both. ``topk_ids`` hold global expert ids; ``expert_map`` (optional, [global
 experts] int32) maps them to local ids, -1 for experts on other ranks, which
-then contribute nothing. The schema is what a grouped CUDA kernel (one launch,
-device-side expert offsets) will implement; until it lands the PyTorch
-reference below serves CPU and CUDA alike.
+then contribute nothing.
+
+CPU runs the PyTorch reference below. CUDA with bf16/fp16 activations runs
+``kbit::_fused_moe_cuda`` (csrc/moe_ops.cu: device-side routing, grouped kbit
+GEMV for small per-expert M, dequantize + ``torch._grouped_mm`` for large);
+fp32 activations on CUDA run the reference. :func:`route_reference` is the
+routing those kernels compute, in PyTorch.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from vllm_kbit import format as fmt
-from vllm_kbit import ops  # noqa: F401  (defines the kbit namespace)
+from vllm_kbit import ops
 
 _lib = torch.library.Library("kbit", "FRAGMENT")
 _lib.define(
@@ -68,9 +72,25 @@ def _fused_moe_reference(
     return out.to(x.dtype)
 
 
+def _fused_moe_cuda(
+    x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size, expert_map,
+    apply_router_weight_on_input,
+):
+    """CUDA: the fused kernels for bf16/fp16 activations, the reference for fp32 (or without the extension)."""
+    if x.dtype == torch.float32 or not ops.HAS_CUDA_KERNELS:
+        return _fused_moe_reference(
+            x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
+            expert_map, apply_router_weight_on_input,
+        )
+    fmt.check_float_dtype(x, "x")
+    return torch.ops.kbit._fused_moe_cuda(
+        x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, int(intermediate_size),
+        expert_map, apply_router_weight_on_input,
+    )
+
+
 _lib.impl("fused_moe", _fused_moe_reference, "CPU")
-# The grouped CUDA kernel will replace this registration; until then CUDA runs the reference.
-_lib.impl("fused_moe", _fused_moe_reference, "CUDA")
+_lib.impl("fused_moe", _fused_moe_cuda, "CUDA")
 
 
 @torch.library.register_fake("kbit::fused_moe")
@@ -105,3 +125,39 @@ def stack_runtime(flat: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.
     """Per-expert flat (qweight, absmax) pairs -> stacked runtime tensors [E, ...]."""
     rt = [torch.ops.kbit.repack(q.contiguous(), a.contiguous()) for q, a in flat]
     return torch.stack([q for q, _ in rt]), torch.stack([a for _, a in rt])
+
+
+CHUNK_ROWS = 4  # most rows of one expert a grouped-GEMV CTA multiplies (csrc/moe.cuh: kMoeChunkRows)
+
+
+def chunk_rows(tokens: int) -> int:
+    """Mirror of csrc moe_chunk_rows: one-row chunks for a single token, else CHUNK_ROWS."""
+    return 1 if tokens == 1 else CHUNK_ROWS
+
+
+def max_chunks(slots: int, experts: int, rows: int) -> int:
+    """Mirror of csrc moe_max_chunks: the most chunks of <= rows rows any routing of `slots` over `experts` can need."""
+    return min(slots, (slots + (rows - 1) * min(experts, slots)) // rows)
+
+
+def route_reference(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int):
+    """The routing the CUDA path computes, as (offsets [E+1], pos [S], local expert per slot [S]).
+
+    Slots s = t * top_k + j are grouped by local expert: expert e owns rows [offsets[e], offsets[e+1]),
+    pos[s] is the row of slot s (-1 for experts not on this rank or ids out of range). Here slots
+    keep their order inside an expert; the CUDA routing may order them differently (atomics), which
+    changes no result, so tests compare offsets exactly and pos up to that order.
+    """
+    ids = topk_ids.reshape(-1).long()
+    if expert_map is not None:
+        inside = (ids >= 0) & (ids < expert_map.numel())
+        ids = torch.where(inside, expert_map.long()[ids.clamp(0, max(expert_map.numel() - 1, 0))], -1)
+    local = torch.where((ids >= 0) & (ids < num_experts), ids, -1)
+    counts = torch.bincount(local[local >= 0], minlength=num_experts)
+    offsets = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    offsets[1:] = torch.cumsum(counts, 0)
+    order = torch.argsort(torch.where(local >= 0, local, num_experts), stable=True)
+    pos = torch.full_like(local, -1)
+    n_local = int(counts.sum())
+    pos[order[:n_local]] = torch.arange(n_local, device=ids.device)
+    return offsets.to(torch.int32), pos.to(torch.int32), local.to(torch.int32)

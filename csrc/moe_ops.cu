@@ -1,0 +1,203 @@
+// Routed experts on CUDA: kbit::_fused_moe_cuda (what vllm_kbit.moe registers as the CUDA
+// kbit::fused_moe for 16-bit activations) and the routing / grouped-GEMV pieces as ops for
+// tests and benchmarks.
+//
+// Two paths, picked from shapes alone (no host sync, every allocation sized by T * top_k or E):
+//   GEMV     route -> grouped GEMV gate_up (gathers x rows) -> grouped GEMV down (SiLU * up
+//            while staging, fp32 out) -> combine. Reads only the experts that got tokens.
+//   grouped  route -> gather x (bf16) -> dequantize all experts to bf16 -> torch._grouped_mm ->
+//            SiLU * up -> dequantize -> torch._grouped_mm -> combine (fp16 inputs run in bf16).
+#include "moe.cuh"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+namespace kbit {
+namespace {
+
+enum class MoePath : int64_t { kAuto = 0, kGemv = 1, kGroupedMm = 2 };
+
+// The GEMV path serves while the average expert has at most this many slots (S / E), the
+// dequantize + grouped-GEMM path above. Prediction, to be replaced by the measured crossover.
+constexpr int64_t kGemvMaxSlotsPerExpert = 8;
+
+MoePath pick_path(int64_t slots, int64_t experts) {
+  return slots <= kGemvMaxSlotsPerExpert * experts ? MoePath::kGemv : MoePath::kGroupedMm;
+}
+
+struct Routing {
+  at::Tensor offsets, pos, slot_of, chunks, num_chunks;
+};
+
+Routing route(const at::Tensor& ids, const std::optional<at::Tensor>& expert_map, int64_t E, int64_t chunk_rows,
+              int64_t max_chunks) {
+  const auto i32 = ids.options().dtype(at::kInt);
+  const int64_t S = ids.numel();
+  Routing r{at::empty({E + 1}, i32), at::empty({S}, i32), at::empty({S}, i32), at::empty({max_chunks, 4}, i32),
+            at::empty({1}, i32)};
+  launch_moe_route(ids, expert_map, E, chunk_rows, r.offsets, r.pos, r.slot_of, r.chunks, r.num_chunks);
+  return r;
+}
+
+std::optional<at::Tensor> int32_map(const std::optional<at::Tensor>& expert_map, const at::Tensor& x) {
+  if (!expert_map.has_value()) return std::nullopt;
+  TORCH_CHECK(expert_map->dim() == 1 && !at::isFloatingType(expert_map->scalar_type()) &&
+                  expert_map->device() == x.device(),
+              "kbit fused_moe: expert_map must be a 1-D integer tensor on ", x.device(), ", got ",
+              expert_map->scalar_type(), " ", expert_map->sizes(), " on ", expert_map->device());
+  return expert_map->to(at::kInt).contiguous();
+}
+
+// Checks one stacked runtime weight [E, ceil(N/64), ceil(K/128), k, 64, 4] (+ absmax); returns k.
+int64_t check_stacked(const at::Tensor& q, const at::Tensor& a, int64_t E, int64_t N, int64_t K, const char* what) {
+  const int64_t nt = (N + 63) / 64, kt = (K / 32 + 3) / 4;
+  TORCH_CHECK(q.scalar_type() == at::kInt && q.dim() == 6 && q.size(0) == E && q.size(1) == nt && q.size(2) == kt &&
+                  q.size(3) >= 2 && q.size(3) <= 5 && q.size(4) == 64 && q.size(5) == 4,
+              "kbit fused_moe: ", what, "_qweight must be int32 [", E, ", ", nt, ", ", kt, ", k, 64, 4] (k in 2..5) for [",
+              N, ", ", K, "] experts, got ", q.scalar_type(), " ", q.sizes());
+  TORCH_CHECK(a.scalar_type() == at::kByte && a.dim() == 5 && a.size(0) == E && a.size(1) == nt && a.size(2) == kt &&
+                  a.size(3) == 64 && a.size(4) == 4,
+              "kbit fused_moe: ", what, "_absmax must be uint8 [", E, ", ", nt, ", ", kt, ", 64, 4], got ",
+              a.scalar_type(), " ", a.sizes());
+  TORCH_CHECK(q.is_contiguous() && a.is_contiguous(), "kbit fused_moe: ", what, " tensors must be contiguous");
+  return q.size(3);
+}
+
+// All E experts of a stacked runtime weight as bf16 [E, N, K]: the stack is the runtime layout
+// of one [E * n_tiles * 64, K] weight, so one dequantize launch covers it.
+at::Tensor dequantize_stacked(const at::Tensor& q, const at::Tensor& a, const at::Tensor& codebook, int64_t N,
+                              int64_t K) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("kbit::dequantize_runtime", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt,
+                                               c10::SymInt, at::ScalarType)>();
+  const int64_t E = q.size(0), rows = q.size(0) * q.size(1);
+  const at::Tensor W = op.call(q.view({rows, q.size(2), q.size(3), 64, 4}), a.view({rows, a.size(2), 64, 4}), codebook,
+                               c10::SymInt(rows * 64), c10::SymInt(K), at::kBFloat16);
+  return W.view({E, q.size(1) * 64, K}).narrow(1, 0, N);
+}
+
+at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                          const at::Tensor& w13_qweight, const at::Tensor& w13_absmax, const at::Tensor& w2_qweight,
+                          const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
+                          const std::optional<at::Tensor>& expert_map, bool on_input, int64_t path_arg) {
+  TORCH_CHECK(x.is_cuda() && x.dim() == 2, "kbit fused_moe: x must be a 2-D CUDA tensor [T, H], got ", x.sizes(),
+              " on ", x.device());
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "kbit fused_moe: x has dtype ",
+              x.scalar_type(), "; the CUDA kernels support bfloat16 and float16");
+  const int64_t T = x.size(0), H = x.size(1);
+  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T && topk_weights.sizes() == topk_ids.sizes() &&
+                  !at::isFloatingType(topk_ids.scalar_type()),
+              "kbit fused_moe: topk_ids (integer) and topk_weights must both be [T=", T, ", top_k], got ",
+              topk_ids.sizes(), " and ", topk_weights.sizes());
+  TORCH_CHECK(H > 0 && H % 32 == 0 && I > 0 && I % 32 == 0, "kbit fused_moe: hidden size ", H,
+              " and intermediate size ", I, " must be positive multiples of 32");
+  const int64_t E = w13_qweight.size(0), top_k = topk_ids.size(1);
+  const int64_t k = check_stacked(w13_qweight, w13_absmax, E, 2 * I, H, "w13");
+  TORCH_CHECK(check_stacked(w2_qweight, w2_absmax, E, H, I, "w2") == k, "kbit fused_moe: w13 and w2 have different k");
+  TORCH_CHECK(codebook.scalar_type() == at::kFloat && codebook.dim() == 1 && codebook.numel() == (int64_t{1} << k) &&
+                  codebook.is_contiguous(),
+              "kbit fused_moe: codebook must be float32 [", int64_t{1} << k, "]");
+  for (const at::Tensor* t : {&topk_ids, &topk_weights, &w13_qweight, &w13_absmax, &w2_qweight, &w2_absmax, &codebook}) {
+    TORCH_CHECK(t->device() == x.device(), "kbit fused_moe: all tensors must be on ", x.device(), ", one is on ",
+                t->device());
+  }
+  TORCH_CHECK(path_arg >= 0 && path_arg <= 2, "kbit fused_moe: path must be 0 (auto), 1 (GEMV) or 2 (grouped mm)");
+  const c10::DeviceGuard guard(x.device());
+  at::Tensor out = at::empty({T, H}, x.options());
+  if (T == 0 || top_k == 0) return out.zero_();
+
+  at::Tensor xc = x.contiguous();
+  if (reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 != 0) xc = xc.clone();  // 8- and 16-byte vector loads
+  const at::Tensor ids = topk_ids.to(at::kInt).contiguous().view({-1});
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous().view({-1});
+  const std::optional<at::Tensor> map = int32_map(expert_map, x);
+  const int64_t S = ids.numel();
+  const std::optional<at::Tensor> input_weights = on_input ? std::optional<at::Tensor>(weights) : std::nullopt;
+  const std::optional<at::Tensor> output_weights = on_input ? std::nullopt : std::optional<at::Tensor>(weights);
+  const MoePath path = path_arg == 0 ? pick_path(S, E) : static_cast<MoePath>(path_arg);
+
+  if (path == MoePath::kGemv) {
+    const int64_t rows = moe_chunk_rows(T);
+    const Routing r = route(ids, map, E, rows, moe_max_chunks(S, E, rows));
+    at::Tensor h13 = at::empty({S, 2 * I}, x.options());
+    launch_moe_gemv(MoeStage::kGather, xc, r.slot_of, input_weights, top_k, r.chunks, r.num_chunks, w13_qweight,
+                    w13_absmax, codebook, 2 * I, H, rows, h13);
+    at::Tensor y = at::empty({S, H}, x.options().dtype(at::kFloat));
+    launch_moe_gemv(MoeStage::kSiluMul, h13, std::nullopt, std::nullopt, top_k, r.chunks, r.num_chunks, w2_qweight,
+                    w2_absmax, codebook, H, I, rows, y);
+    launch_moe_combine(y, r.pos, output_weights, top_k, out);
+    return out;
+  }
+  const Routing r = route(ids, map, E, kMoeChunkRows, 0);
+  const at::Tensor offs = r.offsets.narrow(0, 1, E);  // end row of each expert's group
+  at::Tensor xp = at::empty({S, H}, x.options().dtype(at::kBFloat16));
+  launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp);
+  const at::Tensor g = at::_grouped_mm(xp, dequantize_stacked(w13_qweight, w13_absmax, codebook, 2 * I, H).transpose(1, 2), offs);
+  at::Tensor h = at::empty({S, I}, xp.options());
+  launch_moe_silu_mul(g, h);
+  const at::Tensor y = at::_grouped_mm(h, dequantize_stacked(w2_qweight, w2_absmax, codebook, H, I).transpose(1, 2), offs);
+  launch_moe_combine(y, r.pos, output_weights, top_k, out);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_op(
+    const at::Tensor& topk_ids, const std::optional<at::Tensor>& expert_map, int64_t num_experts, int64_t chunk_rows,
+    int64_t max_chunks) {
+  TORCH_CHECK(topk_ids.is_cuda() && !at::isFloatingType(topk_ids.scalar_type()),
+              "kbit _moe_route: topk_ids must be an integer CUDA tensor");
+  TORCH_CHECK(max_chunks >= 0, "kbit _moe_route: max_chunks must be >= 0");
+  const c10::DeviceGuard guard(topk_ids.device());
+  const Routing r = route(topk_ids.to(at::kInt).contiguous().view({-1}), int32_map(expert_map, topk_ids), num_experts,
+                          chunk_rows, max_chunks);
+  return {r.offsets, r.pos, r.slot_of, r.chunks, r.num_chunks};
+}
+
+// One grouped projection on rows that are already grouped by expert (chunks from _moe_route):
+// C[p] = A[p] @ dequant(W_e)^T; rows outside the chunks are left unwritten.
+at::Tensor moe_grouped_gemv_op(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
+                               const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook,
+                               int64_t N, int64_t K, int64_t chunk_rows) {
+  TORCH_CHECK(A.is_cuda() && A.dim() == 2 && A.size(1) == K && A.is_contiguous() &&
+                  (A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf),
+              "kbit _moe_grouped_gemv: A must be contiguous bf16/fp16 [rows, K=", K, "], got ", A.sizes());
+  TORCH_CHECK(K % 32 == 0, "kbit _moe_grouped_gemv: K must be a multiple of 32");
+  TORCH_CHECK(chunks.scalar_type() == at::kInt && chunks.dim() == 2 && chunks.size(1) == 4 && chunks.is_contiguous() &&
+                  num_chunks.scalar_type() == at::kInt && num_chunks.numel() == 1,
+              "kbit _moe_grouped_gemv: chunks/num_chunks as _moe_route returns them");
+  const int64_t k = check_stacked(qweight, absmax, qweight.size(0), N, K, "w");
+  TORCH_CHECK(codebook.scalar_type() == at::kFloat && codebook.numel() == (int64_t{1} << k) && codebook.is_contiguous(),
+              "kbit _moe_grouped_gemv: codebook must be float32 [", int64_t{1} << k, "]");
+  const c10::DeviceGuard guard(A.device());
+  at::Tensor C = at::empty({A.size(0), N}, A.options());
+  TORCH_CHECK(chunk_rows == 1 || chunk_rows == kMoeChunkRows, "kbit _moe_grouped_gemv: chunk_rows must be 1 or ",
+              kMoeChunkRows, " (as given to _moe_route)");
+  launch_moe_gemv(MoeStage::kGather, A, std::nullopt, std::nullopt, 1, chunks, num_chunks, qweight, absmax, codebook,
+                  N, K, chunk_rows, C);
+  return C;
+}
+
+}  // namespace
+}  // namespace kbit
+
+TORCH_LIBRARY_FRAGMENT(kbit, m) {
+  m.def(
+      "_fused_moe_cuda(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_absmax, "
+      "Tensor w2_qweight, Tensor w2_absmax, Tensor codebook, int intermediate_size, Tensor? expert_map, "
+      "bool apply_router_weight_on_input, int path=0) -> Tensor");
+  m.def(
+      "_moe_route(Tensor topk_ids, Tensor? expert_map, int num_experts, int chunk_rows, int max_chunks) -> "
+      "(Tensor offsets, Tensor pos, Tensor slot_of, Tensor chunks, Tensor num_chunks)");
+  m.def(
+      "_moe_grouped_gemv(Tensor A, Tensor chunks, Tensor num_chunks, Tensor qweight, Tensor absmax, Tensor codebook, "
+      "int N, int K, int chunk_rows) -> Tensor");
+  m.def("_moe_max_chunks(int slots, int experts, int chunk_rows) -> int", &kbit::moe_max_chunks);
+}
+
+TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
+  m.impl("_fused_moe_cuda", &kbit::fused_moe_cuda);
+  m.impl("_moe_route", &kbit::moe_route_op);
+  m.impl("_moe_grouped_gemv", &kbit::moe_grouped_gemv_op);
+}

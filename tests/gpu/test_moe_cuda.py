@@ -1,0 +1,270 @@
+"""kbit::fused_moe on CUDA (routing, grouped GEMV path, dequantize + grouped-GEMM path) against
+an fp32 reference: dequantized weights, a loop over experts, fp32 matmuls.
+
+Every call runs on an allocator cache poisoned with NaN, so an unwritten output shows up.
+Both paths are checked on every random case (path 1 = grouped GEMV, 2 = dequantize +
+torch._grouped_mm, 0 = the automatic choice through torch.ops.kbit.fused_moe).
+"""
+
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm_kbit import format as fmt
+from vllm_kbit.moe import chunk_rows, kbit_fused_moe, max_chunks, route_reference, stack_runtime
+
+requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+pytestmark = [pytest.mark.gpu, requires_cuda]
+
+
+class Experts:
+    """Random packed experts: flat per-expert weights, stacked runtime tensors, fp32 dequantized copies."""
+
+    def __init__(self, E, H, I, k, gen):
+        self.E, self.H, self.I, self.k = E, H, I, k
+        self.codebook = fmt.normal_float_codebook(k).cuda()
+        self.q13, self.a13, self.W13 = self._make(E, 2 * I, H, gen)
+        self.q2, self.a2, self.W2 = self._make(E, H, I, gen)
+
+    def _make(self, E, N, K, gen):
+        KB = K // fmt.BLOCK_SIZE
+        q = torch.randint(-(2**31), 2**31, (E * N, KB, self.k), generator=gen, dtype=torch.int64).to(torch.int32)
+        # Scales about 2^-6..2^-4 (so layer outputs stay in fp16 range), some blocks zero.
+        a = torch.randint(80, 120, (E * N, KB), generator=gen, dtype=torch.int64)
+        a[torch.rand(E * N, KB, generator=gen) < 0.02] = 0
+        q, a = q.cuda(), a.to(torch.uint8).cuda()
+        W = fmt.dequantize(q, a, self.codebook, torch.float32).view(E, N, K)
+        qs, as_ = stack_runtime([(q[e * N : (e + 1) * N], a[e * N : (e + 1) * N]) for e in range(E)])
+        return qs, as_, W
+
+    def args(self):
+        return self.q13, self.a13, self.q2, self.a2, self.codebook
+
+
+def reference(x, ids, weights, ex, expert_map, on_input):
+    """fp32: out[t] = sum_j w[t,j] * W2_e @ (silu(G_e x) * U_e x), e = local(ids[t, j])."""
+    T, top_k = ids.shape
+    local = route_reference(ids, expert_map, ex.E)[2].view(T, top_k).long()
+    out = torch.zeros(T, ex.H, dtype=torch.float32, device=x.device)
+    for e in torch.unique(local[local >= 0]).tolist():
+        t, j = torch.nonzero(local == e, as_tuple=True)
+        xe = x[t].float()
+        w = weights[t, j].float()[:, None]
+        if on_input:
+            xe = (xe * w).to(x.dtype).float()
+        gu = xe @ ex.W13[e].T
+        y = (F.silu(gu[:, : ex.I]) * gu[:, ex.I :]) @ ex.W2[e].T
+        out.index_add_(0, t, y if on_input else y * w)
+    return out
+
+
+def poison_cache(nbytes=64 << 20):
+    torch.full((nbytes // 4,), float("nan"), device="cuda")  # freed at once: its block stays cached
+
+
+def run(x, ids, weights, ex, expert_map, on_input, path):
+    poison_cache()
+    if path == 0:
+        return kbit_fused_moe(x, ids, weights, *ex.args(), ex.I, expert_map, on_input)
+    return torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), ex.I, expert_map, on_input, path)
+
+
+def check(out, ref, dtype, path):
+    assert out.dtype == dtype and out.shape == ref.shape
+    assert torch.isfinite(out).all(), "unwritten or non-finite outputs"
+    if ref.abs().max() == 0:
+        assert (out == 0).all()
+        return
+    err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+    # The grouped-GEMM path rounds x, weights, gate_up and h to bf16 (also for fp16 inputs).
+    tol = 5e-3 if (dtype == torch.float16 and path == 1) else 1.5e-2
+    assert err < tol, f"path {path}: relative error {err:.2e} >= {tol}"
+    scale = ref.abs() + ref.pow(2).mean(-1, keepdim=True).sqrt()
+    assert ((out.float() - ref).abs() <= 8 * tol * scale).all(), f"path {path}: elementwise error too large"
+
+
+def random_routing(T, E_global, top_k, gen, mode):
+    """ids [T, top_k] int32 (distinct per token) and softmax weights; mode 'one' sends every token to expert 0 first."""
+    scores = torch.rand(T, E_global, generator=gen)
+    if mode == "one":
+        scores[:, 0] = 2.0
+    if mode == "few":  # a handful of popular experts: some with many tokens, most with none
+        scores[:, : min(3, E_global)] += 1.0
+    ids = torch.topk(scores, top_k, dim=1).indices.to(torch.int32)
+    weights = torch.softmax(torch.randn(T, top_k, generator=gen), -1)
+    return ids.cuda(), weights.cuda()
+
+
+def random_case(seed):
+    rng = random.Random(seed)
+    E = rng.choice([1, 2, 3, 4, 8, 16, 64])
+    top_k = rng.randint(1, min(E, 8))
+    T = rng.choice([1, 1, 2, 3, 4, 5, 7, 16, 33, 64, 130, 300])
+    H = rng.choice([32, 64, 128, 256, 96 * 4])
+    I = rng.choice([32, 64, 96, 160, 256])
+    k = rng.choice(fmt.SUPPORTED_BITS)
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    mode = rng.choice(["random", "random", "one", "few"])
+    use_map = rng.random() < 0.25
+    on_input = top_k == 1 and rng.random() < 0.5 or rng.random() < 0.15
+    return E, top_k, T, H, I, k, dtype, mode, use_map, on_input
+
+
+@pytest.mark.parametrize("seed", range(210))
+def test_random_cases_match_reference(seed):
+    E, top_k, T, H, I, k, dtype, mode, use_map, on_input = random_case(seed)
+    gen = torch.Generator().manual_seed(seed)
+    ex = Experts(E, H, I, k, gen)
+    expert_map = None
+    E_global = E
+    if use_map:  # this rank holds E of 2E + 1 global experts, scattered
+        E_global = 2 * E + 1
+        expert_map = torch.full((E_global,), -1, dtype=torch.int32)
+        expert_map[torch.randperm(E_global, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+        expert_map = expert_map.cuda()
+    top_k = min(top_k, E_global)
+    ids, weights = random_routing(T, E_global, top_k, gen, mode)
+    x = torch.randn(T, H, generator=gen).to(dtype).cuda()
+    ref = reference(x, ids, weights, ex, expert_map, on_input)
+    for path in (0, 1, 2):
+        check(run(x, ids, weights, ex, expert_map, on_input, path), ref, dtype, path)
+
+
+@pytest.mark.parametrize("T", [1, 4, 64])
+def test_design_shape_qwen3_30b(T):
+    """Qwen3-30B-A3B routed experts at full size (E=128, top-8, H=2048, I=768), k=4, int64 ids like vLLM may pass."""
+    gen = torch.Generator().manual_seed(T)
+    ex = Experts(128, 2048, 768, 4, gen)
+    ids, weights = random_routing(T, 128, 8, gen, "random")
+    x = torch.randn(T, 2048, generator=gen).to(torch.bfloat16).cuda()
+    ref = reference(x, ids, weights, ex, None, False)
+    for path in (0, 1, 2):
+        check(run(x, ids.long(), weights, ex, None, False, path), ref, torch.bfloat16, path)
+
+
+def test_every_slot_on_another_rank_gives_zeros():
+    gen = torch.Generator().manual_seed(5)
+    ex = Experts(2, 64, 32, 3, gen)
+    expert_map = torch.tensor([-1, -1, -1, 0, 1], dtype=torch.int32, device="cuda")
+    ids = torch.randint(0, 3, (9, 2), generator=gen, dtype=torch.int32).cuda()
+    weights = torch.rand(9, 2, generator=gen).cuda()
+    x = torch.randn(9, 64, generator=gen).to(torch.bfloat16).cuda()
+    for path in (0, 1, 2):
+        out = run(x, ids, weights, ex, expert_map, False, path)
+        assert (out == 0).all()
+
+
+def test_fp32_activations_run_the_reference():
+    gen = torch.Generator().manual_seed(6)
+    ex = Experts(4, 64, 32, 4, gen)
+    ids, weights = random_routing(5, 4, 2, gen, "random")
+    x = torch.randn(5, 64, generator=gen).cuda()
+    out = kbit_fused_moe(x, ids, weights, *ex.args(), ex.I)
+    ref = reference(x, ids, weights, ex, None, False)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
+
+
+def test_bad_input_is_refused():
+    gen = torch.Generator().manual_seed(7)
+    ex = Experts(4, 64, 32, 4, gen)
+    ids, weights = random_routing(5, 4, 2, gen, "random")
+    x = torch.randn(5, 64, generator=gen).to(torch.bfloat16).cuda()
+    with pytest.raises(RuntimeError, match="intermediate size|w13_qweight"):
+        kbit_fused_moe(x, ids, weights, *ex.args(), 64)
+    with pytest.raises(RuntimeError, match="topk_ids"):
+        kbit_fused_moe(x, ids[:4], weights[:4], *ex.args(), ex.I)
+
+
+def test_opcheck_cuda():
+    gen = torch.Generator().manual_seed(8)
+    ex = Experts(4, 64, 32, 3, gen)
+    ids, weights = random_routing(6, 4, 2, gen, "random")
+    x = torch.randn(6, 64, generator=gen).to(torch.bfloat16).cuda()
+    torch.library.opcheck(torch.ops.kbit.fused_moe.default, (x, ids, weights, *ex.args(), ex.I, None, False))
+
+
+# ----------------------------------------------------------------------------- routing
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_routing_matches_reference(seed):
+    rng = random.Random(seed)
+    gen = torch.Generator().manual_seed(seed)
+    E = rng.choice([1, 3, 8, 64, 128, 512, 1500])
+    T = rng.choice([1, 2, 5, 64, 300, 4096])
+    top_k = rng.randint(1, min(E, 10))
+    ids, _ = random_routing(T, E, top_k, gen, rng.choice(["random", "one", "few"]))
+    expert_map = None
+    if rng.random() < 0.4:
+        expert_map = torch.randint(-1, E, (E,), generator=gen, dtype=torch.int32).cuda()
+    R = chunk_rows(T) if rng.random() < 0.8 else 4
+    G = max_chunks(T * top_k, E, R)
+    offsets, pos, slot_of, chunks, num_chunks = torch.ops.kbit._moe_route(ids, expert_map, E, R, G)
+    ref_offsets, ref_pos, local = route_reference(ids, expert_map, E)
+    S = T * top_k
+    assert torch.equal(offsets.cpu(), ref_offsets.cpu())
+    pos, slot_of, local, offsets = pos.cpu().long(), slot_of.cpu().long(), local.cpu().long(), offsets.cpu().long()
+    assert torch.equal(pos < 0, local < 0)
+    mine = torch.nonzero(local >= 0).flatten()
+    e = local[mine]
+    assert ((pos[mine] >= offsets[e]) & (pos[mine] < offsets[e + 1])).all()
+    assert torch.equal(slot_of[pos[mine]], mine)
+    n_local = int(offsets[-1])
+    assert (slot_of[n_local:] == -1).all() and slot_of[:n_local].unique().numel() == n_local
+    counts = (offsets[1:] - offsets[:-1]).tolist()
+    want = [(ex, int(offsets[ex]) + q * R, min(R, c - q * R)) for ex, c in enumerate(counts) for q in range(-(-c // R))]
+    assert int(num_chunks) == len(want) <= G
+    got = [tuple(row[:3]) for row in chunks.cpu()[: len(want)].tolist()]
+    assert got == want
+    assert S >= n_local
+
+
+@pytest.mark.parametrize("rows", [1, 4])
+@pytest.mark.parametrize("M", [1, 3, 16, 37])
+def test_grouped_gemv_single_projection(rows, M):
+    """_moe_grouped_gemv on rows already grouped by expert (the single-GEMM benchmark's op)."""
+    if rows == 1 and M != 1:
+        pytest.skip("one-row chunks are for one token per expert")
+    gen = torch.Generator().manual_seed(M)
+    E, N, K, k = 8, 320, 512, 4
+    ex = Experts(E, K, N // 2, k, gen)  # w13 is [2I, H] = [N, K]
+    ids = torch.arange(E, dtype=torch.int32).repeat_interleave(M).view(-1, 1).cuda()
+    offsets, pos, slot_of, chunks, num_chunks = torch.ops.kbit._moe_route(ids, None, E, rows, max_chunks(E * M, E, rows))
+    A = torch.randn(E * M, K, generator=gen).to(torch.bfloat16).cuda()
+    poison_cache()
+    C = torch.ops.kbit._moe_grouped_gemv(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows)
+    ref = torch.einsum("emk,enk->emn", A.float().view(E, M, K), ex.W13).reshape(E * M, N)
+    check(C, ref, torch.bfloat16, 1)
+
+
+# ----------------------------------------------------------------------------- CUDA graphs
+
+
+def test_cuda_graph_capture_and_replay():
+    gen = torch.Generator().manual_seed(9)
+    E, H, I = 16, 256, 96
+    ex = Experts(E, H, I, 4, gen)
+    expert_map = None
+    for T in (1, 8, 200):  # one-row chunks, 4-row chunks, grouped-GEMM path (200 * 4 / 16 > 8 slots per expert)
+        ids, weights = random_routing(T, E, 4, gen, "random")
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            kbit_fused_moe(x, ids, weights, *ex.args(), I, expert_map)
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = kbit_fused_moe(x, ids, weights, *ex.args(), I, expert_map)
+        for _ in range(2):  # new inputs in the captured buffers, then replay
+            new_ids, new_w = random_routing(T, E, 4, gen, "few")
+            ids.copy_(new_ids)
+            weights.copy_(new_w)
+            x.copy_(torch.randn(T, H, generator=gen).to(torch.bfloat16))
+            out.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            check(out, reference(x, ids, weights, ex, expert_map, False), torch.bfloat16, 2)
