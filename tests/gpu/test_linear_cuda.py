@@ -182,6 +182,10 @@ def test_leading_dims_strided_and_unaligned_inputs():
     out = kbit_linear(x, w)
     assert out.shape == (2, 2, 100)
     _check(out.view(4, 100), _reference(x.reshape(4, 96), flat, None), torch.float16)
+    x = torch.randn(3, 5, 97, generator=gen).to(torch.bfloat16).cuda()[..., 1:]  # M = 15: the MMA path
+    out = kbit_linear(x, w)
+    assert out.shape == (3, 5, 100)
+    _check(out.view(15, 100), _reference(x.reshape(15, 96), flat, None), torch.bfloat16, "strided x, M=15")
 
 
 @pytest.mark.gpu
