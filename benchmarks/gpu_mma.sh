@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The fused dequant + MMA kernel's part of a shared device call, given an already built extension:
-# GPU tests of kbit::linear / kbit::_mma_linear, compute-sanitizer (memcheck, racecheck) on the MMA
-# kernel, Nsight Compute (shared-memory bank conflicts + speed of light, 8192x28672 k=4 M=16/64),
-# and the short benchmark. At most ~165 s (step timeouts); writes $OUT/mma_checks.log, $OUT/mma_bench.json, $OUT/mma_bench.md.
+# GPU tests of kbit::linear / kbit::_mma_linear, the short benchmark, compute-sanitizer (memcheck,
+# racecheck) on the MMA kernel, Nsight Compute (shared-memory bank conflicts + speed of light,
+# 8192x28672 k=4 M=16/64), in that order of importance. At most ~165 s (step timeouts); writes $OUT/mma_checks.log, $OUT/mma_bench.json, $OUT/mma_bench.md.
 #   KBIT_COMMIT=<sha> bash benchmarks/gpu_mma.sh
 set -o pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +19,10 @@ T0=$(date +%s)
 echo "== GPU tests ($(($(date +%s) - T0)) s)" | tee -a "$LOG"
 timeout 60 python3 -m pytest tests/gpu/test_linear_cuda.py -q -p no:cacheprovider -n 12 --maxfail=10 -rf 2>&1 | tee -a "$LOG" | tail -30
 
+echo "== bench ($(($(date +%s) - T0)) s)" | tee -a "$LOG"
+timeout 45 python3 benchmarks/bench_linear.py --short --commit "${KBIT_COMMIT:-unknown}" --out /tmp/mma_bench --tag _mma 2>&1 | tee -a "$LOG" | tail -45
+cp /tmp/mma_bench/bench_linear_*_mma.json "$OUT/mma_bench.json" 2>/dev/null
+cp /tmp/mma_bench/bench_linear_*_mma.md "$OUT/mma_bench.md" 2>/dev/null
 echo "== compute-sanitizer on mma_kernel ($(($(date +%s) - T0)) s)" | tee -a "$LOG"
 cat >/tmp/sanitize_mma.py <<'PY'
 import torch
@@ -58,8 +62,4 @@ timeout 18 ncu --clock-control none --kernel-name regex:mma_kernel --launch-coun
   --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum,smsp__inst_executed_op_shared_ld.sum,sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,smsp__inst_executed_op_shfl.sum,smsp__inst_executed.sum \
   python3 /tmp/profile_mma.py 2>&1 | grep -vE "^==PROF==|^\s*$" | tee -a "$LOG" | tail -40
 
-echo "== bench ($(($(date +%s) - T0)) s)" | tee -a "$LOG"
-timeout 45 python3 benchmarks/bench_linear.py --short --commit "${KBIT_COMMIT:-unknown}" --out /tmp/mma_bench --tag _mma 2>&1 | tee -a "$LOG" | tail -45
-cp /tmp/mma_bench/bench_linear_*_mma.json "$OUT/mma_bench.json" 2>/dev/null
-cp /tmp/mma_bench/bench_linear_*_mma.md "$OUT/mma_bench.md" 2>/dev/null
 echo "== done ($(($(date +%s) - T0)) s)" | tee -a "$LOG"
