@@ -232,8 +232,38 @@ def markdown(meta, records) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(json_path: str) -> str:
+    """Speedup over the bf16 layer vs tokens, one panel per model (COLD), one line per k; PNG beside the JSON."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as f:
+        recs = [r for r in json.load(f) if r["view"] == "layer" and r["regime"] == "cold" and r["op"] == "kbit_moe"]
+    models = list(dict.fromkeys(r["model"] for r in recs))
+    fig, axes = plt.subplots(1, len(models), figsize=(5 * len(models), 4), squeeze=False)
+    for ax, model in zip(axes[0], models):
+        for k in sorted({r["k"] for r in recs if r["model"] == model}):
+            rows = sorted((r for r in recs if r["model"] == model and r["k"] == k), key=lambda r: r["T"])
+            ax.plot([r["T"] for r in rows], [r["baseline_us"] / r["us"] for r in rows], marker="o", label=f"k={k}")
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.axhline(2.0, color="gray", lw=0.8, ls="--")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens T")
+        ax.set_ylabel("speedup over bf16 layer")
+        ax.set_title(f"{model} (COLD)")
+        ax.legend()
+    fig.suptitle(f"kbit fused_moe vs bf16 torch._grouped_mm layer, {recs[0]['gpu']}, commit {recs[0]['commit']}")
+    fig.tight_layout()
+    out = json_path.rsplit(".", 1)[0] + ".png"
+    fig.savefig(out, dpi=110)
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--plot", metavar="JSON", help="only draw the speedup plot of an earlier run's JSON")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--commit", default=os.environ.get("KBIT_COMMIT", "unknown"))
     ap.add_argument("--models", default=",".join(m[0] for m in MODELS))
@@ -241,6 +271,9 @@ def main() -> None:
     ap.add_argument("--regimes", default="cold,hot")
     ap.add_argument("--no-gemm", action="store_true", help="skip the single grouped-GEMM view")
     args = ap.parse_args()
+    if args.plot:
+        print(plot(args.plot))
+        return
     assert torch.cuda.is_available() and vllm_kbit.HAS_CUDA_KERNELS, "needs a GPU and the built extension"
     props = torch.cuda.get_device_properties(0)
     gpu, l2 = props.name, props.L2_cache_size

@@ -1,4 +1,4 @@
-// Launchers of the routed-expert (MoE) kernels; moe_ops.cu composes them into kbit::fused_moe.
+// Launchers of the routed-expert (MoE) kernels; moe_ops.cpp composes them into kbit::fused_moe.
 //
 // Slots: a token's top_k picks, s = t * top_k + j (S = T * top_k in all). Routing sorts the
 // slots by local expert: permuted row p holds slot slot_of[p], pos[s] is the row of slot s

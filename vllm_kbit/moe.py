@@ -8,7 +8,7 @@ experts] int32) maps them to local ids, -1 for experts on other ranks, which
 then contribute nothing.
 
 CPU runs the PyTorch reference below. CUDA with bf16/fp16 activations runs
-``kbit::_fused_moe_cuda`` (csrc/moe_ops.cu: device-side routing, grouped kbit
+``kbit::_fused_moe_cuda`` (csrc/moe_ops.cpp: device-side routing, grouped kbit
 GEMV for small per-expert M, dequantize + ``torch._grouped_mm`` for large);
 fp32 activations on CUDA run the reference. :func:`route_reference` is the
 routing those kernels compute, in PyTorch.

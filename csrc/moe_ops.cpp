@@ -1,6 +1,6 @@
 // Routed experts on CUDA: kbit::_fused_moe_cuda (what vllm_kbit.moe registers as the CUDA
 // kbit::fused_moe for 16-bit activations) and the routing / grouped-GEMV pieces as ops for
-// tests and benchmarks.
+// tests and benchmarks. Plain C++ (like linear.cpp): input checks, allocations, launchers.
 //
 // Two paths, picked from shapes alone (no host sync, every allocation sized by T * top_k or E):
 //   GEMV     route -> grouped GEMV gate_up (gathers x rows) -> grouped GEMV down (SiLU * up
@@ -20,8 +20,12 @@ namespace {
 enum class MoePath : int64_t { kAuto = 0, kGemv = 1, kGroupedMm = 2 };
 
 // The GEMV path serves while the average expert has at most this many slots (S / E), the
-// dequantize + grouped-GEMM path above. Prediction, to be replaced by the measured crossover.
+// dequantize + grouped-GEMM path above. Measured on H100, k=4 (benchmarks/results/
+// moe_NVIDIA_H100_80GB_HBM3_2026-11-22.md): the GEMV path wins at 4-5 slots per expert
+// (Qwen3-30B T=64: 524 vs 1095 us; Qwen3-Next T=256: 1497 vs 2920 us) and loses at 16-20
+// (Qwen3-30B T=256: 1717 vs 1114 us; Qwen3-Next T=1024: 4074 vs 3000 us).
 constexpr int64_t kGemvMaxSlotsPerExpert = 8;
+constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memory counters
 
 MoePath pick_path(int64_t slots, int64_t experts) {
   return slots <= kGemvMaxSlotsPerExpert * experts ? MoePath::kGemv : MoePath::kGroupedMm;
@@ -94,7 +98,9 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
               topk_ids.sizes(), " and ", topk_weights.sizes());
   TORCH_CHECK(H > 0 && H % 32 == 0 && I > 0 && I % 32 == 0, "kbit fused_moe: hidden size ", H,
               " and intermediate size ", I, " must be positive multiples of 32");
-  const int64_t E = w13_qweight.size(0), top_k = topk_ids.size(1);
+  const int64_t E = w13_qweight.dim() == 6 ? w13_qweight.size(0) : 0, top_k = topk_ids.size(1);
+  TORCH_CHECK(E >= 1 && E <= kMaxLocalExperts, "kbit fused_moe: w13_qweight must be [E, ...] with 1 <= E <= ",
+              kMaxLocalExperts, " local experts, got ", w13_qweight.sizes());
   const int64_t k = check_stacked(w13_qweight, w13_absmax, E, 2 * I, H, "w13");
   TORCH_CHECK(check_stacked(w2_qweight, w2_absmax, E, H, I, "w2") == k, "kbit fused_moe: w13 and w2 have different k");
   TORCH_CHECK(codebook.scalar_type() == at::kFloat && codebook.dim() == 1 && codebook.numel() == (int64_t{1} << k) &&
@@ -148,7 +154,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route
     int64_t max_chunks) {
   TORCH_CHECK(topk_ids.is_cuda() && !at::isFloatingType(topk_ids.scalar_type()),
               "kbit _moe_route: topk_ids must be an integer CUDA tensor");
-  TORCH_CHECK(max_chunks >= 0, "kbit _moe_route: max_chunks must be >= 0");
+  TORCH_CHECK(max_chunks >= 0 && chunk_rows >= 1 && chunk_rows <= kMoeChunkRows && num_experts >= 1 &&
+                  num_experts <= kMaxLocalExperts,
+              "kbit _moe_route: needs max_chunks >= 0, chunk_rows in 1..", kMoeChunkRows, " and 1..",
+              kMaxLocalExperts, " experts");
   const c10::DeviceGuard guard(topk_ids.device());
   const Routing r = route(topk_ids.to(at::kInt).contiguous().view({-1}), int32_map(expert_map, topk_ids), num_experts,
                           chunk_rows, max_chunks);
