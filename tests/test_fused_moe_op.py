@@ -109,3 +109,21 @@ def test_max_chunks_bounds_every_routing():
         counts = torch.bincount(picks[picks < E], minlength=E)
         need = int(((counts + rows - 1) // rows).sum())
         assert need <= max_chunks(S, E, rows) <= max(S, 0)
+
+
+def test_fused_moe_refuses_bad_input():
+    w13, w2 = _experts(4)
+    x = torch.randn(T, H).to(torch.bfloat16)
+    ids = torch.randint(0, E, (T, TOP_K), dtype=torch.int32)
+    weights = torch.rand(T, TOP_K)
+    packed = _pack(w13, w2)
+    with pytest.raises(ValueError, match="intermediate size 64"):
+        kbit_fused_moe(x, ids, weights, *packed, w13[0].codebook, 64)
+    with pytest.raises(ValueError, match="topk_ids"):
+        kbit_fused_moe(x, ids[:-1], weights[:-1], *packed, w13[0].codebook, I)
+    with pytest.raises(TypeError, match="integer"):
+        kbit_fused_moe(x, ids.float(), weights, *packed, w13[0].codebook, I)
+    with pytest.raises(ValueError, match="codebook"):
+        kbit_fused_moe(x, ids, weights, *packed, w13[0].codebook[:4], I)
+    with pytest.raises(ValueError, match="hidden size"):
+        kbit_fused_moe(x[:, :40], ids, weights, *packed, w13[0].codebook, I)

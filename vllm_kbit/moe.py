@@ -29,6 +29,42 @@ _lib.define(
 )
 
 
+def check_inputs(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
+                 expert_map) -> int:
+    """Shapes, dtypes and devices of a fused_moe call (one-line errors); returns k."""
+    fmt.check_float_dtype(x, "x")
+    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
+        raise ValueError(
+            f"kbit: fused_moe needs x [T, H] and topk_ids/topk_weights [T, top_k], got {list(x.shape)}, "
+            f"{list(topk_ids.shape)} and {list(topk_weights.shape)}"
+        )
+    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
+        raise TypeError(f"kbit: fused_moe topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    H, I = x.shape[1], int(intermediate_size)
+    if H <= 0 or I <= 0 or H % fmt.BLOCK_SIZE or I % fmt.BLOCK_SIZE:
+        raise ValueError(f"kbit: fused_moe hidden size {H} and intermediate size {I} must be positive multiples of 32")
+    if w13_qweight.dim() != 6 or w13_qweight.shape[0] < 1:
+        raise ValueError(f"kbit: fused_moe w13_qweight must be stacked runtime tensors [E, ...], got {list(w13_qweight.shape)}")
+    E, k = w13_qweight.shape[0], w13_qweight.shape[3]
+    fmt.check_bits(k)
+    for name, q, a, N, K in (("w13", w13_qweight, w13_absmax, 2 * I, H), ("w2", w2_qweight, w2_absmax, H, I)):
+        q_shape, a_shape = fmt.runtime_shapes(N, K, k)
+        if q.dtype != torch.int32 or tuple(q.shape) != (E, *q_shape) or a.dtype != torch.uint8 or tuple(a.shape) != (E, *a_shape):
+            raise ValueError(
+                f"kbit: fused_moe {name}_qweight/{name}_absmax for {E} experts of [{N}, {K}] (intermediate size {I}, "
+                f"k={k}) must be int32 {[E, *q_shape]} and uint8 {[E, *a_shape]}, got {q.dtype} {list(q.shape)} and "
+                f"{a.dtype} {list(a.shape)}"
+            )
+    if codebook.dtype != torch.float32 or tuple(codebook.shape) != (2**k,):
+        raise ValueError(f"kbit: fused_moe codebook must be float32 [{2**k}], got {codebook.dtype} {list(codebook.shape)}")
+    if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype.is_floating_point):
+        raise ValueError(f"kbit: fused_moe expert_map must be a 1-D integer tensor, got {expert_map.dtype} {list(expert_map.shape)}")
+    tensors = [topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook]
+    if any(t.device != x.device for t in tensors + ([expert_map] if expert_map is not None else [])):
+        raise ValueError(f"kbit: fused_moe needs every tensor on x's device {x.device}")
+    return k
+
+
 def _fused_moe_reference(
     x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size, expert_map,
     apply_router_weight_on_input,
@@ -39,12 +75,8 @@ def _fused_moe_reference(
     runs on every token and a per-token combine weight (zero where the expert was
     not picked) selects the result.
     """
-    fmt.check_float_dtype(x, "x")
-    if x.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"kbit: fused_moe needs x [T, H] and topk_ids/topk_weights [T, top_k], got {list(x.shape)}, "
-            f"{list(topk_ids.shape)} and {list(topk_weights.shape)}"
-        )
+    check_inputs(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
+                 expert_map)
     T, H = x.shape
     I = intermediate_size
     E = w13_qweight.shape[0]
@@ -76,13 +108,21 @@ def _fused_moe_cuda(
     x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size, expert_map,
     apply_router_weight_on_input,
 ):
-    """CUDA: the fused kernels for bf16/fp16 activations, the reference for fp32 (or without the extension)."""
+    """CUDA: the fused kernels for bf16/fp16 activations, the reference for fp32 (or without the extension).
+
+    Inputs are checked here, before the C++ op: a TORCH_CHECK failing inside kbit::_fused_moe_cuda
+    when it is reached through this Python kernel crashed the process on the H100 runs (see
+    benchmarks/NOTES.md, MoE), so bad input must not get that far.
+    """
     if x.dtype == torch.float32 or not ops.HAS_CUDA_KERNELS:
         return _fused_moe_reference(
             x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
             expert_map, apply_router_weight_on_input,
         )
-    fmt.check_float_dtype(x, "x")
+    check_inputs(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
+                 expert_map)
+    if w13_qweight.shape[0] > MAX_LOCAL_EXPERTS:
+        raise ValueError(f"kbit: fused_moe on CUDA supports up to {MAX_LOCAL_EXPERTS} local experts, got {w13_qweight.shape[0]}")
     return torch.ops.kbit._fused_moe_cuda(
         x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, int(intermediate_size),
         expert_map, apply_router_weight_on_input,
@@ -127,6 +167,7 @@ def stack_runtime(flat: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.
     return torch.stack([q for q, _ in rt]), torch.stack([a for _, a in rt])
 
 
+MAX_LOCAL_EXPERTS = 4096  # the CUDA routing kernel's shared-memory counters (csrc/moe_ops.cpp: kMaxLocalExperts)
 CHUNK_ROWS = 4  # most rows of one expert a grouped-GEMV CTA multiplies (csrc/moe.cuh: kMoeChunkRows)
 
 
