@@ -1,7 +1,6 @@
-// Grouped kbit GEMV (kernel family; launcher in moe_gemv.cu, the down stage instantiated in
-// moe_gemv_down.cu so the two compile in parallel) for routed experts: every (expert, chunk of <= 4 rows) of one projection in
-// one launch,
-// on the dense GEMV's tile/dequant core (gemv_core.cuh).
+// Grouped kbit GEMV for routed experts: every (expert, chunk of <= 4 rows) of one projection in
+// one launch, on the dense GEMV's tile/dequant core (gemv_core.cuh). The launcher is in
+// moe_gemv.cu; the down stage is instantiated in moe_gemv_down.cu so the two compile in parallel.
 //
 // Scheduler. The grid is max_chunks x n_tiles x splits CTAs, sized from the shapes alone
 // (moe_max_chunks bounds the chunks any routing can need); a CTA reads its chunk {expert,
