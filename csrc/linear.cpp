@@ -7,6 +7,7 @@
 #include "gemv.cuh"
 #include "mma.cuh"
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <cstdlib>
@@ -119,6 +120,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const 
     const at::Tensor W = dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.scalar_type());
     return at::linear(x, W, bias);
   }
+  TORCH_CHECK(N <= INT32_MAX && K <= INT32_MAX && M <= INT32_MAX, "kbit linear: weight or x too large for int32 sizes");
   const at::Tensor A = as_matrix(x, M, K);
   at::Tensor C = at::empty({M, N}, x.options());
   if (path == LinearPath::kGemv) {
@@ -138,7 +140,13 @@ at::Tensor mma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, co
   TORCH_CHECK(x.scalar_type() != at::kFloat, "kbit _mma_linear: x must be bf16 or fp16");
   const c10::DeviceGuard guard(x.device());
   const int64_t M = x.numel() / K;
-  TORCH_CHECK(M > 0, "kbit _mma_linear: x has no rows");
+  TORCH_CHECK(M > 0 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX, "kbit _mma_linear: x has no rows or sizes exceed int32");
+  const int p = mma_config(M, qweight_rt.size(0)).p;
+  TORCH_CHECK(row_groups == 0 || mma_built(p, static_cast<int>(row_groups)), "kbit _mma_linear: row_groups=", row_groups,
+              " is not built for M=", M, "; supported: 0 (heuristic), 1, ", p == kMmaMaxRowTiles ? 2 : 4);
+  const int64_t max_splits = std::min<int64_t>(kMmaMaxSplits, qweight_rt.size(1));
+  TORCH_CHECK(splits >= 0 && splits <= max_splits, "kbit _mma_linear: splits=", splits, " outside 0 (heuristic) .. ",
+              max_splits);
   const at::Tensor A = as_matrix(x, M, K);
   at::Tensor C = at::empty({M, N}, x.options());
   launch_mma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, row_groups, splits);

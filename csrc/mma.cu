@@ -21,6 +21,8 @@ MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups) {
   return {p, r, m_blocks};
 }
 
+bool mma_built(int p, int r) { return r == 1 || r == (p == kMmaMaxRowTiles ? 2 : 4); }
+
 int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm) {
   // Cost of S splits in quarter k-tiles x ctas_per_sm: the busiest SM's CTA k-tiles shared by its
   // ctas_per_sm slots, but never less than one CTA's own k-tiles (latency), plus a fixed cost per CTA
@@ -44,9 +46,6 @@ int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms,
 void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                 const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C,
                 int64_t row_groups, int64_t splits) {
-  TORCH_CHECK(N <= INT32_MAX && K <= INT32_MAX && A.size(0) <= INT32_MAX, "kbit mma: problem too large");
-  TORCH_CHECK(row_groups == 0 || row_groups == 1 || row_groups == 2 || row_groups == 4,
-              "kbit mma: row_groups=", row_groups, "; supported: 0 (heuristic), 1, 2, 4");
   const int64_t n_tiles = qweight_rt.size(0);
   mma_detail::MmaLaunch L{};
   L.A = A.data_ptr();
@@ -65,7 +64,6 @@ void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Ten
   L.device = A.get_device();
   L.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   L.stream = at::cuda::getCurrentCUDAStream();
-  TORCH_CHECK(A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf, "kbit mma: activations must be bf16 or fp16");
   const bool bf16 = A.scalar_type() == at::kBFloat16;
   switch (qweight_rt.size(2)) {
     case 2: return mma_detail::launch_mma_k<2>(L, bf16);

@@ -26,6 +26,9 @@ struct MmaConfig {
 // Mirrored by vllm_kbit.linear.mma_config.
 MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups = 0);
 
+// Whether a kernel is built for p activation tiles and r row groups (r = 1, or 4; 2 at p = 8).
+bool mma_built(int p, int r);
+
 // K splits (CTAs of one cluster per CTA column) for cols x m_blocks CTA tiles over k_tiles, on num_sms
 // SMs holding ctas_per_sm CTAs each. Always in [1, min(kMmaMaxSplits, k_tiles)], so with the balanced
 // partition [s*k_tiles/S, (s+1)*k_tiles/S) every split owns at least one k-tile.
@@ -33,7 +36,8 @@ MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups = 0);
 int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm);
 
 // A [M, K] (bf16/fp16, contiguous, 16-byte aligned) -> C [M, N] of A's dtype. row_groups / splits
-// force the tile shape / split count (0: heuristic), for tests and benchmarks.
+// force the tile shape / split count (0: heuristic), for tests and benchmarks; the caller
+// (linear.cpp) validates them: errors thrown from nvcc-compiled code abort the process.
 void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                 const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C,
                 int64_t row_groups = 0, int64_t splits = 0);

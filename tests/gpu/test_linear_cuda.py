@@ -194,6 +194,17 @@ def test_mma_fp16_bias_every_tile_shape():
 
 @pytest.mark.gpu
 @requires_cuda
+def test_mma_refuses_unbuilt_tile_shapes_and_bad_splits():
+    gen = torch.Generator().manual_seed(6)
+    w, _ = _random_weight(64, 256, 4, gen)  # 2 k-tiles
+    x = torch.randn(5, 256, generator=gen).to(torch.bfloat16).cuda()
+    for r, s in ((2, 0), (3, 0), (1, 3), (1, -1)):
+        with pytest.raises(RuntimeError, match="row_groups|splits"):
+            _mma(x, w, None, r, s)
+
+
+@pytest.mark.gpu
+@requires_cuda
 def test_leading_dims_strided_and_unaligned_inputs():
     gen = torch.Generator().manual_seed(1)
     w, flat = _random_weight(100, 96, 3, gen)
