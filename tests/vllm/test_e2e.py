@@ -82,6 +82,7 @@ def test_tensor_parallel_2_matches_tp1(engine, tiny):
         tiny["qwen3_moe"],
         {**online_kwargs(ONLINE[4]), "tensor_parallel_size": 2},
         env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        text_prompts=TEXT_PROMPTS,  # the same prompt list as tp1
     )
     # Each rank holds half of every sharded layer (runtime tiles of 64 rows along N, of 4 blocks along K).
     ranks = tp2["layers_per_rank"]
@@ -92,9 +93,9 @@ def test_tensor_parallel_2_matches_tp1(engine, tiny):
         assert r["model.layers.0.self_attn.qkv_proj"]["params"]["qweight"][1][0] * 2 == qkv1[0]
         assert r["model.layers.0.self_attn.o_proj"]["params"]["qweight"][1][1] * 2 == o1[1]
     assert ranks[0]["model.layers.0.mlp.experts"]["hash"] != ranks[1]["model.layers.0.mlp.experts"]["hash"]
-    match = token_match(tp2["tokens"], tp1["tokens"])
-    print(f"TP2 vs TP1: greedy token match {match:.1%}")
-    assert tp2["tokens"] == tp1["tokens"]
+    # The all-reduce sums the two halves in another order than TP1's single dot product: bf16 noise, so the
+    # same criterion as kbit vs its dequantized model rather than bit-identical tokens.
+    _compare("TP2 vs TP1", tp2, tp1)
 
 
 @pytest.mark.parametrize("kind", ["glm4_moe", "qwen3"])
