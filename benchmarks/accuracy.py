@@ -55,6 +55,34 @@ def kbit(x: torch.Tensor, k: int, search_scale: bool) -> torch.Tensor:
     return fmt.dequantize(q, a, cb, torch.float32).flatten()
 
 
+def rounded_up_absmax_codes(W: torch.Tensor) -> torch.Tensor:
+    """Per-block smallest E4M4 code whose value is >= the block absmax (never clips), int32 [N, K/32]."""
+    amax = W.float().view(W.shape[0], -1, fmt.BLOCK_SIZE).abs().amax(-1)
+    return torch.searchsorted(fmt.e4m4_table(), amax.contiguous(), right=False).int()
+
+
+def kbit_window(x: torch.Tensor, k: int, offsets: range) -> torch.Tensor:
+    """E4M4 scale searched over ``rounded-up absmax code + offsets`` by block squared error (the
+    earliest candidate wins ties), from the format's reference primitives: issue 7's experiment,
+    which the library's default (nearest code -8..+8) replaced."""
+    cb = fmt.normal_float_codebook(k)
+    W = x.view(-1, 1024)
+    w = W.view(W.shape[0], -1, fmt.BLOCK_SIZE)
+    anchor = rounded_up_absmax_codes(W)
+    best_values, best_err = None, None
+    for offset in offsets:
+        scale = fmt.e4m4_decode((anchor + offset).clamp(0, 255).to(torch.uint8))
+        values = cb[fmt.choose_indices(W, scale, cb).long()] * scale.unsqueeze(-1)
+        err = fmt.block_squared_error(w, values)
+        if best_err is None:
+            best_values, best_err = values, err
+            continue
+        better = err < best_err
+        best_values = torch.where(better.unsqueeze(-1), values, best_values)
+        best_err = torch.where(better, err, best_err)
+    return best_values.flatten()
+
+
 def nf4_codebook() -> torch.Tensor:
     """bitsandbytes' NF4: 8 positive and 7 negative normal quantiles (tail offset 0.9677) and an exact zero."""
     offset = 0.9677083
@@ -86,6 +114,7 @@ def methods():
     for k in fmt.SUPPORTED_BITS:
         yield "kbit, fp32 absmax scale", k, k + 0.25, lambda x, k=k: kbit_fp32_absmax(x, k)
         yield "kbit, E4M4 absmax", k, k + 0.25, lambda x, k=k: kbit(x, k, False)
+        yield "kbit, E4M4 searched (rounded-up absmax code -4..+1, block MSE)", k, k + 0.25, lambda x, k=k: kbit_window(x, k, range(-4, 2))
         yield "kbit, E4M4 searched (absmax code -8..+8, block MSE)", k, k + 0.25, lambda x, k=k: kbit(x, k, True)
     yield "NF4, blocks of 64, fp32 absmax", 4, 4.5, nf4_blocks64
     for k in (2, 3, 4):
