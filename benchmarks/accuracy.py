@@ -130,14 +130,18 @@ def measure(x: torch.Tensor, x_hat: torch.Tensor) -> dict:
     }
 
 
-def markdown(records: list[dict], dist: str) -> str:
+METRICS = {"sqnr_db": ("SQNR (dB)", "{:.2f}"), "max_abs_err": ("max |error|", "{:.4f}"), "mean_abs_err": ("mean |error|", "{:.5f}")}
+
+
+def markdown(records: list[dict], dist: str, metric: str) -> str:
+    title, cell = METRICS[metric]
     rows = {}
     for r in records:
         if r["dist"] == dist:
-            rows.setdefault((r["method"], r["bits_per_weight"] - r["k"]), {})[r["k"]] = r["sqnr_db"]
-    lines = [f"SQNR (dB), {dist}", "", "| method | bits/weight | k=2 | k=3 | k=4 | k=5 |", "| --- | --- | ---: | ---: | ---: | ---: |"]
+            rows.setdefault((r["method"], r["bits_per_weight"] - r["k"]), {})[r["k"]] = r[metric]
+    lines = [f"{title}, {dist}", "", "| method | bits/weight | k=2 | k=3 | k=4 | k=5 |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     for (method, extra), by_k in rows.items():
-        cells = " | ".join(f"{by_k[k]:.2f}" if k in by_k else "" for k in fmt.SUPPORTED_BITS)
+        cells = " | ".join(cell.format(by_k[k]) if k in by_k else "" for k in fmt.SUPPORTED_BITS)
         lines.append(f"| {method} | k + {extra:g} | {cells} |")
     return "\n".join(lines)
 
@@ -179,7 +183,8 @@ def main() -> None:
     date = datetime.date.today().isoformat()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     header = f"# Quantization accuracy\n\ndate {date}, commit {commit}, n={args.n}, seed={args.seed}, CPU\n\ncommand: `python benchmarks/accuracy.py --n {args.n} --seed {args.seed}`\n"
-    text = header + "\n\n".join(markdown(records, d) for d in ("gaussian", "student_t4", "outliers")) + "\n"
+    dists = ("gaussian", "student_t4", "outliers")
+    text = header + "\n\n".join(markdown(records, d, m) for m in METRICS for d in dists) + "\n"
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"accuracy_{date}.json").write_text(json.dumps({"date": date, "commit": commit, "n": args.n, "records": records}, indent=1))
     (RESULTS / f"accuracy_{date}.md").write_text(text)
