@@ -1,17 +1,12 @@
 #!/usr/bin/env bash
-# The one-call GPU loop for the device tool's `run`: build the extension (unless a built
-# vllm_kbit/_C.abi3.so was carried), run the GPU tests, run the benchmarks, and leave logs and
-# results in $OUT (the tool brings back at most 8 files).
+# The one-call GPU loop for the device tool's `run`: the extension (gpu_env.sh), the GPU tests, the
+# benchmarks; logs and results in $OUT (the tool brings back at most 8 files).
 #   bash benchmarks/run_gpu.sh
 # Environment:
 #   TESTS    pytest targets (default: tests/gpu); PYTEST_ARGS extra pytest arguments (e.g. -n 8)
 #   BENCHES  benchmark scripts, each run as `python3 SCRIPT --out $OUT` (default: benchmarks/quantize_throughput.py)
 #   SKIP_TESTS=1 / SKIP_BENCH=1 skip a step; KBIT_COMMIT names the commit in the results
-set -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/kbit_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+source "$(dirname "$0")/gpu_env.sh"
 TESTS=${TESTS:-tests/gpu}
 BENCHES=${BENCHES:-benchmarks/quantize_throughput.py}
 status=0
@@ -21,10 +16,6 @@ status=0
   python3 -c 'import torch; print("torch", torch.__version__, torch.cuda.get_device_name(0))'
 } >"$OUT/gpu.txt" 2>&1
 
-if [ ! -f vllm_kbit/_C.abi3.so ]; then
-  echo "== building the extension"
-  MAX_JOBS=16 python3 -m pip install --no-build-isolation --no-deps -e . >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-fi
 # Resource usage of every kernel in the extension (registers, shared memory, stack).
 cuobjdump -res-usage vllm_kbit/_C.abi3.so 2>&1 | grep -B1 "REG:" | grep -oE "(Function [A-Za-z0-9_]+|REG:[0-9]+|SHARED:[0-9]+|STACK:[0-9]+)" | paste - - - - >>"$OUT/gpu.txt"
 

@@ -1,21 +1,12 @@
 #!/usr/bin/env bash
-# One device call for the dense linear path: build (unless a built vllm_kbit/_C.abi3.so was
-# carried), resource usage + SASS of one GEMV and one MMA instance, the GPU tests, compute-sanitizer
-# on one shape per kernel, an Nsight Compute profile of the largest shape (with the MMA kernel's
-# shared-memory bank conflicts), and bench_linear.py. Everything lands in $OUT (at most 8 files).
+# One device call for the dense linear path: the extension (gpu_env.sh), resource usage + SASS of
+# one GEMV and one MMA instance, the GPU tests, compute-sanitizer on one shape per kernel (and the
+# MMA kernel at every row-group width and cluster size), an Nsight Compute profile of the largest
+# shape (with the MMA kernel's shared-memory bank conflicts), and bench_linear.py. Everything lands
+# in $OUT (at most 8 files). For a short call: SKIP_PROFILE=1 ... run_linear_gpu.sh --short
 #   KBIT_COMMIT=<sha> bash benchmarks/run_linear_gpu.sh [bench args...]
 # Steps are skipped with SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_PROFILE=1, SKIP_BENCH=1.
-set -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/kbit_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if ls .whl/*.whl >/dev/null 2>&1; then  # pytest for machines without it
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
-if [ ! -f vllm_kbit/_C.abi3.so ]; then
-  MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-fi
+source "$(dirname "$0")/gpu_env.sh"
 {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv
   cuobjdump -res-usage vllm_kbit/_C.abi3.so 2>&1 | grep -A1 -E "gemv_kernel|mma_kernel" | grep -oE "((gemv|mma)_kernelI[A-Za-z0-9_]+|REG:[0-9]+|SHARED:[0-9]+|STACK:[0-9]+)" | paste - - - -
@@ -42,6 +33,10 @@ for (N, K, k) in [(1000, 2080, 4), (130, 4096, 5), (64, 96, 2)]:
     for M in (1, 2, 3, 4, 5, 16, 40):  # GEMV, then the MMA kernel
         x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
         kbit_linear(x, w, torch.randn(N, device="cuda", dtype=torch.bfloat16))
+    for M, r, s in ((20, 1, 1), (20, 4, 3), (70, 2, 8)):  # every MMA row-group width, clusters of 1, 3, 8, two CTA rows
+        if s <= w.qweight_rt.shape[1]:
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            torch.ops.kbit._mma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, r, s)
 torch.cuda.synchronize()
 print("sanitizer workload done")
 EOF

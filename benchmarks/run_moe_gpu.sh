@@ -1,18 +1,11 @@
 #!/usr/bin/env bash
-# One device call for the routed-expert (MoE) path: build, kernel resource usage, GPU tests,
-# compute-sanitizer memcheck on a few small cases through both paths, then bench_moe.py.
+# One device call for the routed-expert (MoE) path: the extension (gpu_env.sh), kernel resource
+# usage, GPU tests, compute-sanitizer memcheck on a few small cases through both paths, then bench_moe.py.
 # Everything lands in $OUT.
 #   KBIT_COMMIT=<sha> bash benchmarks/run_moe_gpu.sh [bench args...]
 # Steps are skipped with SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1; the benchmark gets what is
 # left of DEADLINE seconds (default 520) after the other steps.
-set -o pipefail
-cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/kbit_out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ ! -f vllm_kbit/_C.abi3.so ]; then
-  MAX_JOBS=16 python3 setup.py build_ext --inplace >"$OUT/build.log" 2>&1 || { tail -40 "$OUT/build.log"; exit 1; }
-fi
+source "$(dirname "$0")/gpu_env.sh"
 {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv
   cuobjdump -res-usage vllm_kbit/_C.abi3.so 2>&1 | grep -A1 -E "moe_(gemv|route|gather|silu|combine)" |
