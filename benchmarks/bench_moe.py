@@ -9,10 +9,10 @@ packed codes (kbit) or random bf16; activations random; routing = top-k of rando
     python benchmarks/bench_moe.py --commit $(git rev-parse --short HEAD) --out benchmarks/results
 
 Writes moe_<gpu>_<date>.json (a list of records) and .md into --out. Layer records: op
-kbit_moe (automatic path), kbit_moe_gemv / kbit_moe_grouped_mm (path forced, k=4 only),
-bf16_grouped_mm (baseline); `baseline_us` = the bf16 layer in the same run. GEMM records
-(view "gemm"): one projection of 8 experts with M rows each, kbit grouped GEMV, kbit
-dequantize + grouped GEMM, fp16 torch.bmm and bf16 torch._grouped_mm.
+kbit_moe (automatic path), kbit_moe_gemv / kbit_moe_grouped_mma / kbit_moe_grouped_mm (path forced,
+k=4 only), bf16_grouped_mm (baseline); `baseline_us` = the bf16 layer in the same run. GEMM records
+(view "gemm"): one projection of 8 experts with M rows each, kbit grouped GEMV, kbit grouped
+dequant + MMA, kbit dequantize + grouped GEMM, fp16 torch.bmm and bf16 torch._grouped_mm.
 """
 
 from __future__ import annotations
@@ -43,6 +43,11 @@ TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 GEMV_FORCED_MAX_T = 1024  # the GEMV path re-reads an expert's tiles per 4 rows: far too slow beyond
 GEMM_M = (1, 4, 16, 64, 256, 1024)
 MAX_COPIES = 16
+
+
+def mma_chunk_rows(M):
+    """Chunk height of the grouped MMA for M rows per expert: 8p covering M, at most 64 (csrc moe_mma_chunk_rows)."""
+    return 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
 
 
 def distinct_experts(E, top_k, T):
@@ -123,7 +128,7 @@ def bench_layers(args, l2, common, records, save):
                     paths = [("kbit_moe", 0)]
                     if k == 4:
                         paths += [("kbit_moe_gemv", 1)] if T <= GEMV_FORCED_MAX_T else []
-                        paths += [("kbit_moe_grouped_mm", 2)]
+                        paths += [("kbit_moe_grouped_mma", 3), ("kbit_moe_grouped_mm", 2)]
                     for op, path in paths:
                         def call(i, T=T, path=path):
                             ids, w = routes[T][i % n_rt]
@@ -172,8 +177,13 @@ def bench_gemm(args, l2, common, records):
                 }
                 if M <= 256:
                     t["kbit_grouped_gemv"] = graph_time_us(
-                        [lambda w=w: torch.ops.kbit._moe_grouped_gemv(Ab, chunks, num, w[0], w[1], cb, N, K, rows)
+                        [lambda w=w: torch.ops.kbit._moe_grouped_linear(Ab, chunks, num, w[0], w[1], cb, N, K, rows)
                          for w in Wk])
+                mrows = mma_chunk_rows(M)
+                _, _, _, mchunks, mnum = torch.ops.kbit._moe_route(ids, None, E, mrows, max_chunks(E * M, E, mrows))
+                t["kbit_grouped_mma"] = graph_time_us(
+                    [lambda w=w: torch.ops.kbit._moe_grouped_linear(Ab, mchunks, mnum, w[0], w[1], cb, N, K, mrows)
+                     for w in Wk])
                 for op, us in t.items():
                     records.append(dict(common, view="gemm", op=op, proj=proj, E=E, M=M, K=K, N=N,
                                         k=4 if op.startswith("kbit") else 0, dtype="bfloat16", regime=regime,
@@ -188,7 +198,7 @@ def markdown(meta, records) -> str:
              f"copy bandwidth {meta['copy_bandwidth_GBps']} GB/s; L2 {meta['l2_MiB']} MiB; command `{meta['command']}`", "",
              "Whole routed-expert layer (bf16 activations), µs per call: kbit (automatic path) / bf16 layer "
              "(torch._grouped_mm, same routing and permutation) and speedup; k=4 rows also give the forced "
-             "paths (GEMV / dequantize + grouped mm).", ""]
+             "paths (GEMV / grouped dequant + MMA / dequantize + grouped mm).", ""]
     lay = [r for r in records if r["view"] == "layer"]
     for model in dict.fromkeys(r["model"] for r in lay):
         for regime in ("cold", "hot"):
@@ -204,7 +214,7 @@ def markdown(meta, records) -> str:
             b = [by.get(("bf16_grouped_mm", 0, T)) for T in Ts]
             lines.append("| bf16 | grouped_mm | " + " | ".join(f"{r['us']:.1f}" if r else "" for r in b) + " |")
             for k in sorted({r["k"] for r in rows if r["k"]}):
-                for op in ("kbit_moe", "kbit_moe_gemv", "kbit_moe_grouped_mm"):
+                for op in ("kbit_moe", "kbit_moe_gemv", "kbit_moe_grouped_mma", "kbit_moe_grouped_mm"):
                     cells = [by.get((op, k, T)) for T in Ts]
                     if not any(cells):
                         continue
@@ -224,7 +234,7 @@ def markdown(meta, records) -> str:
                 lines += [f"### {proj} (K={K}, N={N}), {regime.upper()}", "",
                           "| op | " + " | ".join(f"M={M}" for M in Ms) + " |", "| --- | " + " | ".join("---:" for _ in Ms) + " |"]
                 by = {(r["op"], r["M"]): r for r in rows}
-                for op in ("fp16_bmm", "bf16_grouped_mm", "kbit_grouped_gemv", "kbit_dequant_grouped_mm"):
+                for op in ("fp16_bmm", "bf16_grouped_mm", "kbit_grouped_gemv", "kbit_grouped_mma", "kbit_dequant_grouped_mm"):
                     cells = [by.get((op, M)) for M in Ms]
                     lines.append(f"| {op} | " + " | ".join(
                         f"{r['us']:.1f} ({r['baseline_us'] / r['us']:.2f}x)" if r else "" for r in cells) + " |")

@@ -43,35 +43,67 @@ int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms,
   return best;
 }
 
-void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
-                const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C,
-                int64_t row_groups, int64_t splits) {
-  const int64_t n_tiles = qweight_rt.size(0);
+namespace {
+
+// The launch fields every MMA launch shares; the caller sets the tile shape and, for grouped ones,
+// the chunk list.
+mma_detail::MmaLaunch launch_fields(const at::Tensor& A, const at::Tensor& qweight, const at::Tensor& absmax,
+                                    const at::Tensor& codebook, int64_t N, int64_t K, int64_t n_tiles, int64_t k_tiles,
+                                    at::Tensor& C) {
   mma_detail::MmaLaunch L{};
   L.A = A.data_ptr();
-  L.qweight = qweight_rt.data_ptr();
-  L.absmax = absmax_rt.data_ptr();
+  L.qweight = qweight.data_ptr();
+  L.absmax = absmax.data_ptr();
   L.codebook = codebook.data_ptr<float>();
-  L.bias = bias.has_value() ? bias->data_ptr() : nullptr;
   L.C = C.data_ptr();
   L.M = static_cast<int>(A.size(0));
   L.N = static_cast<int>(N);
   L.K = static_cast<int>(K);
   L.n_tiles = static_cast<int>(n_tiles);
-  L.k_tiles = static_cast<int>(qweight_rt.size(1));
-  L.config = mma_config(L.M, n_tiles, row_groups);
-  L.splits = static_cast<int>(splits);
+  L.k_tiles = static_cast<int>(k_tiles);
   L.device = A.get_device();
   L.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   L.stream = at::cuda::getCurrentCUDAStream();
-  const bool bf16 = A.scalar_type() == at::kBFloat16;
-  switch (qweight_rt.size(2)) {
+  return L;
+}
+
+void launch_k(const mma_detail::MmaLaunch& L, int64_t k, bool bf16) {
+  switch (k) {
     case 2: return mma_detail::launch_mma_k<2>(L, bf16);
     case 3: return mma_detail::launch_mma_k<3>(L, bf16);
     case 4: return mma_detail::launch_mma_k<4>(L, bf16);
     case 5: return mma_detail::launch_mma_k<5>(L, bf16);
-    default: TORCH_CHECK(false, "kbit mma: k=", qweight_rt.size(2), " is not supported");
+    default: TORCH_CHECK(false, "kbit mma: k=", k, " is not supported");
   }
+}
+
+}  // namespace
+
+void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C,
+                int64_t row_groups, int64_t splits) {
+  const int64_t n_tiles = qweight_rt.size(0);
+  mma_detail::MmaLaunch L =
+      launch_fields(A, qweight_rt, absmax_rt, codebook, N, K, n_tiles, qweight_rt.size(1), C);
+  L.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  L.config = mma_config(L.M, n_tiles, row_groups);
+  L.splits = static_cast<int>(splits);
+  launch_k(L, qweight_rt.size(2), A.scalar_type() == at::kBFloat16);
+}
+
+void launch_mma_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
+                        const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook, int64_t N,
+                        int64_t K, int64_t chunk_rows, at::Tensor& C) {
+  if (chunks.size(0) == 0) return;
+  const int64_t n_tiles = qweight.size(1);
+  mma_detail::MmaLaunch L = launch_fields(A, qweight, absmax, codebook, N, K, n_tiles, qweight.size(2), C);
+  L.config = mma_config(chunk_rows, n_tiles, 1);  // 8p == chunk_rows: one CTA row covers a chunk; r = 1
+  L.config.m_blocks = static_cast<int>(chunks.size(0));
+  L.chunks = chunks.data_ptr<int>();
+  L.num_chunks = num_chunks.data_ptr<int>();
+  L.expert_qbytes = qweight.stride(0) * static_cast<int64_t>(sizeof(int32_t));
+  L.expert_abytes = absmax.stride(0);
+  launch_k(L, qweight.size(3), A.scalar_type() == at::kBFloat16);
 }
 
 }  // namespace kbit

@@ -12,6 +12,7 @@ namespace kbit {
 constexpr int kMmaMaxSplits = 8;    // portable thread-block cluster size: split-K partners of one column
 constexpr int kMmaMaxRowTiles = 8;  // n8 activation tiles per CTA: one CTA covers at most 64 rows of A
 constexpr int kMmaWideTiles = 128;  // runtime n-tiles from which warps take wide row groups (mma_config)
+constexpr int kMmaMaxGridRows = 65535;  // CTA rows of one launch (gridDim.y): grouped chunk lists longer are refused
 
 // Tile shape of one launch: `p` n8 tiles of activation rows per CTA (8p rows), `r` 16-row groups of
 // weight rows per warp (a CTA of 4 warps covers 64r weight rows = r runtime n-tiles), and the
@@ -41,5 +42,15 @@ int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms,
 void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                 const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C,
                 int64_t row_groups = 0, int64_t splits = 0);
+
+// Grouped over experts, one launch: C[p] = A[p] @ dequant(W_e)^T for the rows p of every valid chunk
+// {e, first row, rows <= chunk_rows, 0} of `chunks` (int32 [max_chunks, 4], the first num_chunks[0]
+// valid, as the MoE routing writes them); W: stacked runtime tensors [E, n_tiles, k_tiles, k, 64, 4] /
+// [E, n_tiles, k_tiles, 64, 4]. chunk_rows is 8, 16, 32 or 64 (one CTA row per chunk); A is
+// contiguous bf16 [rows, K], C [rows, N] bf16; rows outside the chunks are not written.
+// The caller validates (moe_ops.cpp), including max_chunks <= kMmaMaxGridRows.
+void launch_mma_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
+                        const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook, int64_t N,
+                        int64_t K, int64_t chunk_rows, at::Tensor& C);
 
 }  // namespace kbit

@@ -20,6 +20,10 @@
 // reuses it for all p activation tiles; each B fragment serves r row groups.
 // The K splits of one CTA column are a thread-block cluster; their fp32 partial tiles are
 // summed through distributed shared memory in rank order (deterministic, no workspace).
+//
+// Grouped (routed experts): with a chunk list, CTA row y multiplies chunk y = {expert, first row,
+// rows <= 8p} of A (rows grouped by expert) with that expert's weights in a stacked runtime
+// tensor; CTA rows past the device-side chunk count leave at once (a whole cluster shares its y).
 #pragma once
 
 #include "dequant_core.cuh"
@@ -71,6 +75,11 @@ struct MmaParams {
   const T* bias;
   T* C;
   int M, N, K, n_tiles, k_tiles, splits;
+  // Grouped launches only (chunks == nullptr: dense): int4 {expert, first row, rows, 0} per CTA row,
+  // how many are valid, and the bytes between two experts' runtime tensors.
+  const int4* chunks;
+  const int* num_chunks;
+  int64_t expert_qbytes, expert_abytes;
 };
 
 // ----------------------------------------------------------------------------- element types
@@ -130,7 +139,9 @@ __device__ __forceinline__ int x_slot(int ch, int row) { return ch ^ ((ch >> 2) 
 // ----------------------------------------------------------------------------- kernel
 
 // Grid: (cols * splits, m_blocks) CTAs in clusters of `splits` along x (CTA x = col * splits + split).
-template <typename T, int BITS, int P, int R>
+// kGrouped: CTA row y is chunk y (MmaParams::chunks); a separate instance, so the dense kernels'
+// code and registers stay as they are.
+template <typename T, int BITS, int P, int R, bool kGrouped>
 __global__ void __launch_bounds__(kThreads) mma_kernel(const MmaParams<T> prm) {
   using S = Shape<BITS, P, R>;
   constexpr int F = Fields<BITS>::kBits;
@@ -145,7 +156,19 @@ __global__ void __launch_bounds__(kThreads) mma_kernel(const MmaParams<T> prm) {
   const int g = lane / 4, t = lane % 4;
   const int splits = prm.splits;
   const int col = blockIdx.x / splits, split = blockIdx.x % splits;
-  const int m0 = blockIdx.y * 8 * P;
+  // Rows [m0, m_end) of A and C, and the weight they multiply: the CTA row's block of 8P rows, or
+  // its chunk's rows and expert.
+  int m0 = blockIdx.y * 8 * P, m_end = prm.M;
+  const uint8_t* qweight = prm.qweight;
+  const uint8_t* absmax = prm.absmax;
+  if constexpr (kGrouped) {
+    if (static_cast<int>(blockIdx.y) >= __ldg(prm.num_chunks)) return;
+    const int4 chunk = prm.chunks[blockIdx.y];
+    m0 = chunk.y;
+    m_end = chunk.y + chunk.z;
+    qweight += chunk.x * prm.expert_qbytes;
+    absmax += chunk.x * prm.expert_abytes;
+  }
   const int kt_begin = split * prm.k_tiles / splits, kt_end = (split + 1) * prm.k_tiles / splits;
   const int nkt = kt_end - kt_begin;
   const float codebook_reg = __ldg(prm.codebook + (lane & ((1 << BITS) - 1)));
@@ -163,8 +186,8 @@ __global__ void __launch_bounds__(kThreads) mma_kernel(const MmaParams<T> prm) {
       const int n_tile = col * R + rho;
       const bool valid = n_tile < prm.n_tiles;
       const int64_t tile = valid ? static_cast<int64_t>(n_tile) * prm.k_tiles + kt : 0;
-      const uint8_t* planes = prm.qweight + tile * kPlaneBytes;
-      const uint8_t* codes = prm.absmax + tile * (kTileN * kTileKB);
+      const uint8_t* planes = qweight + tile * kPlaneBytes;
+      const uint8_t* codes = absmax + tile * (kTileN * kTileKB);
 #pragma unroll
       for (int it = 0; it < (kTileChunks + kThreads - 1) / kThreads; ++it) {
         const int c = threadIdx.x + it * kThreads;  // 16-byte chunk of the tile
@@ -178,7 +201,7 @@ __global__ void __launch_bounds__(kThreads) mma_kernel(const MmaParams<T> prm) {
 #pragma unroll
     for (int i = 0; i < P; ++i) {
       const int m = m0 + x_row + 8 * i;
-      const bool valid = m < prm.M && e < prm.K;
+      const bool valid = m < m_end && e < prm.K;
       cp_async16(st + S::kWBytes + x_off + i * 8 * (kRowChunks * 16),
                  valid ? prm.A + static_cast<int64_t>(m) * prm.K + e : prm.A, valid);
     }
@@ -272,7 +295,7 @@ __global__ void __launch_bounds__(kThreads) mma_kernel(const MmaParams<T> prm) {
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const int m = m0 + 8 * i + 2 * (ln % 4) + u;
-        if (m < prm.M) prm.C[static_cast<int64_t>(m) * prm.N + n] = Elem<T>::narrow(v[2 * h + u] + b);
+        if (m < m_end) prm.C[static_cast<int64_t>(m) * prm.N + n] = Elem<T>::narrow(v[2 * h + u] + b);
       }
     }
   };
@@ -317,17 +340,20 @@ struct MmaLaunch {
   const void* bias;
   void* C;
   int M, N, K, n_tiles, k_tiles;
-  MmaConfig config;
+  MmaConfig config;  // grouped: m_blocks = the chunk list's length
   int splits;  // 0: heuristic
+  const int* chunks;  // grouped only (else nullptr): int32 [m_blocks, 4], see MmaParams
+  const int* num_chunks;
+  int64_t expert_qbytes, expert_abytes;
   int device;
   int num_sms;
   cudaStream_t stream;
 };
 
-template <typename T, int BITS, int P, int R>
+template <typename T, int BITS, int P, int R, bool kGrouped = false>
 void launch_instance(const MmaLaunch& L) {
   using S = Shape<BITS, P, R>;
-  const auto kernel = mma_kernel<T, BITS, P, R>;
+  const auto kernel = mma_kernel<T, BITS, P, R, kGrouped>;
   // Once per instance and device (the opt-in is per device): the shared-memory opt-in above 48 KB,
   // and how many CTAs an SM holds (0 = not prepared yet; preparing twice is harmless).
   static std::atomic<int> prepared[kMaxDevices] = {};
@@ -346,7 +372,8 @@ void launch_instance(const MmaLaunch& L) {
               " outside 1..", std::min(kMmaMaxSplits, L.k_tiles));
   const MmaParams<T> prm{static_cast<const T*>(L.A), static_cast<const uint8_t*>(L.qweight),
                          static_cast<const uint8_t*>(L.absmax), L.codebook, static_cast<const T*>(L.bias),
-                         static_cast<T*>(L.C), L.M, L.N, L.K, L.n_tiles, L.k_tiles, splits};
+                         static_cast<T*>(L.C), L.M, L.N, L.K, L.n_tiles, L.k_tiles, splits,
+                         reinterpret_cast<const int4*>(L.chunks), L.num_chunks, L.expert_qbytes, L.expert_abytes};
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(cols * splits), static_cast<unsigned>(L.config.m_blocks));
   config.blockDim = dim3(kThreads);
@@ -380,9 +407,23 @@ void launch_bits(const MmaLaunch& L) {
   TORCH_CHECK(false, "kbit mma: no kernel for p=", p, " r=", r);
 }
 
-// Entry point per k (mma_k2.cu .. mma_k5.cu, compiled in parallel), both activation dtypes.
+// Grouped launches: bf16 activations (the MoE path gathers x to bf16) and r = 1 (an expert's
+// weights have few n-tiles; narrow warps give more CTAs), so four instances per k.
+template <int BITS>
+void launch_grouped_bits(const MmaLaunch& L) {
+  switch (L.config.p) {
+    case 1: return launch_instance<__nv_bfloat16, BITS, 1, 1, true>(L);
+    case 2: return launch_instance<__nv_bfloat16, BITS, 2, 1, true>(L);
+    case 4: return launch_instance<__nv_bfloat16, BITS, 4, 1, true>(L);
+    default: return launch_instance<__nv_bfloat16, BITS, 8, 1, true>(L);
+  }
+}
+
+// Entry point per k (mma_k2.cu .. mma_k5.cu, compiled in parallel), both activation dtypes; a launch
+// with a chunk list goes to the grouped instances (the caller guarantees bf16 and r = 1).
 template <int BITS>
 void launch_mma_k(const MmaLaunch& L, bool bf16) {
+  if (L.chunks != nullptr) return launch_grouped_bits<BITS>(L);
   if (bf16) return launch_bits<__nv_bfloat16, BITS>(L);
   return launch_bits<__half, BITS>(L);
 }

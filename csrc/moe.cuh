@@ -6,16 +6,26 @@
 // [offsets[e], offsets[e + 1]). Every size here is bounded by S or E: nothing depends on data.
 #pragma once
 
+#include <algorithm>
 #include <optional>
 
 #include <ATen/core/Tensor.h>
 
 namespace kbit {
 
-constexpr int kMoeChunkRows = 4;  // most rows of one expert a grouped-GEMV CTA multiplies (the GEMV's M)
+constexpr int kMoeChunkRows = 4;      // most rows of one expert a grouped-GEMV CTA multiplies (the GEMV's M)
+constexpr int kMoeMaxChunkRows = 64;  // most rows of one chunk: a grouped-MMA CTA covers 8p <= 64 rows
 
 // Rows per chunk for T tokens: 1 for T = 1 (a one-row kernel, fewer registers), else kMoeChunkRows.
 inline int64_t moe_chunk_rows(int64_t tokens) { return tokens == 1 ? 1 : kMoeChunkRows; }
+
+// Rows per chunk of the grouped MMA for S slots over E experts: the CTA height 8p (8, 16, 32 or 64)
+// that covers the average slots of an expert that got any, ceil(S / min(E, S)), in one CTA row.
+inline int64_t moe_mma_chunk_rows(int64_t slots, int64_t experts) {
+  const int64_t busy = std::max<int64_t>(1, std::min(experts, slots));
+  const int64_t avg = (slots + busy - 1) / busy;
+  return avg <= 8 ? 8 : avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
+}
 
 // Upper bound on the number of chunks (<= R rows of one expert) S slots over E experts can
 // need: sum_e ceil(c_e / R) <= (S + (R - 1) * min(E, S)) / R, and never more than S.

@@ -2,11 +2,16 @@
 // kbit::fused_moe for 16-bit activations) and the routing / grouped-GEMV pieces as ops for
 // tests and benchmarks. Plain C++ (like linear.cpp): input checks, allocations, launchers.
 //
-// Two paths, picked from shapes alone (no host sync, every allocation sized by T * top_k or E):
-//   GEMV     route -> grouped GEMV gate_up (gathers x rows) -> grouped GEMV down (SiLU * up
-//            while staging, fp32 out) -> combine. Reads only the experts that got tokens.
-//   grouped  route -> gather x (bf16) -> dequantize all experts to bf16 -> torch._grouped_mm ->
-//            SiLU * up -> dequantize -> torch._grouped_mm -> combine (fp16 inputs run in bf16).
+// Three paths, picked from shapes alone (no host sync, every allocation sized by T * top_k or E):
+//   GEMV         route -> grouped GEMV gate_up (gathers x rows) -> grouped GEMV down (SiLU * up
+//                while staging, fp32 out) -> combine. Reads only the experts that got tokens.
+//   grouped MMA  route (chunks of 8p rows) -> gather x (bf16) -> grouped dequant + MMA gate_up ->
+//                SiLU * up -> grouped dequant + MMA down -> combine. Reads only the experts that
+//                got tokens, each weight tile once per chunk of up to 64 rows (the GEMV: per 4).
+//   grouped mm   route -> gather x (bf16) -> dequantize all experts to bf16 -> torch._grouped_mm ->
+//                SiLU * up -> dequantize -> torch._grouped_mm -> combine.
+// The last two run fp16 inputs in bf16.
+#include "mma.cuh"
 #include "moe.cuh"
 
 #include <ATen/ATen.h>
@@ -17,7 +22,7 @@
 namespace kbit {
 namespace {
 
-enum class MoePath : int64_t { kAuto = 0, kGemv = 1, kGroupedMm = 2 };
+enum class MoePath : int64_t { kAuto = 0, kGemv = 1, kGroupedMm = 2, kGroupedMma = 3 };
 
 // The GEMV path serves while the average expert has at most this many slots (S / E), the
 // dequantize + grouped-GEMM path above. Measured on H100, k=4 (benchmarks/results/
@@ -110,7 +115,8 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     TORCH_CHECK(t->device() == x.device(), "kbit fused_moe: all tensors must be on ", x.device(), ", one is on ",
                 t->device());
   }
-  TORCH_CHECK(path_arg >= 0 && path_arg <= 2, "kbit fused_moe: path must be 0 (auto), 1 (GEMV) or 2 (grouped mm)");
+  TORCH_CHECK(path_arg >= 0 && path_arg <= 3,
+              "kbit fused_moe: path must be 0 (auto), 1 (GEMV), 2 (grouped mm) or 3 (grouped MMA)");
   const c10::DeviceGuard guard(x.device());
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0 || top_k == 0) return out.zero_();
@@ -137,6 +143,22 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     launch_moe_combine(y, r.pos, output_weights, top_k, out);
     return out;
   }
+  if (path == MoePath::kGroupedMma) {
+    const int64_t rows = moe_mma_chunk_rows(S, E), max_chunks = moe_max_chunks(S, E, rows);
+    TORCH_CHECK(max_chunks <= kMmaMaxGridRows, "kbit fused_moe: ", S, " slots need up to ", max_chunks,
+                " chunks of ", rows, " rows; the grouped MMA launches at most ", kMmaMaxGridRows);
+    const Routing r = route(ids, map, E, rows, max_chunks);
+    at::Tensor xp = at::empty({S, H}, x.options().dtype(at::kBFloat16));
+    launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp);
+    at::Tensor g = at::empty({S, 2 * I}, xp.options());
+    launch_mma_grouped(xp, r.chunks, r.num_chunks, w13_qweight, w13_absmax, codebook, 2 * I, H, rows, g);
+    at::Tensor h = at::empty({S, I}, xp.options());
+    launch_moe_silu_mul(g, h);  // rows past the chunks are garbage in g and h and never read again
+    at::Tensor y = at::empty({S, H}, xp.options());
+    launch_mma_grouped(h, r.chunks, r.num_chunks, w2_qweight, w2_absmax, codebook, H, I, rows, y);
+    launch_moe_combine(y, r.pos, output_weights, top_k, out);
+    return out;
+  }
   const Routing r = route(ids, map, E, kMoeChunkRows, 0);
   const at::Tensor offs = r.offsets.narrow(0, 1, E);  // end row of each expert's group
   at::Tensor xp = at::empty({S, H}, x.options().dtype(at::kBFloat16));
@@ -154,9 +176,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route
     int64_t max_chunks) {
   TORCH_CHECK(topk_ids.is_cuda() && !at::isFloatingType(topk_ids.scalar_type()),
               "kbit _moe_route: topk_ids must be an integer CUDA tensor");
-  TORCH_CHECK(max_chunks >= 0 && chunk_rows >= 1 && chunk_rows <= kMoeChunkRows && num_experts >= 1 &&
+  TORCH_CHECK(max_chunks >= 0 && chunk_rows >= 1 && chunk_rows <= kMoeMaxChunkRows && num_experts >= 1 &&
                   num_experts <= kMaxLocalExperts,
-              "kbit _moe_route: needs max_chunks >= 0, chunk_rows in 1..", kMoeChunkRows, " and 1..",
+              "kbit _moe_route: needs max_chunks >= 0, chunk_rows in 1..", kMoeMaxChunkRows, " and 1..",
               kMaxLocalExperts, " experts");
   const c10::DeviceGuard guard(topk_ids.device());
   const Routing r = route(topk_ids.to(at::kInt).contiguous().view({-1}), int32_map(expert_map, topk_ids), num_experts,
@@ -165,26 +187,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route
 }
 
 // One grouped projection on rows that are already grouped by expert (chunks from _moe_route):
-// C[p] = A[p] @ dequant(W_e)^T; rows outside the chunks are left unwritten.
-at::Tensor moe_grouped_gemv_op(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
+// C[p] = A[p] @ dequant(W_e)^T; rows outside the chunks are left unwritten. The chunk height picks
+// the kernel: 1 or 4 rows the grouped GEMV, 8/16/32/64 the grouped MMA.
+at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
                                const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook,
                                int64_t N, int64_t K, int64_t chunk_rows) {
   TORCH_CHECK(A.is_cuda() && A.dim() == 2 && A.size(1) == K && A.is_contiguous() &&
                   (A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf),
-              "kbit _moe_grouped_gemv: A must be contiguous bf16/fp16 [rows, K=", K, "], got ", A.sizes());
-  TORCH_CHECK(K % 32 == 0, "kbit _moe_grouped_gemv: K must be a multiple of 32");
+              "kbit _moe_grouped_linear: A must be contiguous bf16/fp16 [rows, K=", K, "], got ", A.sizes());
+  TORCH_CHECK(K % 32 == 0, "kbit _moe_grouped_linear: K must be a multiple of 32");
   TORCH_CHECK(chunks.scalar_type() == at::kInt && chunks.dim() == 2 && chunks.size(1) == 4 && chunks.is_contiguous() &&
                   num_chunks.scalar_type() == at::kInt && num_chunks.numel() == 1,
-              "kbit _moe_grouped_gemv: chunks/num_chunks as _moe_route returns them");
+              "kbit _moe_grouped_linear: chunks/num_chunks as _moe_route returns them");
   const int64_t k = check_stacked(qweight, absmax, qweight.size(0), N, K, "w");
   TORCH_CHECK(codebook.scalar_type() == at::kFloat && codebook.numel() == (int64_t{1} << k) && codebook.is_contiguous(),
-              "kbit _moe_grouped_gemv: codebook must be float32 [", int64_t{1} << k, "]");
+              "kbit _moe_grouped_linear: codebook must be float32 [", int64_t{1} << k, "]");
   const c10::DeviceGuard guard(A.device());
   at::Tensor C = at::empty({A.size(0), N}, A.options());
-  TORCH_CHECK(chunk_rows == 1 || chunk_rows == kMoeChunkRows, "kbit _moe_grouped_gemv: chunk_rows must be 1 or ",
-              kMoeChunkRows, " (as given to _moe_route)");
-  launch_moe_gemv(MoeStage::kGather, A, std::nullopt, std::nullopt, 1, chunks, num_chunks, qweight, absmax, codebook,
-                  N, K, chunk_rows, C);
+  const bool mma = chunk_rows == 8 || chunk_rows == 16 || chunk_rows == 32 || chunk_rows == 64;
+  TORCH_CHECK(chunk_rows == 1 || chunk_rows == kMoeChunkRows || mma, "kbit _moe_grouped_linear: chunk_rows must be 1 or ",
+              kMoeChunkRows, " (GEMV) or 8, 16, 32, 64 (MMA), as given to _moe_route");
+  TORCH_CHECK(chunks.size(0) <= kMmaMaxGridRows, "kbit _moe_grouped_linear: at most ", kMmaMaxGridRows, " chunks");
+  TORCH_CHECK(!mma || A.scalar_type() == at::kBFloat16, "kbit _moe_grouped_linear: the grouped MMA takes bf16 A");
+  if (mma) {
+    launch_mma_grouped(A, chunks, num_chunks, qweight, absmax, codebook, N, K, chunk_rows, C);
+  } else {
+    launch_moe_gemv(MoeStage::kGather, A, std::nullopt, std::nullopt, 1, chunks, num_chunks, qweight, absmax, codebook,
+                    N, K, chunk_rows, C);
+  }
   return C;
 }
 
@@ -200,7 +230,7 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
       "_moe_route(Tensor topk_ids, Tensor? expert_map, int num_experts, int chunk_rows, int max_chunks) -> "
       "(Tensor offsets, Tensor pos, Tensor slot_of, Tensor chunks, Tensor num_chunks)");
   m.def(
-      "_moe_grouped_gemv(Tensor A, Tensor chunks, Tensor num_chunks, Tensor qweight, Tensor absmax, Tensor codebook, "
+      "_moe_grouped_linear(Tensor A, Tensor chunks, Tensor num_chunks, Tensor qweight, Tensor absmax, Tensor codebook, "
       "int N, int K, int chunk_rows) -> Tensor");
   m.def("_moe_max_chunks(int slots, int experts, int chunk_rows) -> int", &kbit::moe_max_chunks);
 }
@@ -208,5 +238,5 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
 TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
   m.impl("_fused_moe_cuda", &kbit::fused_moe_cuda);
   m.impl("_moe_route", &kbit::moe_route_op);
-  m.impl("_moe_grouped_gemv", &kbit::moe_grouped_gemv_op);
+  m.impl("_moe_grouped_linear", &kbit::moe_grouped_linear_op);
 }

@@ -226,7 +226,8 @@ void launch_moe_route(const at::Tensor& topk_ids, const std::optional<at::Tensor
               " local experts; supported: 1..", kRouteMaxExperts);
   const int64_t S = topk_ids.numel();
   TORCH_CHECK(S <= INT32_MAX / 2, "kbit fused_moe: too many slots (", S, ")");
-  TORCH_CHECK(chunk_rows >= 1 && chunk_rows <= kMoeChunkRows, "kbit fused_moe: chunk_rows must be in 1..", kMoeChunkRows);
+  TORCH_CHECK(chunk_rows >= 1 && chunk_rows <= kMoeMaxChunkRows, "kbit fused_moe: chunk_rows must be in 1..",
+              kMoeMaxChunkRows);
   const int E = static_cast<int>(num_experts);
   const size_t smem = (2 * static_cast<size_t>(E) + 1) * sizeof(int);
   moe_route_kernel<<<1, kRouteThreads, smem, at::cuda::getCurrentCUDAStream()>>>(

@@ -1,9 +1,9 @@
-"""kbit::fused_moe on CUDA (routing, grouped GEMV path, dequantize + grouped-GEMM path) against
-an fp32 reference: dequantized weights, a loop over experts, fp32 matmuls.
+"""kbit::fused_moe on CUDA (routing, grouped GEMV, grouped dequant + MMA and dequantize + grouped-GEMM
+paths) against an fp32 reference: dequantized weights, a loop over experts, fp32 matmuls.
 
 Every call runs on an allocator cache poisoned with NaN, so an unwritten output shows up.
-Both paths are checked on every random case (path 1 = grouped GEMV, 2 = dequantize +
-torch._grouped_mm, 0 = the automatic choice through torch.ops.kbit.fused_moe).
+Every path is checked on every random case (path 1 = grouped GEMV, 2 = dequantize +
+torch._grouped_mm, 3 = grouped dequant + MMA, 0 = the automatic choice through torch.ops.kbit.fused_moe).
 """
 
 import random
@@ -16,6 +16,7 @@ from vllm_kbit import format as fmt
 from vllm_kbit.moe import chunk_rows, kbit_fused_moe, max_chunks, route_reference, stack_runtime
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+PATHS = (0, 1, 2, 3)
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 
@@ -78,7 +79,7 @@ def check(out, ref, dtype, path):
         assert (out == 0).all()
         return
     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
-    # The grouped-GEMM path rounds x, weights, gate_up and h to bf16 (also for fp16 inputs).
+    # The grouped-GEMM and grouped-MMA paths round x, weights, gate_up and h to bf16 (also for fp16 inputs).
     tol = 5e-3 if (dtype == torch.float16 and path == 1) else 1.5e-2
     assert err < tol, f"path {path}: relative error {err:.2e} >= {tol}"
     scale = ref.abs() + ref.pow(2).mean(-1, keepdim=True).sqrt()
@@ -128,7 +129,7 @@ def test_random_cases_match_reference(seed):
     ids, weights = random_routing(T, E_global, top_k, gen, mode)
     x = torch.randn(T, H, generator=gen).to(dtype).cuda()
     ref = reference(x, ids, weights, ex, expert_map, on_input)
-    for path in (0, 1, 2):
+    for path in PATHS:
         check(run(x, ids, weights, ex, expert_map, on_input, path), ref, dtype, path)
 
 
@@ -140,7 +141,7 @@ def test_design_shape_qwen3_30b(T):
     ids, weights = random_routing(T, 128, 8, gen, "random")
     x = torch.randn(T, 2048, generator=gen).to(torch.bfloat16).cuda()
     ref = reference(x, ids, weights, ex, None, False)
-    for path in (0, 1, 2):
+    for path in PATHS:
         check(run(x, ids.long(), weights, ex, None, False, path), ref, torch.bfloat16, path)
 
 
@@ -151,7 +152,7 @@ def test_every_slot_on_another_rank_gives_zeros():
     ids = torch.randint(0, 3, (9, 2), generator=gen, dtype=torch.int32).cuda()
     weights = torch.rand(9, 2, generator=gen).cuda()
     x = torch.randn(9, 64, generator=gen).to(torch.bfloat16).cuda()
-    for path in (0, 1, 2):
+    for path in PATHS:
         out = run(x, ids, weights, ex, expert_map, False, path)
         assert (out == 0).all()
 
@@ -202,7 +203,7 @@ def test_routing_matches_reference(seed):
     expert_map = None
     if rng.random() < 0.4:
         expert_map = torch.randint(-1, E, (E,), generator=gen, dtype=torch.int32).cuda()
-    R = chunk_rows(T) if rng.random() < 0.8 else 4
+    R = rng.choice([chunk_rows(T), chunk_rows(T), 4, 8, 16, 64])  # GEMV and grouped-MMA chunk heights
     G = max_chunks(T * top_k, E, R)
     offsets, pos, slot_of, chunks, num_chunks = torch.ops.kbit._moe_route(ids, expert_map, E, R, G)
     ref_offsets, ref_pos, local = route_reference(ids, expert_map, E)
@@ -224,10 +225,11 @@ def test_routing_matches_reference(seed):
     assert S >= n_local
 
 
-@pytest.mark.parametrize("rows", [1, 4])
-@pytest.mark.parametrize("M", [1, 3, 16, 37])
-def test_grouped_gemv_single_projection(rows, M):
-    """_moe_grouped_gemv on rows already grouped by expert (the single-GEMM benchmark's op)."""
+@pytest.mark.parametrize("rows", [1, 4, 8, 16, 32, 64])
+@pytest.mark.parametrize("M", [1, 3, 16, 37, 130])
+def test_grouped_single_projection(rows, M):
+    """_moe_grouped_linear on rows already grouped by expert (the single-GEMM benchmark's op): the
+    grouped GEMV for 1- and 4-row chunks, the grouped MMA for 8..64 (several chunks per expert at M=130)."""
     if rows == 1 and M != 1:
         pytest.skip("one-row chunks are for one token per expert")
     gen = torch.Generator().manual_seed(M)
@@ -237,7 +239,7 @@ def test_grouped_gemv_single_projection(rows, M):
     offsets, pos, slot_of, chunks, num_chunks = torch.ops.kbit._moe_route(ids, None, E, rows, max_chunks(E * M, E, rows))
     A = torch.randn(E * M, K, generator=gen).to(torch.bfloat16).cuda()
     poison_cache()
-    C = torch.ops.kbit._moe_grouped_gemv(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows)
+    C = torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows)
     ref = torch.einsum("emk,enk->emn", A.float().view(E, M, K), ex.W13).reshape(E * M, N)
     check(C, ref, torch.bfloat16, 1)
 
@@ -250,17 +252,24 @@ def test_cuda_graph_capture_and_replay():
     E, H, I = 16, 256, 96
     ex = Experts(E, H, I, 4, gen)
     expert_map = None
-    for T in (1, 8, 200):  # one-row chunks, 4-row chunks, grouped-GEMM path (200 * 4 / 16 > 8 slots per expert)
+    # one-row chunks, 4-row chunks, grouped-GEMM path (200 * 4 / 16 > 8 slots per expert), grouped MMA
+    for T, path in ((1, 0), (8, 0), (200, 0), (40, 3)):
         ids, weights = random_routing(T, E, 4, gen, "random")
         x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
+
+        def forward():
+            if path == 0:
+                return kbit_fused_moe(x, ids, weights, *ex.args(), I, expert_map)
+            return torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, expert_map, False, path)
+
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):
-            kbit_fused_moe(x, ids, weights, *ex.args(), I, expert_map)
+            forward()
         torch.cuda.current_stream().wait_stream(s)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            out = kbit_fused_moe(x, ids, weights, *ex.args(), I, expert_map)
+            out = forward()
         for _ in range(2):  # new inputs in the captured buffers, then replay
             new_ids, new_w = random_routing(T, E, 4, gen, "few")
             ids.copy_(new_ids)
