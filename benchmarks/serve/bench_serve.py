@@ -1,0 +1,259 @@
+"""Serving throughput of a Qwen3-30B-A3B-shaped model (dummy weights) per weight format: `vllm serve` + `vllm bench serve`.
+
+For each method (bf16, gptq-int4, kbit-2..5; see methods.py) it starts `vllm serve` on a weightless
+model directory (model_dir.py) with --load-format dummy, waits for /health, runs `vllm bench serve`
+(random dataset, --ignore-eos, max(8, 4 x concurrency) prompts, 1 warm-up request) for every input/output setting and
+concurrency, reads the weight memory and KV-cache capacity from the server log, and stops the server.
+After every measurement it appends a record to STEM.jsonl (records.py) and rewrites STEM.md and STEM.png
+(report.py), so a run killed at its time limit still leaves every finished measurement behind.
+
+    python3 benchmarks/serve/bench_serve.py --methods kbit-4,bf16 --settings 1024/256 --concurrency 1,16,64,128
+
+The output folder is --out, else $OUT (the device tool's), else benchmarks/results/. --deadline bounds the
+whole run: a server start or bench gets at most what is left (less a reserve for stopping the server),
+and steps that no longer fit are skipped with a message. bash benchmarks/serve/run.sh wraps this for the
+lent GPU (install, optional GPU tests and profile). On the CPU build, check the harness with a tiny model:
+
+    python benchmarks/serve/bench_serve.py --shape tiny --methods bf16,kbit-4 --settings 32/16 \
+        --concurrency 1,2 --max-model-len 256 --gpu-memory-utilization 0.3 --server-args=--enforce-eager --out /tmp/x
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+sys.path.insert(0, REPO)
+
+import model_dir  # noqa: E402
+import records  # noqa: E402
+import report  # noqa: E402
+import vllm_server  # noqa: E402
+from methods import Method, parse_methods  # noqa: E402
+
+STOP_RESERVE_S = 45  # stopping a server (SIGTERM, up to 30 s, then SIGKILL) and writing the outputs
+
+
+def num_prompts(concurrency: int, per_concurrency: int = 4) -> int:
+    return max(8, per_concurrency * concurrency)
+
+
+def parse_settings(text: str) -> list[tuple[int, int]]:
+    """"1024/256,128/1024" -> [(1024, 256), (128, 1024)]."""
+    out = []
+    for item in text.split(","):
+        inp, _, outp = item.partition("/")
+        out.append((int(inp), int(outp)))
+    return out
+
+
+def parse_concurrency(text: str) -> list[int]:
+    return [int(c) for c in text.split(",")]
+
+
+def gpu_name() -> str:
+    try:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True, timeout=30).stdout.split("\n")
+        if names[0].strip():
+            return names[0].strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return "cpu"
+
+
+def commit() -> str:
+    """$KBIT_COMMIT, else git's HEAD, else the commit benchmarks/pack_extension.sh packed the extension at."""
+    if os.environ.get("KBIT_COMMIT"):
+        return os.environ["KBIT_COMMIT"]
+    try:
+        head = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              timeout=10).stdout.strip()
+        if head:
+            return head
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    packed = os.path.join(REPO, ".device", "commit")
+    if os.path.exists(packed):
+        with open(packed) as f:
+            return f.read().strip() + " (extension)"
+    return "unknown"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Run:
+    """One harness invocation: settings, output paths, the deadline and the per-method loop."""
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + args.deadline
+        self.gpu = gpu_name()
+        self.commit = commit()
+        today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+        out_dir = args.out or os.environ.get("OUT") or os.path.join(REPO, "benchmarks", "results")
+        os.makedirs(out_dir, exist_ok=True)
+        self.stem = os.path.join(out_dir, args.tag or f"serve_{self.gpu.replace(' ', '_')}_{today}")
+        self.results = self.stem + ".jsonl"
+        self.servers_log = self.stem + "_servers.log"
+        os.makedirs(os.path.join(args.work, "bench"), exist_ok=True)
+
+    def left(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def say(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.t0:6.0f} s] {msg}", flush=True)
+
+    def model_dirs(self, methods: list[Method]) -> dict[str, str]:
+        dirs = {}
+        for variant in sorted({m.model_variant for m in methods}):
+            qc = model_dir.GPTQ_INT4 if variant == "gptq-int4" else None
+            path = os.path.join(self.args.work, f"{self.args.shape}-{variant}")
+            dirs[variant] = model_dir.write(self.args.shape, path, qc)
+        return dirs
+
+    def serve_args(self, method: Method) -> list[str]:
+        a = self.args
+        return ["--load-format", "dummy", "--max-model-len", str(a.max_model_len),
+                "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--no-enable-prefix-caching",
+                "--disable-uvicorn-access-log", *method.serve_args, *shlex.split(a.server_args)]
+
+    def context(self, method: Method, model: str, setting: tuple[int, int], c: int, facts: dict, command: str) -> dict:
+        return {
+            "gpu": self.gpu, "commit": self.commit,
+            "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "model": f"{self.args.shape} shape, dummy weights", "method": method.name, "bits": method.bits,
+            "concurrency": c, "input_len": setting[0], "output_len": setting[1],
+            "num_prompts": num_prompts(c, self.args.prompts_per_concurrency), **facts, "command": command,
+        }
+
+    def save(self, record: dict) -> None:
+        records.append(self.results, record)
+        report.write(records.load([self.results]), self.stem)
+
+    def bench(self, server: vllm_server.Server, method: Method, model: str, setting: tuple[int, int], c: int,
+              facts: dict) -> bool:
+        """One `vllm bench serve`; records the result (or the failure). False when the server cannot take the
+        next step: it died, or a timed-out bench may have left requests running on it."""
+        inp, outp = setting
+        name = f"{method.name}_{inp}_{outp}_c{c}.json"
+        result_dir = os.path.join(self.args.work, "bench")
+        cmd = vllm_server.bench_command() + [
+            "--backend", "vllm", "--base-url", server.base_url, "--model", model,
+            "--dataset-name", "random", "--random-input-len", str(inp), "--random-output-len", str(outp),
+            "--num-prompts", str(num_prompts(c, self.args.prompts_per_concurrency)), "--max-concurrency", str(c),
+            "--ignore-eos", "--num-warmups", "1", "--disable-tqdm", "--save-result", "--result-dir", result_dir,
+            "--result-filename", name,
+        ]
+        command = f"{shlex.join(server.command)} && {shlex.join(cmd)}"
+        ctx = self.context(method, model, setting, c, facts, command)
+        timeout = min(self.args.bench_timeout, self.left() - STOP_RESERVE_S)
+        path = os.path.join(result_dir, name)
+        if os.path.exists(path):
+            os.remove(path)
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.save(records.failed(ctx, f"bench timed out after {timeout:.0f} s"))
+            self.say(f"{method.name} {inp}/{outp} c={c}: bench timed out after {timeout:.0f} s")
+            return False
+        if proc.returncode != 0 or not os.path.exists(path):
+            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
+            self.save(records.failed(ctx, f"bench exited with {proc.returncode}: {tail[-1] if tail else ''}"))
+            self.say(f"{method.name} {inp}/{outp} c={c}: bench failed (rc={proc.returncode}):\n  " + "\n  ".join(tail))
+            return server.proc.poll() is None
+        with open(path) as f:
+            r = records.from_bench(json.load(f), ctx)
+        self.save(r)
+        self.say(f"{method.name} {inp}/{outp} c={c}: {r['output_tok_s']:.1f} output tok/s, "
+                 f"TPOT {r['tpot_ms']:.2f} ms, TTFT {r['ttft_ms']:.1f} ms, {r['duration_s']:.1f} s"
+                 + (f"  [{r['error']}]" if r["error"] else ""))
+        return True
+
+    def method(self, method: Method, model: str) -> None:
+        """Starts the server for one method, runs every setting x concurrency on it, stops it."""
+        a = self.args
+        steps = [(s, c) for s in parse_settings(a.settings) for c in parse_concurrency(a.concurrency)]
+        if self.left() < a.min_start_s:
+            self.say(f"{method.name}: skipped, {self.left():.0f} s left (< --min-start-s {a.min_start_s})")
+            return
+        log_path = os.path.join(a.work, f"server_{method.name}.log")
+        server = vllm_server.start(model, free_port(), log_path, self.serve_args(method))
+        self.say(f"{method.name}: starting {shlex.join(server.command)}")
+        try:
+            try:
+                startup = server.wait_healthy(min(a.start_timeout, self.left() - STOP_RESERVE_S))
+            except RuntimeError as e:
+                errors = [ln for ln in server.log_text().splitlines() if "Error" in ln][-3:]
+                why = f"{e}; " + " | ".join(errors)
+                self.say(f"{method.name}: {why}\n  log: {log_path}")
+                for setting, c in steps:
+                    ctx = self.context(method, model, setting, c, {}, shlex.join(server.command))
+                    self.save(records.failed(ctx, why))
+                return
+            facts = {**vllm_server.log_facts(server.log_text()), "startup_s": round(startup, 1)}
+            self.say(f"{method.name}: healthy after {startup:.0f} s; {facts}")
+            for setting, c in steps:
+                if self.left() < STOP_RESERVE_S + a.min_bench_s:
+                    self.say(f"{method.name} {setting[0]}/{setting[1]} c={c}: skipped, {self.left():.0f} s left")
+                    continue
+                if not self.bench(server, method, model, setting, c, facts):
+                    self.say(f"{method.name}: server gone or busy; its remaining steps skipped")
+                    break
+        finally:
+            server.stop()
+            with open(self.servers_log, "a") as out:
+                out.write(f"\n===== {method.name}: {shlex.join(server.command)}\n{server.log_text()}")
+
+    def run(self) -> None:
+        methods = parse_methods(self.args.methods)
+        dirs = self.model_dirs(methods)
+        self.say(f"gpu {self.gpu}, commit {self.commit}; results -> {self.results}")
+        for m in methods:
+            self.method(m, dirs[m.model_variant])
+        self.say(f"done; {self.stem}.md")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--methods", default="bf16,kbit-4,gptq-int4,kbit-2,kbit-3,kbit-5",
+                    help="comma-separated, run in this order, or 'all' (bf16,gptq-int4,kbit-2..5)")
+    ap.add_argument("--settings", default="1024/256,128/1024", help="input/output lengths, comma-separated")
+    ap.add_argument("--concurrency", default="1,4,16,64,128")
+    ap.add_argument("--prompts-per-concurrency", type=int, default=4,
+                    help="prompts per bench = max(8, this x concurrency); 2 halves a 128/1024 sweep")
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(model_dir.SHAPES))
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    ap.add_argument("--server-args", default="", help="extra `vllm serve` arguments, one shell-quoted string")
+    ap.add_argument("--out", help="output folder (default: $OUT, else benchmarks/results)")
+    ap.add_argument("--tag", help="output file stem (default: serve_<gpu>_<date>)")
+    ap.add_argument("--work", default="/tmp/kbit_serve", help="model directories, server logs, raw bench JSON")
+    ap.add_argument("--deadline", type=float, default=3600, help="seconds for the whole run")
+    ap.add_argument("--start-timeout", type=float, default=420, help="seconds for a server to become healthy")
+    ap.add_argument("--bench-timeout", type=float, default=300, help="seconds for one `vllm bench serve`")
+    ap.add_argument("--min-start-s", type=float, default=150, help="do not start a server with less time left")
+    ap.add_argument("--min-bench-s", type=float, default=20, help="do not start a bench with less time left")
+    # A SIGTERM (e.g. `timeout`) unwinds like an exception, so the running server is stopped on the way out.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    Run(ap.parse_args()).run()
+
+
+if __name__ == "__main__":
+    main()

