@@ -43,9 +43,11 @@ EOF
   for kernel in gemv_kernel mma_kernel; do
     for tool in memcheck racecheck; do
       echo "== $tool, $kernel"
-      timeout 240 compute-sanitizer --tool $tool --kernel-name kns=$kernel python3 /tmp/sanitize_linear.py 2>&1 | tail -6
+      # the first reports in full (a hazard's kind, kernel and source line), then the summary
+      timeout 240 compute-sanitizer --tool $tool --kernel-name kns=$kernel --print-limit 4 python3 /tmp/sanitize_linear.py 2>&1 |
+        grep -v "^W[0-9]" | awk 'NR <= 60 || /SUMMARY|workload done/'
     done
-  done | tee "$OUT/sanitizer.log"
+  done | tee "$OUT/sanitizer.log" | grep -E "^==|SUMMARY|workload done"
 fi
 if [ -z "$SKIP_PROFILE" ]; then  # Nsight Compute on the largest shape, k=4, M=1 and M=4, at the card's own clocks
   cat >/tmp/profile_linear.py <<'EOF'

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call for the routed-expert (MoE) path: the extension (gpu_env.sh), kernel resource
-# usage, GPU tests, compute-sanitizer memcheck on a few small cases through both paths, then bench_moe.py.
+# usage, GPU tests, compute-sanitizer memcheck on a few small cases through the three paths, then bench_moe.py.
 # Everything lands in $OUT.
 #   KBIT_COMMIT=<sha> bash benchmarks/run_moe_gpu.sh [bench args...]
 # Steps are skipped with SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1; the benchmark gets what is
@@ -27,7 +27,7 @@ emap = torch.tensor([0, -1, 1, 2, -1, 3, 4, 5], dtype=torch.int32, device="cuda"
 for T, on_input, m in [(1, False, None), (5, True, None), (7, False, emap), (40, False, None)]:
     ids, w = random_routing(T, 8 if m is not None else 6, 1 if on_input else 3, gen, "few")
     x = torch.randn(T, 96, generator=gen).to(torch.bfloat16).cuda()
-    for path in (1, 2):
+    for path in (1, 2, 3):
         torch.ops.kbit._fused_moe_cuda(x, ids, w, *ex.args(), 64, m, on_input, path)
 torch.cuda.synchronize()
 print("sanitizer workload done")

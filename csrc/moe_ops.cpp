@@ -24,16 +24,18 @@ namespace {
 
 enum class MoePath : int64_t { kAuto = 0, kGemv = 1, kGroupedMm = 2, kGroupedMma = 3 };
 
-// The GEMV path serves while the average expert has at most this many slots (S / E), the
-// dequantize + grouped-GEMM path above. Measured on H100, k=4 (benchmarks/results/
-// moe_NVIDIA_H100_80GB_HBM3_2026-11-22.md): the GEMV path wins at 4-5 slots per expert
-// (Qwen3-30B T=64: 524 vs 1095 us; Qwen3-Next T=256: 1497 vs 2920 us) and loses at 16-20
-// (Qwen3-30B T=256: 1717 vs 1114 us; Qwen3-Next T=1024: 4074 vs 3000 us).
-constexpr int64_t kGemvMaxSlotsPerExpert = 8;
+// Path by slots per local expert (S / E). Measured on H100, k=4, Qwen3-30B-A3B shape, COLD, µs
+// GEMV / grouped MMA / grouped mm (benchmarks/results/moe_NVIDIA_H100_80GB_HBM3_2026-11-23.md):
+// T=1 (S/E 1/16) 29.4 / 34.2; T=4 (1/4) 65.9 / 64.4; T=16 (1) 186.7 / 145.0; T=64 (4) 520 / 202;
+// T=1024 (64) - / 933 / 1169; T=4096 (256) - / 2488 / 1593. The GEMV streams each expert once per
+// 4 rows, so it serves only while most experts hold no more than a row or two.
+constexpr int64_t kGemvMaxSlotsPerTwoExperts = 1;
+constexpr int64_t kMmaMaxSlotsPerExpert = 128;
 constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memory counters
 
 MoePath pick_path(int64_t slots, int64_t experts) {
-  return slots <= kGemvMaxSlotsPerExpert * experts ? MoePath::kGemv : MoePath::kGroupedMm;
+  if (slots <= kGemvMaxSlotsPerTwoExperts * experts / 2) return MoePath::kGemv;
+  return slots <= kMmaMaxSlotsPerExpert * experts ? MoePath::kGroupedMma : MoePath::kGroupedMm;
 }
 
 struct Routing {
