@@ -6,7 +6,7 @@
 # With vLLM staged per /work/shared/gpu/README.md, wrap it: bash .vllm/scripts/stage.sh bash benchmarks/serve/run.sh ...
 # Environment:
 #   PYTHON     interpreter (default python3)          DEADLINE  seconds for the whole call (default 570)
-#   TESTS=1    first run `pytest -m gpu tests/vllm` (log: $OUT/tests.log; at most TESTS_TIMEOUT s, default 420)
+#   TESTS=1    first run `pytest -m gpu tests/vllm` (log: $OUT/tests.log; at most TESTS_TIMEOUT s, default 480)
 #   BENCH=0    skip the benchmark                     PROFILE   methods to profile after it, e.g. kbit-4,bf16
 #   PROFILE_ARGS  extra profile_decode.py args (e.g. "--batches 1,16 --eager")
 #   KBIT_COMMIT   commit named in the results (the device's copy of the tree has no .git)
@@ -47,7 +47,7 @@ main() {
   local status=0
   if [ "${TESTS:-0}" = 1 ]; then
     echo "== pytest -m gpu tests/vllm ($(left) s left)"
-    timeout "${TESTS_TIMEOUT:-420}" "$PY" -m pytest -m gpu tests/vllm -q -p no:cacheprovider -rA >"$OUT/tests.log" 2>&1 || status=1
+    timeout "${TESTS_TIMEOUT:-480}" "$PY" -m pytest -m gpu tests/vllm -q -p no:cacheprovider -rA >"$OUT/tests.log" 2>&1 || status=1
     grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^GPU | in [0-9.]+s" "$OUT/tests.log" | tail -20
   fi
   if [ "${BENCH:-1}" = 1 ]; then

@@ -31,3 +31,34 @@ def test_gpu_converted_checkpoint_identical_to_online(engine, tiny, converted_qw
     hashed = {n: i["hash"] for n, i in online["layers"].items() if "hash" in i}
     assert hashed and hashed == {n: i["hash"] for n, i in conv["layers"].items() if "hash" in i}
     assert conv["tokens"] == online["tokens"]
+
+
+def test_gpu_mixed_bits_match_dequantized_model(engine, tiny, tmp_path_factory):
+    """k=3 with attention at 5 bits and layer 1's routed experts left in bf16: the settings take effect
+    on the CUDA build too (k=5 dense MMA/GEMV, k=3 MoE kernels, an unquantized MoE beside them)."""
+    config = ONLINE[3]
+    got = engine("gpu-qwen3_moe-online3", tiny["qwen3_moe"], online_kwargs(config))
+    layers = got["layers"]
+    assert (layers["model.layers.0.self_attn.qkv_proj"]["method"], layers["model.layers.0.self_attn.qkv_proj"]["bits"]) == (
+        "KbitOnlineLinearMethod", 5)
+    assert (layers["model.layers.0.mlp.experts"]["method"], layers["model.layers.0.mlp.experts"]["bits"]) == (
+        "KbitOnlineMoEMethod", 3)
+    assert layers["model.layers.1.mlp.experts"]["method"] == "UnquantizedFusedMoEMethod"
+    ref_dir = dequantized_checkpoint(tiny["qwen3_moe"], str(tmp_path_factory.mktemp("gpu-qwen3_moe-deq3")),
+                                     settings_of(config))
+    ref = engine("gpu-qwen3_moe-deq3", ref_dir)
+    match, gap = probe_match(got, ref), probe_logprob_gap(got, ref)
+    print(f"GPU mixed bits: teacher-forced greedy match {match:.1%}, max logprob gap {gap:.4f}")
+    assert match >= 0.95
+    assert gap <= 0.1
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+def test_gpu_tensor_parallel_2_matches_tp1(engine, tiny):
+    tp1 = engine("gpu-qwen3_moe-online4", tiny["qwen3_moe"], online_kwargs(ONLINE[4]))
+    tp2 = engine("gpu-qwen3_moe-online4-tp2", tiny["qwen3_moe"], {**online_kwargs(ONLINE[4]), "tensor_parallel_size": 2})
+    assert len(tp2["layers_per_rank"]) == 2
+    match, gap = probe_match(tp2, tp1), probe_logprob_gap(tp2, tp1)
+    print(f"GPU TP2 vs TP1: teacher-forced greedy match {match:.1%}, max logprob gap {gap:.4f}")
+    assert match >= 0.95
+    assert gap <= 0.1
