@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call for the routed-expert (MoE) path: the extension (gpu_env.sh), kernel resource
-# usage, GPU tests, compute-sanitizer memcheck on a few small cases through the three paths, then bench_moe.py.
+# usage, GPU tests, compute-sanitizer memcheck on a few small cases through the three paths, an Nsight
+# Compute profile of the grouped MMA and GEMV kernels on the Qwen3-30B-A3B layer, then bench_moe.py.
 # Everything lands in $OUT.
 #   KBIT_COMMIT=<sha> bash benchmarks/run_moe_gpu.sh [bench args...]
-# Steps are skipped with SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_BENCH=1; the benchmark gets what is
+# Steps are skipped with SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_PROFILE=1, SKIP_BENCH=1; the benchmark gets what is
 # left of DEADLINE seconds (default 520) after the other steps.
 source "$(dirname "$0")/gpu_env.sh"
 {
@@ -33,6 +34,23 @@ torch.cuda.synchronize()
 print("sanitizer workload done")
 PY
   timeout 150 compute-sanitizer --tool memcheck python3 /tmp/sanitize_moe.py 2>&1 | tail -6 | tee "$OUT/sanitizer.log"
+fi
+if [ -z "$SKIP_PROFILE" ]; then  # Nsight Compute: the grouped MMA (T=16, 64) and GEMV (T=1) on the Qwen3-30B-A3B layer, k=4
+  cat >/tmp/profile_moe.py <<'PY'
+import torch
+import sys; sys.path.insert(0, "tests/gpu")
+from test_moe_cuda import Experts, random_routing
+gen = torch.Generator().manual_seed(0)
+ex = Experts(128, 2048, 768, 4, gen)
+for T, path in ((16, 3), (64, 3), (1, 1)):
+    ids, w = random_routing(T, 128, 8, gen, "uniform")
+    x = torch.randn(T, 2048, generator=gen).to(torch.bfloat16).cuda()
+    torch.ops.kbit._fused_moe_cuda(x, ids, w, *ex.args(), 768, None, False, path)
+torch.cuda.synchronize()
+PY
+  timeout 240 ncu --clock-control none --kernel-name regex:"mma_kernel|moe_gemv_kernel" --launch-count 6 --section SpeedOfLight \
+    --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
+    --section MemoryWorkloadAnalysis --section SchedulerStats python3 /tmp/profile_moe.py >>"$OUT/kernel_info.txt" 2>&1
 fi
 if [ -z "$SKIP_BENCH" ]; then
   timeout $((${DEADLINE:-520} - SECONDS)) python3 benchmarks/bench_moe.py --commit "${KBIT_COMMIT:-unknown}" --out "$OUT" "$@" 2>&1 |
