@@ -1,4 +1,4 @@
-"""Dense kbit linear benchmark: kbit::linear (GEMV for M <= 4, fused dequant + MMA up to MMA_MAX_M,
+"""Dense kbit linear benchmark: kbit::linear (GEMV for M <= 4, fused dequant + MMA up to mma_max_m(N, K),
 dequant + cuBLAS above) and each of its kernels forced on its own, vs cuBLAS bf16 and fp16.
 
 Kernel time only: each measurement captures many back-to-back calls in one CUDA graph and
@@ -244,7 +244,7 @@ def main() -> None:
                         nbytes = wbytes + 2 * M * (K + N)
                         extra = dict(baseline_us=round(base[(torch.bfloat16, M)], 3),
                                      fp16_us=round(base[(torch.float16, M)], 3) if (torch.float16, M) in base else None)
-                        path = linear_path(M)
+                        path = linear_path(M, N, K)
                         us = graph_time_us([lambda w=w: kbit_linear(x, w) for w in ws])
                         rec = record("kbit_linear", name, K, N, k, M, dtype, regime, us, nbytes,
                                      dict(extra, path=path, **(dict(splits=splits) if path == "gemv" else {})))

@@ -1,6 +1,6 @@
 // kbit::linear on CUDA: out[..., N] = x[..., K] @ dequant(W)^T (+ bias), W in the runtime layout.
 //
-// Picks a path by M (rows of x) from one table: GEMV (gemv.cu), fused dequant + MMA (mma.cu),
+// Picks a path by M (rows of x) and the weight's size: GEMV (gemv.cu), fused dequant + MMA (mma.cu),
 // dequantize + cuBLAS. Everything here is metadata work: no host
 // sync, and every allocation's size follows from the shapes alone, so calls are capturable
 // in CUDA graphs.
@@ -8,10 +8,8 @@
 #include "mma.cuh"
 
 #include <algorithm>
-#include <array>
 #include <cstdint>
 #include <cstdlib>
-#include <limits>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -24,34 +22,31 @@ namespace {
 
 enum class LinearPath { kGemv, kMma, kDequantCublas };
 
-// The largest M each path serves, in order (bf16/fp16 x; fp32 x always dequantizes).
-// GEMV for M <= 4 (H100, benchmarks/results/bench_linear_H100_2026-11-21.md, COLD k=4: 8192x28672
-// M=4 102 us vs 162 us cuBLAS bf16). Fused dequant + MMA up to kMmaMaxM, dequantize + cuBLAS above
-// (benchmarks/NOTES.md, MMA section: how the crossover was chosen). The environment variable
-// KBIT_MMA_MAX_M, read once, overrides kMmaMaxM (<= 4 turns the MMA path off without a rebuild).
+// The largest M each path serves (bf16/fp16 x; fp32 x always dequantizes). GEMV for M <= 4 (H100,
+// benchmarks/results/bench_linear_H100_2026-11-21.md, COLD k=4: 8192x28672 M=4 102 us vs 162 us
+// cuBLAS bf16). Fused dequant + MMA up to kMmaMaxM, or kMmaMaxMLarge for weights of at least
+// kMmaLargeWeight elements; dequantize + cuBLAS above. Measured on H100, COLD k=4, MMA vs dequantize
+// + cuBLAS (benchmarks/results/bench_linear_NVIDIA_H100_80GB_HBM3_2026-11-23.md): at M=128 the MMA
+// wins on 4096x14336 (92.9 vs 110.6 us) and 8192x28672 (322 vs 417) and loses on the Qwen3 block
+// shapes of <= 10.5M weights (e.g. 2048x5120: 24.8 vs 17.6); at M=256 it loses everywhere.
+// KBIT_MMA_MAX_M, read once, replaces both limits (<= 4 turns the MMA path off without a rebuild).
 constexpr int64_t kMmaMaxM = 64;
-struct PathRow {
-  int64_t max_m;
-  LinearPath path;
-};
+constexpr int64_t kMmaMaxMLarge = 128;
+constexpr int64_t kMmaLargeWeight = int64_t{1} << 25;
 
-const std::array<PathRow, 3>& linear_paths() {
-  static const std::array<PathRow, 3> rows = [] {
+int64_t mma_max_m(int64_t N, int64_t K) {
+  static const int64_t from_env = [] {
     const char* env = std::getenv("KBIT_MMA_MAX_M");
-    const int64_t mma_max_m = env != nullptr ? std::atoll(env) : kMmaMaxM;
-    return std::array<PathRow, 3>{{{kGemvMaxM, LinearPath::kGemv},
-                                   {mma_max_m, LinearPath::kMma},
-                                   {std::numeric_limits<int64_t>::max(), LinearPath::kDequantCublas}}};
+    return env != nullptr ? std::atoll(env) : int64_t{-1};
   }();
-  return rows;
+  if (from_env >= 0) return from_env;
+  return N * K >= kMmaLargeWeight ? kMmaMaxMLarge : kMmaMaxM;
 }
 
-LinearPath pick_path(int64_t M, at::ScalarType dtype) {
+LinearPath pick_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return LinearPath::kDequantCublas;  // fp32 x
-  for (const PathRow& row : linear_paths()) {
-    if (M <= row.max_m) return row.path;
-  }
-  return LinearPath::kDequantCublas;
+  if (M <= kGemvMaxM) return LinearPath::kGemv;
+  return M <= mma_max_m(N, K) ? LinearPath::kMma : LinearPath::kDequantCublas;
 }
 
 void check_inputs(const at::Tensor& x, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, int64_t N,
@@ -115,7 +110,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const 
   const int64_t M = x.numel() / K;
   if (M == 0) return at::empty(out_shape, x.options());
 
-  const LinearPath path = pick_path(M, x.scalar_type());
+  const LinearPath path = pick_path(M, N, K, x.scalar_type());
   if (path == LinearPath::kDequantCublas) {
     const at::Tensor W = dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.scalar_type());
     return at::linear(x, W, bias);

@@ -1,8 +1,8 @@
 """``kbit_linear``: the dense entry point, ``x @ dequant(W).T (+ bias)`` on a runtime-layout weight.
 
-The op ``torch.ops.kbit.linear`` picks its kernel by M (rows of x) from one table in
-``csrc/linear.cpp``: the GEMV kernel for M <= 4, the fused dequant + MMA kernel up to
-``MMA_MAX_M``, dequantize + cuBLAS above. Without the CUDA extension the PyTorch reference
+The op ``torch.ops.kbit.linear`` picks its kernel by M (rows of x) and the weight's size
+(``csrc/linear.cpp``): the GEMV kernel for M <= 4, the fused dequant + MMA kernel up to
+``mma_max_m(N, K)`` (64, or 128 for weights of at least 2^25 elements), dequantize + cuBLAS above. Without the CUDA extension the PyTorch reference
 serves every device.
 """
 
@@ -25,10 +25,13 @@ _GEMV_RESIDENT_CTAS = 8
 _GEMV_STREAMING_WARPS = 16
 GEMV_MAX_SPLITS = 8
 
-# Mirrors csrc/linear.cpp (kGemvMaxM, kMmaMaxM and its KBIT_MMA_MAX_M override) and csrc/mma.cuh
-# (kMmaMaxSplits, kMmaMaxRowTiles, kMmaWideTiles).
+# Mirrors csrc/linear.cpp (kGemvMaxM, kMmaMaxM, kMmaMaxMLarge, kMmaLargeWeight and the KBIT_MMA_MAX_M
+# override) and csrc/mma.cuh (kMmaMaxSplits, kMmaMaxRowTiles, kMmaWideTiles).
 GEMV_MAX_M = 4
-MMA_MAX_M = int(os.environ.get("KBIT_MMA_MAX_M", 64))
+_MMA_MAX_M = 64
+_MMA_MAX_M_LARGE = 128
+_MMA_LARGE_WEIGHT = 1 << 25
+_MMA_MAX_M_ENV = os.environ.get("KBIT_MMA_MAX_M")
 MMA_MAX_SPLITS = 8
 _MMA_MAX_ROW_TILES = 8
 _MMA_WIDE_TILES = 128
@@ -86,11 +89,18 @@ def gemv_tiles(N: int, K: int) -> tuple[int, int]:
     return q_shape[0], q_shape[1]
 
 
-def linear_path(M: int) -> str:
-    """The kernel ``kbit::linear`` runs for M rows of bf16/fp16 x (csrc/linear.cpp's table)."""
+def mma_max_m(N: int, K: int) -> int:
+    """The largest M the fused dequant + MMA kernel serves for an [N, K] weight (csrc/linear.cpp)."""
+    if _MMA_MAX_M_ENV is not None:
+        return int(_MMA_MAX_M_ENV)
+    return _MMA_MAX_M_LARGE if N * K >= _MMA_LARGE_WEIGHT else _MMA_MAX_M
+
+
+def linear_path(M: int, N: int, K: int) -> str:
+    """The kernel ``kbit::linear`` runs for M rows of bf16/fp16 x and an [N, K] weight."""
     if M <= GEMV_MAX_M:
         return "gemv"
-    return "mma" if M <= MMA_MAX_M else "dequant_cublas"
+    return "mma" if M <= mma_max_m(N, K) else "dequant_cublas"
 
 
 def mma_config(M: int, n_tiles: int, row_groups: int = 0) -> tuple[int, int, int]:

@@ -1,4 +1,4 @@
-"""kbit::linear on CUDA (GEMV for M <= 4, fused dequant + MMA up to MMA_MAX_M, dequantize + cuBLAS
+"""kbit::linear on CUDA (GEMV for M <= 4, fused dequant + MMA up to mma_max_m(N, K), dequantize + cuBLAS
 above) and the MMA kernel on its own (kbit::_mma_linear, any M and tile shape) against the fp32 reference.
 
 Reference: A.float() @ dequant(W).float().T (+ bias), with dequant from vllm_kbit.format.
@@ -169,7 +169,7 @@ def test_design_shapes_every_m(K, N):
         ref = _reference(x, flat, None)
         for M in (1, 2, 3, 4) + MMA_MS:
             _poison_cache(M * N * 2)
-            _check(kbit_linear(x[:M], w), ref[:M], torch.bfloat16, f"kbit_linear M={M} k={k} ({linear_path(M)})")
+            _check(kbit_linear(x[:M], w), ref[:M], torch.bfloat16, f"kbit_linear M={M} k={k} ({linear_path(M, N, K)})")
         for M in MMA_MS:
             _poison_cache(M * N * 2)
             _check(_mma(x[:M], w), ref[:M], torch.bfloat16, f"_mma_linear M={M} k={k} config={mma_config(M, w.qweight_rt.shape[0])}")
