@@ -28,13 +28,12 @@ enum class MoePath : int64_t { kAuto = 0, kGemv = 1, kGroupedMm = 2, kGroupedMma
 // GEMV / grouped MMA / grouped mm (benchmarks/results/moe_NVIDIA_H100_80GB_HBM3_2026-11-23.md):
 // T=1 (S/E 1/16) 29.4 / 34.2; T=4 (1/4) 65.9 / 64.4; T=16 (1) 186.7 / 145.0; T=64 (4) 520 / 202;
 // T=1024 (64) - / 933 / 1169; T=4096 (256) - / 2488 / 1593. The GEMV streams each expert once per
-// 4 rows, so it serves only while most experts hold no more than a row or two.
-constexpr int64_t kGemvMaxSlotsPerTwoExperts = 1;
+// 4 rows, so it serves only up to half a slot per expert (most experts hold no row or one).
 constexpr int64_t kMmaMaxSlotsPerExpert = 128;
 constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memory counters
 
 MoePath pick_path(int64_t slots, int64_t experts) {
-  if (slots <= kGemvMaxSlotsPerTwoExperts * experts / 2) return MoePath::kGemv;
+  if (2 * slots <= experts) return MoePath::kGemv;
   return slots <= kMmaMaxSlotsPerExpert * experts ? MoePath::kGroupedMma : MoePath::kGroupedMm;
 }
 

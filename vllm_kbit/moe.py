@@ -8,9 +8,9 @@ experts] int32) maps them to local ids, -1 for experts on other ranks, which
 then contribute nothing.
 
 CPU runs the PyTorch reference below. CUDA with bf16/fp16 activations runs
-``kbit::_fused_moe_cuda`` (csrc/moe_ops.cpp: device-side routing, grouped kbit
-GEMV for small per-expert M, dequantize + ``torch._grouped_mm`` for large, and a
-grouped dequant + MMA path selectable with ``path=3`` until its crossovers are measured);
+``kbit::_fused_moe_cuda`` (csrc/moe_ops.cpp: device-side routing, then by slots per
+expert the grouped kbit GEMV, the grouped dequant + MMA, or dequantize +
+``torch._grouped_mm``);
 fp32 activations on CUDA run the reference. :func:`route_reference` is the
 routing those kernels compute, in PyTorch.
 """
