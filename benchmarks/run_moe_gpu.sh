@@ -50,7 +50,7 @@ torch.cuda.synchronize()
 PY
   timeout 240 ncu --clock-control none --kernel-name regex:"mma_kernel|moe_gemv_kernel" --launch-count 6 --section SpeedOfLight \
     --section ComputeWorkloadAnalysis --section WarpStateStats --section Occupancy --section LaunchStats \
-    --section MemoryWorkloadAnalysis --section SchedulerStats python3 /tmp/profile_moe.py >>"$OUT/kernel_info.txt" 2>&1
+    --section MemoryWorkloadAnalysis --section SchedulerStats --section SourceCounters python3 /tmp/profile_moe.py >>"$OUT/kernel_info.txt" 2>&1
 fi
 if [ -z "$SKIP_BENCH" ]; then
   timeout $((${DEADLINE:-520} - SECONDS)) python3 benchmarks/bench_moe.py --commit "${KBIT_COMMIT:-unknown}" --out "$OUT" "$@" 2>&1 |
