@@ -16,7 +16,7 @@
 // K split; per k-tile it copies the r weight tiles verbatim and the 8p x 128 activations into
 // shared memory with cp.async, kStages deep. Each warp owns 16r weight rows: it transposes its
 // plane words into index words once per k-tile (before any MMA), then per k16 step builds one A
-// fragment per row group from index words (shift, shuffle, scale, pack: no bit extraction) and
+// fragment per row group from index words (shift, shuffle, pack, scale a pair: no bit extraction) and
 // reuses it for all p activation tiles; each B fragment serves r row groups.
 // The K splits of one CTA column are a thread-block cluster; their fp32 partial tiles are
 // summed through distributed shared memory in rank order (deterministic, no workspace).
@@ -48,6 +48,8 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kTileK = kTileKB * kBlockSize;      // 128 elements of K per runtime tile
 constexpr int kRowChunks = kTileK * 2 / 16;       // 16-byte chunks of one activation row per k-tile
 constexpr int kSmemTarget = 72 * 1024;            // pipeline bytes that still let 3 CTAs share an SM
+constexpr int kSmemPerSm = 227 * 1024;            // shared memory an sm_90 SM gives its CTAs
+constexpr int kSmemReservedPerCta = 1024;         // of which the driver keeps this much per CTA
 constexpr int kMaxDevices = 64;                   // devices the per-device launch preparation tracks
 
 // Bytes of one runtime tile: BITS planes of 64 rows x 4 words, then 64 rows x 4 scale codes.
@@ -64,6 +66,12 @@ struct Shape {
   static constexpr int kStages = std::max(2, std::min(4, kSmemTarget / kStageBytes));
   static constexpr int kPartialUnits = kWarps * R * P * 32;  // float4 C fragments of one CTA
   static constexpr int kSmemBytes = std::max(kStages * kStageBytes, kPartialUnits * 16);
+  // CTAs per SM the registers are capped for (launch bounds). Narrow warps: as many as shared memory
+  // holds (uncapped, ptxas trades CTAs for fewer re-computations). Wide warps: 3 (<= 168 registers;
+  // shared memory allows 3 or 4, and a cap of 4 = 128 registers spills), except k = 5 with 16 MMA
+  // tiles per warp, which spill under 168 too and are left uncapped (2 CTAs per SM).
+  static constexpr int kCtasPerSm = R == 1 ? std::min(16, kSmemPerSm / (kSmemBytes + kSmemReservedPerCta))
+                                    : BITS == 5 && P * R >= 16 ? 1 : 3;
 };
 
 template <typename T>
@@ -99,6 +107,10 @@ struct Elem<__nv_bfloat16> {
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+  // Both halves times the scale pair s (round to nearest): one instruction for two weights.
+  __device__ static __forceinline__ uint32_t scale2(uint32_t v, uint32_t s) {
+    return bits_as<uint32_t>(__hmul2(bits_as<__nv_bfloat162>(v), bits_as<__nv_bfloat162>(s)));
+  }
   __device__ static __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
   __device__ static __forceinline__ __nv_bfloat16 narrow(float v) { return __float2bfloat16_rn(v); }
 };
@@ -112,17 +124,20 @@ struct Elem<__half> {
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
+  __device__ static __forceinline__ uint32_t scale2(uint32_t v, uint32_t s) {
+    return bits_as<uint32_t>(__hmul2(bits_as<__half2>(v), bits_as<__half2>(s)));
+  }
   __device__ static __forceinline__ float to_float(__half v) { return __half2float(v); }
   __device__ static __forceinline__ __half narrow(float v) { return __float2half_rn(v); }
 };
 
 // ----------------------------------------------------------------------------- copies
 
-// 16-byte global -> shared copy that bypasses L1 (everything is read once per CTA); valid = false
-// writes 16 zero bytes instead (padding rows of A, K past the end, n-tiles past N).
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
-  const uint32_t dst = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(gmem), "r"(valid ? 16 : 0));
+// 16-byte global -> shared copy that bypasses L1 (everything is read once per CTA) to a shared-window
+// address; valid = false writes 16 zero bytes instead (padding rows of A, K past the end, n-tiles
+// past N) and reads nothing, though gmem must still be a mapped address.
+__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
 template <int N>
@@ -142,12 +157,14 @@ __device__ __forceinline__ int x_slot(int ch, int row) { return ch ^ ((ch >> 2) 
 // kGrouped: CTA row y is chunk y (MmaParams::chunks); a separate instance, so the dense kernels'
 // code and registers stay as they are.
 template <typename T, int BITS, int P, int R, bool kGrouped>
-__global__ void __launch_bounds__(kThreads) mma_kernel(const MmaParams<T> prm) {
+__global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma_kernel(const MmaParams<T> prm) {
   using S = Shape<BITS, P, R>;
   constexpr int F = Fields<BITS>::kBits;
   constexpr int kTileBytes = tile_bytes<BITS>();
   constexpr int kTileChunks = kTileBytes / 16;
   constexpr int kPlaneBytes = BITS * kTileN * kTileKB * 4;
+  constexpr int kPlaneChunks = kPlaneBytes / 16;
+  constexpr int kCodeBytes = kTileN * kTileKB;
   extern __shared__ __align__(16) uint8_t smem[];
 
   // The warp index through a shuffle from lane 0: provably warp-uniform, so the shuffles below
@@ -173,38 +190,60 @@ __global__ void __launch_bounds__(kThreads) mma_kernel(const MmaParams<T> prm) {
   const int nkt = kt_end - kt_begin;
   const float codebook_reg = __ldg(prm.codebook + (lane & ((1 << BITS) - 1)));
 
-  // Stage `stage` <- k-tile kt: the CTA's R weight tiles verbatim (plane chunks, then scale-code
+  // Copy sources. A column's k-tiles lie back to back in the runtime layout (planes and scale codes
+  // in two arrays), so every source advances by one tile per k-tile: in the loop a copy costs its
+  // LDGSTS (the chunk's place in the tile is an immediate offset) and the sources one add each.
+  // n-tiles past N keep pointing at the column's first tile and copy zeros, as do rows of A past
+  // m_end and K past the end.
+  const int tid = threadIdx.x;
+  __builtin_assume(tid < kThreads);  // folds the chunk bounds below to compile time
+  const uint8_t* w_planes[R];  // this thread's first plane chunk of tile rho, at the next k-tile to copy
+  const uint8_t* w_codes[R];   // this thread's first scale-code chunk (tid - kPlaneChunks, may be negative)
+  bool w_valid[R];
+#pragma unroll
+  for (int rho = 0; rho < R; ++rho) {
+    w_valid[rho] = col * R + rho < prm.n_tiles;
+    const int64_t tile = static_cast<int64_t>(w_valid[rho] ? col * R + rho : col * R) * prm.k_tiles + kt_begin;
+    w_planes[rho] = qweight + tile * kPlaneBytes + tid * 16;
+    w_codes[rho] = absmax + tile * kCodeBytes + (tid - kPlaneChunks) * 16;
+  }
+  // Thread x copies activation chunk x % 16 of rows x / 16 + 8i, whose smem slot is the same for
+  // every i (8i keeps the row parity).
+  const int x_row = tid / kRowChunks, x_ch = tid % kRowChunks;
+  const T* x_src = prm.A + static_cast<int64_t>(m0 + x_row) * prm.K + kt_begin * kTileK + x_ch * 8;
+  const T* const x_any = prm.A;  // a mapped address for the copies that read nothing
+  const int64_t x_row_step = 8 * static_cast<int64_t>(prm.K);
+  int x_k = kt_begin * kTileK + x_ch * 8;  // K index of this thread's activation chunk
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  const uint32_t x_dst = smem_base + S::kWBytes + x_row * (kRowChunks * 16) + x_slot(x_ch, x_row) * 16;
+
+  // Next stage <- the next k-tile: the CTA's R weight tiles verbatim (plane chunks, then scale-code
   // chunks), then its 8P activation rows. Loop bounds are compile-time, so each thread issues a
-  // fixed list of copies; thread x copies activation chunk x % 16 of rows x / 16 + 8i, whose smem
-  // slot is the same for every i (8i keeps the row parity).
-  const int x_row = threadIdx.x / kRowChunks, x_ch = threadIdx.x % kRowChunks;
-  const int x_off = x_row * (kRowChunks * 16) + x_slot(x_ch, x_row) * 16;
-  const auto load_stage = [&](int stage, int kt) {
-    uint8_t* st = smem + stage * S::kStageBytes;
+  // fixed list of copies; whether chunk c = tid + 128 it is a plane or a code chunk is known at
+  // compile time except in one warp-uniform case (k = 3, 5: the boundary is a multiple of 64).
+  const auto load_stage = [&](int stage) {
+    const uint32_t st = smem_base + stage * S::kStageBytes;
 #pragma unroll
     for (int rho = 0; rho < R; ++rho) {
-      const int n_tile = col * R + rho;
-      const bool valid = n_tile < prm.n_tiles;
-      const int64_t tile = valid ? static_cast<int64_t>(n_tile) * prm.k_tiles + kt : 0;
-      const uint8_t* planes = qweight + tile * kPlaneBytes;
-      const uint8_t* codes = absmax + tile * (kTileN * kTileKB);
 #pragma unroll
       for (int it = 0; it < (kTileChunks + kThreads - 1) / kThreads; ++it) {
-        const int c = threadIdx.x + it * kThreads;  // 16-byte chunk of the tile
+        const int c = tid + it * kThreads;  // 16-byte chunk of the tile
         if (c < kTileChunks) {
-          cp_async16(st + rho * kTileBytes + c * 16, c * 16 < kPlaneBytes ? planes + c * 16 : codes + (c * 16 - kPlaneBytes),
-                     valid);
+          const uint8_t* src = c < kPlaneChunks ? w_planes[rho] + it * kThreads * 16 : w_codes[rho] + it * kThreads * 16;
+          cp_async16(st + rho * kTileBytes + c * 16, src, w_valid[rho]);
         }
       }
+      w_planes[rho] += kPlaneBytes;
+      w_codes[rho] += kCodeBytes;
     }
-    const int e = kt * kTileK + x_ch * 8;
+    const bool k_valid = x_k < prm.K;
 #pragma unroll
-    for (int i = 0; i < P; ++i) {
-      const int m = m0 + x_row + 8 * i;
-      const bool valid = m < m_end && e < prm.K;
-      cp_async16(st + S::kWBytes + x_off + i * 8 * (kRowChunks * 16),
-                 valid ? prm.A + static_cast<int64_t>(m) * prm.K + e : prm.A, valid);
+    for (int p = 0; p < P; ++p) {
+      const bool valid = k_valid && m0 + x_row + 8 * p < m_end;
+      cp_async16(x_dst + stage * S::kStageBytes + p * 8 * (kRowChunks * 16), valid ? x_src + p * x_row_step : x_any, valid);
     }
+    x_src += kTileK;
+    x_k += kTileK;
   };
 
   float acc[R][P][4];
@@ -218,15 +257,22 @@ __global__ void __launch_bounds__(kThreads) mma_kernel(const MmaParams<T> prm) {
   // One k-tile from shared memory. First every row group's plane words become index words and its
   // two scale codes become scales (all bit work of the k-tile); then 8 MMA steps, each turning
   // index words into one A fragment per row group by lookups alone.
+  // This lane's shared-memory reads, as offsets into a stage (the loop adds the stage's base only).
+  // Weights: word t of row `row` (+8h, +16r) of plane b, and its scale code; row group R warp + r
+  // lies in tile (R warp + r) / 4 at rows 16 ((R warp + r) % 4), i.e. 16r rows past the r = 0 one
+  // (R divides 4). Activations: chunk 4t + c of row 8i + g sits in slot 4t + (c ^ x_swz) (x_slot
+  // with ch = 4t + c: (ch >> 2) & 2 = t & 2, and the row parity is g's).
+  const int rg0 = R * warp, row0 = 16 * (rg0 % 4) + g;
+  const int w_rd = (rg0 / 4) * kTileBytes + (row0 * kTileKB + t) * 4;
+  const int s_rd = (rg0 / 4) * kTileBytes + kPlaneBytes + row0 * kTileKB + t;
+  const int x_rd = S::kWBytes + (g * kRowChunks + 4 * t) * 16, x_swz = (t & 2) ^ (g & 1);
+
   const auto compute_stage = [&](int stage) {
     const uint8_t* st = smem + stage * S::kStageBytes;
     uint32_t q[R][2][F];
-    float scale[R][2];
+    uint32_t scale[R][2];  // the scale in both halves of x's 16-bit type (exact: 5 significant bits)
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      const int rg = R * warp + r;  // 16-row group of the CTA
-      const uint8_t* tile = st + (rg / 4) * kTileBytes;
-      const int row = 16 * (rg % 4) + g;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         // Word t of plane b of rows row + 8h: lanes read 32 distinct words of 8 rows x 4 blocks,
@@ -234,17 +280,18 @@ __global__ void __launch_bounds__(kThreads) mma_kernel(const MmaParams<T> prm) {
         uint32_t plane[BITS];
 #pragma unroll
         for (int b = 0; b < BITS; ++b)
-          plane[b] = reinterpret_cast<const uint32_t*>(tile)[(b * kTileN + row + 8 * h) * kTileKB + t];
+          plane[b] = *reinterpret_cast<const uint32_t*>(st + w_rd + ((b * kTileN + 16 * r + 8 * h) * kTileKB) * 4);
         gather_indices<BITS>(plane, q[r][h]);
-        scale[r][h] = decode_scale(tile[kPlaneBytes + (row + 8 * h) * kTileKB + t], 0);
+        const float sc = decode_scale(st[s_rd + (16 * r + 8 * h) * kTileKB], 0);
+        scale[r][h] = Elem<T>::pack(sc, sc);
       }
     }
-    const uint4* xs = reinterpret_cast<const uint4*>(st + S::kWBytes);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       uint4 xb[P];  // activations 32t + 8c .. +7 of rows 8i + g: B fragments of MMA steps 2c, 2c + 1
+      const uint8_t* xc = st + x_rd + ((c ^ x_swz) * 16);
 #pragma unroll
-      for (int i = 0; i < P; ++i) xb[i] = xs[(8 * i + g) * kRowChunks + x_slot(4 * t + c, 8 * i + g)];
+      for (int i = 0; i < P; ++i) xb[i] = *reinterpret_cast<const uint4*>(xc + 8 * i * kRowChunks * 16);
 #pragma unroll
       for (int jj = 0; jj < 2; ++jj) {
         const int j = 2 * c + jj;
@@ -253,11 +300,16 @@ __global__ void __launch_bounds__(kThreads) mma_kernel(const MmaParams<T> prm) {
           uint32_t a[4];
 #pragma unroll
           for (int h = 0; h < 2; ++h) {
-            const auto value = [&](int e) {
-              return __fmul_rn(lookup<BITS>(codebook_reg, q[r][h], e), scale[r][h]);
+            // Codebook values rounded to x's type, then scaled in pairs (two roundings: within
+            // one more unit roundoff of dequantize_runtime's single one, and half the instructions
+            // of an fp32 multiply per weight).
+            const auto pair = [&](int e) {
+              return Elem<T>::scale2(
+                  Elem<T>::pack(lookup<BITS>(codebook_reg, q[r][h], e), lookup<BITS>(codebook_reg, q[r][h], e + 1)),
+                  scale[r][h]);
             };
-            a[h] = Elem<T>::pack(value(4 * j), value(4 * j + 1));
-            a[2 + h] = Elem<T>::pack(value(4 * j + 2), value(4 * j + 3));
+            a[h] = pair(4 * j);
+            a[2 + h] = pair(4 * j + 2);
           }
 #pragma unroll
           for (int i = 0; i < P; ++i) Elem<T>::mma(acc[r][i], a, jj ? xb[i].z : xb[i].x, jj ? xb[i].w : xb[i].y);
@@ -270,14 +322,14 @@ __global__ void __launch_bounds__(kThreads) mma_kernel(const MmaParams<T> prm) {
   // into a stage is issued after the barrier that follows every warp's last read of it.
 #pragma unroll
   for (int s = 0; s < S::kStages - 1; ++s) {
-    if (s < nkt) load_stage(s, kt_begin + s);
+    if (s < nkt) load_stage(s);
     cp_async_commit();
   }
   for (int it = 0; it < nkt; ++it) {
     cp_async_wait<S::kStages - 2>();
     __syncthreads();
     const int next = it + S::kStages - 1;
-    if (next < nkt) load_stage(next % S::kStages, kt_begin + next);
+    if (next < nkt) load_stage(next % S::kStages);
     cp_async_commit();
     compute_stage(it % S::kStages);
   }

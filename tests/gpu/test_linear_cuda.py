@@ -83,12 +83,13 @@ def _check(out, ref, dtype, what=""):
     tol = 6e-3 if dtype == torch.bfloat16 else 2e-3
     assert err < tol, f"{what}: relative error {err:.2e} >= {tol}"
     # Elementwise: every output within a few output ulps of the reference, scaled by the row's size,
-    # plus the hard bound on rounding W to x's dtype (unit roundoff u, x1.5 for the fp32 sums), which
-    # matters where a dot product cancels (an output far below the row's size).
+    # plus the hard bound on rounding W to x's dtype, which matters where a dot product cancels (an
+    # output far below the row's size): the MMA kernel rounds the codebook value, then its product
+    # with the scale (2u, unit roundoff u), and 0.5u covers the fp32 sums.
     scale = ref.abs() + ref.pow(2).mean(-1, keepdim=True).sqrt()
     allowed = 4 * tol * scale
     if mag is not None:
-        allowed = allowed + 1.5 * (2.0**-9 if dtype == torch.bfloat16 else 2.0**-11) * mag
+        allowed = allowed + 2.5 * (2.0**-8 if dtype == torch.bfloat16 else 2.0**-11) * mag
     off = (out.float() - ref).abs() > allowed
     assert not off.any(), f"{what}: {int(off.sum())} outputs off, first at {off.nonzero()[0].tolist()}"
 

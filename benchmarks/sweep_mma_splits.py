@@ -1,0 +1,78 @@
+"""Times the dense fused dequant + MMA kernel at every K split count (1..8) and both row-group widths
+for a few shapes and M, COLD, k=4, next to the launch with the heuristic's split count (mma_splits,
+column "auto"): the data for tuning that heuristic. Writes sweep_mma_splits_<gpu>_<date>.{json,md} to --out.
+
+    python benchmarks/sweep_mma_splits.py --commit <sha> [--shapes qkv,o,llama70b_gate_up] [--m 16,64]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+from bench_linear import SHAPES, copies_for, graph_time_us, random_runtime_weight  # noqa: E402
+from vllm_kbit.linear import mma_config  # noqa: E402
+
+K_BITS = 4
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
+    ap.add_argument("--commit", default=os.environ.get("KBIT_COMMIT", "unknown"))
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down,llama8b_gate_up,llama70b_gate_up")
+    ap.add_argument("--m", default="8,16,32,64")
+    args = ap.parse_args()
+
+    props = torch.cuda.get_device_properties(0)
+    gpu, l2 = props.name, props.L2_cache_size
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    op = torch.ops.kbit._mma_linear.default
+    records = []
+    for name, K, N in (s for s in SHAPES if s[0] in args.shapes.split(",")):
+        w0 = random_runtime_weight(N, K, K_BITS)
+        nbytes = w0.qweight_rt.numel() * 4 + w0.absmax_rt.numel()
+        ws = [w0] + [random_runtime_weight(N, K, K_BITS) for _ in range(copies_for(nbytes, "cold", l2) - 1)]
+        n_tiles, k_tiles = w0.qweight_rt.shape[0], w0.qweight_rt.shape[1]
+        for M in (int(m) for m in args.m.split(",")):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            auto_r = mma_config(M, n_tiles)[1]
+            for r in sorted({1, auto_r}):
+                p = mma_config(M, n_tiles, r)[0]
+                cols, m_blocks = -(-n_tiles // r), mma_config(M, n_tiles, r)[2]
+                for s in range(0, min(8, k_tiles) + 1):  # 0: the heuristic's choice
+                    fns = [lambda w=w, s=s, r=r: op(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, r, s) for w in ws]
+                    us = graph_time_us(fns)
+                    records.append(dict(gpu=gpu, commit=args.commit, date=date, shape=name, N=N, K=K, k=K_BITS, M=M, p=p,
+                                        r=r, splits=s, ctas=cols * m_blocks * s if s else None, us=round(us, 2)))
+                    print(f"{name} M={M} r={r} S={s or 'auto'}: {us:.1f} us", flush=True)
+            del x
+        del ws, w0
+
+    stem = os.path.join(args.out, f"sweep_mma_splits_{gpu.replace(' ', '_')}_{date}")
+    os.makedirs(args.out, exist_ok=True)
+    with open(stem + ".json", "w") as f:
+        json.dump(records, f, indent=1)
+    lines = [f"# MMA kernel split sweep: {gpu}, {date}, commit {args.commit}", "",
+             f"COLD, k={K_BITS}, bf16, µs per call (CUDA-graph replay); `*` marks the fastest split count; auto = the "
+             "heuristic's (mma_splits) launch.",
+             f"Command: `python {' '.join(sys.argv)}`", "",
+             "| shape | M | r | auto | " + " | ".join(f"S={s}" for s in range(1, 9)) + " |",
+             "| --- | ---: | ---: | ---: |" + " ---: |" * 8]
+    order = [s[0] for s in SHAPES]
+    for shape, M, r in sorted({(x["shape"], x["M"], x["r"]) for x in records}, key=lambda t: (order.index(t[0]), t[1], t[2])):
+        rows = {x["splits"]: x["us"] for x in records if (x["shape"], x["M"], x["r"]) == (shape, M, r)}
+        best = min((s for s in rows if s > 0), key=rows.get)
+        cells = [f"{rows[s]:.1f}{'*' if s == best else ''}" if s in rows else "" for s in range(0, 9)]
+        lines.append(f"| {shape} | {M} | {r} | " + " | ".join(cells) + " |")
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
