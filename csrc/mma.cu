@@ -14,10 +14,11 @@ MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups) {
   const int p = M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : kMmaMaxRowTiles;
   const int m_blocks = static_cast<int>((M + 8 * p - 1) / (8 * p));
   // r: wide warps (4 row groups, or 2 at p = 8 where accumulators fill the registers) read each
-  // activation fragment from shared memory once per 64 (32) weight rows; narrow warps (1) give
-  // more, shorter CTAs, which small weights need to fill the GPU.
+  // activation fragment from shared memory once per 64 (32) weight rows, which pays from p = 4 on
+  // large weights; narrow warps (1) give more, shorter CTAs, which small weights and p <= 2 need
+  // (H100, k=4, M=16, 08f99d8: r = 1 vs 4 at 4096x14336 23.9 vs 33.5 µs, 8192x28672 70.4 vs 78.0).
   int r = static_cast<int>(row_groups);
-  if (r == 0) r = n_tiles >= kMmaWideTiles ? (p == kMmaMaxRowTiles ? 2 : 4) : 1;
+  if (r == 0) r = n_tiles >= kMmaWideTiles && p >= kMmaWideMinRowTiles ? (p == kMmaMaxRowTiles ? 2 : 4) : 1;
   return {p, r, m_blocks};
 }
 

@@ -12,6 +12,7 @@ namespace kbit {
 constexpr int kMmaMaxSplits = 8;    // portable thread-block cluster size: split-K partners of one column
 constexpr int kMmaMaxRowTiles = 8;  // n8 activation tiles per CTA: one CTA covers at most 64 rows of A
 constexpr int kMmaWideTiles = 128;  // runtime n-tiles from which warps take wide row groups (mma_config)
+constexpr int kMmaWideMinRowTiles = 4;  // ... and activation tiles per CTA (p) from which they do
 constexpr int kMmaMaxGridRows = 65535;  // CTA rows of one launch (gridDim.y): grouped chunk lists longer are refused
 
 // Tile shape of one launch: `p` n8 tiles of activation rows per CTA (8p rows), `r` 16-row groups of

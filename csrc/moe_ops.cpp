@@ -24,16 +24,19 @@ namespace {
 
 enum class MoePath : int64_t { kAuto = 0, kGemv = 1, kGroupedMm = 2, kGroupedMma = 3 };
 
-// Path by slots per local expert (S / E). Measured on H100, k=4, Qwen3-30B-A3B shape, COLD, µs
-// GEMV / grouped MMA / grouped mm (benchmarks/results/moe_NVIDIA_H100_80GB_HBM3_2026-11-23.md):
-// T=1 (S/E 1/16) 29.4 / 34.2; T=4 (1/4) 65.9 / 64.4; T=16 (1) 186.7 / 145.0; T=64 (4) 520 / 202;
-// T=1024 (64) - / 933 / 1169; T=4096 (256) - / 2488 / 1593. The GEMV streams each expert once per
-// 4 rows, so it serves only up to half a slot per expert (most experts hold no row or one).
+// Path by slots. Measured on H100, k=4, Qwen3-30B-A3B shape (E=128, top-8), COLD, µs GEMV / grouped
+// MMA / grouped mm at commit 08f99d8 (benchmarks/results/moe_NVIDIA_H100_80GB_HBM3_2026-11-23_v2*.md):
+// T=1 (8 slots) 29.2 / 31.5; T=4 (32) 65.7 / 54.5; T=16 (128) 185 / 124; T=64 (512) 520 / 163;
+// T=1024 (64 per expert) - / 842 / 1168; T=4096 (256 per expert) - / 2250 / 1595. The GEMV wins only
+// while few experts are touched (its per-byte cost is higher, its latency lower); it streams each
+// expert once per 4 rows, so it also needs most experts to hold no row or one. 16 slots is between
+// the measured 8 (GEMV) and 32 (grouped MMA).
+constexpr int64_t kGemvMaxSlots = 16;
 constexpr int64_t kMmaMaxSlotsPerExpert = 128;
 constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memory counters
 
 MoePath pick_path(int64_t slots, int64_t experts) {
-  if (2 * slots <= experts) return MoePath::kGemv;
+  if (slots <= kGemvMaxSlots && 2 * slots <= experts) return MoePath::kGemv;
   return slots <= kMmaMaxSlotsPerExpert * experts ? MoePath::kGroupedMma : MoePath::kGroupedMm;
 }
 

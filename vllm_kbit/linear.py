@@ -26,7 +26,7 @@ _GEMV_STREAMING_WARPS = 16
 GEMV_MAX_SPLITS = 8
 
 # Mirrors csrc/linear.cpp (kGemvMaxM, kMmaMaxM, kMmaMaxMLarge, kMmaLargeWeight and the KBIT_MMA_MAX_M
-# override) and csrc/mma.cuh (kMmaMaxSplits, kMmaMaxRowTiles, kMmaWideTiles).
+# override) and csrc/mma.cuh (kMmaMaxSplits, kMmaMaxRowTiles, kMmaWideTiles, kMmaWideMinRowTiles).
 GEMV_MAX_M = 4
 _MMA_MAX_M = 64
 _MMA_MAX_M_LARGE = 128
@@ -35,6 +35,7 @@ _MMA_MAX_M_ENV = os.environ.get("KBIT_MMA_MAX_M")
 MMA_MAX_SPLITS = 8
 _MMA_MAX_ROW_TILES = 8
 _MMA_WIDE_TILES = 128
+_MMA_WIDE_MIN_ROW_TILES = 4
 
 
 @dataclass(frozen=True)
@@ -108,7 +109,8 @@ def mma_config(M: int, n_tiles: int, row_groups: int = 0) -> tuple[int, int, int
     activation rows per CTA, r 16-row groups of weight rows per warp, m_blocks CTA rows along M."""
     p = 1 if M <= 8 else 2 if M <= 16 else 4 if M <= 32 else _MMA_MAX_ROW_TILES
     m_blocks = -(-M // (8 * p))
-    r = row_groups or ((2 if p == _MMA_MAX_ROW_TILES else 4) if n_tiles >= _MMA_WIDE_TILES else 1)
+    wide = n_tiles >= _MMA_WIDE_TILES and p >= _MMA_WIDE_MIN_ROW_TILES
+    r = row_groups or ((2 if p == _MMA_MAX_ROW_TILES else 4) if wide else 1)
     return p, r, m_blocks
 
 
