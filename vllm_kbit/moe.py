@@ -17,6 +17,8 @@ routing those kernels compute, in PyTorch.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from vllm_kbit import format as fmt
@@ -28,6 +30,20 @@ _lib.define(
     "Tensor w2_qweight, Tensor w2_absmax, Tensor codebook, SymInt intermediate_size, Tensor? expert_map, "
     "bool apply_router_weight_on_input) -> Tensor"
 )
+
+# KBIT_MOE_PATH forces one CUDA path for every call (benchmarks, bisecting a numerical difference):
+# csrc/moe_ops.cpp's path argument, auto by default.
+_MOE_PATHS = {"auto": 0, "gemv": 1, "grouped_mm": 2, "grouped_mma": 3}
+
+
+def _forced_path() -> int:
+    name = os.environ.get("KBIT_MOE_PATH", "auto")
+    if name not in _MOE_PATHS:
+        raise ValueError(f"kbit: KBIT_MOE_PATH={name!r} is not a path; supported: {', '.join(_MOE_PATHS)}")
+    return _MOE_PATHS[name]
+
+
+_MOE_PATH = _forced_path()
 
 
 def check_inputs(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
@@ -126,7 +142,7 @@ def _fused_moe_cuda(
         raise ValueError(f"kbit: fused_moe on CUDA supports up to {MAX_LOCAL_EXPERTS} local experts, got {w13_qweight.shape[0]}")
     return torch.ops.kbit._fused_moe_cuda(
         x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, int(intermediate_size),
-        expert_map, apply_router_weight_on_input,
+        expert_map, apply_router_weight_on_input, _MOE_PATH,
     )
 
 

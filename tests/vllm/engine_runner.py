@@ -18,11 +18,15 @@ import sys
 
 def main(spec_path: str, out_path: str) -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model pickles the probe functions
+    import torch
     from vllm import LLM
 
     with open(spec_path) as f:
         spec = json.load(f)
-    kwargs = dict(gpu_memory_utilization=0.3, enforce_eager=True, max_model_len=256, seed=0, enable_prefix_caching=False)
+    # Eager on CPU (torch.compile there costs minutes per engine); on a GPU vLLM's defaults: CUDA graphs
+    # and torch.compile, what a served model runs.
+    kwargs = dict(gpu_memory_utilization=0.3, enforce_eager=not torch.cuda.is_available(), max_model_len=256, seed=0,
+                  enable_prefix_caching=False)
     kwargs.update(spec.get("llm_kwargs", {}))
     llm = LLM(model=spec["model"], **kwargs)
     try:
