@@ -51,6 +51,8 @@ def main() -> None:
         print("RESULT " + json.dumps(_engine(model, json.loads(kwargs))))
         return
 
+    import torch
+
     from vllm_kbit import tiny_models
     from vllm_kbit.convert import convert
     from vllm_kbit.settings import KbitSettings
@@ -61,7 +63,8 @@ def main() -> None:
         tiny_models.build("qwen3_moe", bf16, hidden=args.hidden, layers=args.layers, experts=args.experts,
                           moe_intermediate=args.moe_intermediate)
     kbit = os.path.join(root, f"kbit{args.bits}")
-    summary = convert(bf16, kbit, KbitSettings(bits=args.bits), progress=False, overwrite=True)
+    summary = convert(bf16, kbit, KbitSettings(bits=args.bits), progress=False, overwrite=True,
+                      device="cuda" if torch.cuda.is_available() else "cpu")
     gib = 1024**3
     print(f"checkpoint: bf16 {summary.input_bytes / gib:.3f} GiB, kbit{args.bits} {summary.output_bytes / gib:.3f} GiB")
     modes = {
