@@ -22,14 +22,19 @@ namespace {
 
 enum class LinearPath { kGemv, kMma, kDequantCublas };
 
-// The largest M each path serves (bf16/fp16 x; fp32 x always dequantizes). GEMV for M <= 4 (H100,
-// benchmarks/results/bench_linear_H100_2026-11-21.md, COLD k=4: 8192x28672 M=4 102 us vs 162 us
-// cuBLAS bf16). Fused dequant + MMA up to kMmaMaxM, or kMmaMaxMLarge for weights of at least
+// The largest M each path serves (bf16/fp16 x; fp32 x always dequantizes). GEMV for M <= 2: from
+// M = 3 the MMA kernel (whose time is flat up to M = 8, one n8 tile) is faster. H100, COLD, commit
+// cc9614b (benchmarks/results/bench_linear_NVIDIA_H100_80GB_HBM3_2026-11-23_v3.md), k=4, GEMV / MMA:
+// M=4 on 12 of the 13 shapes of design.md §6, e.g. 2048x4096 8.8 / 7.5 us, 8192x28672 104.9 / 67.9
+// (512x2048 loses: 4.0 / 4.5); M=2 mixed (2048x4096 7.2 / 7.5, 8192x28672 74.8 / 67.9); for k=2, 3, 5
+// the MMA at M=16 already beats the GEMV at M=4 on 11-12 of 13 shapes.
+// Fused dequant + MMA up to kMmaMaxM, or kMmaMaxMLarge for weights of at least
 // kMmaLargeWeight elements; dequantize + cuBLAS above. Measured on H100, COLD k=4, MMA vs dequantize
 // + cuBLAS (benchmarks/results/bench_linear_NVIDIA_H100_80GB_HBM3_2026-11-23.md): at M=128 the MMA
 // wins on 4096x14336 (92.9 vs 110.6 us) and 8192x28672 (322 vs 417) and loses on the Qwen3 block
 // shapes of <= 10.5M weights (e.g. 2048x5120: 24.8 vs 17.6); at M=256 it loses everywhere.
-// KBIT_MMA_MAX_M, read once, replaces both limits (<= 4 turns the MMA path off without a rebuild).
+// KBIT_MMA_MAX_M, read once, replaces both limits (<= 2 turns the MMA path off without a rebuild).
+constexpr int64_t kGemvPathMaxM = 2;
 constexpr int64_t kMmaMaxM = 64;
 constexpr int64_t kMmaMaxMLarge = 128;
 constexpr int64_t kMmaLargeWeight = int64_t{1} << 25;
@@ -45,7 +50,7 @@ int64_t mma_max_m(int64_t N, int64_t K) {
 
 LinearPath pick_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return LinearPath::kDequantCublas;  // fp32 x
-  if (M <= kGemvMaxM) return LinearPath::kGemv;
+  if (M <= kGemvPathMaxM) return LinearPath::kGemv;
   return M <= mma_max_m(N, K) ? LinearPath::kMma : LinearPath::kDequantCublas;
 }
 

@@ -1,7 +1,7 @@
 """``kbit_linear``: the dense entry point, ``x @ dequant(W).T (+ bias)`` on a runtime-layout weight.
 
 The op ``torch.ops.kbit.linear`` picks its kernel by M (rows of x) and the weight's size
-(``csrc/linear.cpp``): the GEMV kernel for M <= 4, the fused dequant + MMA kernel up to
+(``csrc/linear.cpp``): the GEMV kernel for M <= 2, the fused dequant + MMA kernel up to
 ``mma_max_m(N, K)`` (64, or 128 for weights of at least 2^25 elements), dequantize + cuBLAS above. Without the CUDA extension the PyTorch reference
 serves every device.
 """
@@ -25,9 +25,9 @@ _GEMV_RESIDENT_CTAS = 8
 _GEMV_STREAMING_WARPS = 16
 GEMV_MAX_SPLITS = 8
 
-# Mirrors csrc/linear.cpp (kGemvMaxM, kMmaMaxM, kMmaMaxMLarge, kMmaLargeWeight and the KBIT_MMA_MAX_M
+# Mirrors csrc/linear.cpp (kGemvPathMaxM, kMmaMaxM, kMmaMaxMLarge, kMmaLargeWeight and the KBIT_MMA_MAX_M
 # override) and csrc/mma.cuh (kMmaMaxSplits, kMmaMaxRowTiles, kMmaWideTiles, kMmaWideMinRowTiles).
-GEMV_MAX_M = 4
+GEMV_PATH_MAX_M = 2
 _MMA_MAX_M = 64
 _MMA_MAX_M_LARGE = 128
 _MMA_LARGE_WEIGHT = 1 << 25
@@ -99,7 +99,7 @@ def mma_max_m(N: int, K: int) -> int:
 
 def linear_path(M: int, N: int, K: int) -> str:
     """The kernel ``kbit::linear`` runs for M rows of bf16/fp16 x and an [N, K] weight."""
-    if M <= GEMV_MAX_M:
+    if M <= GEMV_PATH_MAX_M:
         return "gemv"
     return "mma" if M <= mma_max_m(N, K) else "dequant_cublas"
 
