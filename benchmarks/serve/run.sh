@@ -6,7 +6,8 @@
 # With vLLM staged per /work/shared/gpu/README.md, wrap it: bash .vllm/scripts/stage.sh bash benchmarks/serve/run.sh ...
 # Environment:
 #   PYTHON     interpreter (default python3)          DEADLINE  seconds for the whole call (default 570)
-#   TESTS=1    first run `pytest -m gpu tests/vllm` (log: $OUT/tests.log; at most TESTS_TIMEOUT s, default 480)
+#   TESTS=1    first run `pytest -m gpu tests/vllm`, each test in its own process, TESTS_PARALLEL (4) at a time
+#              (log: $OUT/tests.log; each test at most TESTS_TIMEOUT s, default 420)
 #   BENCH=0    skip the benchmark                     PROFILE   methods to profile after it, e.g. kbit-4,bf16
 #   PROFILE_ARGS  extra profile_decode.py args (e.g. "--batches 1,16 --eager")
 #   KBIT_COMMIT   commit named in the results (the device's copy of the tree has no .git)
@@ -32,6 +33,30 @@ sys.exit(0 if here and eps else 1)
 PY
 }
 
+# Each GPU e2e test in its own pytest process (own compile cache, so parallel engines never share one),
+# TESTS_PARALLEL at a time: with CUDA graphs and torch.compile an engine of the tiny models starts in
+# ~60 s on an H100, and a test needs two. tests.log gets every test's result lines; a failing test adds
+# its traceback (the last 40 lines of its output).
+TESTS_PARALLEL=${TESTS_PARALLEL:-4}
+gpu_tests() {
+  local dir="$OUT/tests.d" i=0 id rc=0
+  mkdir -p "$dir"
+  for id in $("$PY" -m pytest -m gpu tests/vllm --collect-only -q -p no:cacheprovider 2>/dev/null | grep "::"); do
+    i=$((i + 1))
+    ( VLLM_CACHE_ROOT="$VLLM_CACHE_ROOT/t$i" timeout "${TESTS_TIMEOUT:-420}" "$PY" -m pytest "$id" -q -s -p no:cacheprovider \
+        --tb=short >"$dir/$i.log" 2>&1; echo "exit $? $id" >>"$dir/$i.log" ) &
+    if [ $((i % TESTS_PARALLEL)) = 0 ]; then wait; fi
+  done
+  wait
+  : >"$OUT/tests.log"
+  for f in "$dir"/*.log; do
+    grep -E "^GPU |^exit " "$f" >>"$OUT/tests.log"
+    grep -q "^exit 0 " "$f" || { rc=1; grep -vE "^(INFO|WARNING|DEBUG)|^\(EngineCore" "$f" | tail -40 >>"$OUT/tests.log"; }
+  done
+  rm -rf "$dir"
+  return $rc
+}
+
 main() {
   nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader 2>/dev/null || echo "no nvidia-smi"
   if ! plugin_ok 2>/dev/null; then
@@ -46,9 +71,9 @@ main() {
 
   local status=0
   if [ "${TESTS:-0}" = 1 ]; then
-    echo "== pytest -m gpu tests/vllm ($(left) s left)"
-    timeout "${TESTS_TIMEOUT:-480}" "$PY" -m pytest -m gpu tests/vllm -q -p no:cacheprovider -rA >"$OUT/tests.log" 2>&1 || status=1
-    grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|^GPU | in [0-9.]+s" "$OUT/tests.log" | tail -20
+    echo "== pytest -m gpu tests/vllm, one process per test, $TESTS_PARALLEL at a time ($(left) s left)"
+    gpu_tests || status=1
+    cat "$OUT/tests.log"
   fi
   if [ "${BENCH:-1}" = 1 ]; then
     echo "== bench_serve.py $* ($(left) s left)"

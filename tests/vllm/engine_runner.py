@@ -24,8 +24,10 @@ def main(spec_path: str, out_path: str) -> None:
     with open(spec_path) as f:
         spec = json.load(f)
     # Eager on CPU (torch.compile there costs minutes per engine); on a GPU vLLM's defaults: CUDA graphs
-    # and torch.compile, what a served model runs.
-    kwargs = dict(gpu_memory_utilization=0.3, enforce_eager=not torch.cuda.is_available(), max_model_len=256, seed=0,
+    # and torch.compile, what a served model runs, in 15% of the GPU's memory so that several engines
+    # (tests in parallel processes, benchmarks/serve/run.sh) fit beside each other.
+    cuda = torch.cuda.is_available()
+    kwargs = dict(gpu_memory_utilization=0.15 if cuda else 0.3, enforce_eager=not cuda, max_model_len=256, seed=0,
                   enable_prefix_caching=False)
     kwargs.update(spec.get("llm_kwargs", {}))
     llm = LLM(model=spec["model"], **kwargs)
