@@ -42,8 +42,8 @@ def main() -> None:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             auto_r = mma_config(M, n_tiles)[1]
             for r in sorted({1, auto_r}):
-                p = mma_config(M, n_tiles, r)[0]
-                cols, m_blocks = -(-n_tiles // r), mma_config(M, n_tiles, r)[2]
+                p, _, m_blocks = mma_config(M, n_tiles, r)
+                cols = -(-n_tiles // r)
                 for s in range(0, min(8, k_tiles) + 1):  # 0: the heuristic's choice
                     fns = [lambda w=w, s=s, r=r: op(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, r, s) for w in ws]
                     us = graph_time_us(fns)
