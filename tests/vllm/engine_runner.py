@@ -29,6 +29,11 @@ def main(spec_path: str, out_path: str) -> None:
     cuda = torch.cuda.is_available()
     kwargs = dict(gpu_memory_utilization=0.15 if cuda else 0.3, enforce_eager=not cuda, max_model_len=256, seed=0,
                   enable_prefix_caching=False)
+    if cuda:
+        # A fixed KV-cache size skips vLLM's memory profiling, which compares the GPU's free memory before
+        # and after a profile run and so fails ("No available memory for the cache blocks", "Error in memory
+        # profiling") when engines in parallel processes allocate or free memory meanwhile.
+        kwargs["kv_cache_memory_bytes"] = 1 << 30
     kwargs.update(spec.get("llm_kwargs", {}))
     llm = LLM(model=spec["model"], **kwargs)
     try:
