@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kbit_e2e import ONLINE, assert_agree, dequantized_checkpoint, online_kwargs, settings_of, token_match
+from kbit_e2e import ONLINE, assert_agree, dequantized_checkpoint, online_kwargs, settings_of
 
 pytestmark = [
     pytest.mark.gpu,
@@ -22,13 +22,18 @@ def test_gpu_online_matches_dequantized_model(engine, tiny, tmp_path_factory, ki
 
 
 def test_gpu_converted_checkpoint_identical_to_online(engine, tiny, converted_qwen3_moe):
+    """Bit-identical packed weights, and outputs that agree like two runs of one engine do.
+
+    Not token-identical outputs (the CPU test asks for those): under CUDA graphs and torch.compile two
+    processes serving the same weights need not produce bit-identical logits (tests/vllm/repeatability.py
+    measures it; benchmarks/NOTES.md has the numbers), and on this tiny random MoE router near-ties turn
+    any last-bit difference into a different free-running continuation."""
     online = engine("gpu-qwen3_moe-online4", tiny["qwen3_moe"], online_kwargs(ONLINE[4]))
     conv = engine("gpu-qwen3_moe-converted4", converted_qwen3_moe)
     hashed = {n: i["hash"] for n, i in online["layers"].items() if "hash" in i}
     differ = sorted(n for n, i in conv["layers"].items() if "hash" in i and hashed.get(n) != i["hash"])
     assert hashed and not differ, f"packed weights differ from online quantization in {differ}"
-    assert conv["tokens"] == online["tokens"], (
-        f"same packed weights, different greedy tokens: {token_match(conv['tokens'], online['tokens']):.1%} match")
+    assert_agree("GPU converted vs online", conv, online)
 
 
 def test_gpu_mixed_bits_match_dequantized_model(engine, tiny, tmp_path_factory):

@@ -1,0 +1,72 @@
+"""Run-to-run repeatability of vLLM engines on the tiny Qwen3-MoE: is a difference between two engines
+the weights' doing, or does the same engine already differ from itself when started twice?
+
+    python tests/vllm/repeatability.py OUT_DIR [--eager] [--parallel 3]
+
+Starts, each in a fresh process with its own compile cache: online kbit-4 twice, the converted kbit-4
+checkpoint once, the dequantized bf16 model twice. Prints, per pair, the free-running greedy token match,
+the teacher-forced greedy match and the largest teacher-forced logprob gap (0.0 = bit-identical logits
+on the probes), and writes the same as OUT_DIR/repeatability.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from concurrent.futures import ThreadPoolExecutor
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from kbit_e2e import ONLINE, agreement, dequantized_checkpoint, online_kwargs, run_engine, settings_of, token_match  # noqa: E402
+
+from vllm_kbit import tiny_models  # noqa: E402
+from vllm_kbit.convert import convert  # noqa: E402
+
+PAIRS = [("online4-a", "online4-b"), ("converted4", "online4-a"), ("converted4", "online4-b"), ("deq4-a", "deq4-b")]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("out")
+    ap.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's CUDA graphs + torch.compile)")
+    ap.add_argument("--parallel", type=int, default=3, help="engines at a time")
+    args = ap.parse_args()
+    os.makedirs(args.out, exist_ok=True)
+    tiny = tiny_models.build("qwen3_moe", os.path.join(args.out, "tiny"))
+    settings = settings_of(ONLINE[4])
+    converted = os.path.join(args.out, "converted4")
+    convert(tiny, converted, settings, progress=False)
+    deq = dequantized_checkpoint(tiny, os.path.join(args.out, "deq4"), settings)
+    extra = {"enforce_eager": True} if args.eager else {}
+    runs = {
+        "online4-a": (tiny, {**online_kwargs(ONLINE[4]), **extra}),
+        "online4-b": (tiny, {**online_kwargs(ONLINE[4]), **extra}),
+        "converted4": (converted, extra),
+        "deq4-a": (deq, extra),
+        "deq4-b": (deq, extra),
+    }
+
+    def start(key: str) -> dict:
+        model, kwargs = runs[key]
+        env = {"VLLM_CACHE_ROOT": os.path.join(args.out, "cache", key)}
+        return run_engine(model, os.path.join(args.out, "engines", key), kwargs, env)
+
+    with ThreadPoolExecutor(args.parallel) as pool:
+        results = dict(zip(runs, pool.map(start, runs)))
+    report = []
+    for a, b in PAIRS:
+        match, within, worst = agreement(results[a], results[b])
+        row = {"a": a, "b": b, "free_running_token_match": token_match(results[a]["tokens"], results[b]["tokens"]),
+               "teacher_forced_match": match, "within_gap": within, "max_logprob_gap": worst,
+               "same_kbit_weights": all(results[a]["layers"][n].get("hash") == i.get("hash")
+                                        for n, i in results[b]["layers"].items())}
+        report.append(row)
+        print(f"{a} vs {b}: free-running match {row['free_running_token_match']:.1%}, teacher-forced match "
+              f"{match:.1%}, largest logprob gap {worst:.4f}, same kbit weights {row['same_kbit_weights']}")
+    with open(os.path.join(args.out, "repeatability.json"), "w") as f:
+        json.dump({"eager": args.eager, "pairs": report}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
