@@ -1,5 +1,7 @@
 """Bitwise repeatability of the CUDA ops: the same inputs give the same output bits on every call, eager
-and under CUDA-graph replay, on every MoE path and every dense kernel the dispatch picks.
+and under CUDA-graph replay, on every MoE path and every dense kernel the dispatch picks; and a token's
+output does not depend on the other tokens of its batch (their values or where they are routed), as long
+as the batch size is the same (vLLM pads CUDA-graph batches with rows of stale data).
 
 The routing kernel orders the slots inside an expert by atomics (a different order per call), and the
 split-K reductions run across CTAs; neither may leak into the result. Sizes cover the tiny Qwen3-MoE of
@@ -39,6 +41,24 @@ def test_fused_moe_repeats_bitwise(E, top_k, H, I, T, path):
     assert_same_bits([run(x, ids, w, ex, None, False, path) for _ in range(REPEATS)], f"fused_moe path {path} T={T}")
 
 
+@pytest.mark.parametrize("E,top_k,H,I,T", [(8, 2, 256, 128, 8), (8, 2, 256, 128, 96), (128, 8, 2048, 768, 16)])
+@pytest.mark.parametrize("path", (0, 1, 2, 3))
+def test_fused_moe_rows_ignore_the_rest_of_the_batch(E, top_k, H, I, T, path):
+    gen = torch.Generator().manual_seed(T + E + path)
+    ex = Experts(E, H, I, 4, gen)
+    keep = T // 2
+    outs = []
+    for _ in range(3):  # the first `keep` tokens fixed; the others drawn afresh: other values, other experts
+        ids, w = random_routing(T, E, top_k, gen, "random")
+        x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
+        if outs:
+            ids[:keep], w[:keep], x[:keep] = ids0[:keep], w0[:keep], x0[:keep]
+        else:
+            ids0, w0, x0 = ids, w, x
+        outs.append(run(x, ids, w, ex, None, False, path)[:keep])
+    assert_same_bits(outs, f"fused_moe path {path} T={T}: the kept tokens")
+
+
 @pytest.mark.parametrize("T", (2, 36))
 def test_fused_moe_graph_replays_bitwise(T):
     gen = torch.Generator().manual_seed(T)
@@ -68,3 +88,16 @@ def test_kbit_linear_repeats_bitwise(N, K, M):
         poison_cache()
         outs.append(kbit_linear(x, weight))
     assert_same_bits(outs, f"kbit_linear {N}x{K} M={M}")
+
+
+@pytest.mark.parametrize("M", (2, 8, 36, 288))
+def test_kbit_linear_rows_ignore_the_other_rows(M):
+    gen = torch.Generator().manual_seed(M)
+    weight = KbitLinearWeight.from_kbit(vllm_kbit.quantize(torch.randn(2048, 1024, generator=gen).to(torch.bfloat16).cuda(), 4))
+    x = torch.randn(M, 1024, generator=gen).to(torch.bfloat16).cuda()
+    outs = []
+    for _ in range(3):
+        x[1:] = torch.randn(M - 1, 1024, generator=gen).to(torch.bfloat16).cuda()  # row 0 kept
+        poison_cache()
+        outs.append(kbit_linear(x, weight)[:1])
+    assert_same_bits(outs, f"kbit_linear M={M}: row 0")
