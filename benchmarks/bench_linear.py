@@ -1,4 +1,4 @@
-"""Dense kbit linear benchmark: kbit::linear (GEMV for M <= 4, fused dequant + MMA up to mma_max_m(N, K),
+"""Dense kbit linear benchmark: kbit::linear (GEMV for M <= 2, fused dequant + MMA up to mma_max_m(N, K),
 dequant + cuBLAS above) and each of its kernels forced on its own, vs cuBLAS bf16 and fp16.
 
 Kernel time only: each measurement captures many back-to-back calls in one CUDA graph and
@@ -13,7 +13,7 @@ Writes bench_linear_<gpu>_<date>.json (a list of records), .md (tables) and .png
 cuBLAS bf16 vs M, one line per k) into --out; `--plot JSON` redraws the plot of a JSON file.
 The records' meaning: op `kbit_linear` is the dispatch (`path` says which kernel it ran),
 `kbit_mma` / `kbit_dequant_cublas` force one kernel where the dispatch picks the other (k=4,
-COLD: the crossover), `kbit_mma_r<r>` the MMA kernel with the row-group width r its heuristic
+COLD: the crossovers; `kbit_mma` also at the M where the dispatch runs the GEMV), `kbit_mma_r<r>` the MMA kernel with the row-group width r its heuristic
 did not pick (k=4, COLD, at VARIANT_M);
 `us` median kernel time per call, `baseline_us` cuBLAS bf16 at the same shape/M/regime in the
 same run, `roofline_pct` as above, `splits` the GEMV's K splits (M <= 4).
@@ -248,6 +248,10 @@ def main() -> None:
                         us = graph_time_us([lambda w=w: kbit_linear(x, w) for w in ws])
                         rec = record("kbit_linear", name, K, N, k, M, dtype, regime, us, nbytes,
                                      dict(extra, path=path, **(dict(splits=splits) if path == "gemv" else {})))
+                        if k == 4 and regime == "cold" and dtype == torch.bfloat16 and path == "gemv":
+                            # the other side of the GEMV / MMA crossover, forced
+                            record("kbit_mma", name, K, N, k, M, dtype, regime, graph_time_us([mma_fn(x, w) for w in ws]),
+                                   nbytes, extra)
                         if k == 4 and regime == "cold" and dtype == torch.bfloat16 and M >= 4:
                             if path == "mma":  # the other side of the crossover, forced
                                 us2 = graph_time_us([lambda w=w: F.linear(x, w.dequantize(dtype)) for w in ws])
@@ -335,7 +339,19 @@ def headline(records) -> list:
             rs = [by.get((s, M, 4, "cold")) for s in QWEN3_BLOCK]
             cells.append("" if None in rs else f"{sum(r['baseline_us'] for r in rs) / sum(r['us'] for r in rs):.2f}x")
         lines += ["| Qwen3 block TOTAL | " + " | ".join(cells) + " |", ""]
-    forced = [r for r in records if r["op"] in ("kbit_mma", "kbit_dequant_cublas")]
+    gemv_side = [r for r in lin if r["regime"] == "cold" and r["k"] == 4 and r.get("path") == "gemv"]
+    mma_forced = {(r["shape"], r["M"]): r["us"] for r in records if r["op"] == "kbit_mma"}
+    if any((r["shape"], r["M"]) in mma_forced for r in gemv_side):
+        Ms = sorted({r["M"] for r in gemv_side})
+        lines += ["## GEMV / MMA crossover (COLD, k=4, bf16): µs of the GEMV (the dispatch's pick) / the MMA kernel forced",
+                  "", "| shape | " + " | ".join(f"M={M}" for M in Ms) + " |", "| --- | " + " | ".join("---:" for _ in Ms) + " |"]
+        gby = {(r["shape"], r["M"]): r["us"] for r in gemv_side}
+        for s in dict.fromkeys(r["shape"] for r in gemv_side):
+            cells = [f"{gby[(s, M)]:.1f} / {mma_forced[(s, M)]:.1f}" if (s, M) in gby and (s, M) in mma_forced else ""
+                     for M in Ms]
+            lines.append(f"| {s} | " + " | ".join(cells) + " |")
+        lines.append("")
+    forced = [r for r in records if r["op"] in ("kbit_mma", "kbit_dequant_cublas") and r["M"] >= 4]
     if forced:
         lines += ["## Crossover (COLD, k=4, bf16): µs of the MMA kernel / dequant + cuBLAS (dispatch's pick in bold)", "",
                   "| shape | " + " | ".join(f"M={M}" for M in sorted({r["M"] for r in forced})) + " |",

@@ -8,6 +8,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "serve"))
 
+import bench_serve  # noqa: E402
 import methods  # noqa: E402
 import model_dir  # noqa: E402
 import records  # noqa: E402
@@ -96,3 +97,15 @@ def test_report_tables_ratios_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     written = report.write(records.load([path]), str(tmp_path / "r"))
     assert written == [str(tmp_path / "r.md"), str(tmp_path / "r.png")] and os.path.getsize(written[1]) > 10000
+
+
+def test_skip_done_resumes_only_successful_steps_of_the_same_commit(tmp_path):
+    path = str(tmp_path / "r.jsonl")
+    records.append(path, records.from_bench(_bench(200.0, 8, 8 * 256), _context("kbit-4", 1)))
+    records.append(path, records.failed(_context("kbit-4", 16), "bench timed out"))
+    records.append(path, records.from_bench(_bench(900.0, 64, 64 * 256), {**_context("kbit-4", 64), "commit": "old"}))
+    records.append(path, records.failed(_context("bf16", 1), "server died"))
+    records.append(path, records.from_bench(_bench(190.0, 8, 8 * 256), _context("bf16", 1)))  # the re-run counts
+    done = bench_serve.done_steps([path, str(tmp_path / "missing.jsonl")], "abc")
+    assert done == {("kbit-4", 1024, 256, 1), ("bf16", 1024, 256, 1)}
+    assert bench_serve.done_steps([path], "other") == set()

@@ -9,6 +9,11 @@ After every measurement it appends a record to STEM.jsonl (records.py) and rewri
 
     python3 benchmarks/serve/bench_serve.py --methods kbit-4,bf16 --settings 1024/256 --concurrency 1,16,64,128
 
+A full sweep (6 methods x 2 settings x 5 concurrencies) needs about an hour of GPU time (an estimate: a kbit-4
+server start plus its 1024/256 sweep took 6 min on an H100; 128/1024 was not timed yet): run it over several
+device calls with the same command plus `--skip-done <earlier JSONL files>` (each call skips what those files
+already hold for this commit).
+
 The output folder is --out, else $OUT (the device tool's), else benchmarks/results/. --deadline bounds the
 whole run: a server start or bench gets at most what is left (less a reserve for stopping the server),
 and steps that no longer fit are skipped with a message. bash benchmarks/serve/run.sh wraps this for the
@@ -97,6 +102,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def done_steps(paths: list[str], at_commit: str) -> set[tuple]:
+    """(method, input_len, output_len, concurrency) measured without error at this commit in the given JSONL
+    files (missing files count as empty), so that a sweep too long for one device call resumes in the next."""
+    found = [p for p in paths if os.path.exists(p)]
+    return {key for key, r in records.latest(records.load(found)).items() if r["commit"] == at_commit and not r.get("error")}
+
+
 class Run:
     """One harness invocation: settings, output paths, the deadline and the per-method loop."""
 
@@ -113,6 +125,7 @@ class Run:
         self.results = self.stem + ".jsonl"
         self.servers_log = self.stem + "_servers.log"
         os.makedirs(os.path.join(args.work, "bench"), exist_ok=True)
+        self.done = done_steps(args.skip_done.split(",") if args.skip_done else [], self.commit)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -189,7 +202,11 @@ class Run:
     def method(self, method: Method, model: str) -> None:
         """Starts the server for one method, runs every setting x concurrency on it, stops it."""
         a = self.args
-        steps = [(s, c) for s in parse_settings(a.settings) for c in parse_concurrency(a.concurrency)]
+        steps = [(s, c) for s in parse_settings(a.settings) for c in parse_concurrency(a.concurrency)
+                 if (method.name, s[0], s[1], c) not in self.done]
+        if not steps:
+            self.say(f"{method.name}: every step already measured at {self.commit} (--skip-done)")
+            return
         if self.left() < a.min_start_s:
             self.say(f"{method.name}: skipped, {self.left():.0f} s left (< --min-start-s {a.min_start_s})")
             return
@@ -245,6 +262,8 @@ def main() -> None:
     ap.add_argument("--out", help="output folder (default: $OUT, else benchmarks/results)")
     ap.add_argument("--tag", help="output file stem (default: serve_<gpu>_<date>)")
     ap.add_argument("--work", default="/tmp/kbit_serve", help="model directories, server logs, raw bench JSON")
+    ap.add_argument("--skip-done", metavar="JSONL[,JSONL]",
+                    help="skip the steps these results files already hold for this commit (resume a sweep across calls)")
     ap.add_argument("--deadline", type=float, default=3600, help="seconds for the whole run")
     ap.add_argument("--start-timeout", type=float, default=420, help="seconds for a server to become healthy")
     ap.add_argument("--bench-timeout", type=float, default=300, help="seconds for one `vllm bench serve`")
