@@ -1,4 +1,4 @@
-"""kbit::linear on CUDA (GEMV for M <= 4, fused dequant + MMA up to mma_max_m(N, K), dequantize + cuBLAS
+"""kbit::linear on CUDA (GEMV for M <= 2, fused dequant + MMA up to mma_max_m(N, K), dequantize + cuBLAS
 above) and the MMA kernel on its own (kbit::_mma_linear, any M and tile shape) against the fp32 reference.
 
 Reference: A.float() @ dequant(W).float().T (+ bias), with dequant from vllm_kbit.format.
@@ -154,7 +154,7 @@ def test_mma_random_cases_match_reference(seed):
     _check(out, _reference(x, flat, bias), dtype, f"M={M} N={N} K={K} k={k} {dtype} bias={with_bias} r={row_groups} S={splits}")
 
 
-MMA_MS = (5, 8, 16, 32, 64, 128)
+MMA_MS = (1, 2, 5, 8, 16, 32, 64, 128)
 
 
 @pytest.mark.parametrize("K,N", DESIGN_SHAPES)
