@@ -1,7 +1,10 @@
 """Run-to-run repeatability of vLLM engines on the tiny Qwen3-MoE: is a difference between two engines
 the weights' doing, or does the same engine already differ from itself when started twice?
 
-    python tests/vllm/repeatability.py OUT_DIR [--eager] [--parallel 3]
+    python tests/vllm/repeatability.py OUT_DIR [--eager] [--parallel 3] [--env KEY=VALUE ...]
+
+(e.g. --env TORCHINDUCTOR_DETERMINISTIC=1: Inductor without the on-device benchmarking that can pick a
+different reduction order per process; --env KBIT_MOE_PATH=gemv: one MoE path everywhere).
 
 Starts, each in a fresh process with its own compile cache: online kbit-4 twice, the converted kbit-4
 checkpoint once, the dequantized bf16 model twice. Prints, per pair, the free-running greedy token match,
@@ -31,6 +34,7 @@ def main() -> None:
     ap.add_argument("out")
     ap.add_argument("--eager", action="store_true", help="enforce_eager (default: vLLM's CUDA graphs + torch.compile)")
     ap.add_argument("--parallel", type=int, default=3, help="engines at a time")
+    ap.add_argument("--env", action="append", default=[], metavar="KEY=VALUE", help="environment of every engine")
     args = ap.parse_args()
     os.makedirs(args.out, exist_ok=True)
     tiny = tiny_models.build("qwen3_moe", os.path.join(args.out, "tiny"))
@@ -49,7 +53,8 @@ def main() -> None:
 
     def start(key: str) -> dict:
         model, kwargs = runs[key]
-        env = {"VLLM_CACHE_ROOT": os.path.join(args.out, "cache", key)}
+        env = dict(e.split("=", 1) for e in args.env)
+        env["VLLM_CACHE_ROOT"] = os.path.join(args.out, "cache", key)
         return run_engine(model, os.path.join(args.out, "engines", key), kwargs, env)
 
     with ThreadPoolExecutor(args.parallel) as pool:
@@ -65,7 +70,7 @@ def main() -> None:
         print(f"{a} vs {b}: free-running match {row['free_running_token_match']:.1%}, teacher-forced match "
               f"{match:.1%}, largest logprob gap {worst:.4f}, same kbit weights {row['same_kbit_weights']}")
     with open(os.path.join(args.out, "repeatability.json"), "w") as f:
-        json.dump({"eager": args.eager, "pairs": report}, f, indent=1)
+        json.dump({"eager": args.eager, "env": args.env, "pairs": report}, f, indent=1)
 
 
 if __name__ == "__main__":
