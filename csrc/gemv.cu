@@ -68,9 +68,11 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
 
 template <typename T, int BITS, int M>
 void launch_typed(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
-                  const at::Tensor& codebook, const T* bias, int N, int K, at::Tensor& C) {
+                  const at::Tensor& codebook, const T* bias, int N, int K, at::Tensor& C, int forced_splits) {
   const int n_tiles = static_cast<int>(qweight_rt.size(0)), k_tiles = static_cast<int>(qweight_rt.size(1));
-  const int splits = gemv_splits(n_tiles, k_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  const int splits = forced_splits > 0
+                         ? forced_splits
+                         : gemv_splits(n_tiles, k_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
 
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(n_tiles * splits));
@@ -93,25 +95,25 @@ void launch_typed(const at::Tensor& A, const at::Tensor& qweight_rt, const at::T
 
 template <typename T, int BITS>
 void launch_bits(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, const T* bias,
-                 int N, int K, at::Tensor& C) {
+                 int N, int K, at::Tensor& C, int splits) {
   switch (A.size(0)) {
-    case 1: return launch_typed<T, BITS, 1>(A, q, a, cb, bias, N, K, C);
-    case 2: return launch_typed<T, BITS, 2>(A, q, a, cb, bias, N, K, C);
-    case 3: return launch_typed<T, BITS, 3>(A, q, a, cb, bias, N, K, C);
-    case 4: return launch_typed<T, BITS, 4>(A, q, a, cb, bias, N, K, C);
+    case 1: return launch_typed<T, BITS, 1>(A, q, a, cb, bias, N, K, C, splits);
+    case 2: return launch_typed<T, BITS, 2>(A, q, a, cb, bias, N, K, C, splits);
+    case 3: return launch_typed<T, BITS, 3>(A, q, a, cb, bias, N, K, C, splits);
+    case 4: return launch_typed<T, BITS, 4>(A, q, a, cb, bias, N, K, C, splits);
     default: TORCH_CHECK(false, "kbit gemv: M=", A.size(0), " is outside 1..", kGemvMaxM);
   }
 }
 
 template <typename T>
 void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb,
-                  const std::optional<at::Tensor>& bias, int N, int K, at::Tensor& C) {
+                  const std::optional<at::Tensor>& bias, int N, int K, at::Tensor& C, int splits) {
   const T* bias_ptr = bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
   switch (q.size(2)) {
-    case 2: return launch_bits<T, 2>(A, q, a, cb, bias_ptr, N, K, C);
-    case 3: return launch_bits<T, 3>(A, q, a, cb, bias_ptr, N, K, C);
-    case 4: return launch_bits<T, 4>(A, q, a, cb, bias_ptr, N, K, C);
-    case 5: return launch_bits<T, 5>(A, q, a, cb, bias_ptr, N, K, C);
+    case 2: return launch_bits<T, 2>(A, q, a, cb, bias_ptr, N, K, C, splits);
+    case 3: return launch_bits<T, 3>(A, q, a, cb, bias_ptr, N, K, C, splits);
+    case 4: return launch_bits<T, 4>(A, q, a, cb, bias_ptr, N, K, C, splits);
+    case 5: return launch_bits<T, 5>(A, q, a, cb, bias_ptr, N, K, C, splits);
     default: TORCH_CHECK(false, "kbit gemv: k=", q.size(2), " is not supported");
   }
 }
@@ -144,14 +146,18 @@ int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
 
 void launch_gemv(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                  const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
-                 at::Tensor& C) {
+                 at::Tensor& C, int64_t splits) {
   TORCH_CHECK(N <= INT32_MAX && K <= INT32_MAX && qweight_rt.size(0) * qweight_rt.size(1) <= INT32_MAX,
               "kbit gemv: weight too large");
+  const int64_t max_splits = std::min<int64_t>(kGemvMaxSplits, qweight_rt.size(1));
+  TORCH_CHECK(splits >= 0 && splits <= max_splits, "kbit gemv: splits=", splits, " outside 0 (heuristic) .. ",
+              max_splits);
+  const int s = static_cast<int>(splits);
   if (A.scalar_type() == at::kBFloat16) {
-    launch_dtype<__nv_bfloat16>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C);
+    launch_dtype<__nv_bfloat16>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C, s);
   } else {
     TORCH_CHECK(A.scalar_type() == at::kHalf, "kbit gemv: activations must be bf16 or fp16");
-    launch_dtype<__half>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C);
+    launch_dtype<__half>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C, s);
   }
 }
 

@@ -18,8 +18,9 @@ constexpr int kGemvMaxSplits = 8;  // portable thread-block cluster size: split-
 int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms);
 
 // A [M, K] (bf16/fp16, contiguous, 16-byte aligned, 1 <= M <= kGemvMaxM) -> C [M, N] of A's dtype.
+// splits: K splits per n-tile, 0 = gemv_splits' choice (a forced count is for tests and benchmarks).
 void launch_gemv(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                  const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
-                 at::Tensor& C);
+                 at::Tensor& C, int64_t splits = 0);
 
 }  // namespace kbit

@@ -153,6 +153,21 @@ at::Tensor mma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, co
   return C;
 }
 
+// The GEMV at M = 1..4 with a forced K split count (0: heuristic), for tests and benchmarks.
+at::Tensor gemv_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                            const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
+                            int64_t splits) {
+  check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
+  TORCH_CHECK(x.scalar_type() != at::kFloat, "kbit _gemv_linear: x must be bf16 or fp16");
+  const c10::DeviceGuard guard(x.device());
+  const int64_t M = x.numel() / K;
+  TORCH_CHECK(M >= 1 && M <= kGemvMaxM, "kbit _gemv_linear: x has ", M, " rows; supported: 1..", kGemvMaxM);
+  const at::Tensor A = as_matrix(x, M, K);
+  at::Tensor C = at::empty({M, N}, x.options());
+  launch_gemv(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, splits);
+  return C;
+}
+
 int64_t gemv_splits_op(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
   return gemv_splits(n_tiles, k_tiles, num_sms);
 }
@@ -170,16 +185,19 @@ std::vector<int64_t> mma_config_op(int64_t M, int64_t n_tiles) {
 }  // namespace kbit
 
 // The split-K heuristics and the MMA tile shape as ops, so tests can check them against their
-// Python mirrors; the MMA kernel on its own for tests and benchmarks.
+// Python mirrors; the GEMV and MMA kernels on their own for tests and benchmarks.
 TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("_gemv_splits(int n_tiles, int k_tiles, int num_sms) -> int", &kbit::gemv_splits_op);
   m.def("_mma_splits(int cols, int m_blocks, int k_tiles, int num_sms, int ctas_per_sm) -> int", &kbit::mma_splits_op);
   m.def("_mma_config(int M, int n_tiles) -> int[]", &kbit::mma_config_op);
   m.def("_mma_linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, int N, int K, Tensor? bias, "
         "int row_groups=0, int splits=0) -> Tensor");
+  m.def("_gemv_linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, int N, int K, Tensor? bias, "
+        "int splits=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
   m.impl("linear", &kbit::linear_cuda);
   m.impl("_mma_linear", &kbit::mma_linear_cuda);
+  m.impl("_gemv_linear", &kbit::gemv_linear_cuda);
 }

@@ -204,6 +204,34 @@ def test_mma_refuses_unbuilt_tile_shapes_and_bad_splits():
             _mma(x, w, None, r, s)
 
 
+@pytest.mark.parametrize("N,K", [(1000, 2080), (64, 96), (130, 4096), (5120, 2048)])
+@pytest.mark.gpu
+@requires_cuda
+def test_gemv_every_split_count(N, K):
+    """The GEMV at every K split count it accepts (1 .. min(8, k-tiles); 0 = heuristic), M = 1..4, fp16 + bias."""
+    gen = torch.Generator().manual_seed(N + K)
+    w, flat = _random_weight(N, K, 4, gen)
+    bias = torch.randn(N, generator=gen).to(torch.float16).cuda()
+    x = torch.randn(4, K, generator=gen).to(torch.float16).cuda()
+    ref = _reference(x, flat, bias)
+    for M in (1, 2, 3, 4):
+        for splits in range(0, min(8, -(-K // 128)) + 1):
+            _poison_cache(M * N * 2)
+            out = torch.ops.kbit._gemv_linear(x[:M], w.qweight_rt, w.absmax_rt, w.codebook, N, K, bias, splits)
+            _check(out, ref[:M], torch.float16, f"_gemv_linear M={M} S={splits}")
+
+
+@pytest.mark.gpu
+@requires_cuda
+def test_gemv_refuses_bad_splits_and_rows():
+    gen = torch.Generator().manual_seed(7)
+    w, _ = _random_weight(64, 256, 4, gen)  # 2 k-tiles
+    for M, s in ((1, 3), (1, -1), (5, 0)):
+        x = torch.randn(M, 256, generator=gen).to(torch.bfloat16).cuda()
+        with pytest.raises(RuntimeError, match="splits|rows"):
+            torch.ops.kbit._gemv_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, 64, 256, None, s)
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_leading_dims_strided_and_unaligned_inputs():

@@ -1,8 +1,9 @@
-"""Times the dense fused dequant + MMA kernel at every K split count (1..8) and both row-group widths
-for a few shapes and M, COLD, k=4, next to the launch with the heuristic's split count (mma_splits,
-column "auto"): the data for tuning that heuristic. Writes sweep_mma_splits_<gpu>_<date>.{json,md} to --out.
+"""Times a dense kernel at every K split count (1..8), COLD, k=4, next to the launch with its heuristic's
+split count (column "auto"): the data for tuning gemv_splits / mma_splits. --kernel mma (default) also
+sweeps both row-group widths r; --kernel gemv runs M = 1..4 (r does not apply: shown as 0). Writes
+sweep_<kernel>_splits_<gpu>_<date>.{json,md} to --out.
 
-    python benchmarks/sweep_mma_splits.py --commit <sha> [--shapes qkv,o,llama70b_gate_up] [--m 16,64]
+    python benchmarks/sweep_splits.py --commit <sha> [--kernel gemv] [--shapes qkv,o,llama70b_gate_up] [--m 1,2]
 """
 
 import argparse
@@ -24,42 +25,52 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--commit", default=os.environ.get("KBIT_COMMIT", "unknown"))
+    ap.add_argument("--kernel", choices=("mma", "gemv"), default="mma")
     ap.add_argument("--shapes", default="qkv,o,gate_up,down,llama8b_gate_up,llama70b_gate_up")
-    ap.add_argument("--m", default="8,16,32,64")
+    ap.add_argument("--m", help="default: 8,16,32,64 (mma), 1,2,4 (gemv)")
     args = ap.parse_args()
+    gemv = args.kernel == "gemv"
+    ms = [int(m) for m in (args.m or ("1,2,4" if gemv else "8,16,32,64")).split(",")]
 
     props = torch.cuda.get_device_properties(0)
     gpu, l2 = props.name, props.L2_cache_size
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    op = torch.ops.kbit._mma_linear.default
+    mma_op, gemv_op = torch.ops.kbit._mma_linear.default, torch.ops.kbit._gemv_linear.default
     records = []
     for name, K, N in (s for s in SHAPES if s[0] in args.shapes.split(",")):
         w0 = random_runtime_weight(N, K, K_BITS)
         nbytes = w0.qweight_rt.numel() * 4 + w0.absmax_rt.numel()
         ws = [w0] + [random_runtime_weight(N, K, K_BITS) for _ in range(copies_for(nbytes, "cold", l2) - 1)]
         n_tiles, k_tiles = w0.qweight_rt.shape[0], w0.qweight_rt.shape[1]
-        for M in (int(m) for m in args.m.split(",")):
+        for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            auto_r = mma_config(M, n_tiles)[1]
-            for r in sorted({1, auto_r}):
-                p, _, m_blocks = mma_config(M, n_tiles, r)
-                cols = -(-n_tiles // r)
+            for r in [0] if gemv else sorted({1, mma_config(M, n_tiles)[1]}):
+                if gemv:
+                    p, ctas_per_split = 0, n_tiles
+                else:
+                    p, _, m_blocks = mma_config(M, n_tiles, r)
+                    ctas_per_split = -(-n_tiles // r) * m_blocks
                 for s in range(0, min(8, k_tiles) + 1):  # 0: the heuristic's choice
-                    fns = [lambda w=w, s=s, r=r: op(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, r, s) for w in ws]
+                    if gemv:
+                        fns = [lambda w=w, s=s: gemv_op(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, s) for w in ws]
+                    else:
+                        fns = [lambda w=w, s=s, r=r: mma_op(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, r, s)
+                               for w in ws]
                     us = graph_time_us(fns)
-                    records.append(dict(gpu=gpu, commit=args.commit, date=date, shape=name, N=N, K=K, k=K_BITS, M=M, p=p,
-                                        r=r, splits=s, ctas=cols * m_blocks * s if s else None, us=round(us, 2)))
+                    records.append(dict(gpu=gpu, commit=args.commit, date=date, kernel=args.kernel, shape=name, N=N, K=K,
+                                        k=K_BITS, M=M, p=p, r=r, splits=s, ctas=ctas_per_split * s if s else None,
+                                        us=round(us, 2)))
                     print(f"{name} M={M} r={r} S={s or 'auto'}: {us:.1f} us", flush=True)
             del x
         del ws, w0
 
-    stem = os.path.join(args.out, f"sweep_mma_splits_{gpu.replace(' ', '_')}_{date}")
+    stem = os.path.join(args.out, f"sweep_{args.kernel}_splits_{gpu.replace(' ', '_')}_{date}")
     os.makedirs(args.out, exist_ok=True)
     with open(stem + ".json", "w") as f:
         json.dump(records, f, indent=1)
-    lines = [f"# MMA kernel split sweep: {gpu}, {date}, commit {args.commit}", "",
+    lines = [f"# {args.kernel.upper()} kernel split sweep: {gpu}, {date}, commit {args.commit}", "",
              f"COLD, k={K_BITS}, bf16, µs per call (CUDA-graph replay); `*` marks the fastest split count; auto = the "
-             "heuristic's (mma_splits) launch.",
+             f"heuristic's ({args.kernel}_splits) launch.",
              f"Command: `python {' '.join(sys.argv)}`", "",
              "| shape | M | r | auto | " + " | ".join(f"S={s}" for s in range(1, 9)) + " |",
              "| --- | ---: | ---: | ---: |" + " ---: |" * 8]
