@@ -5,7 +5,8 @@
 # shape (with the MMA kernel's shared-memory bank conflicts), and bench_linear.py. Everything lands
 # in $OUT (at most 8 files). For a short call: SKIP_PROFILE=1 ... run_linear_gpu.sh --short
 #   KBIT_COMMIT=<sha> bash benchmarks/run_linear_gpu.sh [bench args...]
-# Steps are skipped with SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_PROFILE=1, SKIP_BENCH=1.
+# Steps are skipped with SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_PROFILE=1, SKIP_BENCH=1; SWEEP=1 adds the
+# GEMV split sweep (sweep_splits.py --kernel gemv: 2 more files, so skip the sanitizer or the bench with it).
 source "$(dirname "$0")/gpu_env.sh"
 {
   nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv
@@ -68,6 +69,11 @@ EOF
     --section ComputeWorkloadAnalysis --section WarpStateStats --section SourceCounters --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
     --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum \
     python3 /tmp/profile_linear.py >>"$OUT/kernel_info.txt" 2>&1
+fi
+if [ -n "$SWEEP" ]; then  # the GEMV's K split count swept on every design shape at M = 1, 2, 4 (sweep_splits.py)
+  timeout 240 python3 benchmarks/sweep_splits.py --kernel gemv --m 1,2,4 --commit "${KBIT_COMMIT:-unknown}" --out "$OUT" \
+    --shapes "$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from bench_linear import SHAPES; print(",".join(s[0] for s in SHAPES))')" \
+    2>&1 | tail -25
 fi
 if [ -z "$SKIP_BENCH" ]; then
   timeout 420 python3 benchmarks/bench_linear.py --commit "${KBIT_COMMIT:-unknown}" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80
