@@ -179,6 +179,11 @@ def bench_gemm(args, l2, common, records):
                     t["kbit_grouped_gemv"] = graph_time_us(
                         [lambda w=w: torch.ops.kbit._moe_grouped_linear(Ab, chunks, num, w[0], w[1], cb, N, K, rows)
                          for w in Wk])
+                if M <= 4:  # the GEMV at every K split count (the heuristic's choice is the row above)
+                    for s in range(1, min(8, -(-K // 128)) + 1):
+                        t[f"kbit_grouped_gemv_s{s}"] = graph_time_us(
+                            [lambda w=w, s=s: torch.ops.kbit._moe_grouped_linear(Ab, chunks, num, w[0], w[1], cb, N, K,
+                                                                                 rows, s) for w in Wk])
                 mrows = mma_chunk_rows(M)
                 _, _, _, mchunks, mnum = torch.ops.kbit._moe_route(ids, None, E, mrows, max_chunks(E * M, E, mrows))
                 t["kbit_grouped_mma"] = graph_time_us(
@@ -234,7 +239,9 @@ def markdown(meta, records) -> str:
                 lines += [f"### {proj} (K={K}, N={N}), {regime.upper()}", "",
                           "| op | " + " | ".join(f"M={M}" for M in Ms) + " |", "| --- | " + " | ".join("---:" for _ in Ms) + " |"]
                 by = {(r["op"], r["M"]): r for r in rows}
-                for op in ("fp16_bmm", "bf16_grouped_mm", "kbit_grouped_gemv", "kbit_grouped_mma", "kbit_dequant_grouped_mm"):
+                forced = sorted({r["op"] for r in rows if r["op"].startswith("kbit_grouped_gemv_s")}, key=lambda o: int(o[19:]))
+                for op in ("fp16_bmm", "bf16_grouped_mm", "kbit_grouped_gemv", *forced, "kbit_grouped_mma",
+                           "kbit_dequant_grouped_mm"):
                     cells = [by.get((op, M)) for M in Ms]
                     lines.append(f"| {op} | " + " | ".join(
                         f"{r['us']:.1f} ({r['baseline_us'] / r['us']:.2f}x)" if r else "" for r in cells) + " |")

@@ -51,7 +51,8 @@ enum class MoeStage : int {
 void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at::Tensor>& slot_of,
                      const std::optional<at::Tensor>& slot_weight, int64_t top_k, const at::Tensor& chunks,
                      const at::Tensor& num_chunks, const at::Tensor& qweight, const at::Tensor& absmax,
-                     const at::Tensor& codebook, int64_t N, int64_t K, int64_t chunk_rows, at::Tensor& C);
+                     const at::Tensor& codebook, int64_t N, int64_t K, int64_t chunk_rows, at::Tensor& C,
+                     int64_t splits = 0);
 
 // xp[p] = bf16(x[slot_of[p] / top_k] * (slot_weight or 1)), zero rows where slot_of[p] < 0.
 void launch_moe_gather(const at::Tensor& x, const at::Tensor& slot_of, const std::optional<at::Tensor>& slot_weight,

@@ -9,7 +9,8 @@ template void launch_moe_gemv_stage<MoeStage::kGather>(bool, int, int, const Moe
 void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at::Tensor>& slot_of,
                      const std::optional<at::Tensor>& slot_weight, int64_t top_k, const at::Tensor& chunks,
                      const at::Tensor& num_chunks, const at::Tensor& qweight, const at::Tensor& absmax,
-                     const at::Tensor& codebook, int64_t N, int64_t K, int64_t chunk_rows, at::Tensor& C) {
+                     const at::Tensor& codebook, int64_t N, int64_t K, int64_t chunk_rows, at::Tensor& C,
+                     int64_t splits) {
   using namespace moe_gemv;
   const int64_t max_chunks = chunks.size(0);
   if (max_chunks == 0) return;
@@ -33,8 +34,12 @@ void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at
   p.K = static_cast<int>(K);
   p.n_tiles = static_cast<int>(n_tiles);
   p.k_tiles = static_cast<int>(k_tiles);
-  // Split K as the dense GEMV would for all chunks' n-tiles side by side.
-  p.splits = gemv_splits(max_chunks * n_tiles, k_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  // Split K as the dense GEMV would for all chunks' n-tiles side by side (or as forced, for benchmarks).
+  TORCH_CHECK(splits >= 0 && splits <= std::min<int64_t>(kGemvMaxSplits, k_tiles), "kbit moe gemv: splits=", splits,
+              " outside 0 (heuristic) .. ", std::min<int64_t>(kGemvMaxSplits, k_tiles));
+  p.splits = splits > 0 ? static_cast<int>(splits)
+                        : gemv_splits(max_chunks * n_tiles, k_tiles,
+                                      at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
   TORCH_CHECK(A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf,
               "kbit moe gemv: activations must be bf16 or fp16");
   const bool bf16 = A.scalar_type() == at::kBFloat16;

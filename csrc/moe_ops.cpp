@@ -192,10 +192,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route
 
 // One grouped projection on rows that are already grouped by expert (chunks from _moe_route):
 // C[p] = A[p] @ dequant(W_e)^T; rows outside the chunks are left unwritten. The chunk height picks
-// the kernel: 1 or 4 rows the grouped GEMV, 8/16/32/64 the grouped MMA.
+// the kernel: 1 or 4 rows the grouped GEMV, 8/16/32/64 the grouped MMA. splits forces the GEMV's K
+// split count (0: heuristic).
 at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
                                const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook,
-                               int64_t N, int64_t K, int64_t chunk_rows) {
+                               int64_t N, int64_t K, int64_t chunk_rows, int64_t splits) {
   TORCH_CHECK(A.is_cuda() && A.dim() == 2 && A.size(1) == K && A.is_contiguous() &&
                   (A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf),
               "kbit _moe_grouped_linear: A must be contiguous bf16/fp16 [rows, K=", K, "], got ", A.sizes());
@@ -213,11 +214,13 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
               kMoeChunkRows, " (GEMV) or 8, 16, 32, 64 (MMA), as given to _moe_route");
   TORCH_CHECK(chunks.size(0) <= kMmaMaxGridRows, "kbit _moe_grouped_linear: at most ", kMmaMaxGridRows, " chunks");
   TORCH_CHECK(!mma || A.scalar_type() == at::kBFloat16, "kbit _moe_grouped_linear: the grouped MMA takes bf16 A");
+  TORCH_CHECK(!mma || splits == 0, "kbit _moe_grouped_linear: splits applies to the GEMV (chunk_rows 1 or ",
+              kMoeChunkRows, ")");
   if (mma) {
     launch_mma_grouped(A, chunks, num_chunks, qweight, absmax, codebook, N, K, chunk_rows, C);
   } else {
     launch_moe_gemv(MoeStage::kGather, A, std::nullopt, std::nullopt, 1, chunks, num_chunks, qweight, absmax, codebook,
-                    N, K, chunk_rows, C);
+                    N, K, chunk_rows, C, splits);
   }
   return C;
 }
@@ -235,7 +238,7 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
       "(Tensor offsets, Tensor pos, Tensor slot_of, Tensor chunks, Tensor num_chunks)");
   m.def(
       "_moe_grouped_linear(Tensor A, Tensor chunks, Tensor num_chunks, Tensor qweight, Tensor absmax, Tensor codebook, "
-      "int N, int K, int chunk_rows) -> Tensor");
+      "int N, int K, int chunk_rows, int splits=0) -> Tensor");
   m.def("_moe_max_chunks(int slots, int experts, int chunk_rows) -> int", &kbit::moe_max_chunks);
 }
 

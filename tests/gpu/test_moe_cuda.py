@@ -229,7 +229,8 @@ def test_routing_matches_reference(seed):
 @pytest.mark.parametrize("M", [1, 3, 16, 37, 130])
 def test_grouped_single_projection(rows, M):
     """_moe_grouped_linear on rows already grouped by expert (the single-GEMM benchmark's op): the
-    grouped GEMV for 1- and 4-row chunks, the grouped MMA for 8..64 (several chunks per expert at M=130)."""
+    grouped GEMV for 1- and 4-row chunks (at every K split count), the grouped MMA for 8..64 (several
+    chunks per expert at M=130); a split count the kernel cannot take is refused."""
     if rows == 1 and M != 1:
         pytest.skip("one-row chunks are for one token per expert")
     gen = torch.Generator().manual_seed(M)
@@ -238,10 +239,14 @@ def test_grouped_single_projection(rows, M):
     ids = torch.arange(E, dtype=torch.int32).repeat_interleave(M).view(-1, 1).cuda()
     offsets, pos, slot_of, chunks, num_chunks = torch.ops.kbit._moe_route(ids, None, E, rows, max_chunks(E * M, E, rows))
     A = torch.randn(E * M, K, generator=gen).to(torch.bfloat16).cuda()
-    poison_cache()
-    C = torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows)
     ref = torch.einsum("emk,enk->emn", A.float().view(E, M, K), ex.W13).reshape(E * M, N)
-    check(C, ref, torch.bfloat16, 1)
+    for splits in (0, 1, 2, 3, 4) if rows <= 4 else (0,):  # the GEMV's K split count forced (K=512: 4 k-tiles)
+        poison_cache()
+        C = torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, splits)
+        check(C, ref, torch.bfloat16, 1)
+    with pytest.raises(RuntimeError, match="splits"):  # 5 > the 4 k-tiles; the MMA takes no forced count
+        torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows,
+                                           5 if rows <= 4 else 1)
 
 
 # ----------------------------------------------------------------------------- CUDA graphs
