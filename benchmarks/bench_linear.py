@@ -12,9 +12,9 @@ measured device-to-device copy bandwidth / time.
 Writes bench_linear_<gpu>_<date>.json (a list of records), .md (tables) and .png (speedup over
 cuBLAS bf16 vs M, one line per k) into --out; `--plot JSON` redraws the plot of a JSON file.
 The records' meaning: op `kbit_linear` is the dispatch (`path` says which kernel it ran),
-`kbit_mma` / `kbit_dequant_cublas` force one kernel where the dispatch picks the other (k=4,
-COLD: the crossovers; `kbit_mma` also at the M where the dispatch runs the GEMV), `kbit_mma_r<r>` the MMA kernel with the row-group width r its heuristic
-did not pick (k=4, COLD, at VARIANT_M);
+`kbit_mma` / `kbit_dequant_cublas` force one kernel where the dispatch picks another (k=4, COLD:
+the crossovers; `kbit_mma` also where the dispatch runs the GEMV), `kbit_mma_r<r>` the MMA kernel
+with the row-group width r its heuristic did not pick (k=4, COLD, at VARIANT_M);
 `us` median kernel time per call, `baseline_us` cuBLAS bf16 at the same shape/M/regime in the
 same run, `roofline_pct` as above, `splits` the GEMV's K splits (M <= 4).
 """
@@ -248,20 +248,19 @@ def main() -> None:
                         us = graph_time_us([lambda w=w: kbit_linear(x, w) for w in ws])
                         rec = record("kbit_linear", name, K, N, k, M, dtype, regime, us, nbytes,
                                      dict(extra, path=path, **(dict(splits=splits) if path == "gemv" else {})))
-                        if k == 4 and regime == "cold" and dtype == torch.bfloat16 and path == "gemv":
-                            # the other side of the GEMV / MMA crossover, forced
-                            record("kbit_mma", name, K, N, k, M, dtype, regime, graph_time_us([mma_fn(x, w) for w in ws]),
-                                   nbytes, extra)
-                        if k == 4 and regime == "cold" and dtype == torch.bfloat16 and M >= 4:
-                            if path == "mma":  # the other side of the crossover, forced
+                        if k == 4 and regime == "cold" and dtype == torch.bfloat16:
+                            # the other side of each crossover, forced: dequant + cuBLAS where the dispatch
+                            # runs the MMA kernel, the MMA kernel where it runs the GEMV or (up to
+                            # FORCED_MAX_M) dequant + cuBLAS
+                            if path == "mma":
                                 us2 = graph_time_us([lambda w=w: F.linear(x, w.dequantize(dtype)) for w in ws])
                                 record("kbit_dequant_cublas", name, K, N, k, M, dtype, regime, us2, nbytes, extra)
                             elif M <= FORCED_MAX_M:
                                 record("kbit_mma", name, K, N, k, M, dtype, regime, graph_time_us([mma_fn(x, w) for w in ws]),
                                        nbytes, extra)
-                            p, r, _ = mma_config(M, n_tiles)
-                            other = (1 if r > 1 else (2 if p == 8 else 4))
                             if M in ((16, 64) if args.short else VARIANT_M):
+                                p, r, _ = mma_config(M, n_tiles)
+                                other = (1 if r > 1 else (2 if p == 8 else 4))
                                 us3 = graph_time_us([mma_fn(x, w, other) for w in ws])
                                 record(f"kbit_mma_r{other}", name, K, N, k, M, dtype, regime, us3, nbytes,
                                        dict(extra, default_r=r))

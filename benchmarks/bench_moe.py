@@ -32,6 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import vllm_kbit  # noqa: E402
 from bench_linear import copy_bandwidth, graph_time_us  # noqa: E402
 from vllm_kbit import format as fmt  # noqa: E402
+from vllm_kbit.linear import GEMV_MAX_SPLITS, gemv_tiles  # noqa: E402
 from vllm_kbit.moe import chunk_rows, kbit_fused_moe, max_chunks  # noqa: E402
 
 MODELS = [  # name, E, top_k, H, I
@@ -180,7 +181,7 @@ def bench_gemm(args, l2, common, records):
                         [lambda w=w: torch.ops.kbit._moe_grouped_linear(Ab, chunks, num, w[0], w[1], cb, N, K, rows)
                          for w in Wk])
                 if M <= 4:  # the GEMV at every K split count (the heuristic's choice is the row above)
-                    for s in range(1, min(8, -(-K // 128)) + 1):
+                    for s in range(1, min(GEMV_MAX_SPLITS, gemv_tiles(N, K)[1]) + 1):
                         t[f"kbit_grouped_gemv_s{s}"] = graph_time_us(
                             [lambda w=w, s=s: torch.ops.kbit._moe_grouped_linear(Ab, chunks, num, w[0], w[1], cb, N, K,
                                                                                  rows, s) for w in Wk])

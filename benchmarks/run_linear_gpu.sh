@@ -72,8 +72,7 @@ EOF
 fi
 if [ -n "$SWEEP" ]; then  # the GEMV's K split count swept on every design shape at M = 1, 2, 4 (sweep_splits.py)
   timeout 240 python3 benchmarks/sweep_splits.py --kernel gemv --m 1,2,4 --commit "${KBIT_COMMIT:-unknown}" --out "$OUT" \
-    --shapes "$(python3 -c 'import sys; sys.path.insert(0, "benchmarks"); from bench_linear import SHAPES; print(",".join(s[0] for s in SHAPES))')" \
-    2>&1 | tail -25
+    --shapes all 2>&1 | tail -25
 fi
 if [ -z "$SKIP_BENCH" ]; then
   timeout 420 python3 benchmarks/bench_linear.py --commit "${KBIT_COMMIT:-unknown}" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log" | tail -80

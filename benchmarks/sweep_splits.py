@@ -26,7 +26,8 @@ def main() -> None:
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--commit", default=os.environ.get("KBIT_COMMIT", "unknown"))
     ap.add_argument("--kernel", choices=("mma", "gemv"), default="mma")
-    ap.add_argument("--shapes", default="qkv,o,gate_up,down,llama8b_gate_up,llama70b_gate_up")
+    ap.add_argument("--shapes", default="qkv,o,gate_up,down,llama8b_gate_up,llama70b_gate_up",
+                    help="comma-separated names of bench_linear.SHAPES, or 'all'")
     ap.add_argument("--m", help="default: 8,16,32,64 (mma), 1,2,4 (gemv)")
     args = ap.parse_args()
     gemv = args.kernel == "gemv"
@@ -37,7 +38,7 @@ def main() -> None:
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     mma_op, gemv_op = torch.ops.kbit._mma_linear.default, torch.ops.kbit._gemv_linear.default
     records = []
-    for name, K, N in (s for s in SHAPES if s[0] in args.shapes.split(",")):
+    for name, K, N in (s for s in SHAPES if args.shapes == "all" or s[0] in args.shapes.split(",")):
         w0 = random_runtime_weight(N, K, K_BITS)
         nbytes = w0.qweight_rt.numel() * 4 + w0.absmax_rt.numel()
         ws = [w0] + [random_runtime_weight(N, K, K_BITS) for _ in range(copies_for(nbytes, "cold", l2) - 1)]

@@ -68,11 +68,8 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
 
 template <typename T, int BITS, int M>
 void launch_typed(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
-                  const at::Tensor& codebook, const T* bias, int N, int K, at::Tensor& C, int forced_splits) {
+                  const at::Tensor& codebook, const T* bias, int N, int K, at::Tensor& C, int splits) {
   const int n_tiles = static_cast<int>(qweight_rt.size(0)), k_tiles = static_cast<int>(qweight_rt.size(1));
-  const int splits = forced_splits > 0
-                         ? forced_splits
-                         : gemv_splits(n_tiles, k_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
 
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(n_tiles * splits));
@@ -147,12 +144,13 @@ int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
 void launch_gemv(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                  const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
                  at::Tensor& C, int64_t splits) {
-  TORCH_CHECK(N <= INT32_MAX && K <= INT32_MAX && qweight_rt.size(0) * qweight_rt.size(1) <= INT32_MAX,
-              "kbit gemv: weight too large");
-  const int64_t max_splits = std::min<int64_t>(kGemvMaxSplits, qweight_rt.size(1));
+  const int64_t n_tiles = qweight_rt.size(0), k_tiles = qweight_rt.size(1);
+  TORCH_CHECK(N <= INT32_MAX && K <= INT32_MAX && n_tiles * k_tiles <= INT32_MAX, "kbit gemv: weight too large");
+  const int64_t max_splits = std::min<int64_t>(kGemvMaxSplits, k_tiles);
   TORCH_CHECK(splits >= 0 && splits <= max_splits, "kbit gemv: splits=", splits, " outside 0 (heuristic) .. ",
               max_splits);
-  const int s = static_cast<int>(splits);
+  const int s = static_cast<int>(
+      splits > 0 ? splits : gemv_splits(n_tiles, k_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount));
   if (A.scalar_type() == at::kBFloat16) {
     launch_dtype<__nv_bfloat16>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C, s);
   } else {

@@ -215,7 +215,7 @@ def test_gemv_every_split_count(N, K):
     x = torch.randn(4, K, generator=gen).to(torch.float16).cuda()
     ref = _reference(x, flat, bias)
     for M in (1, 2, 3, 4):
-        for splits in range(0, min(8, -(-K // 128)) + 1):
+        for splits in range(0, min(GEMV_MAX_SPLITS, gemv_tiles(N, K)[1]) + 1):
             _poison_cache(M * N * 2)
             out = torch.ops.kbit._gemv_linear(x[:M], w.qweight_rt, w.absmax_rt, w.codebook, N, K, bias, splits)
             _check(out, ref[:M], torch.float16, f"_gemv_linear M={M} S={splits}")

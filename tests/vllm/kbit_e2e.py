@@ -146,6 +146,12 @@ def assert_agree(what: str, a: dict, b: dict) -> None:
         f"{what}: logprob gap <= {MAX_LOGPROB_GAP} at only {within:.1%} of positions (< {MIN_POSITIONS_WITHIN_GAP:.0%})")
 
 
+def packed_weight_differences(a: dict, b: dict) -> list[str]:
+    """kbit layers whose packed weights (layer_summary's hash) differ between two runs, or that only one has."""
+    ha, hb = ({n: i["hash"] for n, i in r["layers"].items() if "hash" in i} for r in (a, b))
+    return sorted(n for n in ha.keys() | hb.keys() if ha.get(n) != hb.get(n))
+
+
 def max_logprob_gap(a: dict, b: dict) -> float:
     """Largest |logprob difference| of the chosen token, over positions where both runs chose the same prefix."""
     worst = 0.0

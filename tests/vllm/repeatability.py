@@ -21,7 +21,9 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from kbit_e2e import ONLINE, agreement, dequantized_checkpoint, online_kwargs, run_engine, settings_of, token_match  # noqa: E402
+from kbit_e2e import (  # noqa: E402
+    ONLINE, agreement, dequantized_checkpoint, online_kwargs, packed_weight_differences, run_engine, settings_of, token_match,
+)
 
 from vllm_kbit import tiny_models  # noqa: E402
 from vllm_kbit.convert import convert  # noqa: E402
@@ -43,6 +45,7 @@ def main() -> None:
     convert(tiny, converted, settings, progress=False)
     deq = dequantized_checkpoint(tiny, os.path.join(args.out, "deq4"), settings)
     extra = {"enforce_eager": True} if args.eager else {}
+    env = dict(e.split("=", 1) for e in args.env)
     runs = {
         "online4-a": (tiny, {**online_kwargs(ONLINE[4]), **extra}),
         "online4-b": (tiny, {**online_kwargs(ONLINE[4]), **extra}),
@@ -53,9 +56,8 @@ def main() -> None:
 
     def start(key: str) -> dict:
         model, kwargs = runs[key]
-        env = dict(e.split("=", 1) for e in args.env)
-        env["VLLM_CACHE_ROOT"] = os.path.join(args.out, "cache", key)
-        return run_engine(model, os.path.join(args.out, "engines", key), kwargs, env)
+        return run_engine(model, os.path.join(args.out, "engines", key), kwargs,
+                          {**env, "VLLM_CACHE_ROOT": os.path.join(args.out, "cache", key)})
 
     with ThreadPoolExecutor(args.parallel) as pool:
         results = dict(zip(runs, pool.map(start, runs)))
@@ -64,8 +66,7 @@ def main() -> None:
         match, within, worst = agreement(results[a], results[b])
         row = {"a": a, "b": b, "free_running_token_match": token_match(results[a]["tokens"], results[b]["tokens"]),
                "teacher_forced_match": match, "within_gap": within, "max_logprob_gap": worst,
-               "same_kbit_weights": all(results[a]["layers"][n].get("hash") == i.get("hash")
-                                        for n, i in results[b]["layers"].items())}
+               "same_kbit_weights": not packed_weight_differences(results[a], results[b])}
         report.append(row)
         print(f"{a} vs {b}: free-running match {row['free_running_token_match']:.1%}, teacher-forced match "
               f"{match:.1%}, largest logprob gap {worst:.4f}, same kbit weights {row['same_kbit_weights']}")

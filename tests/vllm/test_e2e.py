@@ -21,11 +21,6 @@ def _dequantized(engine, tiny, tmp_path_factory, kind: str, k: int, config: dict
     return engine(f"{kind}-deq{k}", ref_dir, text_prompts=TEXT_PROMPTS)
 
 
-def _compare(what: str, got: dict, ref: dict) -> None:
-    """kbit vs the dequantized bf16 model: teacher-forced greedy tokens and logprobs agree (kbit_e2e.assert_agree)."""
-    assert_agree(what, got, ref)
-
-
 def _kbit_layers(result: dict) -> dict:
     return {name: info for name, info in result["layers"].items() if "bits" in info}
 
@@ -37,7 +32,7 @@ def test_online_matches_dequantized_model(engine, tiny, tmp_path_factory, k):
     layers = _kbit_layers(got)
     assert any(i["method"] == "KbitOnlineMoEMethod" for i in layers.values()), layers
     assert any(i["method"] == "KbitOnlineLinearMethod" for i in layers.values()), layers
-    _compare(f"qwen3_moe k={k}", got, ref)
+    assert_agree(f"qwen3_moe k={k}", got, ref)
 
 
 def test_mixed_bits_and_modules_to_not_convert_take_effect(engine, tiny):
@@ -86,7 +81,7 @@ def test_tensor_parallel_2_matches_tp1(engine, tiny):
     assert ranks[0]["model.layers.0.mlp.experts"]["hash"] != ranks[1]["model.layers.0.mlp.experts"]["hash"]
     # The all-reduce sums the two halves in another order than TP1's single dot product: bf16 noise, so the
     # same criterion as kbit vs its dequantized model rather than bit-identical tokens.
-    _compare("TP2 vs TP1", tp2, tp1)
+    assert_agree("TP2 vs TP1", tp2, tp1)
 
 
 @pytest.mark.parametrize("kind", ["glm4_moe", "qwen3"])
@@ -100,4 +95,4 @@ def test_other_families_match_dequantized_model(engine, tiny, tmp_path_factory, 
         assert layers["model.layers.0.mlp.gate_up_proj"]["method"] == "KbitOnlineLinearMethod"  # dense first layer
     else:
         assert layers["model.layers.0.mlp.down_proj"]["bits"] == 4
-    _compare(f"{kind} k=4", got, ref)
+    assert_agree(f"{kind} k=4", got, ref)
