@@ -51,12 +51,15 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
   const int kt_begin = split * k_tiles / splits, kt_end = (split + 1) * k_tiles / splits;
 
   float acc[kRowsPerLane][M];
-  accumulate<T, BITS, M>(qweight, absmax, codebook, static_cast<int64_t>(n_tile) * k_tiles, kt_begin, kt_end, K, warp,
-                         lane, a_stage[warp], [&](int m, int e) {
-                           const uint2 raw = __ldg(reinterpret_cast<const uint2*>(A + static_cast<int64_t>(m) * K + e));
-                           const float2 lo = Act<T>::widen(raw.x), hi = Act<T>::widen(raw.y);
-                           return make_float4(lo.x, lo.y, hi.x, hi.y);
-                         }, acc);
+  accumulate<T, BITS, M>(
+      qweight, absmax, codebook, static_cast<int64_t>(n_tile) * k_tiles, kt_begin, kt_end, K, warp, lane,
+      a_stage[warp],
+      [&](int m, int e) { return __ldg(reinterpret_cast<const uint2*>(A + static_cast<int64_t>(m) * K + e)); },
+      [&](int, uint2 raw) {
+        const float2 lo = Act<T>::widen(raw.x), hi = Act<T>::widen(raw.y);
+        return make_float4(lo.x, lo.y, hi.x, hi.y);
+      },
+      acc);
   reduce_and_store<M>(acc, &warp_sums[0][0][0], cta_sums, warp, lane, split, splits, [&](int m, int r, float v) {
     const int n = n_tile * kTileN + r;
     if (n < N) {

@@ -34,7 +34,7 @@ int64_t moe_max_chunks(int64_t slots, int64_t experts, int64_t chunk_rows);
 // topk_ids int32 [S] (global ids), expert_map int32 [global experts] or none -> offsets int32
 // [E + 1], pos int32 [S], slot_of int32 [S] (-1 past offsets[E]), and when chunks has rows:
 // chunks int32 [max_chunks, 4] = {expert, first row, rows <= chunk_rows, 0} (the first
-// num_chunks[0] valid).
+// num_chunks[0] valid, the rest {-1, 0, 0, 0}).
 void launch_moe_route(const at::Tensor& topk_ids, const std::optional<at::Tensor>& expert_map, int64_t num_experts,
                       int64_t chunk_rows, at::Tensor& offsets, at::Tensor& pos, at::Tensor& slot_of, at::Tensor& chunks,
                       at::Tensor& num_chunks);

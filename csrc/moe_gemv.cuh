@@ -79,12 +79,21 @@ __device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, in
     }
   }
   const bool weighted = STAGE == MoeStage::kGather && p.slot_weight != nullptr;
-  const auto stage = [&](int m, int e) {
-    const uint2 raw = __ldg(reinterpret_cast<const uint2*>(src[m] + e));
-    float2 lo = Act<T>::widen(raw.x), hi = Act<T>::widen(raw.y);
+  // Raw activations: 4 elements (kGather), or 4 gate and 4 up elements (kSiluMul).
+  const auto fetch = [&](int m, int e) {
+    uint4 raw = {};
+    const uint2 x = __ldg(reinterpret_cast<const uint2*>(src[m] + e));
+    raw.x = x.x, raw.y = x.y;
     if constexpr (STAGE == MoeStage::kSiluMul) {
       const uint2 up = __ldg(reinterpret_cast<const uint2*>(src[m] + p.K + e));
-      const float2 ulo = Act<T>::widen(up.x), uhi = Act<T>::widen(up.y);
+      raw.z = up.x, raw.w = up.y;
+    }
+    return raw;
+  };
+  const auto widen = [&](int m, uint4 raw) {
+    float2 lo = Act<T>::widen(raw.x), hi = Act<T>::widen(raw.y);
+    if constexpr (STAGE == MoeStage::kSiluMul) {
+      const float2 ulo = Act<T>::widen(raw.z), uhi = Act<T>::widen(raw.w);
       return make_float4(silu(lo.x) * ulo.x, silu(lo.y) * ulo.y, silu(hi.x) * uhi.x, silu(hi.y) * uhi.y);
     } else {
       if (weighted) {  // the reference rounds x * w to the activations' dtype before the matmul
@@ -99,7 +108,7 @@ __device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, in
   float acc[kRowsPerLane][M];
   accumulate<T, BITS, M>(p.qweight + expert * p.expert_vectors, p.absmax + expert * p.expert_code_words, p.codebook,
                          static_cast<int64_t>(n_tile) * p.k_tiles, kt_begin, kt_end, p.K, warp, lane,
-                         a_stage + warp * kGemvMaxM * 32, stage, acc);
+                         a_stage + warp * kGemvMaxM * 32, fetch, widen, acc);
   reduce_and_store<M>(acc, warp_sums, cta_sums, warp, lane, split, p.splits, [&](int m, int r, float v) {
     const int n = n_tile * kTileN + r;
     if (n < p.N) static_cast<O*>(p.C)[static_cast<int64_t>(row0 + m) * p.N + n] = Out<O>::narrow(v);
@@ -115,8 +124,11 @@ __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constan
   __shared__ float cta_sums[kGemvMaxM * kTileN];
   const int per_chunk = p.n_tiles * p.splits;
   const int chunk = blockIdx.x / per_chunk;
-  if (chunk >= __ldg(p.num_chunks)) return;
+  // Both loads in flight at once (chunk < max_chunks, so its entry exists even when unused): one
+  // memory round trip before the CTA knows its expert instead of two.
+  const int valid_chunks = __ldg(p.num_chunks);
   const int4 c = __ldg(p.chunks + chunk);
+  if (chunk >= valid_chunks) return;
   const int n_tile = (blockIdx.x % per_chunk) / p.splits, split = blockIdx.x % p.splits;
   // Through a shuffle from lane 0, so the compiler sees the row count as warp-uniform and the
   // shuffles inside the core stay plain (see gemv.cu).

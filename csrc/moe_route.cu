@@ -62,6 +62,7 @@ __global__ void __launch_bounds__(kRouteThreads)
   int* count = smem;      // [E] tokens per expert
   int* start = smem + E;  // [E + 1] first row per expert, then the local total
   __shared__ int2 warp_totals[kRouteThreads / 32];
+  __shared__ int used_chunks;
   const int tid = threadIdx.x;
   for (int e = tid; e < E; e += kRouteThreads) count[e] = 0;
   __syncthreads();
@@ -91,9 +92,12 @@ __global__ void __launch_bounds__(kRouteThreads)
   if (tid == kRouteThreads - 1) {
     start[E] = incl.x;
     offsets[E] = incl.x;
-    num_chunks[0] = min(incl.y, max_chunks);
+    num_chunks[0] = used_chunks = min(incl.y, max_chunks);
   }
   __syncthreads();
+  // Unused chunk entries get expert -1 and no rows: the grouped GEMV loads its entry before it
+  // knows whether the entry is in use, so every entry it can load holds defined values.
+  for (int q = used_chunks + tid; q < max_chunks; q += kRouteThreads) chunks[q] = make_int4(-1, 0, 0, 0);
   for (int s = tid; s < S; s += kRouteThreads) {
     const int r = pos[s];
     if (r >= 0) {
