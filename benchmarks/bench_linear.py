@@ -1,5 +1,5 @@
-"""Dense kbit linear benchmark: kbit::linear (GEMV for M <= 2, fused dequant + MMA up to mma_max_m(N, K),
-dequant + cuBLAS above) and each of its kernels forced on its own, vs cuBLAS bf16 and fp16.
+"""Dense kbit linear benchmark: kbit::linear (GEMV for M <= 2, fused dequant + MMA up to 64, fused dequant
++ wgmma up to 256 on weights of >= 2^25 elements, dequant + cuBLAS above) and each of its kernels forced on its own, vs cuBLAS bf16 and fp16.
 
 Kernel time only: each measurement captures many back-to-back calls in one CUDA graph and
 times its replays with events (median replay / calls). HOT reuses one weight; COLD rotates
@@ -62,6 +62,7 @@ M_OTHER_K = (1, 4, 16, 64, 256, 1024)  # k = 2, 3, 5 (keeps the run inside one d
 M_SHORT = (4, 8, 16, 32, 64, 128, 256)  # --short: k = 4 COLD; other k COLD and k = 4 HOT at M_SHORT_OTHER
 M_SHORT_OTHER = (16,)
 FORCED_MAX_M = 512  # the MMA kernel is timed up to here where the dispatch picks dequant + cuBLAS
+WGMMA_MIN_M = 64  # the wgmma kernel (Hopper) is timed from here where the dispatch picks another path
 VARIANT_M = (8, 16, 32, 64, 128, 256)  # the MMA kernel's other row-group width is timed here (k=4 COLD)
 
 
@@ -151,6 +152,10 @@ def eager_overhead_us() -> dict:
     return out
 
 
+def wgmma_fn(x, w):
+    return lambda: torch.ops.kbit._wgmma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, None)
+
+
 def mma_fn(x, w, row_groups=0):
     op = torch.ops.kbit._mma_linear.default
     return lambda: op(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, None, row_groups, 0)
@@ -185,6 +190,7 @@ def main() -> None:
 
     props = torch.cuda.get_device_properties(0)
     gpu, sms, l2 = props.name, props.multi_processor_count, props.L2_cache_size
+    hopper = props.major == 9
     date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     bw = copy_bandwidth()
     print(f"{gpu}: {sms} SMs, L2 {l2 >> 20} MiB, copy bandwidth {bw / 1e9:.0f} GB/s", flush=True)
@@ -244,7 +250,7 @@ def main() -> None:
                         nbytes = wbytes + 2 * M * (K + N)
                         extra = dict(baseline_us=round(base[(torch.bfloat16, M)], 3),
                                      fp16_us=round(base[(torch.float16, M)], 3) if (torch.float16, M) in base else None)
-                        path = linear_path(M, N, K)
+                        path = linear_path(M, N, K, hopper)
                         us = graph_time_us([lambda w=w: kbit_linear(x, w) for w in ws])
                         rec = record("kbit_linear", name, K, N, k, M, dtype, regime, us, nbytes,
                                      dict(extra, path=path, **(dict(splits=splits) if path == "gemv" else {})))
@@ -258,6 +264,12 @@ def main() -> None:
                             elif M <= FORCED_MAX_M:
                                 record("kbit_mma", name, K, N, k, M, dtype, regime, graph_time_us([mma_fn(x, w) for w in ws]),
                                        nbytes, extra)
+                            if M >= WGMMA_MIN_M and path != "wgmma" and hopper:
+                                record("kbit_wgmma", name, K, N, k, M, dtype, regime,
+                                       graph_time_us([wgmma_fn(x, w) for w in ws]), nbytes, extra)
+                            elif path == "wgmma":
+                                us2 = graph_time_us([lambda w=w: F.linear(x, w.dequantize(dtype)) for w in ws])
+                                record("kbit_dequant_cublas", name, K, N, k, M, dtype, regime, us2, nbytes, extra)
                             if M in ((16, 64) if args.short else VARIANT_M):
                                 p, r, _ = mma_config(M, n_tiles)
                                 other = (1 if r > 1 else (2 if p == 8 else 4))

@@ -1,11 +1,12 @@
 // kbit::linear on CUDA: out[..., N] = x[..., K] @ dequant(W)^T (+ bias), W in the runtime layout.
 //
 // Picks a path by M (rows of x) and the weight's size: GEMV (gemv.cu), fused dequant + MMA (mma.cu),
-// dequantize + cuBLAS. Everything here is metadata work: no host
+// fused dequant + wgmma (wgmma.cu), dequantize + cuBLAS. Everything here is metadata work: no host
 // sync, and every allocation's size follows from the shapes alone, so calls are capturable
 // in CUDA graphs.
 #include "gemv.cuh"
 #include "mma.cuh"
+#include "wgmma.cuh"
 
 #include <algorithm>
 #include <cstdint>
@@ -13,6 +14,7 @@
 #include <vector>
 
 #include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
@@ -20,7 +22,7 @@
 namespace kbit {
 namespace {
 
-enum class LinearPath { kGemv, kMma, kDequantCublas };
+enum class LinearPath { kGemv, kMma, kWgmma, kDequantCublas };
 
 // The largest M each path serves (bf16/fp16 x; fp32 x always dequantizes). GEMV for M <= 2: from
 // M = 3 the MMA kernel (whose time is flat up to M = 8, one n8 tile) is faster. H100, COLD, commit
@@ -28,30 +30,35 @@ enum class LinearPath { kGemv, kMma, kDequantCublas };
 // M=4 on 12 of the 13 shapes of design.md §6, e.g. 2048x4096 8.8 / 7.5 us, 8192x28672 104.9 / 67.9
 // (512x2048 loses: 4.0 / 4.5); M=2 mixed (2048x4096 7.2 / 7.5, 8192x28672 74.8 / 67.9); for k=2, 3, 5
 // the MMA at M=16 already beats the GEMV at M=4 on 11-12 of 13 shapes.
-// Fused dequant + MMA up to kMmaMaxM, or kMmaMaxMLarge for weights of at least
-// kMmaLargeWeight elements; dequantize + cuBLAS above. Measured on H100, COLD k=4, MMA vs dequantize
-// + cuBLAS (benchmarks/results/bench_linear_NVIDIA_H100_80GB_HBM3_2026-11-23.md): at M=128 the MMA
-// wins on 4096x14336 (92.9 vs 110.6 us) and 8192x28672 (322 vs 417) and loses on the Qwen3 block
-// shapes of <= 10.5M weights (e.g. 2048x5120: 24.8 vs 17.6); at M=256 it loses everywhere.
-// KBIT_MMA_MAX_M, read once, replaces both limits (<= 2 turns the MMA path off without a rebuild).
+// Fused dequant + MMA up to kMmaMaxM. Above it, weights of at least kWgmmaMinWeight elements take the
+// fused dequant + wgmma kernel up to kWgmmaMaxM, everything else dequantize + cuBLAS. Measured on H100,
+// COLD, k=4, commit 74dd33f + wgmma.cu (benchmarks/NOTES.md, "Fifth H100 session"), µs MMA or
+// dequantize + cuBLAS / wgmma: 8192x28672 M=64 129 / 165, M=128 262 / 173, M=256 458 / 351, M=512
+// 616 / 617; 4096x14336 M=128 71.5 / 46.1, M=256 122 / 101, M=512 159 / 186; on the Qwen3 block shapes
+// (<= 10.5M weights, at most 80 CTAs of 128 rows) the wgmma kernel loses at every M (e.g. 5120x2048
+// M=128 26.0 vs 17.9), as it does on 2048x10240 (106 vs 43 at M=128).
+// KBIT_MMA_MAX_M, read once, replaces kMmaMaxM (<= 2 turns the MMA path off without a rebuild).
 constexpr int64_t kGemvPathMaxM = 2;
 constexpr int64_t kMmaMaxM = 64;
-constexpr int64_t kMmaMaxMLarge = 128;
-constexpr int64_t kMmaLargeWeight = int64_t{1} << 25;
+constexpr int64_t kWgmmaMaxM = 256;
+constexpr int64_t kWgmmaMinWeight = int64_t{1} << 25;
 
-int64_t mma_max_m(int64_t N, int64_t K) {
+int64_t mma_max_m() {
   static const int64_t from_env = [] {
     const char* env = std::getenv("KBIT_MMA_MAX_M");
     return env != nullptr ? std::atoll(env) : int64_t{-1};
   }();
-  if (from_env >= 0) return from_env;
-  return N * K >= kMmaLargeWeight ? kMmaMaxMLarge : kMmaMaxM;
+  return from_env >= 0 ? from_env : kMmaMaxM;
 }
 
 LinearPath pick_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return LinearPath::kDequantCublas;  // fp32 x
   if (M <= kGemvPathMaxM) return LinearPath::kGemv;
-  return M <= mma_max_m(N, K) ? LinearPath::kMma : LinearPath::kDequantCublas;
+  if (M <= mma_max_m()) return LinearPath::kMma;
+  if (M <= kWgmmaMaxM && N * K >= kWgmmaMinWeight && at::cuda::getCurrentDeviceProperties()->major == 9) {
+    return LinearPath::kWgmma;
+  }
+  return LinearPath::kDequantCublas;
 }
 
 void check_inputs(const at::Tensor& x, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, int64_t N,
@@ -125,8 +132,10 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const 
   at::Tensor C = at::empty({M, N}, x.options());
   if (path == LinearPath::kGemv) {
     launch_gemv(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
-  } else {
+  } else if (path == LinearPath::kMma) {
     launch_mma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+  } else {
+    launch_wgmma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
   }
   return C.view(out_shape);
 }
@@ -168,6 +177,22 @@ at::Tensor gemv_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, c
   return C;
 }
 
+// The fused dequant + wgmma kernel at any M >= 1 (Hopper), for tests and benchmarks.
+at::Tensor wgmma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                             const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
+  check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
+  TORCH_CHECK(x.scalar_type() != at::kFloat, "kbit _wgmma_linear: x must be bf16 or fp16");
+  const c10::DeviceGuard guard(x.device());
+  TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9, "kbit _wgmma_linear: needs a Hopper (sm_90) GPU");
+  const int64_t M = x.numel() / K;
+  TORCH_CHECK(M > 0 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX,
+              "kbit _wgmma_linear: x has no rows or sizes exceed int32");
+  const at::Tensor A = as_matrix(x, M, K);
+  at::Tensor C = at::empty({M, N}, x.options());
+  launch_wgmma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+  return C;
+}
+
 int64_t gemv_splits_op(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
   return gemv_splits(n_tiles, k_tiles, num_sms);
 }
@@ -194,10 +219,13 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
         "int row_groups=0, int splits=0) -> Tensor");
   m.def("_gemv_linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, int N, int K, Tensor? bias, "
         "int splits=0) -> Tensor");
+  m.def("_wgmma_linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, int N, int K, Tensor? bias) "
+        "-> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
   m.impl("linear", &kbit::linear_cuda);
   m.impl("_mma_linear", &kbit::mma_linear_cuda);
   m.impl("_gemv_linear", &kbit::gemv_linear_cuda);
+  m.impl("_wgmma_linear", &kbit::wgmma_linear_cuda);
 }

@@ -1,9 +1,10 @@
 """``kbit_linear``: the dense entry point, ``x @ dequant(W).T (+ bias)`` on a runtime-layout weight.
 
 The op ``torch.ops.kbit.linear`` picks its kernel by M (rows of x) and the weight's size
-(``csrc/linear.cpp``): the GEMV kernel for M <= 2, the fused dequant + MMA kernel up to
-``mma_max_m(N, K)`` (64, or 128 for weights of at least 2^25 elements), dequantize + cuBLAS above. Without the CUDA extension the PyTorch reference
-serves every device.
+(``csrc/linear.cpp``): the GEMV kernel for M <= 2, the fused dequant + MMA kernel up to M = 64,
+on Hopper the fused dequant + wgmma kernel up to M = 256 for weights of at least 2^25 elements, and
+dequantize + cuBLAS above (``linear_path``). Without the CUDA extension the PyTorch reference serves
+every device.
 """
 
 from __future__ import annotations
@@ -25,12 +26,12 @@ _GEMV_RESIDENT_CTAS = 8
 _GEMV_STREAMING_WARPS = 16
 GEMV_MAX_SPLITS = 8
 
-# Mirrors csrc/linear.cpp (kGemvPathMaxM, kMmaMaxM, kMmaMaxMLarge, kMmaLargeWeight and the KBIT_MMA_MAX_M
+# Mirrors csrc/linear.cpp (kGemvPathMaxM, kMmaMaxM, kWgmmaMaxM, kWgmmaMinWeight and the KBIT_MMA_MAX_M
 # override) and csrc/mma.cuh (kMmaMaxSplits, kMmaMaxRowTiles, kMmaWideTiles, kMmaWideMinRowTiles).
 GEMV_PATH_MAX_M = 2
 _MMA_MAX_M = 64
-_MMA_MAX_M_LARGE = 128
-_MMA_LARGE_WEIGHT = 1 << 25
+_WGMMA_MAX_M = 256
+_WGMMA_MIN_WEIGHT = 1 << 25
 _MMA_MAX_M_ENV = os.environ.get("KBIT_MMA_MAX_M")
 MMA_MAX_SPLITS = 8
 _MMA_MAX_ROW_TILES = 8
@@ -90,18 +91,22 @@ def gemv_tiles(N: int, K: int) -> tuple[int, int]:
     return q_shape[0], q_shape[1]
 
 
-def mma_max_m(N: int, K: int) -> int:
-    """The largest M the fused dequant + MMA kernel serves for an [N, K] weight (csrc/linear.cpp)."""
+def mma_max_m() -> int:
+    """The largest M the fused dequant + MMA kernel serves (csrc/linear.cpp)."""
     if _MMA_MAX_M_ENV is not None:
         return int(_MMA_MAX_M_ENV)
-    return _MMA_MAX_M_LARGE if N * K >= _MMA_LARGE_WEIGHT else _MMA_MAX_M
+    return _MMA_MAX_M
 
 
-def linear_path(M: int, N: int, K: int) -> str:
+def linear_path(M: int, N: int, K: int, hopper: bool = True) -> str:
     """The kernel ``kbit::linear`` runs for M rows of bf16/fp16 x and an [N, K] weight."""
     if M <= GEMV_PATH_MAX_M:
         return "gemv"
-    return "mma" if M <= mma_max_m(N, K) else "dequant_cublas"
+    if M <= mma_max_m():
+        return "mma"
+    if M <= _WGMMA_MAX_M and N * K >= _WGMMA_MIN_WEIGHT and hopper:
+        return "wgmma"
+    return "dequant_cublas"
 
 
 def mma_config(M: int, n_tiles: int, row_groups: int = 0) -> tuple[int, int, int]:

@@ -1,5 +1,6 @@
-"""kbit::linear on CUDA (GEMV for M <= 2, fused dequant + MMA up to mma_max_m(N, K), dequantize + cuBLAS
-above) and the MMA kernel on its own (kbit::_mma_linear, any M and tile shape) against the fp32 reference.
+"""kbit::linear on CUDA (GEMV for M <= 2, fused dequant + MMA up to M = 64, fused dequant + wgmma up to 256
+on large weights, dequantize + cuBLAS above) and the kernels on their own (kbit::_gemv_linear,
+kbit::_mma_linear at any M and tile shape, kbit::_wgmma_linear) against the fp32 reference.
 
 Reference: A.float() @ dequant(W).float().T (+ bias), with dequant from vllm_kbit.format.
 Outputs are checked everywhere: the allocator's cache is poisoned with NaN before each call
@@ -155,6 +156,7 @@ def test_mma_random_cases_match_reference(seed):
 
 
 MMA_MS = (1, 2, 5, 8, 16, 32, 64, 128)
+LINEAR_MS = (1, 2, 3, 4) + MMA_MS + (256,)  # every path of kbit_linear on the large shapes
 
 
 @pytest.mark.parametrize("K,N", DESIGN_SHAPES)
@@ -166,14 +168,65 @@ def test_design_shapes_every_m(K, N):
     gen = torch.Generator().manual_seed(K * 7 + N)
     for k in fmt.SUPPORTED_BITS:
         w, flat = _random_weight(N, K, k, gen)
-        x = torch.randn(max(MMA_MS), K, generator=gen).to(torch.bfloat16).cuda()
+        x = torch.randn(max(LINEAR_MS), K, generator=gen).to(torch.bfloat16).cuda()
         ref = _reference(x, flat, None)
-        for M in (1, 2, 3, 4) + MMA_MS:
-            _poison_cache(M * N * 2)
+        for M in LINEAR_MS:
+            _poison_cache(M * N * 2 + M * K * 2)
             _check(kbit_linear(x[:M], w), ref[:M], torch.bfloat16, f"kbit_linear M={M} k={k} ({linear_path(M, N, K)})")
         for M in MMA_MS:
             _poison_cache(M * N * 2)
             _check(_mma(x[:M], w), ref[:M], torch.bfloat16, f"_mma_linear M={M} k={k} config={mma_config(M, w.qweight_rt.shape[0])}")
+        del w, flat, ref
+        torch.cuda.empty_cache()
+
+
+requires_hopper = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU (wgmma)"
+)
+
+
+def _wgmma(x, w, bias=None):
+    return torch.ops.kbit._wgmma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, bias)
+
+
+def _random_wgmma_case(seed):
+    rng = random.Random(20_000 + seed)
+    M = rng.choice([rng.randint(1, 130), rng.randint(100, 600), 128 * rng.randint(1, 4)])
+    N = rng.choice([rng.randint(1, 300), rng.randint(1, 1500), 64 * rng.randint(1, 24), 128 * rng.randint(1, 12)])
+    K = 32 * rng.choice([rng.randint(1, 12), rng.randint(1, 100), 4 * rng.randint(1, 25)])
+    k = rng.choice(fmt.SUPPORTED_BITS)
+    dtype = rng.choice([torch.bfloat16, torch.float16])
+    return M, N, K, k, dtype, rng.random() < 0.5
+
+
+@pytest.mark.parametrize("seed", range(120))
+@pytest.mark.gpu
+@requires_hopper
+def test_wgmma_random_cases_match_reference(seed):
+    """The fused dequant + wgmma kernel: M not a multiple of its 128 rows, N not a multiple of the
+    CTA's two n-tiles, K not a multiple of a k-tile, every k, both dtypes, with and without bias."""
+    M, N, K, k, dtype, with_bias = _random_wgmma_case(seed)
+    gen = torch.Generator().manual_seed(seed)
+    w, flat = _random_weight(N, K, k, gen)
+    x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+    bias = torch.randn(N, generator=gen).to(dtype).cuda() if with_bias else None
+    _poison_cache(M * N * 2 + M * K * 2)
+    out = _wgmma(x, w, bias)
+    _check(out, _reference(x, flat, bias), dtype, f"M={M} N={N} K={K} k={k} {dtype} bias={with_bias}")
+
+
+@pytest.mark.parametrize("K,N", DESIGN_SHAPES)
+@pytest.mark.gpu
+@requires_hopper
+def test_wgmma_design_shapes(K, N):
+    gen = torch.Generator().manual_seed(K * 11 + N)
+    for k in fmt.SUPPORTED_BITS:
+        w, flat = _random_weight(N, K, k, gen)
+        x = torch.randn(300, K, generator=gen).to(torch.bfloat16).cuda()
+        ref = _reference(x, flat, None)
+        for M in (128, 300):
+            _poison_cache(M * N * 2 + M * K * 2)
+            _check(_wgmma(x[:M], w), ref[:M], torch.bfloat16, f"_wgmma_linear M={M} k={k}")
         del w, flat, ref
         torch.cuda.empty_cache()
 
@@ -269,14 +322,18 @@ def test_from_quantized_weight():
     _check(kbit_linear(x, w), ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize(
+    "N,K,Ms",
+    [(1000, 2048, (1, 2, 3, 4, 5, 16, 33, 64, 100)),  # GEMV, MMA, dequant + cuBLAS
+     (8200, 4096, (65, 128, 200, 300))],  # a weight of >= 2^25 elements: wgmma (Hopper), then dequant + cuBLAS
+)
 @pytest.mark.gpu
 @requires_cuda
-def test_cuda_graph_capture_and_replay():
+def test_cuda_graph_capture_and_replay(N, K, Ms):
     gen = torch.Generator().manual_seed(3)
-    w, flat = _random_weight(1000, 2048, 4, gen)
-    bias = torch.randn(1000, generator=gen).to(torch.bfloat16).cuda()
-    Ms = (1, 2, 3, 4, 5, 16, 33, 64, 100)
-    static_x = {M: torch.randn(M, 2048, generator=gen).to(torch.bfloat16).cuda() for M in Ms}
+    w, flat = _random_weight(N, K, 4, gen)
+    bias = torch.randn(N, generator=gen).to(torch.bfloat16).cuda()
+    static_x = {M: torch.randn(M, K, generator=gen).to(torch.bfloat16).cuda() for M in Ms}
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -287,7 +344,7 @@ def test_cuda_graph_capture_and_replay():
     with torch.cuda.graph(graph):
         static_out = {M: kbit_linear(static_x[M], w, bias) for M in Ms}
     for _ in range(3):
-        new_x = {M: torch.randn(M, 2048, generator=gen).to(torch.bfloat16).cuda() for M in Ms}
+        new_x = {M: torch.randn(M, K, generator=gen).to(torch.bfloat16).cuda() for M in Ms}
         for M in Ms:
             static_x[M].copy_(new_x[M])
         graph.replay()

@@ -1,0 +1,355 @@
+// kbit fused dequant + wgmma for large M: C[M, N] = A[M, K] @ dequant(W)^T (+ bias), Hopper only.
+//
+// Operands. Weights are wgmma's A operand, dequantized straight into registers (a warpgroup's
+// m64k16 fragment: warp w holds weight rows 16w..16w+15 exactly like mma.sync's m16n8k16 A), and
+// 128 activation rows are the B operand (the wgmma N), read by the tensor cores from shared memory.
+// So dequantized weights never touch shared memory, and each is used for 128 activation rows.
+//
+// K order. As in the mma.sync kernel (mma_kernel.cuh), lane (g, t) dequantizes block t of its two
+// weight rows per k-tile, and in k16 step j its fragment holds that block's elements 4j..4j+3 at
+// logical k {2t, 2t+1, 2t+8, 2t+9}. The B operand must follow the same order, and wgmma reads it
+// from shared memory in logical order, so the activations are first permuted once per call
+// (permute_kernel: logical position 16j + l of a k-tile <- physical element 32t + 4j + u), into a
+// scratch matrix whose K is padded with zeros to whole k-tiles.
+//
+// Pipeline. A CTA = 2 warpgroups, each one runtime n-tile (64 weight rows), sharing one 128-row
+// activation tile per k-tile, copied by cp.async kStages deep into the canonical K-major
+// 128-byte-swizzled layout (two 64-wide K slabs per k-tile). Per k-tile a warpgroup issues 8
+// wgmma m64n128k16 on the tile in shared memory, then dequantizes the next k-tile's fragments
+// (its plane words loaded two k-tiles ahead) while those run, then waits for them.
+#include "wgmma.cuh"
+
+#include "dequant_core.cuh"
+#include "kbit_format.cuh"
+
+#include <algorithm>
+#include <atomic>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace kbit {
+namespace {
+
+constexpr int kWarpGroups = 2;                       // one runtime n-tile each
+constexpr int kThreads = 128 * kWarpGroups;
+constexpr int kTileK = kTileKB * kBlockSize;         // 128 elements of K per k-tile
+constexpr int kRows = kWgmmaRows;                    // activation rows per CTA: the wgmma N
+constexpr int kSlabBytes = kRows * 128;              // 64 K-elements of all rows, 128-byte rows
+constexpr int kStageBytes = 2 * kSlabBytes;          // one k-tile of activations
+constexpr int kStages = 4;
+constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the stages to 1024 bytes
+constexpr int kPlaneBytes = kTileN * kTileKB * 4;    // one bit plane of a runtime tile
+constexpr int kCodeBytes = kTileN * kTileKB;         // scale codes of a runtime tile
+constexpr int kMaxDevices = 64;
+
+// ----------------------------------------------------------------------------- element types
+
+template <typename T>
+struct Frag;
+
+template <>
+struct Frag<__nv_bfloat16> {
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
+    return bits_as<uint32_t>(__floats2bfloat162_rn(lo, hi));
+  }
+  __device__ static __forceinline__ uint32_t scale2(uint32_t v, uint32_t s) {
+    return bits_as<uint32_t>(__hmul2(bits_as<__nv_bfloat162>(v), bits_as<__nv_bfloat162>(s)));
+  }
+  __device__ static __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static __forceinline__ __nv_bfloat16 narrow(float v) { return __float2bfloat16_rn(v); }
+  // d (64 x 128 fp32 of the warpgroup) += A (registers) * B (shared-memory descriptor).
+  __device__ static __forceinline__ void mma(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+  }
+};
+
+template <>
+struct Frag<__half> {
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) { return bits_as<uint32_t>(__floats2half2_rn(lo, hi)); }
+  __device__ static __forceinline__ uint32_t scale2(uint32_t v, uint32_t s) {
+    return bits_as<uint32_t>(__hmul2(bits_as<__half2>(v), bits_as<__half2>(s)));
+  }
+  __device__ static __forceinline__ float to_float(__half v) { return __half2float(v); }
+  __device__ static __forceinline__ __half narrow(float v) { return __float2half_rn(v); }
+  __device__ static __forceinline__ void mma(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
+        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+  }
+};
+
+// ----------------------------------------------------------------------------- helpers
+
+// wgmma descriptor of a K-major operand in the 128-byte swizzle layout: start address, 1024 bytes
+// between groups of 8 rows (8 rows x 128 bytes), swizzle mode 1 (128 B). The leading offset is
+// unused by this layout. Start addresses of k16 steps inside a slab advance by 32 bytes: the
+// hardware applies the swizzle to the full address, which is why slabs are 1024-byte aligned.
+__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
+         (uint64_t{1} << 62);
+}
+
+__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
+__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
+// cp.async writes are generic-proxy writes; wgmma reads shared memory through the async proxy.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
+
+// Register operands of in-flight wgmmas must stay where they are until the wait: an empty asm that
+// "rewrites" them after the wait keeps the compiler from reusing or reading them earlier.
+__device__ __forceinline__ void pin(float& v) { asm volatile("" : "+f"(v)::"memory"); }
+__device__ __forceinline__ void pin(uint32_t& v) { asm volatile("" : "+r"(v)::"memory"); }
+
+__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2)); }
+
+// ----------------------------------------------------------------------------- activation permutation
+
+// Ap[m, 128 kt + 16 j + l] = A[m, 128 kt + 32 t + 4 j + u] with t = (l % 8) / 2, u = 2 (l / 8) + l % 2,
+// and zero past K. One thread per pair of elements (l even: u and u + 1 are adjacent in both).
+template <typename T>
+__global__ void permute_kernel(const T* __restrict__ A, T* __restrict__ Ap, int M, int K, int Kp) {
+  const int64_t pairs = static_cast<int64_t>(M) * (Kp / 2);
+  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < pairs;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int m = static_cast<int>(i / (Kp / 2)), L = static_cast<int>(i % (Kp / 2)) * 2;
+    const int kt = L / kTileK, j = (L % kTileK) / 16, l = L % 16;
+    const int P = kt * kTileK + 32 * ((l % 8) / 2) + 4 * j + 2 * (l / 8);
+    uint32_t v = 0;
+    if (P < K) v = *reinterpret_cast<const uint32_t*>(A + static_cast<int64_t>(m) * K + P);
+    *reinterpret_cast<uint32_t*>(Ap + static_cast<int64_t>(m) * Kp + L) = v;
+  }
+}
+
+// ----------------------------------------------------------------------------- kernel
+
+template <typename T>
+struct WgmmaParams {
+  const T* Ap;             // [M, Kp] permuted activations
+  const uint8_t* qweight;  // runtime layout, bytes
+  const uint8_t* absmax;
+  const float* codebook;
+  const T* bias;
+  T* C;
+  int M, N, Kp, n_tiles, k_tiles;
+};
+
+// Grid: (ceil(n_tiles / 2), ceil(M / 128)).
+template <typename T, int BITS>
+__global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ WgmmaParams<T> prm) {
+  constexpr int F = Fields<BITS>::kBits;
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023) & ~1023u;
+
+  const int tid = threadIdx.x;
+  // Warp index within the warpgroup through a shuffle from lane 0: provably warp-uniform, so the
+  // lookups stay plain warp-wide shuffles.
+  const int wg = __shfl_sync(0xFFFFFFFFu, tid / 128, 0), warp = __shfl_sync(0xFFFFFFFFu, (tid / 32) % 4, 0);
+  const int lane = tid % 32, g = lane / 4, t = lane % 4;
+  const int n_tile = blockIdx.x * kWarpGroups + wg;
+  const int m0 = blockIdx.y * kRows;
+  const int k_tiles = prm.k_tiles;
+  const float codebook_reg = __ldg(prm.codebook + (lane & ((1 << BITS) - 1)));
+
+  // Activation copies: thread tid copies 16-byte chunk tid % 16 of rows tid / 16 + 16 i (i < 8); the
+  // chunk's swizzled slot ((chunk % 8) ^ (row % 8)) is the same for all i.
+  const int x_row = tid / 16, x_ch = tid % 16;
+  const uint32_t x_dst = (x_ch / 8) * kSlabBytes + x_row * 128 + (((x_ch % 8) ^ (x_row % 8)) * 16);
+  const T* x_src = prm.Ap + static_cast<int64_t>(m0 + x_row) * prm.Kp + x_ch * 8;
+  const auto load_stage = [&](int kt) {
+    const uint32_t st = smem + (kt % kStages) * kStageBytes;
+#pragma unroll
+    for (int i = 0; i < kRows / 16; ++i) {
+      const bool valid = m0 + x_row + 16 * i < prm.M;
+      cp_async16(st + x_dst + i * 16 * 128, valid ? x_src + static_cast<int64_t>(16 * i) * prm.Kp + kt * kTileK : prm.Ap,
+                 valid);
+    }
+  };
+
+  // Weight words: rows 16 warp + g + 8h of this warpgroup's n-tile, block t of each k-tile. A
+  // warpgroup past the last n-tile reads the last one and stores nothing.
+  const int tile_row = 16 * warp + g;
+  const int64_t band = static_cast<int64_t>(min(n_tile, prm.n_tiles - 1)) * k_tiles;
+  const uint8_t* w_words = prm.qweight + band * BITS * kPlaneBytes + (tile_row * kTileKB + t) * 4;
+  const uint8_t* w_codes = prm.absmax + band * kCodeBytes + tile_row * kTileKB + t;
+  struct Words {
+    uint32_t plane[2][BITS];
+    uint32_t code[2];
+  };
+  const auto load_words = [&](Words& w, int kt) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+#pragma unroll
+      for (int b = 0; b < BITS; ++b)
+        w.plane[h][b] = __ldg(reinterpret_cast<const uint32_t*>(w_words + static_cast<int64_t>(kt) * BITS * kPlaneBytes +
+                                                                (b * kTileN + 8 * h) * kTileKB * 4));
+      w.code[h] = __ldg(w_codes + static_cast<int64_t>(kt) * kCodeBytes + 8 * h * kTileKB);
+    }
+  };
+  // The k-tile's 8 A fragments from its words: index words, the two scales, then per k16 step
+  // two pairs of codebook values per row, rounded to T and scaled in pairs (as mma_kernel.cuh).
+  const auto build = [&](uint32_t (&a)[8][4], const Words& w) {
+    uint32_t q[2][F], scale[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      gather_indices<BITS>(w.plane[h], q[h]);
+      const float sc = decode_scale(w.code[h], 0);
+      scale[h] = Frag<T>::pack(sc, sc);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const auto pair = [&](int e) {
+          return Frag<T>::scale2(
+              Frag<T>::pack(lookup<BITS>(codebook_reg, q[h], e), lookup<BITS>(codebook_reg, q[h], e + 1)), scale[h]);
+        };
+        a[j][h] = pair(4 * j);
+        a[j][2 + h] = pair(4 * j + 2);
+      }
+    }
+  };
+
+  float acc[64];
+#pragma unroll
+  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+
+  // One k-tile: wait for its activations, refill the stage the previous k-tile used, issue its 8
+  // wgmmas with fragments `cur`, dequantize k-tile kt + 1 into `next` meanwhile (and load the words
+  // of kt + 3 into the buffer `next_words` just emptied), then wait for the wgmmas.
+  const auto step = [&](uint32_t (&cur)[8][4], uint32_t (&next)[8][4], Words& next_words, int kt) {
+    cp_async_wait();
+    fence_proxy_async();
+    __syncthreads();
+    if (kt + kStages - 1 < k_tiles) load_stage(kt + kStages - 1);
+    cp_async_commit();
+    const uint32_t st = smem + (kt % kStages) * kStageBytes;
+#pragma unroll
+    for (int i = 0; i < 64; ++i) pin(acc[i]);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < 8; ++j) Frag<T>::mma(acc, cur[j], smem_desc(st + (j / 4) * kSlabBytes + (j % 4) * 32));
+    wgmma_commit();
+    if (kt + 1 < k_tiles) {
+      build(next, next_words);
+      if (kt + 3 < k_tiles) load_words(next_words, kt + 3);
+    }
+    wgmma_wait_all();
+#pragma unroll
+    for (int i = 0; i < 64; ++i) pin(acc[i]);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int v = 0; v < 4; ++v) pin(cur[j][v]);
+  };
+
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < k_tiles) load_stage(s);
+    cp_async_commit();
+  }
+  Words w0, w1;
+  uint32_t a0[8][4], a1[8][4];
+  load_words(w0, 0);
+  if (k_tiles > 1) load_words(w1, 1);
+  build(a0, w0);
+  if (k_tiles > 2) load_words(w0, 2);
+  for (int kt = 0; kt < k_tiles; kt += 2) {
+    step(a0, a1, w1, kt);
+    if (kt + 1 >= k_tiles) break;
+    step(a1, a0, w0, kt + 1);
+  }
+  asm volatile("cp.async.wait_group 0;" ::: "memory");
+
+  // D fragment: acc[4i + 2h + u] is weight row 16 warp + g + 8h of the n-tile, activation row
+  // 8i + 2t + u of the CTA's rows.
+  if (n_tile >= prm.n_tiles) return;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int n = n_tile * kTileN + tile_row + 8 * h;
+    if (n >= prm.N) continue;
+    const float b = prm.bias != nullptr ? Frag<T>::to_float(prm.bias[n]) : 0.f;
+#pragma unroll
+    for (int i = 0; i < kRows / 8; ++i) {
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int m = m0 + 8 * i + 2 * t + u;
+        if (m < prm.M) prm.C[static_cast<int64_t>(m) * prm.N + n] = Frag<T>::narrow(acc[4 * i + 2 * h + u] + b);
+      }
+    }
+  }
+}
+
+template <typename T, int BITS>
+void launch_typed(const WgmmaParams<T>& prm, cudaStream_t stream, int device) {
+  const auto kernel = wgmma_kernel<T, BITS>;
+  static std::atomic<bool> prepared[kMaxDevices] = {};
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "kbit wgmma: device index ", device, " >= ", kMaxDevices);
+  if (!prepared[device].load(std::memory_order_relaxed)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    prepared[device].store(true, std::memory_order_relaxed);
+  }
+  const dim3 grid((prm.n_tiles + kWarpGroups - 1) / kWarpGroups, (prm.M + kRows - 1) / kRows);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(prm);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb,
+                  const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C) {
+  const int M = static_cast<int>(A.size(0));
+  const int n_tiles = static_cast<int>(q.size(0)), k_tiles = static_cast<int>(q.size(1));
+  const int Kp = k_tiles * kTileK;
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  at::Tensor Ap = at::empty({M, Kp}, A.options());
+  const int64_t pairs = static_cast<int64_t>(M) * Kp / 2;
+  const int blocks = static_cast<int>(std::min<int64_t>((pairs + 255) / 256, 132 * 16));
+  permute_kernel<T><<<blocks, 256, 0, stream>>>(reinterpret_cast<const T*>(A.data_ptr()),
+                                                 reinterpret_cast<T*>(Ap.data_ptr()), M, static_cast<int>(K), Kp);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const WgmmaParams<T> prm{reinterpret_cast<const T*>(Ap.data_ptr()),
+                           static_cast<const uint8_t*>(q.data_ptr()),
+                           static_cast<const uint8_t*>(a.data_ptr()),
+                           cb.data_ptr<float>(),
+                           bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
+                           reinterpret_cast<T*>(C.data_ptr()),
+                           M, static_cast<int>(N), Kp, n_tiles, k_tiles};
+  const int device = A.get_device();
+  switch (q.size(2)) {
+    case 2: return launch_typed<T, 2>(prm, stream, device);
+    case 3: return launch_typed<T, 3>(prm, stream, device);
+    case 4: return launch_typed<T, 4>(prm, stream, device);
+    case 5: return launch_typed<T, 5>(prm, stream, device);
+    default: TORCH_CHECK(false, "kbit wgmma: k=", q.size(2), " is not supported");
+  }
+}
+
+}  // namespace
+
+void launch_wgmma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                  const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
+                  at::Tensor& C) {
+  if (A.scalar_type() == at::kBFloat16) return launch_dtype<__nv_bfloat16>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C);
+  TORCH_CHECK(A.scalar_type() == at::kHalf, "kbit wgmma: activations must be bf16 or fp16");
+  launch_dtype<__half>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C);
+}
+
+}  // namespace kbit

@@ -1,0 +1,19 @@
+// Fused dequant + wgmma for large M (Hopper, sm_90a): C[M, N] = A[M, K] @ dequant(W)^T (+ bias),
+// reading the runtime layout once per 128 rows of A. Kernel and launcher in wgmma.cu.
+#pragma once
+
+#include <optional>
+
+#include <ATen/core/Tensor.h>
+
+namespace kbit {
+
+constexpr int kWgmmaRows = 128;  // rows of A one CTA multiplies (the wgmma N)
+
+// A [M, K] (bf16/fp16, contiguous) -> C [M, N] of A's dtype, every element written. The caller
+// validates shapes and dtypes (linear.cpp).
+void launch_wgmma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                  const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
+                  at::Tensor& C);
+
+}  // namespace kbit
