@@ -156,15 +156,17 @@ def test_mma_random_cases_match_reference(seed):
 
 
 MMA_MS = (1, 2, 5, 8, 16, 32, 64, 128)
-LINEAR_MS = (1, 2, 3, 4) + MMA_MS + (256,)  # every path of kbit_linear on the large shapes
+# The issue's M list (1, 2, 4, ..., 4096) plus 3 and 5: every path of kbit_linear on both sides of each
+# boundary (2 | 3 GEMV | MMA, 64 | 128 MMA | wgmma or dequant + cuBLAS, 256 | 512 wgmma | dequant + cuBLAS).
+LINEAR_MS = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
 @pytest.mark.parametrize("K,N", DESIGN_SHAPES)
 @pytest.mark.gpu
 @requires_cuda
 def test_design_shapes_every_m(K, N):
-    """kbit_linear at the GEMV's M and the MMA's M (and above), and the MMA kernel itself at every
-    MMA M (default tile shape), on every design.md section 6 shape and k."""
+    """kbit_linear at every M of LINEAR_MS, and the MMA kernel itself at every MMA M (default tile
+    shape), on every design.md section 6 shape and k."""
     gen = torch.Generator().manual_seed(K * 7 + N)
     for k in fmt.SUPPORTED_BITS:
         w, flat = _random_weight(N, K, k, gen)
