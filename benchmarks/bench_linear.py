@@ -152,8 +152,9 @@ def eager_overhead_us() -> dict:
     return out
 
 
-def wgmma_fn(x, w):
-    return lambda: torch.ops.kbit._wgmma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, None)
+def wgmma_fn(x, w, warp_specialized=False):
+    return lambda: torch.ops.kbit._wgmma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, None,
+                                                warp_specialized)
 
 
 def mma_fn(x, w, row_groups=0):
@@ -264,6 +265,9 @@ def main() -> None:
                             elif M <= FORCED_MAX_M:
                                 record("kbit_mma", name, K, N, k, M, dtype, regime, graph_time_us([mma_fn(x, w) for w in ws]),
                                        nbytes, extra)
+                            if M >= WGMMA_MIN_M and hopper:  # the warp-specialized wgmma kernel (not dispatched yet)
+                                record("kbit_wgmma_ws", name, K, N, k, M, dtype, regime,
+                                       graph_time_us([wgmma_fn(x, w, True) for w in ws]), nbytes, extra)
                             if M >= WGMMA_MIN_M and path != "wgmma" and hopper:
                                 record("kbit_wgmma", name, K, N, k, M, dtype, regime,
                                        graph_time_us([wgmma_fn(x, w) for w in ws]), nbytes, extra)

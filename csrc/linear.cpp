@@ -177,9 +177,11 @@ at::Tensor gemv_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, c
   return C;
 }
 
-// The fused dequant + wgmma kernel at any M >= 1 (Hopper), for tests and benchmarks.
+// The fused dequant + wgmma kernels at any M >= 1 (Hopper), for tests and benchmarks: the
+// register-fragment one (warp_specialized = false) or the warp-specialized one.
 at::Tensor wgmma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
-                             const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
+                             const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
+                             bool warp_specialized) {
   check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
   TORCH_CHECK(x.scalar_type() != at::kFloat, "kbit _wgmma_linear: x must be bf16 or fp16");
   const c10::DeviceGuard guard(x.device());
@@ -189,7 +191,11 @@ at::Tensor wgmma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, 
               "kbit _wgmma_linear: x has no rows or sizes exceed int32");
   const at::Tensor A = as_matrix(x, M, K);
   at::Tensor C = at::empty({M, N}, x.options());
-  launch_wgmma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+  if (warp_specialized) {
+    launch_wgmma_ws(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+  } else {
+    launch_wgmma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+  }
   return C;
 }
 
@@ -219,8 +225,8 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
         "int row_groups=0, int splits=0) -> Tensor");
   m.def("_gemv_linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, int N, int K, Tensor? bias, "
         "int splits=0) -> Tensor");
-  m.def("_wgmma_linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, int N, int K, Tensor? bias) "
-        "-> Tensor");
+  m.def("_wgmma_linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, int N, int K, Tensor? bias, "
+        "bool warp_specialized=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kbit, CUDA, m) {

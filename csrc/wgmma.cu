@@ -20,7 +20,7 @@
 #include "wgmma.cuh"
 
 #include "dequant_core.cuh"
-#include "kbit_format.cuh"
+#include "wgmma_core.cuh"
 
 #include <algorithm>
 #include <atomic>
@@ -29,97 +29,41 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
 
 namespace kbit {
 namespace {
 
+using namespace wgmma_core;
+
 constexpr int kWarpGroups = 2;                       // one runtime n-tile each
 constexpr int kThreads = 128 * kWarpGroups;
-constexpr int kTileK = kTileKB * kBlockSize;         // 128 elements of K per k-tile
 constexpr int kRows = kWgmmaRows;                    // activation rows per CTA: the wgmma N
 constexpr int kSlabBytes = kRows * 128;              // 64 K-elements of all rows, 128-byte rows
 constexpr int kStageBytes = 2 * kSlabBytes;          // one k-tile of activations
 constexpr int kStages = 4;
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the stages to 1024 bytes
-constexpr int kPlaneBytes = kTileN * kTileKB * 4;    // one bit plane of a runtime tile
-constexpr int kCodeBytes = kTileN * kTileKB;         // scale codes of a runtime tile
-constexpr int kMaxDevices = 64;
 
-// ----------------------------------------------------------------------------- element types
+// ----------------------------------------------------------------------------- the MMA
 
+// d (64 x 128 fp32 of the warpgroup) += A (registers: each warp's m16k16 fragment) * B (descriptor).
 template <typename T>
-struct Frag;
+__device__ __forceinline__ void mma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc);
 
 template <>
-struct Frag<__nv_bfloat16> {
-  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
-    return bits_as<uint32_t>(__floats2bfloat162_rn(lo, hi));
-  }
-  __device__ static __forceinline__ uint32_t scale2(uint32_t v, uint32_t s) {
-    return bits_as<uint32_t>(__hmul2(bits_as<__nv_bfloat162>(v), bits_as<__nv_bfloat162>(s)));
-  }
-  __device__ static __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __device__ static __forceinline__ __nv_bfloat16 narrow(float v) { return __float2bfloat16_rn(v); }
-  // d (64 x 128 fp32 of the warpgroup) += A (registers) * B (shared-memory descriptor).
-  __device__ static __forceinline__ void mma(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-  }
-};
+__device__ __forceinline__ void mma_rs<__nv_bfloat16>(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " KBIT_WGMMA_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+               : KBIT_WGMMA_D64_OPERANDS(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
+}
 
 template <>
-struct Frag<__half> {
-  __device__ static __forceinline__ uint32_t pack(float lo, float hi) { return bits_as<uint32_t>(__floats2half2_rn(lo, hi)); }
-  __device__ static __forceinline__ uint32_t scale2(uint32_t v, uint32_t s) {
-    return bits_as<uint32_t>(__hmul2(bits_as<__half2>(v), bits_as<__half2>(s)));
-  }
-  __device__ static __forceinline__ float to_float(__half v) { return __half2float(v); }
-  __device__ static __forceinline__ __half narrow(float v) { return __float2half_rn(v); }
-  __device__ static __forceinline__ void mma(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
-    asm volatile(
-        "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-        "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-        "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, "
-        "{%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-  }
-};
-
-// ----------------------------------------------------------------------------- helpers
-
-// wgmma descriptor of a K-major operand in the 128-byte swizzle layout: start address, 1024 bytes
-// between groups of 8 rows (8 rows x 128 bytes), swizzle mode 1 (128 B). The leading offset is
-// unused by this layout. Start addresses of k16 steps inside a slab advance by 32 bytes: the
-// hardware applies the swizzle to the full address, which is why slabs are 1024-byte aligned.
-__device__ __forceinline__ uint64_t smem_desc(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) | (uint64_t{1} << 16) | (uint64_t{1024 >> 4} << 32) |
-         (uint64_t{1} << 62);
+__device__ __forceinline__ void mma_rs<__half>(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " KBIT_WGMMA_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
+               : KBIT_WGMMA_D64_OPERANDS(d)
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
 }
-
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory"); }
-__device__ __forceinline__ void wgmma_wait_all() { asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory"); }
-// cp.async writes are generic-proxy writes; wgmma reads shared memory through the async proxy.
-__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;" ::: "memory"); }
-
-// Register operands of in-flight wgmmas must stay where they are until the wait: an empty asm that
-// "rewrites" them after the wait keeps the compiler from reusing or reading them earlier.
-__device__ __forceinline__ void pin(float& v) { asm volatile("" : "+f"(v)::"memory"); }
-__device__ __forceinline__ void pin(uint32_t& v) { asm volatile("" : "+r"(v)::"memory"); }
-
-__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(kStages - 2)); }
 
 // ----------------------------------------------------------------------------- activation permutation
 
@@ -172,7 +116,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
   // Activation copies: thread tid copies 16-byte chunk tid % 16 of rows tid / 16 + 16 i (i < 8); the
   // chunk's swizzled slot ((chunk % 8) ^ (row % 8)) is the same for all i.
   const int x_row = tid / 16, x_ch = tid % 16;
-  const uint32_t x_dst = (x_ch / 8) * kSlabBytes + x_row * 128 + (((x_ch % 8) ^ (x_row % 8)) * 16);
+  const uint32_t x_dst = swizzled_chunk(kRows, x_row, x_ch);
   const T* x_src = prm.Ap + static_cast<int64_t>(m0 + x_row) * prm.Kp + x_ch * 8;
   const auto load_stage = [&](int kt) {
     const uint32_t st = smem + (kt % kStages) * kStageBytes;
@@ -212,15 +156,15 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
     for (int h = 0; h < 2; ++h) {
       gather_indices<BITS>(w.plane[h], q[h]);
       const float sc = decode_scale(w.code[h], 0);
-      scale[h] = Frag<T>::pack(sc, sc);
+      scale[h] = Half2<T>::pack(sc, sc);
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const auto pair = [&](int e) {
-          return Frag<T>::scale2(
-              Frag<T>::pack(lookup<BITS>(codebook_reg, q[h], e), lookup<BITS>(codebook_reg, q[h], e + 1)), scale[h]);
+          return Half2<T>::scale2(
+              Half2<T>::pack(lookup<BITS>(codebook_reg, q[h], e), lookup<BITS>(codebook_reg, q[h], e + 1)), scale[h]);
         };
         a[j][h] = pair(4 * j);
         a[j][2 + h] = pair(4 * j + 2);
@@ -236,7 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
   // wgmmas with fragments `cur`, dequantize k-tile kt + 1 into `next` meanwhile (and load the words
   // of kt + 3 into the buffer `next_words` just emptied), then wait for the wgmmas.
   const auto step = [&](uint32_t (&cur)[8][4], uint32_t (&next)[8][4], Words& next_words, int kt) {
-    cp_async_wait();
+    cp_async_wait<kStages - 2>();
     fence_proxy_async();
     __syncthreads();
     if (kt + kStages - 1 < k_tiles) load_stage(kt + kStages - 1);
@@ -246,7 +190,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
     for (int i = 0; i < 64; ++i) pin(acc[i]);
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < 8; ++j) Frag<T>::mma(acc, cur[j], smem_desc(st + (j / 4) * kSlabBytes + (j % 4) * 32));
+    for (int j = 0; j < 8; ++j) mma_rs<T>(acc, cur[j], smem_desc(st + (j / 4) * kSlabBytes + (j % 4) * 32));
     wgmma_commit();
     if (kt + 1 < k_tiles) {
       build(next, next_words);
@@ -277,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
     if (kt + 1 >= k_tiles) break;
     step(a1, a0, w0, kt + 1);
   }
-  asm volatile("cp.async.wait_group 0;" ::: "memory");
+  cp_async_wait<0>();
 
   // D fragment: acc[4i + 2h + u] is weight row 16 warp + g + 8h of the n-tile, activation row
   // 8i + 2t + u of the CTA's rows.
@@ -286,13 +230,13 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
   for (int h = 0; h < 2; ++h) {
     const int n = n_tile * kTileN + tile_row + 8 * h;
     if (n >= prm.N) continue;
-    const float b = prm.bias != nullptr ? Frag<T>::to_float(prm.bias[n]) : 0.f;
+    const float b = prm.bias != nullptr ? Half2<T>::to_float(prm.bias[n]) : 0.f;
 #pragma unroll
     for (int i = 0; i < kRows / 8; ++i) {
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const int m = m0 + 8 * i + 2 * t + u;
-        if (m < prm.M) prm.C[static_cast<int64_t>(m) * prm.N + n] = Frag<T>::narrow(acc[4 * i + 2 * h + u] + b);
+        if (m < prm.M) prm.C[static_cast<int64_t>(m) * prm.N + n] = Half2<T>::narrow(acc[4 * i + 2 * h + u] + b);
       }
     }
   }
@@ -321,7 +265,8 @@ void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   at::Tensor Ap = at::empty({M, Kp}, A.options());
   const int64_t pairs = static_cast<int64_t>(M) * Kp / 2;
-  const int blocks = static_cast<int>(std::min<int64_t>((pairs + 255) / 256, 132 * 16));
+  const int blocks = static_cast<int>(
+      std::min<int64_t>((pairs + 255) / 256, 16 * at::cuda::getCurrentDeviceProperties()->multiProcessorCount));
   permute_kernel<T><<<blocks, 256, 0, stream>>>(reinterpret_cast<const T*>(A.data_ptr()),
                                                  reinterpret_cast<T*>(Ap.data_ptr()), M, static_cast<int>(K), Kp);
   C10_CUDA_KERNEL_LAUNCH_CHECK();

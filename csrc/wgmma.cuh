@@ -1,5 +1,7 @@
-// Fused dequant + wgmma for large M (Hopper, sm_90a): C[M, N] = A[M, K] @ dequant(W)^T (+ bias),
-// reading the runtime layout once per 128 rows of A. Kernel and launcher in wgmma.cu.
+// Fused dequant + wgmma for large M (Hopper, sm_90a): C[M, N] = A[M, K] @ dequant(W)^T (+ bias).
+// Two designs: launch_wgmma (wgmma.cu) dequantizes into each warpgroup's registers, once per 128
+// rows of A; launch_wgmma_ws (wgmma_ws.cu) has a producer warpgroup dequantize into shared memory
+// for two consumer warpgroups, once per 256 rows of A.
 #pragma once
 
 #include <optional>
@@ -15,5 +17,8 @@ constexpr int kWgmmaRows = 128;  // rows of A one CTA multiplies (the wgmma N)
 void launch_wgmma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                   const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
                   at::Tensor& C);
+void launch_wgmma_ws(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                     const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
+                     at::Tensor& C);
 
 }  // namespace kbit

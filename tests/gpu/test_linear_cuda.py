@@ -187,8 +187,8 @@ requires_hopper = pytest.mark.skipif(
 )
 
 
-def _wgmma(x, w, bias=None):
-    return torch.ops.kbit._wgmma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, bias)
+def _wgmma(x, w, bias=None, warp_specialized=False):
+    return torch.ops.kbit._wgmma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, bias, warp_specialized)
 
 
 def _random_wgmma_case(seed):
@@ -201,19 +201,20 @@ def _random_wgmma_case(seed):
     return M, N, K, k, dtype, rng.random() < 0.5
 
 
+@pytest.mark.parametrize("warp_specialized", [False, True])
 @pytest.mark.parametrize("seed", range(120))
 @pytest.mark.gpu
 @requires_hopper
-def test_wgmma_random_cases_match_reference(seed):
-    """The fused dequant + wgmma kernel: M not a multiple of its 128 rows, N not a multiple of the
-    CTA's two n-tiles, K not a multiple of a k-tile, every k, both dtypes, with and without bias."""
+def test_wgmma_random_cases_match_reference(seed, warp_specialized):
+    """Both fused dequant + wgmma kernels: M not a multiple of their 128 / 256 rows, N not a multiple of
+    the CTA's two n-tiles, K not a multiple of a k-tile, every k, both dtypes, with and without bias."""
     M, N, K, k, dtype, with_bias = _random_wgmma_case(seed)
     gen = torch.Generator().manual_seed(seed)
     w, flat = _random_weight(N, K, k, gen)
     x = torch.randn(M, K, generator=gen).to(dtype).cuda()
     bias = torch.randn(N, generator=gen).to(dtype).cuda() if with_bias else None
     _poison_cache(M * N * 2 + M * K * 2)
-    out = _wgmma(x, w, bias)
+    out = _wgmma(x, w, bias, warp_specialized)
     _check(out, _reference(x, flat, bias), dtype, f"M={M} N={N} K={K} k={k} {dtype} bias={with_bias}")
 
 
@@ -224,11 +225,12 @@ def test_wgmma_design_shapes(K, N):
     gen = torch.Generator().manual_seed(K * 11 + N)
     for k in fmt.SUPPORTED_BITS:
         w, flat = _random_weight(N, K, k, gen)
-        x = torch.randn(300, K, generator=gen).to(torch.bfloat16).cuda()
+        x = torch.randn(600, K, generator=gen).to(torch.bfloat16).cuda()
         ref = _reference(x, flat, None)
-        for M in (128, 300):
-            _poison_cache(M * N * 2 + M * K * 2)
-            _check(_wgmma(x[:M], w), ref[:M], torch.bfloat16, f"_wgmma_linear M={M} k={k}")
+        for M in (128, 300, 600):
+            for ws in (False, True):
+                _poison_cache(M * N * 2 + M * K * 2)
+                _check(_wgmma(x[:M], w, None, ws), ref[:M], torch.bfloat16, f"_wgmma_linear M={M} k={k} ws={ws}")
         del w, flat, ref
         torch.cuda.empty_cache()
 

@@ -1,0 +1,333 @@
+// kbit fused dequant + wgmma for large M, warp-specialized: C[M, N] = A[M, K] @ dequant(W)^T (+ bias),
+// Hopper only. A second design beside wgmma.cu (which dequantizes into each warpgroup's registers):
+// here one producer warpgroup dequantizes each weight tile once into shared memory and two consumer
+// warpgroups multiply it with 128 activation rows each, so a weight is dequantized once per 256 rows
+// of A instead of once per 128, by warps that hold no accumulators.
+//
+// Roles (CTA = 3 warpgroups; 128 weight rows = 2 runtime n-tiles, 256 activation rows):
+//   producer (warpgroup 0)  thread r owns weight row r: per k-tile it loads the row's bit-plane
+//                            vectors and scale codes (the GEMV's loads, one k-tile ahead), dequantizes
+//                            its 4 blocks (dequant_core.cuh), and stores them as bf16/fp16 into the
+//                            stage's weight tile in wgmma's K-major 128-byte-swizzled layout.
+//   consumers (1, 2)        each copies its 128 activation rows of the k-tile with cp.async into the
+//                            same layout, then issues m64n128k16 wgmmas with both operands in shared
+//                            memory: A = 64 activation rows, B = the 128 weight rows.
+// Stages: kStages deep; per stage a `full` mbarrier (the producer's 128 threads arrive after their
+// stores and an async-proxy fence) and an `empty` mbarrier (the consumers' 256 threads arrive once
+// their wgmmas on the stage are complete, before the producer may overwrite its weights).
+// Weights are stored in their natural K order, so unlike wgmma.cu the activations need no permutation.
+#include "wgmma.cuh"
+
+#include "dequant_core.cuh"
+#include "wgmma_core.cuh"
+
+#include <algorithm>
+#include <atomic>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+
+namespace kbit {
+namespace {
+
+using namespace wgmma_core;
+
+constexpr int kWeightRows = 2 * kTileN;                 // per CTA: two runtime n-tiles
+constexpr int kConsumers = 2;
+constexpr int kConsumerRows = 128;                      // activation rows per consumer warpgroup
+constexpr int kActRows = kConsumers * kConsumerRows;    // per CTA
+constexpr int kThreads = 128 * (1 + kConsumers);
+constexpr int kWeightBytes = kWeightRows * kTileK * 2;  // one stage's weight tile (16-bit)
+constexpr int kActBytes = kActRows * kTileK * 2;        // one stage's activation tile
+constexpr int kStageBytes = kWeightBytes + kActBytes;
+constexpr int kStages = 2;
+constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // + mbarriers + alignment slack
+
+// ----------------------------------------------------------------------------- the MMA
+
+// d (64 x 128 fp32 of the warpgroup) += A (descriptor: 64 activation rows) * B (descriptor: 128 weight rows)^T.
+template <typename T>
+__device__ __forceinline__ void mma_ss(float (&d)[64], uint64_t a_desc, uint64_t b_desc);
+
+template <>
+__device__ __forceinline__ void mma_ss<__nv_bfloat16>(float (&d)[64], uint64_t a_desc, uint64_t b_desc) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " KBIT_WGMMA_D64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : KBIT_WGMMA_D64_OPERANDS(d)
+               : "l"(a_desc), "l"(b_desc), "r"(1));
+}
+
+template <>
+__device__ __forceinline__ void mma_ss<__half>(float (&d)[64], uint64_t a_desc, uint64_t b_desc) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " KBIT_WGMMA_D64 ", %64, %65, p, 1, 1, 0, 0;\n}\n"
+               : KBIT_WGMMA_D64_OPERANDS(d)
+               : "l"(a_desc), "l"(b_desc), "r"(1));
+}
+
+// ----------------------------------------------------------------------------- barriers
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count) : "memory");
+}
+// Arrive with release semantics: this thread's earlier shared-memory writes happen before the phase completes.
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+// Until the phase of the given parity has completed (acquire).
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  uint32_t done = 0;
+  while (!done) {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(bar), "r"(parity)
+                 : "memory");
+  }
+}
+// Barrier of one consumer warpgroup's 128 threads (ids 1.., 0 is __syncthreads).
+__device__ __forceinline__ void warpgroup_sync(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
+
+__device__ __forceinline__ void st_shared16(uint32_t addr, uint32_t a, uint32_t b, uint32_t c, uint32_t d) {
+  asm volatile("st.shared.v4.b32 [%0], {%1, %2, %3, %4};" ::"r"(addr), "r"(a), "r"(b), "r"(c), "r"(d) : "memory");
+}
+
+// ----------------------------------------------------------------------------- kernel
+
+template <typename T>
+struct WsParams {
+  const T* A;              // [M, K]
+  const uint4* qweight;    // runtime layout as 16-byte plane vectors
+  const uint32_t* absmax;  // runtime scale codes, 4 per word
+  const float* codebook;
+  const T* bias;
+  T* C;
+  int M, N, K, n_tiles, k_tiles;
+};
+
+// The producer: thread r (0..127) dequantizes weight row r of the CTA, every k-tile, into the stages.
+template <typename T, int BITS>
+__device__ __forceinline__ void produce(const WsParams<T>& prm, uint32_t smem, uint32_t full, uint32_t empty) {
+  constexpr int F = Fields<BITS>::kBits;
+  const int r = threadIdx.x, lane = r % 32;
+  // A row of an n-tile past the last one reads the last tile (its outputs are never stored).
+  const int n_tile = min(static_cast<int>(blockIdx.x) * 2 + r / kTileN, prm.n_tiles - 1), tile_row = r % kTileN;
+  const int k_tiles = prm.k_tiles;
+  const float codebook_reg = __ldg(prm.codebook + (lane & ((1 << BITS) - 1)));
+  // Plane b of runtime tile (n, kt) is 64 consecutive 16-byte vectors, one per row (word j = block j).
+  const uint4* planes = prm.qweight + static_cast<int64_t>(n_tile) * k_tiles * BITS * kTileN + tile_row;
+  const uint32_t* codes = prm.absmax + static_cast<int64_t>(n_tile) * k_tiles * kTileN + tile_row;
+  struct Row {
+    uint4 plane[BITS];
+    uint32_t codes;
+  };
+  const auto load = [&](Row& w, int kt) {
+#pragma unroll
+    for (int b = 0; b < BITS; ++b) w.plane[b] = __ldg(planes + (static_cast<int64_t>(kt) * BITS + b) * kTileN);
+    w.codes = __ldg(codes + static_cast<int64_t>(kt) * kTileN);
+  };
+  // Block j of the row: index words, scale, then 4 chunks of 8 weights rounded to T and scaled in
+  // pairs (as mma_kernel.cuh), each stored as one 16-byte swizzled chunk.
+  const auto store = [&](const Row& w, uint32_t tile) {
+#pragma unroll
+    for (int j = 0; j < kTileKB; ++j) {
+      uint32_t plane[BITS], q[F];
+#pragma unroll
+      for (int b = 0; b < BITS; ++b) plane[b] = j == 0 ? w.plane[b].x : j == 1 ? w.plane[b].y : j == 2 ? w.plane[b].z : w.plane[b].w;
+      gather_indices<BITS>(plane, q);
+      const float sc = decode_scale(w.codes, j);
+      const uint32_t scale = Half2<T>::pack(sc, sc);
+      const auto pair = [&](int e) {
+        return Half2<T>::scale2(Half2<T>::pack(lookup<BITS>(codebook_reg, q, e), lookup<BITS>(codebook_reg, q, e + 1)),
+                                scale);
+      };
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        st_shared16(tile + swizzled_chunk(kWeightRows, r, 4 * j + c), pair(8 * c), pair(8 * c + 2), pair(8 * c + 4),
+                    pair(8 * c + 6));
+      }
+    }
+  };
+  Row w0, w1;
+  load(w0, 0);
+  for (int kt = 0; kt < k_tiles; kt += 2) {
+    // Two k-tiles per iteration so the two register buffers swap roles without copies.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int k = kt + half;
+      if (k >= k_tiles) break;
+      Row& cur = half == 0 ? w0 : w1;
+      Row& next = half == 0 ? w1 : w0;
+      if (k + 1 < k_tiles) load(next, k + 1);
+      const int s = k % kStages;
+      if (k >= kStages) mbar_wait(empty + 8 * s, ((k / kStages) - 1) & 1);  // consumers done with k - kStages
+      store(cur, smem + s * kStageBytes);
+      fence_proxy_async();
+      mbar_arrive(full + 8 * s);
+    }
+  }
+}
+
+// A consumer: warpgroup c (0, 1) multiplies activation rows m0 + 128c .. +127 with the CTA's 128
+// weight rows; D = acc[h]: activation rows 64h + 16 warp + g (+8), weight rows 8i + 2t (+1).
+template <typename T>
+__device__ __forceinline__ void consume(const WsParams<T>& prm, uint32_t smem, uint32_t full, uint32_t empty, int c) {
+  const int ct = threadIdx.x % 128, warp = ct / 32, lane = ct % 32, g = lane / 4, t = lane % 4;
+  const int rows0 = blockIdx.y * kActRows + c * kConsumerRows;  // first activation row of this warpgroup
+  const int k_tiles = prm.k_tiles;
+
+  // Thread ct copies 16-byte chunk ct % 16 of rows ct / 16 + 8i (i < 16) of the warpgroup's rows.
+  const int x_row = ct / 16, x_ch = ct % 16;
+  const uint32_t x_dst = kWeightBytes + swizzled_chunk(kActRows, c * kConsumerRows + x_row, x_ch);
+  const T* x_src = prm.A + static_cast<int64_t>(rows0 + x_row) * prm.K + x_ch * 8;
+  const int rows_valid = prm.M - rows0 - x_row;  // copies of rows x_row + 8i with 8i >= this read nothing
+  const auto load_acts = [&](int kt) {
+    const uint32_t st = smem + (kt % kStages) * kStageBytes + x_dst;
+    const bool k_valid = kt * kTileK + x_ch * 8 < prm.K;
+#pragma unroll
+    for (int i = 0; i < kConsumerRows / 8; ++i) {
+      const bool valid = k_valid && 8 * i < rows_valid;
+      cp_async16(st + 8 * i * 128, valid ? x_src + static_cast<int64_t>(8 * i) * prm.K + kt * kTileK : prm.A, valid);
+    }
+  };
+
+  float acc[2][64];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) {
+    if (s < k_tiles) load_acts(s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const int s = kt % kStages;
+    const uint32_t st = smem + s * kStageBytes;
+    cp_async_wait<kStages - 1>();  // this k-tile's activations (one group per k-tile, always committed)
+    fence_proxy_async();
+    warpgroup_sync(1 + c);
+    mbar_wait(full + 8 * s, (kt / kStages) & 1);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 64; ++i) pin(acc[h][i]);
+    wgmma_fence();
+#pragma unroll
+    for (int j = 0; j < kTileK / 16; ++j) {
+      const uint32_t k_off = (j % 4) * 32;  // k16 step inside its 64-wide slab
+      const uint64_t b_desc = smem_desc(st + (j / 4) * kWeightRows * 128 + k_off);
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t a = st + kWeightBytes + (j / 4) * kActRows * 128 + (c * kConsumerRows + 64 * h) * 128 + k_off;
+        mma_ss<T>(acc[h], smem_desc(a), b_desc);
+      }
+    }
+    wgmma_commit();
+    wgmma_wait_all();
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 64; ++i) pin(acc[h][i]);
+    mbar_arrive(empty + 8 * s);
+    // Stage s's activation slice of this warpgroup is free (its wgmmas are complete): refill it.
+    if (kt + kStages < k_tiles) load_acts(kt + kStages);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+
+  const int n0 = blockIdx.x * kWeightRows;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      const int m = rows0 + 64 * h + 16 * warp + g + 8 * v;
+      if (m >= prm.M) continue;
+#pragma unroll
+      for (int i = 0; i < kWeightRows / 8; ++i) {
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int n = n0 + 8 * i + 2 * t + u;
+          if (n >= prm.N) continue;
+          const float b = prm.bias != nullptr ? Half2<T>::to_float(prm.bias[n]) : 0.f;
+          prm.C[static_cast<int64_t>(m) * prm.N + n] = Half2<T>::narrow(acc[h][4 * i + 2 * v + u] + b);
+        }
+      }
+    }
+  }
+}
+
+// Grid: (ceil(n_tiles / 2), ceil(M / 256)).
+template <typename T, int BITS>
+__global__ void __launch_bounds__(kThreads, 1) wgmma_ws_kernel(const __grid_constant__ WsParams<T> prm) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023) & ~1023u;
+  const uint32_t full = smem + kStages * kStageBytes, empty = full + 8 * kStages;
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kStages; ++s) {
+      mbar_init(full + 8 * s, 128);
+      mbar_init(empty + 8 * s, 128 * kConsumers);
+    }
+  }
+  __syncthreads();
+  // The role through a shuffle from lane 0: warp-uniform to the compiler, so the producer's lookups
+  // stay plain warp-wide shuffles.
+  const int role = __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x) / 128, 0);
+  if (role == 0) {
+    produce<T, BITS>(prm, smem, full, empty);
+  } else {
+    consume<T>(prm, smem, full, empty, role - 1);
+  }
+}
+
+template <typename T, int BITS>
+void launch_typed(const WsParams<T>& prm, cudaStream_t stream, int device) {
+  const auto kernel = wgmma_ws_kernel<T, BITS>;
+  static std::atomic<bool> prepared[kMaxDevices] = {};
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "kbit wgmma_ws: device index ", device, " >= ", kMaxDevices);
+  if (!prepared[device].load(std::memory_order_relaxed)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
+    prepared[device].store(true, std::memory_order_relaxed);
+  }
+  const dim3 grid((prm.n_tiles + 1) / 2, (prm.M + kActRows - 1) / kActRows);
+  kernel<<<grid, kThreads, kSmemBytes, stream>>>(prm);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
+template <typename T>
+void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb,
+                  const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C) {
+  const WsParams<T> prm{reinterpret_cast<const T*>(A.data_ptr()),
+                        reinterpret_cast<const uint4*>(q.data_ptr()),
+                        reinterpret_cast<const uint32_t*>(a.data_ptr()),
+                        cb.data_ptr<float>(),
+                        bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
+                        reinterpret_cast<T*>(C.data_ptr()),
+                        static_cast<int>(A.size(0)), static_cast<int>(N), static_cast<int>(K),
+                        static_cast<int>(q.size(0)), static_cast<int>(q.size(1))};
+  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
+  const int device = A.get_device();
+  switch (q.size(2)) {
+    case 2: return launch_typed<T, 2>(prm, stream, device);
+    case 3: return launch_typed<T, 3>(prm, stream, device);
+    case 4: return launch_typed<T, 4>(prm, stream, device);
+    case 5: return launch_typed<T, 5>(prm, stream, device);
+    default: TORCH_CHECK(false, "kbit wgmma_ws: k=", q.size(2), " is not supported");
+  }
+}
+
+}  // namespace
+
+void launch_wgmma_ws(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                     const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
+                     at::Tensor& C) {
+  if (A.scalar_type() == at::kBFloat16) {
+    return launch_dtype<__nv_bfloat16>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C);
+  }
+  TORCH_CHECK(A.scalar_type() == at::kHalf, "kbit wgmma_ws: activations must be bf16 or fp16");
+  launch_dtype<__half>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C);
+}
+
+}  // namespace kbit
