@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the dense linear path: the extension (gpu_env.sh), resource usage + SASS of
 # one GEMV and one MMA instance, the GPU tests, compute-sanitizer on one shape per kernel (and the
-# MMA kernel at every row-group width and cluster size), an Nsight Compute profile of the largest
+# MMA kernel at every row-group width and cluster size, both wgmma kernels), an Nsight Compute profile of the largest
 # shape (with the MMA kernel's shared-memory bank conflicts), and bench_linear.py. Everything lands
 # in $OUT (at most 8 files). For a short call: SKIP_PROFILE=1 ... run_linear_gpu.sh --short
 #   KBIT_COMMIT=<sha> bash benchmarks/run_linear_gpu.sh [bench args...]
@@ -38,10 +38,14 @@ for (N, K, k) in [(1000, 2080, 4), (130, 4096, 5), (64, 96, 2)]:
         if s <= w.qweight_rt.shape[1]:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             torch.ops.kbit._mma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, r, s)
+    for M in (7, 300):  # both wgmma kernels (Hopper), partial row tiles
+        for ws in (False, True):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            torch.ops.kbit._wgmma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, ws)
 torch.cuda.synchronize()
 print("sanitizer workload done")
 EOF
-  for kernel in gemv_kernel mma_kernel; do
+  for kernel in gemv_kernel mma_detail wgmma_kernel wgmma_ws_kernel; do  # (mma_detail: the mma.sync kernel's namespace)
     for tool in memcheck racecheck; do
       echo "== $tool, $kernel"
       # the first reports in full (a hazard's kind, kernel and source line), then the summary
