@@ -6,6 +6,7 @@ Every path is checked on every random case (path 1 = grouped GEMV, 2 = dequantiz
 torch._grouped_mm, 3 = grouped dequant + MMA, 0 = the automatic choice through torch.ops.kbit.fused_moe).
 """
 
+import functools
 import random
 
 import pytest
@@ -21,13 +22,15 @@ pytestmark = [pytest.mark.gpu, requires_cuda]
 
 
 class Experts:
-    """Random packed experts: flat per-expert weights, stacked runtime tensors, fp32 dequantized copies."""
+    """Random packed experts: stacked runtime tensors, and fp32 dequantized copies (W13, W2) made on
+    first use: tests without a reference (test_determinism.py) never pay for them, which at the
+    Qwen3-30B size are the ~12 GiB of unpacked bit planes that otherwise limit how many run at once."""
 
     def __init__(self, E, H, I, k, gen):
         self.E, self.H, self.I, self.k = E, H, I, k
         self.codebook = fmt.normal_float_codebook(k).cuda()
-        self.q13, self.a13, self.W13 = self._make(E, 2 * I, H, gen)
-        self.q2, self.a2, self.W2 = self._make(E, H, I, gen)
+        self.q13, self.a13, self._flat13 = self._make(E, 2 * I, H, gen)
+        self.q2, self.a2, self._flat2 = self._make(E, H, I, gen)
 
     def _make(self, E, N, K, gen):
         KB = K // fmt.BLOCK_SIZE
@@ -36,9 +39,20 @@ class Experts:
         a = torch.randint(80, 120, (E * N, KB), generator=gen, dtype=torch.int64)
         a[torch.rand(E * N, KB, generator=gen) < 0.02] = 0
         q, a = q.cuda(), a.to(torch.uint8).cuda()
-        W = fmt.dequantize(q, a, self.codebook, torch.float32).view(E, N, K)
         qs, as_ = stack_runtime([(q[e * N : (e + 1) * N], a[e * N : (e + 1) * N]) for e in range(E)])
-        return qs, as_, W
+        return qs, as_, (q, a, E, N, K)
+
+    def _dequantized(self, flat):
+        q, a, E, N, K = flat
+        return fmt.dequantize(q, a, self.codebook, torch.float32).view(E, N, K)
+
+    @functools.cached_property
+    def W13(self):
+        return self._dequantized(self._flat13)
+
+    @functools.cached_property
+    def W2(self):
+        return self._dequantized(self._flat2)
 
     def args(self):
         return self.q13, self.a13, self.q2, self.a2, self.codebook
