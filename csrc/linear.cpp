@@ -32,11 +32,11 @@ enum class LinearPath { kGemv, kMma, kWgmma, kDequantCublas };
 // the MMA at M=16 already beats the GEMV at M=4 on 11-12 of 13 shapes.
 // Fused dequant + MMA up to kMmaMaxM. Above it, weights of at least kWgmmaMinWeight elements take the
 // fused dequant + wgmma kernel up to kWgmmaMaxM, everything else dequantize + cuBLAS. Measured on H100,
-// COLD, k=4, commit 74dd33f + wgmma.cu (benchmarks/NOTES.md, "Fifth H100 session"), µs MMA or
+// COLD, k=4, shapes K x N, commit 74dd33f + wgmma.cu (benchmarks/NOTES.md, "Fifth H100 session"), µs MMA or
 // dequantize + cuBLAS / wgmma: 8192x28672 M=64 129 / 165, M=128 262 / 173, M=256 458 / 351, M=512
 // 616 / 617; 4096x14336 M=128 71.5 / 46.1, M=256 122 / 101, M=512 159 / 186; on the Qwen3 block shapes
-// (<= 10.5M weights, at most 80 CTAs of 128 rows) the wgmma kernel loses at every M (e.g. 5120x2048
-// M=128 26.0 vs 17.9), as it does on 2048x10240 (106 vs 43 at M=128).
+// (<= 10.5M weights, at most 80 CTAs of 128 rows) the wgmma kernel loses at every M (e.g. 2048x5120
+// M=128 26.0 vs 17.9), as it does on 10240x2048 (106 vs 43 at M=128).
 // KBIT_MMA_MAX_M, read once, replaces kMmaMaxM (<= 2 turns the MMA path off without a rebuild).
 constexpr int64_t kGemvPathMaxM = 2;
 constexpr int64_t kMmaMaxM = 64;
