@@ -1,10 +1,15 @@
-// Dequantization steps shared by the kernels that read the runtime layout (gemv.cu, mma_*.cuh):
-// E4M4 scale decode, the bit-matrix transpose of a block's plane words into index words, and
-// the codebook lookup by register shuffle.
+// Dequantization steps shared by the kernels that read the runtime layout (gemv.cu, mma_*.cuh,
+// wgmma*.cu): E4M4 scale decode, the bit-matrix transpose of a block's plane words into index
+// words, the codebook lookup by register shuffle, and the 16-bit pairs the tensor-core kernels
+// build their weight fragments from.
 #pragma once
+
+#include "kbit_format.cuh"
 
 #include <cstdint>
 
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
 namespace kbit {
@@ -60,5 +65,33 @@ __device__ __forceinline__ float lookup(float codebook_reg, const uint32_t (&q)[
   constexpr int F = Fields<BITS>::kBits;
   return __shfl_sync(0xFFFFFFFFu, codebook_reg, static_cast<int>(q[e % F] >> (F * (e / F))));
 }
+
+// 16-bit element type T of the tensor-core kernels' weight fragments: two fp32 values rounded to
+// nearest-even into one register (lo in the low half), scaled in pairs, and the scalar conversions.
+template <typename T>
+struct Half2;
+
+template <>
+struct Half2<__nv_bfloat16> {
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
+    return bits_as<uint32_t>(__floats2bfloat162_rn(lo, hi));
+  }
+  // Both halves times the scale pair s (round to nearest): one instruction for two weights.
+  __device__ static __forceinline__ uint32_t scale2(uint32_t v, uint32_t s) {
+    return bits_as<uint32_t>(__hmul2(bits_as<__nv_bfloat162>(v), bits_as<__nv_bfloat162>(s)));
+  }
+  __device__ static __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static __forceinline__ __nv_bfloat16 narrow(float v) { return __float2bfloat16_rn(v); }
+};
+
+template <>
+struct Half2<__half> {
+  __device__ static __forceinline__ uint32_t pack(float lo, float hi) { return bits_as<uint32_t>(__floats2half2_rn(lo, hi)); }
+  __device__ static __forceinline__ uint32_t scale2(uint32_t v, uint32_t s) {
+    return bits_as<uint32_t>(__hmul2(bits_as<__half2>(v), bits_as<__half2>(s)));
+  }
+  __device__ static __forceinline__ float to_float(__half v) { return __half2float(v); }
+  __device__ static __forceinline__ __half narrow(float v) { return __float2half_rn(v); }
+};
 
 }  // namespace kbit

@@ -140,23 +140,33 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const 
   return C.view(out_shape);
 }
 
+// x of a test op that forces one kernel, as the contiguous [M, K] matrix the kernels read: the
+// dense op's checks, plus 16-bit x, at least one row and int32 sizes. The caller holds the device guard.
+at::Tensor forced_kernel_input(const char* op, const at::Tensor& x, const at::Tensor& qweight_rt,
+                               const at::Tensor& absmax_rt, const at::Tensor& codebook, int64_t N, int64_t K,
+                               const std::optional<at::Tensor>& bias) {
+  check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
+  TORCH_CHECK(x.scalar_type() != at::kFloat, op, ": x must be bf16 or fp16");
+  const int64_t M = x.numel() / K;
+  TORCH_CHECK(M > 0 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX, op,
+              ": x has no rows or sizes exceed int32");
+  return as_matrix(x, M, K);
+}
+
 // The MMA kernel at any M >= 1 with a forced tile shape / split count (0: heuristic), for tests and
 // benchmarks; kbit::linear is the entry point.
 at::Tensor mma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                            const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
                            int64_t row_groups, int64_t splits) {
-  check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
-  TORCH_CHECK(x.scalar_type() != at::kFloat, "kbit _mma_linear: x must be bf16 or fp16");
   const c10::DeviceGuard guard(x.device());
-  const int64_t M = x.numel() / K;
-  TORCH_CHECK(M > 0 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX, "kbit _mma_linear: x has no rows or sizes exceed int32");
+  const at::Tensor A = forced_kernel_input("kbit _mma_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias);
+  const int64_t M = A.size(0);
   const int p = mma_config(M, qweight_rt.size(0)).p;
   TORCH_CHECK(row_groups == 0 || mma_built(p, static_cast<int>(row_groups)), "kbit _mma_linear: row_groups=", row_groups,
               " is not built for M=", M, "; supported: 0 (heuristic), 1, ", p == kMmaMaxRowTiles ? 2 : 4);
   const int64_t max_splits = std::min<int64_t>(kMmaMaxSplits, qweight_rt.size(1));
   TORCH_CHECK(splits >= 0 && splits <= max_splits, "kbit _mma_linear: splits=", splits, " outside 0 (heuristic) .. ",
               max_splits);
-  const at::Tensor A = as_matrix(x, M, K);
   at::Tensor C = at::empty({M, N}, x.options());
   launch_mma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, row_groups, splits);
   return C;
@@ -166,12 +176,10 @@ at::Tensor mma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, co
 at::Tensor gemv_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                             const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
                             int64_t splits) {
-  check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
-  TORCH_CHECK(x.scalar_type() != at::kFloat, "kbit _gemv_linear: x must be bf16 or fp16");
   const c10::DeviceGuard guard(x.device());
-  const int64_t M = x.numel() / K;
-  TORCH_CHECK(M >= 1 && M <= kGemvMaxM, "kbit _gemv_linear: x has ", M, " rows; supported: 1..", kGemvMaxM);
-  const at::Tensor A = as_matrix(x, M, K);
+  const at::Tensor A = forced_kernel_input("kbit _gemv_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias);
+  const int64_t M = A.size(0);
+  TORCH_CHECK(M <= kGemvMaxM, "kbit _gemv_linear: x has ", M, " rows; supported: 1..", kGemvMaxM);
   at::Tensor C = at::empty({M, N}, x.options());
   launch_gemv(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, splits);
   return C;
@@ -182,15 +190,10 @@ at::Tensor gemv_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, c
 at::Tensor wgmma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                              const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
                              bool warp_specialized) {
-  check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
-  TORCH_CHECK(x.scalar_type() != at::kFloat, "kbit _wgmma_linear: x must be bf16 or fp16");
   const c10::DeviceGuard guard(x.device());
+  const at::Tensor A = forced_kernel_input("kbit _wgmma_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias);
   TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9, "kbit _wgmma_linear: needs a Hopper (sm_90) GPU");
-  const int64_t M = x.numel() / K;
-  TORCH_CHECK(M > 0 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX,
-              "kbit _wgmma_linear: x has no rows or sizes exceed int32");
-  const at::Tensor A = as_matrix(x, M, K);
-  at::Tensor C = at::empty({M, N}, x.options());
+  at::Tensor C = at::empty({A.size(0), N}, x.options());
   if (warp_specialized) {
     launch_wgmma_ws(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
   } else {

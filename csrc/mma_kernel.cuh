@@ -92,43 +92,28 @@ struct MmaParams {
 
 // ----------------------------------------------------------------------------- element types
 
+// The weight fragment's element type (dequant_core.cuh: Half2) plus its mma.sync m16n8k16.
 template <typename T>
 struct Elem;
 
 template <>
-struct Elem<__nv_bfloat16> {
-  // Two fp32 values rounded to nearest-even into one register, lo in the low half.
-  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
-    return bits_as<uint32_t>(__floats2bfloat162_rn(lo, hi));
-  }
+struct Elem<__nv_bfloat16> : Half2<__nv_bfloat16> {
   __device__ static __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  // Both halves times the scale pair s (round to nearest): one instruction for two weights.
-  __device__ static __forceinline__ uint32_t scale2(uint32_t v, uint32_t s) {
-    return bits_as<uint32_t>(__hmul2(bits_as<__nv_bfloat162>(v), bits_as<__nv_bfloat162>(s)));
-  }
-  __device__ static __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __device__ static __forceinline__ __nv_bfloat16 narrow(float v) { return __float2bfloat16_rn(v); }
 };
 
 template <>
-struct Elem<__half> {
-  __device__ static __forceinline__ uint32_t pack(float lo, float hi) { return bits_as<uint32_t>(__floats2half2_rn(lo, hi)); }
+struct Elem<__half> : Half2<__half> {
   __device__ static __forceinline__ void mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
     asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
         "{%0, %1, %2, %3};"
         : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
   }
-  __device__ static __forceinline__ uint32_t scale2(uint32_t v, uint32_t s) {
-    return bits_as<uint32_t>(__hmul2(bits_as<__half2>(v), bits_as<__half2>(s)));
-  }
-  __device__ static __forceinline__ float to_float(__half v) { return __half2float(v); }
-  __device__ static __forceinline__ __half narrow(float v) { return __float2half_rn(v); }
 };
 
 // ----------------------------------------------------------------------------- copies

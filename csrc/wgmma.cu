@@ -23,7 +23,6 @@
 #include "wgmma_core.cuh"
 
 #include <algorithm>
-#include <atomic>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -242,22 +241,9 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
   }
 }
 
+// The activations permuted into the kernel's k order, then the kernel (grid: ceil(n_tiles / 2) x ceil(M / 128)).
 template <typename T, int BITS>
-void launch_typed(const WgmmaParams<T>& prm, cudaStream_t stream, int device) {
-  const auto kernel = wgmma_kernel<T, BITS>;
-  static std::atomic<bool> prepared[kMaxDevices] = {};
-  TORCH_CHECK(device >= 0 && device < kMaxDevices, "kbit wgmma: device index ", device, " >= ", kMaxDevices);
-  if (!prepared[device].load(std::memory_order_relaxed)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    prepared[device].store(true, std::memory_order_relaxed);
-  }
-  const dim3 grid((prm.n_tiles + kWarpGroups - 1) / kWarpGroups, (prm.M + kRows - 1) / kRows);
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(prm);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename T>
-void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb,
+void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb,
                   const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C) {
   const int M = static_cast<int>(A.size(0));
   const int n_tiles = static_cast<int>(q.size(0)), k_tiles = static_cast<int>(q.size(1));
@@ -277,14 +263,10 @@ void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
                            bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
                            reinterpret_cast<T*>(C.data_ptr()),
                            M, static_cast<int>(N), Kp, n_tiles, k_tiles};
-  const int device = A.get_device();
-  switch (q.size(2)) {
-    case 2: return launch_typed<T, 2>(prm, stream, device);
-    case 3: return launch_typed<T, 3>(prm, stream, device);
-    case 4: return launch_typed<T, 4>(prm, stream, device);
-    case 5: return launch_typed<T, 5>(prm, stream, device);
-    default: TORCH_CHECK(false, "kbit wgmma: k=", q.size(2), " is not supported");
-  }
+  opt_in_shared_memory<wgmma_kernel<T, BITS>>(kSmemBytes, A.get_device());
+  const dim3 grid((n_tiles + kWarpGroups - 1) / kWarpGroups, (M + kRows - 1) / kRows);
+  wgmma_kernel<T, BITS><<<grid, kThreads, kSmemBytes, stream>>>(prm);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -292,9 +274,9 @@ void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
 void launch_wgmma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                   const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
                   at::Tensor& C) {
-  if (A.scalar_type() == at::kBFloat16) return launch_dtype<__nv_bfloat16>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C);
-  TORCH_CHECK(A.scalar_type() == at::kHalf, "kbit wgmma: activations must be bf16 or fp16");
-  launch_dtype<__half>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C);
+  dispatch_type_and_bits(A.scalar_type(), qweight_rt.size(2), "kbit wgmma", [&](auto type, auto bits) {
+    launch_typed<decltype(type), decltype(bits)::value>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C);
+  });
 }
 
 }  // namespace kbit

@@ -3,10 +3,16 @@
 // matrix descriptor, wgmma / async-proxy fences, cp.async and mbarrier wrappers. Hopper (sm_90a) only.
 #pragma once
 
+#include "dequant_core.cuh"
 #include "kbit_format.cuh"
 
+#include <atomic>
 #include <cstdint>
+#include <type_traits>
 
+#include <c10/cuda/CUDAException.h>
+#include <c10/core/ScalarType.h>
+#include <c10/util/Exception.h>
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
@@ -21,34 +27,6 @@ constexpr int kMaxDevices = 64;                    // devices whose launch prepa
 // The 64 fp32 accumulators of one m64n128 wgmma, as asm operands %0..%63.
 #define KBIT_WGMMA_D64 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
 #define KBIT_WGMMA_D64_OPERANDS(d) "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
-
-// 16-bit element type T: pairs packed into one register (lo in the low half), scaled in pairs, and
-// the wgmma type suffix.
-template <typename T>
-struct Half2;
-
-template <>
-struct Half2<__nv_bfloat16> {
-  __device__ static __forceinline__ uint32_t pack(float lo, float hi) {
-    return bits_as<uint32_t>(__floats2bfloat162_rn(lo, hi));
-  }
-  // Both halves times the scale pair s (round to nearest): one instruction for two weights.
-  __device__ static __forceinline__ uint32_t scale2(uint32_t v, uint32_t s) {
-    return bits_as<uint32_t>(__hmul2(bits_as<__nv_bfloat162>(v), bits_as<__nv_bfloat162>(s)));
-  }
-  __device__ static __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-  __device__ static __forceinline__ __nv_bfloat16 narrow(float v) { return __float2bfloat16_rn(v); }
-};
-
-template <>
-struct Half2<__half> {
-  __device__ static __forceinline__ uint32_t pack(float lo, float hi) { return bits_as<uint32_t>(__floats2half2_rn(lo, hi)); }
-  __device__ static __forceinline__ uint32_t scale2(uint32_t v, uint32_t s) {
-    return bits_as<uint32_t>(__hmul2(bits_as<__half2>(v), bits_as<__half2>(s)));
-  }
-  __device__ static __forceinline__ float to_float(__half v) { return __half2float(v); }
-  __device__ static __forceinline__ __half narrow(float v) { return __float2half_rn(v); }
-};
 
 // wgmma descriptor of a K-major operand in the 128-byte swizzle layout: start address, 1024 bytes
 // between groups of 8 rows (8 rows x 128 bytes), swizzle mode 1 (128 B). The leading offset is
@@ -89,6 +67,36 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
+}
+
+// ----------------------------------------------------------------------------- host side
+
+// The shared-memory opt-in above 48 KB, once per kernel instance and device (preparing twice is harmless).
+template <auto kKernel>
+void opt_in_shared_memory(int bytes, int device) {
+  static std::atomic<bool> prepared[kMaxDevices] = {};
+  TORCH_CHECK(device >= 0 && device < kMaxDevices, "kbit wgmma: device index ", device, " >= ", kMaxDevices);
+  if (!prepared[device].load(std::memory_order_relaxed)) {
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
+    prepared[device].store(true, std::memory_order_relaxed);
+  }
+}
+
+// Calls f(T{}, std::integral_constant<int, BITS>{}) for activations of 16-bit type `dtype` and k = bits.
+template <typename F>
+void dispatch_type_and_bits(at::ScalarType dtype, int64_t bits, const char* what, F&& f) {
+  const auto with_type = [&](auto type) {
+    switch (bits) {
+      case 2: return f(type, std::integral_constant<int, 2>{});
+      case 3: return f(type, std::integral_constant<int, 3>{});
+      case 4: return f(type, std::integral_constant<int, 4>{});
+      case 5: return f(type, std::integral_constant<int, 5>{});
+      default: TORCH_CHECK(false, what, ": k=", bits, " is not supported; supported: 2..5");
+    }
+  };
+  if (dtype == at::kBFloat16) return with_type(__nv_bfloat16{});
+  TORCH_CHECK(dtype == at::kHalf, what, ": activations must be bf16 or fp16, got ", dtype);
+  with_type(__half{});
 }
 
 }  // namespace wgmma_core

@@ -21,8 +21,6 @@
 #include "dequant_core.cuh"
 #include "wgmma_core.cuh"
 
-#include <algorithm>
-#include <atomic>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -282,22 +280,9 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_ws_kernel(const __grid_cons
   }
 }
 
+// Grid: ceil(n_tiles / 2) x ceil(M / 256).
 template <typename T, int BITS>
-void launch_typed(const WsParams<T>& prm, cudaStream_t stream, int device) {
-  const auto kernel = wgmma_ws_kernel<T, BITS>;
-  static std::atomic<bool> prepared[kMaxDevices] = {};
-  TORCH_CHECK(device >= 0 && device < kMaxDevices, "kbit wgmma_ws: device index ", device, " >= ", kMaxDevices);
-  if (!prepared[device].load(std::memory_order_relaxed)) {
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes));
-    prepared[device].store(true, std::memory_order_relaxed);
-  }
-  const dim3 grid((prm.n_tiles + 1) / 2, (prm.M + kActRows - 1) / kActRows);
-  kernel<<<grid, kThreads, kSmemBytes, stream>>>(prm);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
-}
-
-template <typename T>
-void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb,
+void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb,
                   const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C) {
   const WsParams<T> prm{reinterpret_cast<const T*>(A.data_ptr()),
                         reinterpret_cast<const uint4*>(q.data_ptr()),
@@ -307,15 +292,10 @@ void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
                         reinterpret_cast<T*>(C.data_ptr()),
                         static_cast<int>(A.size(0)), static_cast<int>(N), static_cast<int>(K),
                         static_cast<int>(q.size(0)), static_cast<int>(q.size(1))};
-  const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
-  const int device = A.get_device();
-  switch (q.size(2)) {
-    case 2: return launch_typed<T, 2>(prm, stream, device);
-    case 3: return launch_typed<T, 3>(prm, stream, device);
-    case 4: return launch_typed<T, 4>(prm, stream, device);
-    case 5: return launch_typed<T, 5>(prm, stream, device);
-    default: TORCH_CHECK(false, "kbit wgmma_ws: k=", q.size(2), " is not supported");
-  }
+  opt_in_shared_memory<wgmma_ws_kernel<T, BITS>>(kSmemBytes, A.get_device());
+  const dim3 grid((prm.n_tiles + 1) / 2, (prm.M + kActRows - 1) / kActRows);
+  wgmma_ws_kernel<T, BITS><<<grid, kThreads, kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(prm);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace
@@ -323,11 +303,9 @@ void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
 void launch_wgmma_ws(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                      const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
                      at::Tensor& C) {
-  if (A.scalar_type() == at::kBFloat16) {
-    return launch_dtype<__nv_bfloat16>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C);
-  }
-  TORCH_CHECK(A.scalar_type() == at::kHalf, "kbit wgmma_ws: activations must be bf16 or fp16");
-  launch_dtype<__half>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C);
+  dispatch_type_and_bits(A.scalar_type(), qweight_rt.size(2), "kbit wgmma_ws", [&](auto type, auto bits) {
+    launch_typed<decltype(type), decltype(bits)::value>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C);
+  });
 }
 
 }  // namespace kbit
