@@ -1,5 +1,6 @@
 """Dense kbit linear benchmark: kbit::linear (GEMV for M <= 2, fused dequant + MMA up to 64, fused dequant
-+ wgmma up to 256 on weights of >= 2^25 elements, dequant + cuBLAS above) and each of its kernels forced on its own, vs cuBLAS bf16 and fp16.
++ wgmma on weights of >= 2^25 elements (register-fragment up to 128, warp-specialized up to 512), dequant + cuBLAS
+above) and each of its kernels forced on its own, vs cuBLAS bf16 and fp16.
 
 Kernel time only: each measurement captures many back-to-back calls in one CUDA graph and
 times its replays with events (median replay / calls). HOT reuses one weight; COLD rotates
@@ -12,8 +13,9 @@ measured device-to-device copy bandwidth / time.
 Writes bench_linear_<gpu>_<date>.json (a list of records), .md (tables) and .png (speedup over
 cuBLAS bf16 vs M, one line per k) into --out; `--plot JSON` redraws the plot of a JSON file.
 The records' meaning: op `kbit_linear` is the dispatch (`path` says which kernel it ran),
-`kbit_mma` / `kbit_dequant_cublas` force one kernel where the dispatch picks another (k=4, COLD:
-the crossovers; `kbit_mma` also where the dispatch runs the GEMV), `kbit_mma_r<r>` the MMA kernel
+`kbit_mma` / `kbit_dequant_cublas` / `kbit_wgmma` / `kbit_wgmma_ws` force one kernel where the dispatch
+picks another (k=4, COLD: the crossovers; `kbit_mma` also where the dispatch runs the GEMV, both wgmma
+kernels from M = 64 on Hopper), `kbit_mma_r<r>` the MMA kernel
 with the row-group width r its heuristic did not pick (k=4, COLD, at VARIANT_M);
 `us` median kernel time per call, `baseline_us` cuBLAS bf16 at the same shape/M/regime in the
 same run, `roofline_pct` as above, `splits` the GEMV's K splits (M <= 4).
@@ -62,7 +64,7 @@ M_OTHER_K = (1, 4, 16, 64, 256, 1024)  # k = 2, 3, 5 (keeps the run inside one d
 M_SHORT = (4, 8, 16, 32, 64, 128, 256)  # --short: k = 4 COLD; other k COLD and k = 4 HOT at M_SHORT_OTHER
 M_SHORT_OTHER = (16,)
 FORCED_MAX_M = 512  # the MMA kernel is timed up to here where the dispatch picks dequant + cuBLAS
-WGMMA_MIN_M = 64  # the wgmma kernel (Hopper) is timed from here where the dispatch picks another path
+WGMMA_MIN_M = 64  # the wgmma kernels (Hopper) are timed from here where the dispatch picks another path
 VARIANT_M = (8, 16, 32, 64, 128, 256)  # the MMA kernel's other row-group width is timed here (k=4 COLD)
 
 
@@ -265,13 +267,12 @@ def main() -> None:
                             elif M <= FORCED_MAX_M:
                                 record("kbit_mma", name, K, N, k, M, dtype, regime, graph_time_us([mma_fn(x, w) for w in ws]),
                                        nbytes, extra)
-                            if M >= WGMMA_MIN_M and hopper:  # the warp-specialized wgmma kernel (not dispatched yet)
-                                record("kbit_wgmma_ws", name, K, N, k, M, dtype, regime,
-                                       graph_time_us([wgmma_fn(x, w, True) for w in ws]), nbytes, extra)
-                            if M >= WGMMA_MIN_M and path != "wgmma" and hopper:
-                                record("kbit_wgmma", name, K, N, k, M, dtype, regime,
-                                       graph_time_us([wgmma_fn(x, w) for w in ws]), nbytes, extra)
-                            elif path == "wgmma":
+                            if M >= WGMMA_MIN_M and hopper:  # both wgmma kernels where the dispatch runs another path
+                                for op, ws_kernel in (("kbit_wgmma", False), ("kbit_wgmma_ws", True)):
+                                    if path != op[len("kbit_"):]:
+                                        record(op, name, K, N, k, M, dtype, regime,
+                                               graph_time_us([wgmma_fn(x, w, ws_kernel) for w in ws]), nbytes, extra)
+                            if path.startswith("wgmma"):
                                 us2 = graph_time_us([lambda w=w: F.linear(x, w.dequantize(dtype)) for w in ws])
                                 record("kbit_dequant_cublas", name, K, N, k, M, dtype, regime, us2, nbytes, extra)
                             if M in ((16, 64) if args.short else VARIANT_M):

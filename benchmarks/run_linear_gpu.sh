@@ -5,7 +5,8 @@
 # shape (with the MMA kernel's shared-memory bank conflicts), and bench_linear.py. Everything lands
 # in $OUT (at most 8 files). For a short call: SKIP_PROFILE=1 ... run_linear_gpu.sh --short
 #   KBIT_COMMIT=<sha> bash benchmarks/run_linear_gpu.sh [bench args...]
-# Steps are skipped with SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_PROFILE=1, SKIP_BENCH=1; SWEEP=1 adds the
+# Steps are skipped with SKIP_TESTS=1, SKIP_SANITIZER=1, SKIP_PROFILE=1, SKIP_BENCH=1 (SANITIZE_KERNELS="wgmma_kernel ..."
+# narrows the sanitizer to some kernels); SWEEP=1 adds the
 # GEMV split sweep (sweep_splits.py --kernel gemv: 2 more files, so skip the sanitizer or the bench with it).
 source "$(dirname "$0")/gpu_env.sh"
 {
@@ -45,7 +46,7 @@ for (N, K, k) in [(1000, 2080, 4), (130, 4096, 5), (64, 96, 2)]:
 torch.cuda.synchronize()
 print("sanitizer workload done")
 EOF
-  for kernel in gemv_kernel mma_detail wgmma_kernel wgmma_ws_kernel; do  # (mma_detail: the mma.sync kernel's namespace)
+  for kernel in ${SANITIZE_KERNELS:-gemv_kernel mma_detail wgmma_kernel wgmma_ws_kernel}; do  # (mma_detail: the mma.sync kernel's namespace)
     for tool in memcheck racecheck; do
       echo "== $tool, $kernel"
       # the first reports in full (a hazard's kind, kernel and source line), then the summary

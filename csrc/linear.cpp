@@ -1,7 +1,7 @@
 // kbit::linear on CUDA: out[..., N] = x[..., K] @ dequant(W)^T (+ bias), W in the runtime layout.
 //
 // Picks a path by M (rows of x) and the weight's size: GEMV (gemv.cu), fused dequant + MMA (mma.cu),
-// fused dequant + wgmma (wgmma.cu), dequantize + cuBLAS. Everything here is metadata work: no host
+// fused dequant + wgmma (wgmma.cu, wgmma_ws.cu), dequantize + cuBLAS. Everything here is metadata work: no host
 // sync, and every allocation's size follows from the shapes alone, so calls are capturable
 // in CUDA graphs.
 #include "gemv.cuh"
@@ -22,7 +22,7 @@
 namespace kbit {
 namespace {
 
-enum class LinearPath { kGemv, kMma, kWgmma, kDequantCublas };
+enum class LinearPath { kGemv, kMma, kWgmma, kWgmmaWs, kDequantCublas };
 
 // The largest M each path serves (bf16/fp16 x; fp32 x always dequantizes). GEMV for M <= 2: from
 // M = 3 the MMA kernel (whose time is flat up to M = 8, one n8 tile) is faster. H100, COLD, commit
@@ -30,17 +30,20 @@ enum class LinearPath { kGemv, kMma, kWgmma, kDequantCublas };
 // M=4 on 12 of the 13 shapes of design.md §6, e.g. 2048x4096 8.8 / 7.5 us, 8192x28672 104.9 / 67.9
 // (512x2048 loses: 4.0 / 4.5); M=2 mixed (2048x4096 7.2 / 7.5, 8192x28672 74.8 / 67.9); for k=2, 3, 5
 // the MMA at M=16 already beats the GEMV at M=4 on 11-12 of 13 shapes.
-// Fused dequant + MMA up to kMmaMaxM. Above it, weights of at least kWgmmaMinWeight elements take the
-// fused dequant + wgmma kernel up to kWgmmaMaxM, everything else dequantize + cuBLAS. Measured on H100,
-// COLD, k=4, shapes K x N, commit 74dd33f + wgmma.cu (benchmarks/NOTES.md, "Fifth H100 session"), µs MMA or
-// dequantize + cuBLAS / wgmma: 8192x28672 M=64 129 / 165, M=128 262 / 173, M=256 458 / 351, M=512
-// 616 / 617; 4096x14336 M=128 71.5 / 46.1, M=256 122 / 101, M=512 159 / 186; on the Qwen3 block shapes
-// (<= 10.5M weights, at most 80 CTAs of 128 rows) the wgmma kernel loses at every M (e.g. 2048x5120
-// M=128 26.0 vs 17.9), as it does on 10240x2048 (106 vs 43 at M=128).
+// Fused dequant + MMA up to kMmaMaxM. Above it, weights of at least kWgmmaMinWeight elements take a
+// fused dequant + wgmma kernel on Hopper: the register-fragment one (wgmma.cu) up to kWgmmaMaxM, the
+// warp-specialized one (wgmma_ws.cu, 256 rows per CTA) up to kWgmmaWsMaxM; everything else dequantize +
+// cuBLAS. Measured on H100, COLD, k=4, shapes K x N, 2026-11-23 at 9daadee (benchmarks/NOTES.md, "Sixth
+// H100 session"), µs dequantize + cuBLAS / register-fragment / warp-specialized: 8192x28672 M=128
+// 173 / 170 / 253, M=256 359 / 343 / 283, M=512 635 / 624 / 578, M=1024 996 / 1241 / 1051; 4096x14336
+// M=128 48.1 / 48.2 / 69.9, M=256 105 / 94.8 / 79.0, M=512 160 / 187 / 155, M=1024 243 / 329 / 305
+// (k=2 and k=5 at M=128 / 256 / 1024 rank the same). Below 2^25 elements both wgmma kernels lose at
+// most M (2048x10240 M=256 42.5 / 49.0 / 47.0; the Qwen3 block shapes at every M).
 // KBIT_MMA_MAX_M, read once, replaces kMmaMaxM (<= 2 turns the MMA path off without a rebuild).
 constexpr int64_t kGemvPathMaxM = 2;
 constexpr int64_t kMmaMaxM = 64;
-constexpr int64_t kWgmmaMaxM = 256;
+constexpr int64_t kWgmmaMaxM = 128;
+constexpr int64_t kWgmmaWsMaxM = 512;
 constexpr int64_t kWgmmaMinWeight = int64_t{1} << 25;
 
 int64_t mma_max_m() {
@@ -55,8 +58,8 @@ LinearPath pick_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return LinearPath::kDequantCublas;  // fp32 x
   if (M <= kGemvPathMaxM) return LinearPath::kGemv;
   if (M <= mma_max_m()) return LinearPath::kMma;
-  if (M <= kWgmmaMaxM && N * K >= kWgmmaMinWeight && at::cuda::getCurrentDeviceProperties()->major == 9) {
-    return LinearPath::kWgmma;
+  if (M <= kWgmmaWsMaxM && N * K >= kWgmmaMinWeight && at::cuda::getCurrentDeviceProperties()->major == 9) {
+    return M <= kWgmmaMaxM ? LinearPath::kWgmma : LinearPath::kWgmmaWs;
   }
   return LinearPath::kDequantCublas;
 }
@@ -134,8 +137,10 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const 
     launch_gemv(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
   } else if (path == LinearPath::kMma) {
     launch_mma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
-  } else {
+  } else if (path == LinearPath::kWgmma) {
     launch_wgmma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+  } else {
+    launch_wgmma_ws(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
   }
   return C.view(out_shape);
 }

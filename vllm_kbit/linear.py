@@ -2,8 +2,8 @@
 
 The op ``torch.ops.kbit.linear`` picks its kernel by M (rows of x) and the weight's size
 (``csrc/linear.cpp``): the GEMV kernel for M <= 2, the fused dequant + MMA kernel up to M = 64,
-on Hopper the fused dequant + wgmma kernel up to M = 256 for weights of at least 2^25 elements, and
-dequantize + cuBLAS above (``linear_path``). Without the CUDA extension the PyTorch reference serves
+on Hopper, for weights of at least 2^25 elements, the fused dequant + wgmma kernels (register-fragment
+up to M = 128, warp-specialized up to M = 512), and dequantize + cuBLAS above (``linear_path``). Without the CUDA extension the PyTorch reference serves
 every device.
 """
 
@@ -26,11 +26,12 @@ _GEMV_RESIDENT_CTAS = 8
 _GEMV_STREAMING_WARPS = 16
 GEMV_MAX_SPLITS = 8
 
-# Mirrors csrc/linear.cpp (kGemvPathMaxM, kMmaMaxM, kWgmmaMaxM, kWgmmaMinWeight and the KBIT_MMA_MAX_M
+# Mirrors csrc/linear.cpp (kGemvPathMaxM, kMmaMaxM, kWgmmaMaxM, kWgmmaWsMaxM, kWgmmaMinWeight and the KBIT_MMA_MAX_M
 # override) and csrc/mma.cuh (kMmaMaxSplits, kMmaMaxRowTiles, kMmaWideTiles, kMmaWideMinRowTiles).
 GEMV_PATH_MAX_M = 2
 _MMA_MAX_M = 64
-_WGMMA_MAX_M = 256
+_WGMMA_MAX_M = 128
+_WGMMA_WS_MAX_M = 512
 _WGMMA_MIN_WEIGHT = 1 << 25
 _MMA_MAX_M_ENV = os.environ.get("KBIT_MMA_MAX_M")
 MMA_MAX_SPLITS = 8
@@ -104,8 +105,8 @@ def linear_path(M: int, N: int, K: int, hopper: bool = True) -> str:
         return "gemv"
     if M <= mma_max_m():
         return "mma"
-    if M <= _WGMMA_MAX_M and N * K >= _WGMMA_MIN_WEIGHT and hopper:
-        return "wgmma"
+    if M <= _WGMMA_WS_MAX_M and N * K >= _WGMMA_MIN_WEIGHT and hopper:
+        return "wgmma" if M <= _WGMMA_MAX_M else "wgmma_ws"
     return "dequant_cublas"
 
 

@@ -157,7 +157,8 @@ def test_mma_random_cases_match_reference(seed):
 
 MMA_MS = (1, 2, 5, 8, 16, 32, 64, 128)
 # The M list (1, 2, 4, ..., 4096) plus 3 and 5: every path of kbit_linear on both sides of each
-# boundary (2 | 3 GEMV | MMA, 64 | 128 MMA | wgmma or dequant + cuBLAS, 256 | 512 wgmma | dequant + cuBLAS).
+# boundary (2 | 3 GEMV | MMA, 64 | 128 MMA | wgmma or dequant + cuBLAS, 128 | 256 wgmma | warp-specialized wgmma,
+# 512 | 1024 warp-specialized wgmma | dequant + cuBLAS).
 LINEAR_MS = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 
 
@@ -329,7 +330,7 @@ def test_from_quantized_weight():
 @pytest.mark.parametrize(
     "N,K,Ms",
     [(1000, 2048, (1, 2, 3, 4, 5, 16, 33, 64, 100)),  # GEMV, MMA, dequant + cuBLAS
-     (8200, 4096, (65, 128, 200, 300))],  # a weight of >= 2^25 elements: wgmma (Hopper), then dequant + cuBLAS
+     (8200, 4096, (65, 128, 200, 300, 600))],  # >= 2^25 elements: both wgmma kernels (Hopper), dequant + cuBLAS
 )
 @pytest.mark.gpu
 @requires_cuda
