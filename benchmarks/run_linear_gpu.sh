@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the dense linear path: the extension (gpu_env.sh), resource usage + SASS of
-# one GEMV and one MMA instance, the GPU tests, compute-sanitizer on one shape per kernel (and the
+# one GEMV and one MMA instance, the GPU tests, compute-sanitizer memcheck + racecheck on one shape per kernel, each kernel
+# on its own workload, and initcheck on all of them (the
 # MMA kernel at every row-group width and cluster size, both wgmma kernels), an Nsight Compute profile of the largest
 # shape (with the MMA kernel's shared-memory bank conflicts), and bench_linear.py. Everything lands
 # in $OUT (at most 8 files). For a short call: SKIP_PROFILE=1 ... run_linear_gpu.sh --short
@@ -24,36 +25,48 @@ if [ -z "$SKIP_TESTS" ]; then
     { echo "GPU tests failed: not benchmarking"; exit 1; }
 fi
 if [ -z "$SKIP_SANITIZER" ]; then
+  # One part of the workload per kernel (argv[1]: gemv, mma, wgmma, wgmma_ws or all): a kernel-filtered
+  # run still executes the other kernels uninstrumented, and racecheck fails on some of those (an
+  # "Internal Sanitizer Error" at the GEMV), so each kernel is checked on a workload that runs it alone.
   cat >/tmp/sanitize_linear.py <<'EOF'
-import torch, vllm_kbit
-from vllm_kbit import format as fmt
+import sys, torch, vllm_kbit
 from vllm_kbit.linear import KbitLinearWeight, kbit_linear
+part = sys.argv[1]
 for (N, K, k) in [(1000, 2080, 4), (130, 4096, 5), (64, 96, 2)]:
-    q_shape, a_shape = fmt.runtime_shapes(N, K, k)
-    W = vllm_kbit.quantize(torch.randn(N, K, device="cuda", dtype=torch.bfloat16), k)
-    w = KbitLinearWeight.from_kbit(W)
-    for M in (1, 2, 3, 4, 5, 16, 40):  # GEMV, then the MMA kernel
-        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-        kbit_linear(x, w, torch.randn(N, device="cuda", dtype=torch.bfloat16))
-    for M, r, s in ((20, 1, 1), (20, 4, 3), (70, 2, 8)):  # every MMA row-group width, clusters of 1, 3, 8, two CTA rows
-        if s <= w.qweight_rt.shape[1]:
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            torch.ops.kbit._mma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, r, s)
-    for M in (7, 300):  # both wgmma kernels (Hopper), partial row tiles
-        for ws in (False, True):
-            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            torch.ops.kbit._wgmma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, ws)
+    w = KbitLinearWeight.from_kbit(vllm_kbit.quantize(torch.randn(N, K, device="cuda", dtype=torch.bfloat16), k))
+    bias = torch.randn(N, device="cuda", dtype=torch.bfloat16)
+    if part in ("gemv", "all"):
+        for M in (1, 2):
+            kbit_linear(torch.randn(M, K, device="cuda", dtype=torch.bfloat16), w, bias)
+    if part in ("mma", "all"):
+        for M in (3, 4, 5, 16, 40):
+            kbit_linear(torch.randn(M, K, device="cuda", dtype=torch.bfloat16), w, bias)
+        for M, r, s in ((20, 1, 1), (20, 4, 3), (70, 2, 8)):  # every row-group width, clusters of 1, 3, 8, two CTA rows
+            if s <= w.qweight_rt.shape[1]:
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                torch.ops.kbit._mma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, r, s)
+    for ws in (False, True):  # both wgmma kernels (Hopper), partial row tiles
+        if part in ("wgmma_ws" if ws else "wgmma", "all"):
+            for M in (7, 300):
+                x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+                torch.ops.kbit._wgmma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, bias, ws)
 torch.cuda.synchronize()
 print("sanitizer workload done")
 EOF
-  for kernel in ${SANITIZE_KERNELS:-gemv_kernel mma_detail wgmma_kernel wgmma_ws_kernel}; do  # (mma_detail: the mma.sync kernel's namespace)
+  # (mma_detail: the mma.sync kernel's namespace); the first reports in full (kind, kernel, source line), then the summary
+  for kernel in ${SANITIZE_KERNELS:-gemv_kernel mma_detail wgmma_kernel wgmma_ws_kernel}; do
+    part=$(case $kernel in gemv_kernel) echo gemv;; mma_detail) echo mma;; wgmma_ws_kernel) echo wgmma_ws;; *) echo wgmma;; esac)
     for tool in memcheck racecheck; do
       echo "== $tool, $kernel"
-      # the first reports in full (a hazard's kind, kernel and source line), then the summary
-      timeout 240 compute-sanitizer --tool $tool --kernel-name kns=$kernel --print-limit 4 python3 /tmp/sanitize_linear.py 2>&1 |
+      timeout 240 compute-sanitizer --tool $tool --kernel-name kns=$kernel --print-limit 4 python3 /tmp/sanitize_linear.py $part 2>&1 |
         grep -v "^W[0-9]" | awk 'NR <= 60 || /SUMMARY|workload done/'
     done
   done | tee "$OUT/sanitizer.log" | grep -E "^==|SUMMARY|workload done"
+  # initcheck unfiltered: with a kernel filter, memory written by the uninstrumented kernels (repack,
+  # torch's) reads as uninitialized
+  echo "== initcheck, all kernels" | tee -a "$OUT/sanitizer.log"
+  timeout 240 compute-sanitizer --tool initcheck --print-limit 4 python3 /tmp/sanitize_linear.py all 2>&1 |
+    grep -v "^W[0-9]" | awk 'NR <= 60 || /SUMMARY|workload done/' | tee -a "$OUT/sanitizer.log" | grep -E "SUMMARY|workload done"
 fi
 if [ -z "$SKIP_PROFILE" ]; then  # Nsight Compute, k=4: the largest shape at M=1..64 and two Qwen3 attention shapes, at the card's own clocks
   cat >/tmp/profile_linear.py <<'EOF'
