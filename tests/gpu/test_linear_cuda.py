@@ -1,5 +1,5 @@
-"""kbit::linear on CUDA (GEMV for M <= 2, fused dequant + MMA up to M = 64, fused dequant + wgmma up to 256
-on large weights, dequantize + cuBLAS above) and the kernels on their own (kbit::_gemv_linear,
+"""kbit::linear on CUDA (GEMV for M <= 2, fused dequant + MMA up to M = 64, on large weights the fused
+dequant + wgmma kernels up to 128 (register-fragment) and 512 (warp-specialized), dequantize + cuBLAS above) and the kernels on their own (kbit::_gemv_linear,
 kbit::_mma_linear at any M and tile shape, kbit::_wgmma_linear) against the fp32 reference.
 
 Reference: A.float() @ dequant(W).float().T (+ bias), with dequant from vllm_kbit.format.
