@@ -30,21 +30,25 @@ enum class LinearPath { kGemv, kMma, kWgmma, kWgmmaWs, kDequantCublas };
 // M=4 on 12 of the 13 shapes of design.md §6, e.g. 2048x4096 8.8 / 7.5 us, 8192x28672 104.9 / 67.9
 // (512x2048 loses: 4.0 / 4.5); M=2 mixed (2048x4096 7.2 / 7.5, 8192x28672 74.8 / 67.9); for k=2, 3, 5
 // the MMA at M=16 already beats the GEMV at M=4 on 11-12 of 13 shapes.
-// Fused dequant + MMA up to kMmaMaxM. Above it, weights of at least kWgmmaMinWeight elements take a
-// fused dequant + wgmma kernel on Hopper: the register-fragment one (wgmma.cu) up to kWgmmaMaxM, the
-// warp-specialized one (wgmma_ws.cu, 256 rows per CTA) up to kWgmmaWsMaxM; everything else dequantize +
-// cuBLAS. Measured on H100, COLD, k=4, shapes K x N, 2026-11-23 at 9daadee (benchmarks/NOTES.md, "Sixth
+// Fused dequant + MMA up to kMmaMaxM. Above it, on Hopper, the fused dequant + wgmma kernels: the
+// register-fragment one (wgmma.cu) up to kWgmmaMaxM on weights of at least kWgmmaMinN rows and kWgmmaMinK
+// columns (one CTA per 128 rows: fewer rows leave most SMs idle), the warp-specialized one (wgmma_ws.cu,
+// 256 rows of x per CTA) up to kWgmmaWsMaxM on weights of at least kWgmmaWsMinWeight elements; everything
+// else dequantize + cuBLAS. Measured on H100, COLD, k=4, shapes K x N, 2026-11-23 at 9daadee (benchmarks/NOTES.md, "Sixth
 // H100 session"), µs dequantize + cuBLAS / register-fragment / warp-specialized: 8192x28672 M=128
 // 173 / 170 / 253, M=256 359 / 343 / 283, M=512 635 / 624 / 578, M=1024 996 / 1241 / 1051; 4096x14336
 // M=128 48.1 / 48.2 / 69.9, M=256 105 / 94.8 / 79.0, M=512 160 / 187 / 155, M=1024 243 / 329 / 305
-// (k=2 and k=5 at M=128 / 256 / 1024 rank the same). Below 2^25 elements both wgmma kernels lose at
-// most M (2048x10240 M=256 42.5 / 49.0 / 47.0; the Qwen3 block shapes at every M).
+// (k=2 and k=5 at M=128 / 256 / 1024 rank the same); 2048x10240 M=128 38.0 / 26.0 / 39.3, M=256
+// 42.5 / 49.0 / 47.0; 10240x2048 M=128 43.2 / 103 / 157; the Qwen3 block shapes (N <= 5120) lose at
+// every M (2048x5120 M=128 17.8 / 26.0). bench_linear v6 (4f447d1) ranks them the same.
 // KBIT_MMA_MAX_M, read once, replaces kMmaMaxM (<= 2 turns the MMA path off without a rebuild).
 constexpr int64_t kGemvPathMaxM = 2;
 constexpr int64_t kMmaMaxM = 64;
 constexpr int64_t kWgmmaMaxM = 128;
 constexpr int64_t kWgmmaWsMaxM = 512;
-constexpr int64_t kWgmmaMinWeight = int64_t{1} << 25;
+constexpr int64_t kWgmmaMinN = 10240;
+constexpr int64_t kWgmmaMinK = 2048;
+constexpr int64_t kWgmmaWsMinWeight = int64_t{1} << 25;
 
 int64_t mma_max_m() {
   static const int64_t from_env = [] {
@@ -58,8 +62,9 @@ LinearPath pick_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return LinearPath::kDequantCublas;  // fp32 x
   if (M <= kGemvPathMaxM) return LinearPath::kGemv;
   if (M <= mma_max_m()) return LinearPath::kMma;
-  if (M <= kWgmmaWsMaxM && N * K >= kWgmmaMinWeight && at::cuda::getCurrentDeviceProperties()->major == 9) {
-    return M <= kWgmmaMaxM ? LinearPath::kWgmma : LinearPath::kWgmmaWs;
+  if (M <= kWgmmaWsMaxM && at::cuda::getCurrentDeviceProperties()->major == 9) {
+    if (M <= kWgmmaMaxM && N >= kWgmmaMinN && K >= kWgmmaMinK) return LinearPath::kWgmma;
+    if (M > kWgmmaMaxM && N * K >= kWgmmaWsMinWeight) return LinearPath::kWgmmaWs;
   }
   return LinearPath::kDequantCublas;
 }

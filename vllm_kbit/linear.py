@@ -1,10 +1,10 @@
 """``kbit_linear``: the dense entry point, ``x @ dequant(W).T (+ bias)`` on a runtime-layout weight.
 
 The op ``torch.ops.kbit.linear`` picks its kernel by M (rows of x) and the weight's size
-(``csrc/linear.cpp``): the GEMV kernel for M <= 2, the fused dequant + MMA kernel up to M = 64,
-on Hopper, for weights of at least 2^25 elements, the fused dequant + wgmma kernels (register-fragment
-up to M = 128, warp-specialized up to M = 512), and dequantize + cuBLAS above (``linear_path``). Without the CUDA extension the PyTorch reference serves
-every device.
+(``csrc/linear.cpp``): the GEMV kernel for M <= 2, the fused dequant + MMA kernel up to M = 64, on
+Hopper the fused dequant + wgmma kernels (register-fragment up to M = 128 on weights of >= 10240 rows
+and >= 2048 columns, warp-specialized up to M = 512 on weights of >= 2^25 elements), and dequantize +
+cuBLAS elsewhere (``linear_path``). Without the CUDA extension the PyTorch reference serves every device.
 """
 
 from __future__ import annotations
@@ -26,13 +26,16 @@ _GEMV_RESIDENT_CTAS = 8
 _GEMV_STREAMING_WARPS = 16
 GEMV_MAX_SPLITS = 8
 
-# Mirrors csrc/linear.cpp (kGemvPathMaxM, kMmaMaxM, kWgmmaMaxM, kWgmmaWsMaxM, kWgmmaMinWeight and the KBIT_MMA_MAX_M
+# Mirrors csrc/linear.cpp (kGemvPathMaxM, kMmaMaxM, kWgmmaMaxM, kWgmmaWsMaxM, kWgmmaMinN, kWgmmaMinK,
+# kWgmmaWsMinWeight and the KBIT_MMA_MAX_M
 # override) and csrc/mma.cuh (kMmaMaxSplits, kMmaMaxRowTiles, kMmaWideTiles, kMmaWideMinRowTiles).
 GEMV_PATH_MAX_M = 2
 _MMA_MAX_M = 64
 _WGMMA_MAX_M = 128
 _WGMMA_WS_MAX_M = 512
-_WGMMA_MIN_WEIGHT = 1 << 25
+_WGMMA_MIN_N = 10240
+_WGMMA_MIN_K = 2048
+_WGMMA_WS_MIN_WEIGHT = 1 << 25
 _MMA_MAX_M_ENV = os.environ.get("KBIT_MMA_MAX_M")
 MMA_MAX_SPLITS = 8
 _MMA_MAX_ROW_TILES = 8
@@ -105,8 +108,10 @@ def linear_path(M: int, N: int, K: int, hopper: bool = True) -> str:
         return "gemv"
     if M <= mma_max_m():
         return "mma"
-    if M <= _WGMMA_WS_MAX_M and N * K >= _WGMMA_MIN_WEIGHT and hopper:
-        return "wgmma" if M <= _WGMMA_MAX_M else "wgmma_ws"
+    if hopper and M <= _WGMMA_MAX_M and N >= _WGMMA_MIN_N and K >= _WGMMA_MIN_K:
+        return "wgmma"
+    if hopper and _WGMMA_MAX_M < M <= _WGMMA_WS_MAX_M and N * K >= _WGMMA_WS_MIN_WEIGHT:
+        return "wgmma_ws"
     return "dequant_cublas"
 
 

@@ -1,5 +1,5 @@
 """kbit::linear on CUDA (GEMV for M <= 2, fused dequant + MMA up to M = 64, on large weights the fused
-dequant + wgmma kernels up to 128 (register-fragment) and 512 (warp-specialized), dequantize + cuBLAS above) and the kernels on their own (kbit::_gemv_linear,
+dequant + wgmma kernels up to 128 (register-fragment) and 512 (warp-specialized), dequantize + cuBLAS elsewhere) and the kernels on their own (kbit::_gemv_linear,
 kbit::_mma_linear at any M and tile shape, kbit::_wgmma_linear) against the fp32 reference.
 
 Reference: A.float() @ dequant(W).float().T (+ bias), with dequant from vllm_kbit.format.
@@ -330,11 +330,14 @@ def test_from_quantized_weight():
 @pytest.mark.parametrize(
     "N,K,Ms",
     [(1000, 2048, (1, 2, 3, 4, 5, 16, 33, 64, 100)),  # GEMV, MMA, dequant + cuBLAS
-     (8200, 4096, (65, 128, 200, 300, 600))],  # >= 2^25 elements: both wgmma kernels (Hopper), dequant + cuBLAS
+     (10300, 4096, (65, 128, 200, 300, 600))],  # both wgmma kernels (Hopper), then dequant + cuBLAS
 )
 @pytest.mark.gpu
 @requires_cuda
 def test_cuda_graph_capture_and_replay(N, K, Ms):
+    hopper = torch.cuda.get_device_capability()[0] == 9
+    expected = {"gemv", "mma", "dequant_cublas"} if N == 1000 else {"wgmma", "wgmma_ws", "dequant_cublas"} if hopper else {"dequant_cublas"}
+    assert {linear_path(M, N, K, hopper) for M in Ms} == expected, "the case no longer covers the paths it names"
     gen = torch.Generator().manual_seed(3)
     w, flat = _random_weight(N, K, 4, gen)
     bias = torch.randn(N, generator=gen).to(torch.bfloat16).cuda()
