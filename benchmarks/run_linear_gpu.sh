@@ -68,14 +68,15 @@ EOF
   timeout 240 compute-sanitizer --tool initcheck --print-limit 4 python3 /tmp/sanitize_linear.py all 2>&1 |
     grep -v "^W[0-9]" | awk 'NR <= 60 || /SUMMARY|workload done/' | tee -a "$OUT/sanitizer.log" | grep -E "SUMMARY|workload done"
 fi
-if [ -z "$SKIP_PROFILE" ]; then  # Nsight Compute, k=4: the largest shape at M=1..64 and two Qwen3 attention shapes, at the card's own clocks
+if [ -z "$SKIP_PROFILE" ]; then  # Nsight Compute, k=4: the largest shape at M=1..256 (GEMV, MMA, both wgmma kernels) and two Qwen3
+  # attention shapes, at the card's own clocks
   cat >/tmp/profile_linear.py <<'EOF'
 import torch
 from vllm_kbit import format as fmt
 from vllm_kbit.linear import KbitLinearWeight, kbit_linear
 k = 4
 # the largest shape, then Qwen3-30B-A3B's qkv and o_proj (the small shapes a decode step runs)
-for (N, K), Ms in (((28672, 8192), (1, 4, 16, 64)), ((5120, 2048), (1, 16)), ((2048, 4096), (1,))):
+for (N, K), Ms in (((28672, 8192), (1, 4, 16, 64, 128, 256)), ((5120, 2048), (1, 16)), ((2048, 4096), (1,))):
     q_shape, a_shape = fmt.runtime_shapes(N, K, k)
     w = KbitLinearWeight(torch.randint(-2**31, 2**31 - 1, q_shape, dtype=torch.int32, device="cuda"),
                          torch.randint(100, 180, a_shape, dtype=torch.uint8, device="cuda"), fmt.normal_float_codebook(k, "cuda"), N, K, k)
@@ -83,7 +84,7 @@ for (N, K), Ms in (((28672, 8192), (1, 4, 16, 64)), ((5120, 2048), (1, 16)), ((2
         kbit_linear(torch.randn(M, K, device="cuda", dtype=torch.bfloat16), w)
 torch.cuda.synchronize()
 EOF
-  timeout 180 ncu --clock-control none --kernel-name regex:"gemv_kernel|mma_kernel" --launch-count 7 --section SpeedOfLight \
+  timeout 180 ncu --clock-control none --kernel-name regex:"gemv_kernel|mma_kernel|wgmma_ws_kernel" --launch-count 9 --section SpeedOfLight \
     --section ComputeWorkloadAnalysis --section WarpStateStats --section SourceCounters --section LaunchStats --section Occupancy --section MemoryWorkloadAnalysis \
     --metrics l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_ld.sum,l1tex__data_bank_conflicts_pipe_lsu_mem_shared_op_st.sum,l1tex__data_pipe_lsu_wavefronts_mem_shared_op_ld.sum \
     python3 /tmp/profile_linear.py >>"$OUT/kernel_info.txt" 2>&1
