@@ -109,3 +109,18 @@ def test_skip_done_resumes_only_successful_steps_of_the_same_commit(tmp_path):
     done = bench_serve.done_steps([path, str(tmp_path / "missing.jsonl")], "abc")
     assert done == {("kbit-4", 1024, 256, 1), ("bf16", 1024, 256, 1)}
     assert bench_serve.done_steps([path], "other") == set()
+
+
+def test_report_lists_repeats_at_one_commit_with_their_spread(tmp_path):
+    path = str(tmp_path / "r.jsonl")
+    for tok in (2600.0, 2860.0):  # two runs of one build
+        records.append(path, records.from_bench(_bench(tok, 256, 256 * 256), _context("kbit-4", 64)))
+    records.append(path, records.from_bench(_bench(3300.0, 256, 256 * 256), {**_context("kbit-4", 64), "commit": "old"}))
+    records.append(path, records.failed(_context("kbit-4", 64), "bench timed out"))  # not a measurement
+    records.append(path, records.from_bench(_bench(200.0, 8, 8 * 256), _context("kbit-4", 1)))  # measured once
+    again = records.repeated(records.load([path]))
+    assert list(again) == [("kbit-4", 1024, 256, 64, "abc")]
+    assert [r["output_tok_s"] for r in again[("kbit-4", 1024, 256, 64, "abc")]] == [2600.0, 2860.0]
+    md = report.markdown(records.load([path]))
+    assert "| kbit-4 | 1024 / 256 | 64 | abc | 2600, 2860 | 10% |" in md
+    assert "failed: bench timed out" in md  # the tables still show the last record

@@ -12,7 +12,8 @@ After every measurement it appends a record to STEM.jsonl (records.py) and rewri
 A full sweep (6 methods x 2 settings x 5 concurrencies) needs about an hour of GPU time (an estimate: a kbit-4
 server start plus its 1024/256 sweep took 6 min on an H100; 128/1024 was not timed yet): run it over several
 device calls with the same command plus `--skip-done <earlier JSONL files>` (each call skips what those files
-already hold for this commit).
+already hold for this commit). `--repeats N` runs each step N times back to back on one server, to size the
+run-to-run spread (report.py lists repeats at one commit with their spread).
 
 The output folder is --out, else $OUT (the device tool's), else benchmarks/results/. --deadline bounds the
 whole run: a server start or bench gets at most what is left (less a reserve for stopping the server),
@@ -147,13 +148,15 @@ class Run:
                 "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--no-enable-prefix-caching",
                 "--disable-uvicorn-access-log", *method.serve_args, *shlex.split(a.server_args)]
 
-    def context(self, method: Method, model: str, setting: tuple[int, int], c: int, facts: dict, command: str) -> dict:
+    def context(self, method: Method, model: str, setting: tuple[int, int], c: int, facts: dict, command: str,
+                repeat: int = 0) -> dict:
         return {
             "gpu": self.gpu, "commit": self.commit,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "model": f"{self.args.shape} shape, dummy weights", "method": method.name, "bits": method.bits,
             "concurrency": c, "input_len": setting[0], "output_len": setting[1],
-            "num_prompts": num_prompts(c, self.args.prompts_per_concurrency), **facts, "command": command,
+            "num_prompts": num_prompts(c, self.args.prompts_per_concurrency), "repeat": repeat, **facts,
+            "command": command,
         }
 
     def save(self, record: dict) -> None:
@@ -161,11 +164,12 @@ class Run:
         report.write(records.load([self.results]), self.stem)
 
     def bench(self, server: vllm_server.Server, method: Method, model: str, setting: tuple[int, int], c: int,
-              facts: dict) -> bool:
+              facts: dict, repeat: int = 0) -> bool:
         """One `vllm bench serve`; records the result (or the failure). False when the server cannot take the
         next step: it died, or a timed-out bench may have left requests running on it."""
         inp, outp = setting
-        name = f"{method.name}_{inp}_{outp}_c{c}.json"
+        name = f"{method.name}_{inp}_{outp}_c{c}_r{repeat}.json"
+        step = f"{method.name} {inp}/{outp} c={c}" + (f" run {repeat + 1}" if self.args.repeats > 1 else "")
         result_dir = os.path.join(self.args.work, "bench")
         cmd = vllm_server.bench_command() + [
             "--backend", "vllm", "--base-url", server.base_url, "--model", model,
@@ -175,7 +179,7 @@ class Run:
             "--result-filename", name,
         ]
         command = f"{shlex.join(server.command)} && {shlex.join(cmd)}"
-        ctx = self.context(method, model, setting, c, facts, command)
+        ctx = self.context(method, model, setting, c, facts, command, repeat)
         timeout = min(self.args.bench_timeout, self.left() - STOP_RESERVE_S)
         path = os.path.join(result_dir, name)
         if os.path.exists(path):
@@ -184,17 +188,17 @@ class Run:
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
         except subprocess.TimeoutExpired:
             self.save(records.failed(ctx, f"bench timed out after {timeout:.0f} s"))
-            self.say(f"{method.name} {inp}/{outp} c={c}: bench timed out after {timeout:.0f} s")
+            self.say(f"{step}: bench timed out after {timeout:.0f} s")
             return False
         if proc.returncode != 0 or not os.path.exists(path):
             tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
             self.save(records.failed(ctx, f"bench exited with {proc.returncode}: {tail[-1] if tail else ''}"))
-            self.say(f"{method.name} {inp}/{outp} c={c}: bench failed (rc={proc.returncode}):\n  " + "\n  ".join(tail))
+            self.say(f"{step}: bench failed (rc={proc.returncode}):\n  " + "\n  ".join(tail))
             return server.proc.poll() is None
         with open(path) as f:
             r = records.from_bench(json.load(f), ctx)
         self.save(r)
-        self.say(f"{method.name} {inp}/{outp} c={c}: {r['output_tok_s']:.1f} output tok/s, "
+        self.say(f"{step}: {r['output_tok_s']:.1f} output tok/s, "
                  f"TPOT {r['tpot_ms']:.2f} ms, TTFT {r['ttft_ms']:.1f} ms, {r['duration_s']:.1f} s"
                  + (f"  [{r['error']}]" if r["error"] else ""))
         return True
@@ -202,8 +206,8 @@ class Run:
     def method(self, method: Method, model: str) -> None:
         """Starts the server for one method, runs every setting x concurrency on it, stops it."""
         a = self.args
-        steps = [(s, c) for s in parse_settings(a.settings) for c in parse_concurrency(a.concurrency)
-                 if (method.name, s[0], s[1], c) not in self.done]
+        steps = [(s, c, i) for s in parse_settings(a.settings) for c in parse_concurrency(a.concurrency)
+                 if (method.name, s[0], s[1], c) not in self.done for i in range(a.repeats)]
         if not steps:
             self.say(f"{method.name}: every step already measured at {self.commit} (--skip-done)")
             return
@@ -220,17 +224,17 @@ class Run:
                 errors = [ln for ln in server.log_text().splitlines() if "Error" in ln][-3:]
                 why = f"{e}; " + " | ".join(errors)
                 self.say(f"{method.name}: {why}\n  log: {log_path}")
-                for setting, c in steps:
-                    ctx = self.context(method, model, setting, c, {}, shlex.join(server.command))
+                for setting, c, i in steps:
+                    ctx = self.context(method, model, setting, c, {}, shlex.join(server.command), i)
                     self.save(records.failed(ctx, why))
                 return
             facts = {**vllm_server.log_facts(server.log_text()), "startup_s": round(startup, 1)}
             self.say(f"{method.name}: healthy after {startup:.0f} s; {facts}")
-            for setting, c in steps:
+            for setting, c, i in steps:
                 if self.left() < STOP_RESERVE_S + a.min_bench_s:
                     self.say(f"{method.name} {setting[0]}/{setting[1]} c={c}: skipped, {self.left():.0f} s left")
                     continue
-                if not self.bench(server, method, model, setting, c, facts):
+                if not self.bench(server, method, model, setting, c, facts, i):
                     self.say(f"{method.name}: server gone or busy; its remaining steps skipped")
                     break
         finally:
@@ -255,6 +259,8 @@ def main() -> None:
     ap.add_argument("--concurrency", default="1,4,16,64,128")
     ap.add_argument("--prompts-per-concurrency", type=int, default=4,
                     help="prompts per bench = max(8, this x concurrency); 2 halves a 128/1024 sweep")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="run each setting x concurrency this many times back to back on the same server")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(model_dir.SHAPES))
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)

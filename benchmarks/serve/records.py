@@ -65,6 +65,16 @@ def load(paths: list[str]) -> list[dict]:
     return out
 
 
+def repeated(records: list[dict]) -> dict[tuple, list[dict]]:
+    """(method, input_len, output_len, concurrency, commit) -> its successful records, in order, for the keys
+    measured more than once at one commit (bench_serve --repeats, or runs of one build on several servers)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r["output_tok_s"] is not None and not r.get("error"):
+            groups.setdefault((r["method"], r["input_len"], r["output_len"], r["concurrency"], r["commit"]), []).append(r)
+    return {k: v for k, v in groups.items() if len(v) > 1}
+
+
 def latest(records: list[dict]) -> dict[tuple, dict]:
     """(method, input_len, output_len, concurrency) -> the last record with that key (a re-run replaces a run)."""
     return {(r["method"], r["input_len"], r["output_len"], r["concurrency"]): r for r in records}

@@ -4,7 +4,7 @@
 
 bench_serve.py calls :func:`write` after every measurement; run this by hand to merge the records of
 several device calls into one table and plot. Where a (method, setting, concurrency) was measured more
-than once, the last record counts.
+than once, the last record counts in the tables; repeats at one commit are also listed with their spread.
 """
 
 from __future__ import annotations
@@ -80,6 +80,15 @@ def markdown(records: list[dict]) -> str:
         r = next(r for r in reversed(records) if r["method"] == m)
         out.append(f"| {m} | {r['bits']} | {_fmt(r.get('weight_gib'))} | {_fmt(r.get('kv_cache_gib'))} | "
                    f"{_fmt(r.get('kv_cache_tokens'), ',')} | {_fmt(r.get('startup_s'), '.0f')} |")
+    again = rec.repeated(records)
+    if again:
+        out += ["", "## Repeated measurements (one method, setting, concurrency and commit)", "",
+                "Output tok/s of each run in order; spread = (max - min) / min.", "",
+                "| method | in / out | c | commit | runs | spread |", "| --- | --- | ---: | --- | --- | ---: |"]
+        for (m, inp, outp, c, commit), rs in again.items():
+            tok = [r["output_tok_s"] for r in rs]
+            out.append(f"| {m} | {inp} / {outp} | {c} | {commit} | {', '.join(f'{t:.0f}' for t in tok)} | "
+                       f"{(max(tok) - min(tok)) / min(tok):.0%} |")
     out += ["", "Commands (last record of each method):", ""]
     for m in methods:
         r = next(r for r in reversed(records) if r["method"] == m)
