@@ -34,13 +34,14 @@ enum class LinearPath { kGemv, kMma, kWgmma, kWgmmaWs, kDequantCublas };
 // register-fragment one (wgmma.cu) up to kWgmmaMaxM on weights of at least kWgmmaMinN rows and kWgmmaMinK
 // columns (one CTA per 128 rows: fewer rows leave most SMs idle), the warp-specialized one (wgmma_ws.cu,
 // 256 rows of x per CTA) up to kWgmmaWsMaxM on weights of at least kWgmmaWsMinWeight elements; everything
-// else dequantize + cuBLAS. Measured on H100, COLD, k=4, shapes K x N, 2026-11-23 at 9daadee (benchmarks/NOTES.md, "Sixth
-// H100 session"), µs dequantize + cuBLAS / register-fragment / warp-specialized: 8192x28672 M=128
-// 173 / 170 / 253, M=256 359 / 343 / 283, M=512 635 / 624 / 578, M=1024 996 / 1241 / 1051; 4096x14336
-// M=128 48.1 / 48.2 / 69.9, M=256 105 / 94.8 / 79.0, M=512 160 / 187 / 155, M=1024 243 / 329 / 305
-// (k=2 and k=5 at M=128 / 256 / 1024 rank the same); 2048x10240 M=128 38.0 / 26.0 / 39.3, M=256
-// 42.5 / 49.0 / 47.0; 10240x2048 M=128 43.2 / 103 / 157; the Qwen3 block shapes (N <= 5120) lose at
-// every M (2048x5120 M=128 17.8 / 26.0). bench_linear v6 (4f447d1) ranks them the same.
+// else dequantize + cuBLAS. Measured on H100, COLD, k=4, shapes K x N, 2026-11-23 (benchmarks/NOTES.md,
+// "Sixth H100 session": dequantize + cuBLAS on the two large shapes at M <= 256 from bench_linear v6 at
+// 4f447d1, everything else from one A/B at 9daadee), µs dequantize + cuBLAS / register-fragment /
+// warp-specialized: 8192x28672 M=128 418 / 170 / 253, M=256 445 / 343 / 283, M=512 635 / 624 / 578,
+// M=1024 996 / 1241 / 1051; 4096x14336 M=128 110 / 48.2 / 69.9, M=256 117 / 94.8 / 79.0, M=512
+// 160 / 187 / 155, M=1024 243 / 329 / 305 (k=2 and k=5 at M=128 / 256 / 1024 rank the same); 2048x10240
+// M=128 38.0 / 26.0 / 39.3, M=256 42.5 / 49.0 / 47.0; 10240x2048 M=128 43.2 / 103 / 157; the Qwen3
+// block shapes (N <= 5120) lose at every M (2048x5120 M=128 17.8 / 26.0).
 // KBIT_MMA_MAX_M, read once, replaces kMmaMaxM (<= 2 turns the MMA path off without a rebuild).
 constexpr int64_t kGemvPathMaxM = 2;
 constexpr int64_t kMmaMaxM = 64;
