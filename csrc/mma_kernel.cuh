@@ -26,6 +26,7 @@
 // tensor; CTA rows past the device-side chunk count leave at once (a whole cluster shares its y).
 #pragma once
 
+#include "cp_async.cuh"
 #include "dequant_core.cuh"
 #include "kbit_format.cuh"
 #include "mma.cuh"
@@ -117,18 +118,6 @@ struct Elem<__half> : Half2<__half> {
 };
 
 // ----------------------------------------------------------------------------- copies
-
-// 16-byte global -> shared copy that bypasses L1 (everything is read once per CTA) to a shared-window
-// address; valid = false writes 16 zero bytes instead (padding rows of A, K past the end, n-tiles
-// past N) and reads nothing, though gmem must still be a mapped address.
-__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
 
 // Slot of 16-byte chunk ch (0..15) of activation row `row` in its 256-byte smem row. Lane (g, t)
 // reads chunk 4t + c of row 8i + g; a 16-byte load is served a quarter warp (8 lanes: g in {2h,

@@ -1,8 +1,10 @@
 // Pieces shared by the fused dequant + wgmma kernels (wgmma.cu: weights in registers, wgmma_ws.cu:
-// warp-specialized, weights through shared memory): 16-bit pair arithmetic, the shared-memory
-// matrix descriptor, wgmma / async-proxy fences, cp.async and mbarrier wrappers. Hopper (sm_90a) only.
+// warp-specialized, weights through shared memory): the shared-memory matrix descriptor and swizzle,
+// wgmma / async-proxy fences, the host-side shared-memory opt-in and dtype / k dispatch (16-bit pairs:
+// dequant_core.cuh, cp.async: cp_async.cuh). Hopper (sm_90a) only.
 #pragma once
 
+#include "cp_async.cuh"
 #include "dequant_core.cuh"
 #include "kbit_format.cuh"
 
@@ -55,19 +57,6 @@ __device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.
 // "rewrites" them after the wait keeps the compiler from reusing or reading them earlier.
 __device__ __forceinline__ void pin(float& v) { asm volatile("" : "+f"(v)::"memory"); }
 __device__ __forceinline__ void pin(uint32_t& v) { asm volatile("" : "+r"(v)::"memory"); }
-
-// 16-byte global -> shared copy; valid = false writes 16 zero bytes and reads nothing (gmem must
-// still be a mapped address).
-__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0));
-}
-// No memory clobbers: the kernels read the copied tiles only through wgmma (volatile asm, kept in
-// order with these), never with ordinary loads the compiler could move.
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;" ::"n"(N));
-}
 
 // ----------------------------------------------------------------------------- host side
 
