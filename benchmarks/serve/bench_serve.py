@@ -277,7 +277,10 @@ def main() -> None:
     ap.add_argument("--min-bench-s", type=float, default=20, help="do not start a bench with less time left")
     # A SIGTERM (e.g. `timeout`) unwinds like an exception, so the running server is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    Run(ap.parse_args()).run()
+    args = ap.parse_args()
+    if args.repeats < 1:
+        ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    Run(args).run()
 
 
 if __name__ == "__main__":
