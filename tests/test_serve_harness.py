@@ -124,3 +124,41 @@ def test_report_lists_repeats_at_one_commit_with_their_spread(tmp_path):
     md = report.markdown(records.load([path]))
     assert "| kbit-4 | 1024 / 256 | 64 | abc | 2600, 2860 | 10% |" in md
     assert "failed: bench timed out" in md  # the tables still show the last record
+
+
+def test_settings_carry_their_prompts_per_concurrency():
+    assert bench_serve.parse_settings("1024/256,128/1024:2") == [(1024, 256, 4), (128, 1024, 2)]
+    assert bench_serve.parse_settings("32/16", per_concurrency=3) == [(32, 16, 3)]
+    assert [bench_serve.num_prompts(c, p) for _, _, p in bench_serve.parse_settings("1/1,1/1:2") for c in (1, 64)] == [
+        8, 256, 8, 128]
+    for bad in ("1024-256", "1024/256:x", "1024/0", "128/1024:0"):
+        with pytest.raises(ValueError, match="setting"):
+            bench_serve.parse_settings(bad)
+
+
+def test_bench_worker_runs_vllm_steps_survives_bad_ones_and_is_killed_at_its_timeout(tmp_path):
+    """The long-lived `vllm bench serve` worker: vLLM's benchmark runs in it (against a port nobody listens on,
+    every request fails and the benchmark says so), a step vLLM's parser rejects fails with its message while
+    the same worker goes on, and a step past its timeout kills the worker."""
+    pytest.importorskip("vllm.benchmarks.serve")
+    import bench_client
+
+    model = model_dir.write("tiny", str(tmp_path / "m"))
+    args = ["--backend", "vllm", "--base-url", f"http://127.0.0.1:{bench_serve.free_port()}", "--model", model,
+            "--dataset-name", "random", "--random-input-len", "8", "--random-output-len", "4", "--num-prompts", "2",
+            "--ignore-eos", "--disable-tqdm"]
+    client = bench_client.BenchClient(str(tmp_path / "worker.log"))
+    try:
+        rc, output = client.run(args, timeout_s=240)
+        worker = client.proc.pid
+        assert rc == 0 and "Serving Benchmark Result" in output and "Failed requests:                         2" in output
+        rc, output = client.run(args + ["--no-such-flag"], timeout_s=120)
+        assert rc == 2 and "unrecognized arguments: --no-such-flag" in output and client.proc.pid == worker
+        assert "Serving Benchmark Result" not in output  # only this step's output
+        with pytest.raises(TimeoutError, match="not finished after"):
+            client.run(args, timeout_s=0.01)
+        assert client.proc is None
+        with pytest.raises(ProcessLookupError):
+            os.kill(worker, 0)
+    finally:
+        client.close()

@@ -2,17 +2,16 @@
 
 For each method (bf16, gptq-int4, kbit-2..5; see methods.py) it starts `vllm serve` on a weightless
 model directory (model_dir.py) with --load-format dummy, waits for /health, runs `vllm bench serve`
-(random dataset, --ignore-eos, max(8, 4 x concurrency) prompts, 1 warm-up request) for every input/output setting and
-concurrency, reads the weight memory and KV-cache capacity from the server log, and stops the server.
+(random dataset, --ignore-eos, max(8, P x concurrency) prompts with P = 4 at 1024/256 and 2 at 128/1024, 1 warm-up
+request) for every input/output setting and concurrency, reads the weight memory and KV-cache capacity from the server log, and stops the server.
 After every measurement it appends a record to STEM.jsonl (records.py) and rewrites STEM.md and STEM.png
 (report.py), so a run killed at its time limit still leaves every finished measurement behind.
 
     python3 benchmarks/serve/bench_serve.py --methods kbit-4,bf16 --settings 1024/256 --concurrency 1,16,64,128
 
-A full sweep (6 methods x 2 settings x 5 concurrencies) needs about an hour of GPU time (an estimate: a kbit-4
-server start plus its 1024/256 sweep took 6 min on an H100; 128/1024 was not timed yet): run it over several
-device calls with the same command plus `--skip-done <earlier JSONL files>` (each call skips what those files
-already hold for this commit). `--repeats N` runs each step N times back to back on one server, to size the
+The steps run in one long-lived `vllm bench serve` worker (bench_client.py). A full sweep is 6 methods x 2 settings
+x 5 concurrencies; on the lent GPU run it over several device calls (one or two methods each) with the same
+command plus `--skip-done <earlier JSONL files>` (each call skips what those files already hold for this commit). `--repeats N` runs each step N times back to back on one server, to size the
 run-to-run spread (report.py lists repeats at one commit with their spread).
 
 The output folder is --out, else $OUT (the device tool's), else benchmarks/results/. --deadline bounds the
@@ -42,6 +41,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
 
+import bench_client  # noqa: E402
 import model_dir  # noqa: E402
 import records  # noqa: E402
 import report  # noqa: E402
@@ -55,12 +55,20 @@ def num_prompts(concurrency: int, per_concurrency: int = 4) -> int:
     return max(8, per_concurrency * concurrency)
 
 
-def parse_settings(text: str) -> list[tuple[int, int]]:
-    """"1024/256,128/1024" -> [(1024, 256), (128, 1024)]."""
+def parse_settings(text: str, per_concurrency: int = 4) -> list[tuple[int, int, int]]:
+    """"1024/256,128/1024:2" -> [(1024, 256, 4), (128, 1024, 2)]: input and output lengths, and prompts per
+    unit of concurrency (after ':', else per_concurrency)."""
     out = []
     for item in text.split(","):
-        inp, _, outp = item.partition("/")
-        out.append((int(inp), int(outp)))
+        lengths, _, per_c = item.partition(":")
+        inp, _, outp = lengths.partition("/")
+        try:
+            setting = (int(inp), int(outp), int(per_c) if per_c else per_concurrency)
+        except ValueError:
+            raise ValueError(f"setting {item!r} is not IN/OUT or IN/OUT:PROMPTS_PER_CONCURRENCY") from None
+        if min(setting) < 1:
+            raise ValueError(f"setting {item!r}: lengths and prompts per concurrency must be at least 1")
+        out.append(setting)
     return out
 
 
@@ -127,6 +135,7 @@ class Run:
         self.servers_log = self.stem + "_servers.log"
         os.makedirs(os.path.join(args.work, "bench"), exist_ok=True)
         self.done = done_steps(args.skip_done.split(",") if args.skip_done else [], self.commit)
+        self.client = bench_client.BenchClient(os.path.join(args.work, "bench_worker.log"))
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -148,14 +157,14 @@ class Run:
                 "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--no-enable-prefix-caching",
                 "--disable-uvicorn-access-log", *method.serve_args, *shlex.split(a.server_args)]
 
-    def context(self, method: Method, model: str, setting: tuple[int, int], c: int, facts: dict, command: str,
+    def context(self, method: Method, model: str, setting: tuple[int, int, int], c: int, facts: dict, command: str,
                 repeat: int = 0) -> dict:
         return {
             "gpu": self.gpu, "commit": self.commit,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
             "model": f"{self.args.shape} shape, dummy weights", "method": method.name, "bits": method.bits,
             "concurrency": c, "input_len": setting[0], "output_len": setting[1],
-            "num_prompts": num_prompts(c, self.args.prompts_per_concurrency), "repeat": repeat, **facts,
+            "num_prompts": num_prompts(c, setting[2]), "repeat": repeat, **facts,
             "command": command,
         }
 
@@ -163,37 +172,37 @@ class Run:
         records.append(self.results, record)
         report.write(records.load([self.results]), self.stem)
 
-    def bench(self, server: vllm_server.Server, method: Method, model: str, setting: tuple[int, int], c: int,
+    def bench(self, server: vllm_server.Server, method: Method, model: str, setting: tuple[int, int, int], c: int,
               facts: dict, repeat: int = 0) -> bool:
         """One `vllm bench serve`; records the result (or the failure). False when the server cannot take the
         next step: it died, or a timed-out bench may have left requests running on it."""
-        inp, outp = setting
+        inp, outp, per_c = setting
         name = f"{method.name}_{inp}_{outp}_c{c}_r{repeat}.json"
         step = f"{method.name} {inp}/{outp} c={c}" + (f" run {repeat + 1}" if self.args.repeats > 1 else "")
         result_dir = os.path.join(self.args.work, "bench")
-        cmd = vllm_server.bench_command() + [
+        bench_args = [
             "--backend", "vllm", "--base-url", server.base_url, "--model", model,
             "--dataset-name", "random", "--random-input-len", str(inp), "--random-output-len", str(outp),
-            "--num-prompts", str(num_prompts(c, self.args.prompts_per_concurrency)), "--max-concurrency", str(c),
+            "--num-prompts", str(num_prompts(c, per_c)), "--max-concurrency", str(c),
             "--ignore-eos", "--num-warmups", "1", "--disable-tqdm", "--save-result", "--result-dir", result_dir,
             "--result-filename", name,
         ]
-        command = f"{shlex.join(server.command)} && {shlex.join(cmd)}"
+        command = f"{shlex.join(server.command)} && {shlex.join(vllm_server.bench_command() + bench_args)}"
         ctx = self.context(method, model, setting, c, facts, command, repeat)
         timeout = min(self.args.bench_timeout, self.left() - STOP_RESERVE_S)
         path = os.path.join(result_dir, name)
         if os.path.exists(path):
             os.remove(path)
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-        except subprocess.TimeoutExpired:
+            rc, output = self.client.run(bench_args, timeout)
+        except TimeoutError:
             self.save(records.failed(ctx, f"bench timed out after {timeout:.0f} s"))
             self.say(f"{step}: bench timed out after {timeout:.0f} s")
             return False
-        if proc.returncode != 0 or not os.path.exists(path):
-            tail = (proc.stdout + proc.stderr).strip().splitlines()[-15:]
-            self.save(records.failed(ctx, f"bench exited with {proc.returncode}: {tail[-1] if tail else ''}"))
-            self.say(f"{step}: bench failed (rc={proc.returncode}):\n  " + "\n  ".join(tail))
+        if rc != 0 or not os.path.exists(path):
+            tail = output.strip().splitlines()[-15:]
+            self.save(records.failed(ctx, f"bench exited with {rc}: {tail[-1] if tail else ''}"))
+            self.say(f"{step}: bench failed (rc={rc}):\n  " + "\n  ".join(tail))
             return server.proc.poll() is None
         with open(path) as f:
             r = records.from_bench(json.load(f), ctx)
@@ -206,7 +215,8 @@ class Run:
     def method(self, method: Method, model: str) -> None:
         """Starts the server for one method, runs every setting x concurrency on it, stops it."""
         a = self.args
-        steps = [(s, c, i) for s in parse_settings(a.settings) for c in parse_concurrency(a.concurrency)
+        steps = [(s, c, i) for s in parse_settings(a.settings, a.prompts_per_concurrency)
+                 for c in parse_concurrency(a.concurrency)
                  if (method.name, s[0], s[1], c) not in self.done for i in range(a.repeats)]
         if not steps:
             self.say(f"{method.name}: every step already measured at {self.commit} (--skip-done)")
@@ -246,8 +256,11 @@ class Run:
         methods = parse_methods(self.args.methods)
         dirs = self.model_dirs(methods)
         self.say(f"gpu {self.gpu}, commit {self.commit}; results -> {self.results}")
-        for m in methods:
-            self.method(m, dirs[m.model_variant])
+        try:
+            for m in methods:
+                self.method(m, dirs[m.model_variant])
+        finally:
+            self.client.close()
         self.say(f"done; {self.stem}.md")
 
 
@@ -255,10 +268,11 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="bf16,kbit-4,gptq-int4,kbit-2,kbit-3,kbit-5",
                     help="comma-separated, run in this order, or 'all' (bf16,gptq-int4,kbit-2..5)")
-    ap.add_argument("--settings", default="1024/256,128/1024", help="input/output lengths, comma-separated")
+    ap.add_argument("--settings", default="1024/256,128/1024:2",
+                    help="IN/OUT lengths, comma-separated; IN/OUT:P runs max(8, P x concurrency) prompts at that setting")
     ap.add_argument("--concurrency", default="1,4,16,64,128")
     ap.add_argument("--prompts-per-concurrency", type=int, default=4,
-                    help="prompts per bench = max(8, this x concurrency); 2 halves a 128/1024 sweep")
+                    help="P of the settings without their own: prompts per bench = max(8, P x concurrency)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run each setting x concurrency this many times back to back on the same server")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(model_dir.SHAPES))
@@ -280,6 +294,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    try:
+        parse_settings(args.settings, args.prompts_per_concurrency)
+    except ValueError as e:
+        ap.error(str(e))
     Run(args).run()
 
 
