@@ -93,6 +93,7 @@ def test_report_tables_ratios_and_plot(tmp_path):
     assert "| kbit-4 | 300 (5.00 / 40) | 4000 (5.00 / 40) |" in md
     assert "| gptq-int4 | failed: vllm serve exited with 1 while starting |" in md
     assert "| kbit-4 | 3.00x | 2.50x |" in md  # relative to bf16
+    assert "Prompts per bench: c=1 8, c=16 64" in md
     assert "| kbit-4 | 4 | 16.0 | 50.0 | 500,000 | 90 |" in md
     pytest.importorskip("matplotlib")
     written = report.write(records.load([path]), str(tmp_path / "r"))
@@ -149,8 +150,10 @@ def test_bench_worker_runs_vllm_steps_survives_bad_ones_and_is_killed_at_its_tim
             "--ignore-eos", "--disable-tqdm"]
     client = bench_client.BenchClient(str(tmp_path / "worker.log"))
     try:
-        rc, output = client.run(args, timeout_s=240)
+        client.start()
         worker = client.proc.pid
+        rc, output = client.run(args, timeout_s=240)
+        assert client.proc.pid == worker
         assert rc == 0 and "Serving Benchmark Result" in output and "Failed requests:                         2" in output
         rc, output = client.run(args + ["--no-such-flag"], timeout_s=120)
         assert rc == 2 and "unrecognized arguments: --no-such-flag" in output and client.proc.pid == worker

@@ -31,7 +31,12 @@ class BenchClient:
         self.proc: subprocess.Popen | None = None
         self.reply_fd = -1
 
-    def _start(self) -> None:
+    def start(self) -> None:
+        """Starts the worker if none is running (bench_serve.py does this before a server start, so that the
+        worker's import of vLLM overlaps the server's start-up instead of delaying the first step)."""
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        self.close()
         read_fd, write_fd = os.pipe()
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", str(write_fd)],
@@ -56,9 +61,7 @@ class BenchClient:
 
     def run(self, args: list[str], timeout_s: float) -> tuple[int, str]:
         """Runs one step; returns (exit status, the worker's output during it). TimeoutError past timeout_s."""
-        if self.proc is None or self.proc.poll() is not None:
-            self.close()
-            self._start()
+        self.start()
         offset = os.path.getsize(self.log_path)
         try:
             self.proc.stdin.write((json.dumps(args) + "\n").encode())

@@ -256,6 +256,7 @@ class Run:
         methods = parse_methods(self.args.methods)
         dirs = self.model_dirs(methods)
         self.say(f"gpu {self.gpu}, commit {self.commit}; results -> {self.results}")
+        self.client.start()
         try:
             for m in methods:
                 self.method(m, dirs[m.model_variant])

@@ -51,13 +51,16 @@ def markdown(records: list[dict]) -> str:
         "",
         f"Dates {min(r['date'] for r in records)} .. {max(r['date'] for r in records)}; "
         f"commits {', '.join(sorted({r['commit'] for r in records}))}. `vllm bench serve`, random dataset, "
-        "`--ignore-eos`, 4 x concurrency prompts (8 at c=1). Cells: output tok/s (mean TPOT ms / mean TTFT ms); "
+        "`--ignore-eos`, max(8, P x concurrency) prompts (per setting below). Cells: output tok/s (mean TPOT ms / mean TTFT ms); "
         "⚠: the run has an error note in the JSON (failed requests or short outputs).",
     ]
     for inp, outp in _settings(rows):
         concs = sorted({k[3] for k in rows if k[1:3] == (inp, outp)})
-        out += ["", f"## {inp} in / {outp} out", "", "| method | " + " | ".join(f"c={c}" for c in concs) + " |",
-                "| --- |" + " ---: |" * len(concs)]
+        prompts = [sorted({r["num_prompts"] for k, r in rows.items() if k[1:] == (inp, outp, c) and r.get("num_prompts")})
+                   for c in concs]
+        out += ["", f"## {inp} in / {outp} out", "",
+                "Prompts per bench: " + ", ".join(f"c={c} {'/'.join(map(str, p)) or '?'}" for c, p in zip(concs, prompts)),
+                "", "| method | " + " | ".join(f"c={c}" for c in concs) + " |", "| --- |" + " ---: |" * len(concs)]
         for m in methods:
             out.append(f"| {m} | " + " | ".join(_cell(rows.get((m, inp, outp, c))) for c in concs) + " |")
         for base in BASELINES:
