@@ -3,6 +3,7 @@
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -165,3 +166,30 @@ def test_bench_worker_runs_vllm_steps_survives_bad_ones_and_is_killed_at_its_tim
             os.kill(worker, 0)
     finally:
         client.close()
+
+
+def test_gpu_monitor_summarizes_clocks_power_and_power_cap_samples(tmp_path, monkeypatch):
+    import gpu_monitor
+
+    text = "\n".join([
+        "1980, 350.5, 45, 0x0000000000000000",
+        "1755, 699.9, 61, 0x0000000000000004",  # SW power cap
+        "Field \"x\" is not a valid field to query.",
+        "1800, [N/A], 60, 0x0",
+        "1500, 690.1, 63, 0x0000000000000024",  # power cap + SW thermal
+    ])
+    assert gpu_monitor.parse(text) == {
+        "gpu_samples": 3, "sm_clock_mhz": 1745, "sm_clock_mhz_min": 1500, "power_w": 580, "power_w_max": 700,
+        "gpu_temp_c_max": 63, "clock_event_reasons": "0x24", "power_capped_pct": 67}
+    assert gpu_monitor.parse("") == {}
+    record = {**records.from_bench(_bench(3000.0, 256, 256 * 256), _context("kbit-4", 64)), **gpu_monitor.parse(text)}
+    assert "| kbit-4 | 1024 / 256 | 64 | 1745 (1500) | 580 (700) | 63 | 0x24 | 67% |" in report.markdown([record])
+    # The sampling process itself, with a stand-in nvidia-smi that prints one sample every 50 ms until stopped.
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\nwhile true; do echo '1600, 650.0, 70, 0x4'; sleep 0.05; done\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with gpu_monitor.GpuMonitor(period_ms=50) as gpu:
+        time.sleep(0.5)
+    assert gpu.summary["gpu_samples"] >= 3 and gpu.summary["sm_clock_mhz"] == 1600
+    assert gpu.summary["power_capped_pct"] == 100 and gpu.summary["clock_event_reasons"] == "0x4"

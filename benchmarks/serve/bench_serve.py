@@ -42,6 +42,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
 
 import bench_client  # noqa: E402
+import gpu_monitor  # noqa: E402
 import model_dir  # noqa: E402
 import records  # noqa: E402
 import report  # noqa: E402
@@ -194,7 +195,8 @@ class Run:
         if os.path.exists(path):
             os.remove(path)
         try:
-            rc, output = self.client.run(bench_args, timeout)
+            with gpu_monitor.GpuMonitor() as gpu:
+                rc, output = self.client.run(bench_args, timeout)
         except TimeoutError:
             self.save(records.failed(ctx, f"bench timed out after {timeout:.0f} s"))
             self.say(f"{step}: bench timed out after {timeout:.0f} s")
@@ -205,10 +207,12 @@ class Run:
             self.say(f"{step}: bench failed (rc={rc}):\n  " + "\n  ".join(tail))
             return server.proc.poll() is None
         with open(path) as f:
-            r = records.from_bench(json.load(f), ctx)
+            r = {**records.from_bench(json.load(f), ctx), **gpu.summary}
         self.save(r)
         self.say(f"{step}: {r['output_tok_s']:.1f} output tok/s, "
                  f"TPOT {r['tpot_ms']:.2f} ms, TTFT {r['ttft_ms']:.1f} ms, {r['duration_s']:.1f} s"
+                 + (f"; SM {r['sm_clock_mhz']} MHz (min {r['sm_clock_mhz_min']}), {r['power_w']} W (max "
+                    f"{r['power_w_max']}), reasons {r['clock_event_reasons']}" if "sm_clock_mhz" in r else "")
                  + (f"  [{r['error']}]" if r["error"] else ""))
         return True
 

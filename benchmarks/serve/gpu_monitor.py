@@ -1,0 +1,83 @@
+"""GPU clocks, power and clock-event reasons sampled by `nvidia-smi` while one benchmark step runs.
+
+Why: at concurrency 64 / 128 the same kernels have measured 15.7-22.0 ms mean TPOT on different runs
+(kbit-4, seven runs, 1024/256) while TTFT stayed within 860-914 ms and c <= 16 within 1-2%. If that spread
+is the card slowing itself down (power cap or thermal limits under the instruction-heavy dequant at large
+batches), the samples show it; if clocks and power are the same in fast and slow runs, it is not.
+Read-only: nvidia-smi is only queried (METHOD.md: never change the card's settings).
+"""
+
+from __future__ import annotations
+
+import shutil
+import statistics
+import subprocess
+import tempfile
+
+FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+POWER_CAP = 0x4  # nvidia-smi's "SW power cap" clock-event reason bit
+
+
+def parse(text: str) -> dict:
+    """Summary of `nvidia-smi --query-gpu=FIELDS --format=csv,noheader,nounits` lines of one GPU. Lines
+    that are not four readable values (an error message, a '[N/A]') are skipped."""
+    clocks, power, temps, reasons = [], [], [], []
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 4:
+            continue
+        try:
+            c, w, t, r = float(parts[0]), float(parts[1]), float(parts[2]), int(parts[3], 16)
+        except ValueError:
+            continue
+        clocks.append(c)
+        power.append(w)
+        temps.append(t)
+        reasons.append(r)
+    if not clocks:
+        return {}
+    seen = 0
+    for r in reasons:
+        seen |= r
+    return {
+        "gpu_samples": len(clocks),
+        "sm_clock_mhz": round(statistics.fmean(clocks)),
+        "sm_clock_mhz_min": round(min(clocks)),
+        "power_w": round(statistics.fmean(power)),
+        "power_w_max": round(max(power)),
+        "gpu_temp_c_max": round(max(temps)),
+        "clock_event_reasons": f"0x{seen:x}",
+        "power_capped_pct": round(100 * sum(1 for r in reasons if r & POWER_CAP) / len(reasons)),
+    }
+
+
+class GpuMonitor:
+    """Context manager: samples GPU 0 (the one a single-GPU server runs on) every `period_ms` while the
+    block runs; `summary` holds parse()'s result afterwards ({} without nvidia-smi or a readable sample)."""
+
+    def __init__(self, period_ms: int = 250):
+        self.period_ms = period_ms
+        self.summary: dict = {}
+        self._proc: subprocess.Popen | None = None
+        self._out = None
+
+    def __enter__(self) -> "GpuMonitor":
+        smi = shutil.which("nvidia-smi")
+        if smi is not None:
+            self._out = tempfile.TemporaryFile(mode="w+")
+            self._proc = subprocess.Popen([smi, "--id=0", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits",
+                                           f"--loop-ms={self.period_ms}"], stdout=self._out, stderr=subprocess.STDOUT)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is None:
+            return
+        self._proc.terminate()
+        try:
+            self._proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._out.seek(0)
+        self.summary = parse(self._out.read())
+        self._out.close()
