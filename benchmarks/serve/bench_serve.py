@@ -2,17 +2,20 @@
 
 For each method (bf16, gptq-int4, kbit-2..5; see methods.py) it starts `vllm serve` on a weightless
 model directory (model_dir.py) with --load-format dummy, waits for /health, runs `vllm bench serve`
-(random dataset, --ignore-eos, max(8, P x concurrency) prompts with P = 4 at 1024/256 and 2 at 128/1024, 1 warm-up
-request) for every input/output setting and concurrency, reads the weight memory and KV-cache capacity from the server log, and stops the server.
+(random dataset, --ignore-eos, max(8, P x concurrency) prompts with P = 4 at 1024/256 and 2 at 128/1024,
+1 warm-up request) for every input/output setting and concurrency, reads the weight memory and KV-cache
+capacity from the server log, and stops the server. While a step runs, nvidia-smi samples the GPU's
+clocks and power (gpu_monitor.py) into its record.
 After every measurement it appends a record to STEM.jsonl (records.py) and rewrites STEM.md and STEM.png
 (report.py), so a run killed at its time limit still leaves every finished measurement behind.
 
     python3 benchmarks/serve/bench_serve.py --methods kbit-4,bf16 --settings 1024/256 --concurrency 1,16,64,128
 
-The steps run in one long-lived `vllm bench serve` worker (bench_client.py). A full sweep is 6 methods x 2 settings
-x 5 concurrencies; on the lent GPU run it over several device calls (one or two methods each) with the same
-command plus `--skip-done <earlier JSONL files>` (each call skips what those files already hold for this commit). `--repeats N` runs each step N times back to back on one server, to size the
-run-to-run spread (report.py lists repeats at one commit with their spread).
+The steps run in one long-lived `vllm bench serve` worker (bench_client.py). A full sweep is 6 methods x 2
+settings x 5 concurrencies; on the lent GPU run it over several device calls (one method each, 7-9 min on an
+H100) with the same command plus `--skip-done <earlier JSONL files>` (each call skips what those files already
+hold for this commit). `--repeats N` runs each step N times back to back on one server, to size the run-to-run
+spread (report.py lists repeats at one commit with their spread).
 
 The output folder is --out, else $OUT (the device tool's), else benchmarks/results/. --deadline bounds the
 whole run: a server start or bench gets at most what is left (less a reserve for stopping the server),
