@@ -193,3 +193,7 @@ def test_gpu_monitor_summarizes_clocks_power_and_power_cap_samples(tmp_path, mon
         time.sleep(0.5)
     assert gpu.summary["gpu_samples"] >= 3 and gpu.summary["sm_clock_mhz"] == 1600
     assert gpu.summary["power_capped_pct"] == 100 and gpu.summary["clock_event_reasons"] == "0x4"
+    with gpu_monitor.GpuMonitor(period_ms=50, max_s=1) as gpu:  # stops by itself at max_s
+        time.sleep(1.5)
+        assert gpu._proc.poll() is not None
+    assert 5 <= gpu.summary["gpu_samples"] <= 30

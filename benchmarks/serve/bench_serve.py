@@ -198,7 +198,7 @@ class Run:
         if os.path.exists(path):
             os.remove(path)
         try:
-            with gpu_monitor.GpuMonitor() as gpu:
+            with gpu_monitor.GpuMonitor(max_s=timeout + 60) as gpu:
                 rc, output = self.client.run(bench_args, timeout)
         except TimeoutError:
             self.save(records.failed(ctx, f"bench timed out after {timeout:.0f} s"))

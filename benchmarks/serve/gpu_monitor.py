@@ -53,10 +53,13 @@ def parse(text: str) -> dict:
 
 class GpuMonitor:
     """Context manager: samples GPU 0 (the one a single-GPU server runs on) every `period_ms` while the
-    block runs; `summary` holds parse()'s result afterwards ({} without nvidia-smi or a readable sample)."""
+    block runs; `summary` holds parse()'s result afterwards ({} without nvidia-smi or a readable sample).
+    The sampler also stops by itself after `max_s` (coreutils `timeout`), so a parent killed without a
+    chance to clean up does not leave it running on a machine that stays warm."""
 
-    def __init__(self, period_ms: int = 250):
+    def __init__(self, period_ms: int = 250, max_s: float = 3600):
         self.period_ms = period_ms
+        self.max_s = max_s
         self.summary: dict = {}
         self._proc: subprocess.Popen | None = None
         self._out = None
@@ -65,7 +68,8 @@ class GpuMonitor:
         smi = shutil.which("nvidia-smi")
         if smi is not None:
             self._out = tempfile.TemporaryFile(mode="w+")
-            self._proc = subprocess.Popen([smi, "--id=0", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits",
+            limit = ["timeout", str(max(1, round(self.max_s)))] if shutil.which("timeout") else []
+            self._proc = subprocess.Popen([*limit, smi, "--id=0", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits",
                                            f"--loop-ms={self.period_ms}"], stdout=self._out, stderr=subprocess.STDOUT)
         return self
 
