@@ -172,21 +172,21 @@ def test_gpu_monitor_summarizes_clocks_power_and_power_cap_samples(tmp_path, mon
     import gpu_monitor
 
     text = "\n".join([
-        "1980, 350.5, 45, 0x0000000000000000",
-        "1755, 699.9, 61, 0x0000000000000004",  # SW power cap
+        "1980, 350.5, 45, 40, 0x0000000000000000",
+        "1755, 699.9, 61, 100, 0x0000000000000004",  # SW power cap
         "Field \"x\" is not a valid field to query.",
-        "1800, [N/A], 60, 0x0",
-        "1500, 690.1, 63, 0x0000000000000024",  # power cap + SW thermal
+        "1800, [N/A], 60, 100, 0x0",
+        "1500, 690.1, 63, 100, 0x0000000000000024",  # power cap + SW thermal
     ])
     assert gpu_monitor.parse(text) == {
         "gpu_samples": 3, "sm_clock_mhz": 1745, "sm_clock_mhz_min": 1500, "power_w": 580, "power_w_max": 700,
-        "gpu_temp_c_max": 63, "clock_event_reasons": "0x24", "power_capped_pct": 67}
+        "gpu_temp_c_max": 63, "gpu_util_pct": 80, "clock_event_reasons": "0x24", "power_capped_pct": 67}
     assert gpu_monitor.parse("") == {}
     record = {**records.from_bench(_bench(3000.0, 256, 256 * 256), _context("kbit-4", 64)), **gpu_monitor.parse(text)}
-    assert "| kbit-4 | 1024 / 256 | 64 | 1745 (1500) | 580 (700) | 63 | 0x24 | 67% |" in report.markdown([record])
+    assert "| kbit-4 | 1024 / 256 | 64 | 1745 (1500) | 580 (700) | 63 | 80% | 0x24 | 67% |" in report.markdown([record])
     # The sampling process itself, with a stand-in nvidia-smi that prints one sample every 50 ms until stopped.
     fake = tmp_path / "nvidia-smi"
-    fake.write_text("#!/bin/sh\nwhile true; do echo '1600, 650.0, 70, 0x4'; sleep 0.05; done\n")
+    fake.write_text("#!/bin/sh\nwhile true; do echo '1600, 650.0, 70, 99, 0x4'; sleep 0.05; done\n")
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
     with gpu_monitor.GpuMonitor(period_ms=50) as gpu:

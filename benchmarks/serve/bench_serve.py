@@ -215,7 +215,8 @@ class Run:
         self.say(f"{step}: {r['output_tok_s']:.1f} output tok/s, "
                  f"TPOT {r['tpot_ms']:.2f} ms, TTFT {r['ttft_ms']:.1f} ms, {r['duration_s']:.1f} s"
                  + (f"; SM {r['sm_clock_mhz']} MHz (min {r['sm_clock_mhz_min']}), {r['power_w']} W (max "
-                    f"{r['power_w_max']}), reasons {r['clock_event_reasons']}" if "sm_clock_mhz" in r else "")
+                    f"{r['power_w_max']}), busy {r['gpu_util_pct']}%, reasons {r['clock_event_reasons']}"
+                    if "sm_clock_mhz" in r else "")
                  + (f"  [{r['error']}]" if r["error"] else ""))
         return True
 

@@ -3,7 +3,10 @@
 Why: at concurrency 64 / 128 the same kernels have measured 15.7-22.0 ms mean TPOT on different runs
 (kbit-4, seven runs, 1024/256) while TTFT stayed within 860-914 ms and c <= 16 within 1-2%. If that spread
 is the card slowing itself down (power cap or thermal limits under the instruction-heavy dequant at large
-batches), the samples show it; if clocks and power are the same in fast and slow runs, it is not.
+batches), the samples show it; if clocks and power are the same in fast and slow runs, it is not. The
+utilization (share of time a kernel was running) tells a second suspect apart: steps bound by the host
+(eager large mixed prefill-decode batches outside vLLM's CUDA graphs, with the benchmark client on the same
+CPU) leave the GPU idle between kernels.
 Read-only: nvidia-smi is only queried (METHOD.md: never change the card's settings).
 """
 
@@ -14,25 +17,26 @@ import statistics
 import subprocess
 import tempfile
 
-FIELDS = "clocks.sm,power.draw,temperature.gpu,clocks_event_reasons.active"
+FIELDS = "clocks.sm,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active"
 POWER_CAP = 0x4  # nvidia-smi's "SW power cap" clock-event reason bit
 
 
 def parse(text: str) -> dict:
     """Summary of `nvidia-smi --query-gpu=FIELDS --format=csv,noheader,nounits` lines of one GPU. Lines
-    that are not four readable values (an error message, a '[N/A]') are skipped."""
-    clocks, power, temps, reasons = [], [], [], []
+    that are not five readable values (an error message, a '[N/A]') are skipped."""
+    clocks, power, temps, util, reasons = [], [], [], [], []
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(",")]
-        if len(parts) != 4:
+        if len(parts) != 5:
             continue
         try:
-            c, w, t, r = float(parts[0]), float(parts[1]), float(parts[2]), int(parts[3], 16)
+            c, w, t, u, r = float(parts[0]), float(parts[1]), float(parts[2]), float(parts[3]), int(parts[4], 16)
         except ValueError:
             continue
         clocks.append(c)
         power.append(w)
         temps.append(t)
+        util.append(u)
         reasons.append(r)
     if not clocks:
         return {}
@@ -46,6 +50,7 @@ def parse(text: str) -> dict:
         "power_w": round(statistics.fmean(power)),
         "power_w_max": round(max(power)),
         "gpu_temp_c_max": round(max(temps)),
+        "gpu_util_pct": round(statistics.fmean(util)),
         "clock_event_reasons": f"0x{seen:x}",
         "power_capped_pct": round(100 * sum(1 for r in reasons if r & POWER_CAP) / len(reasons)),
     }

@@ -95,11 +95,11 @@ def markdown(records: list[dict]) -> str:
     sampled = [(k, r) for k, r in rows.items() if r.get("sm_clock_mhz") is not None]
     if sampled:
         out += ["", "## GPU during each bench (nvidia-smi samples, gpu_monitor.py)", "",
-                "| method | in / out | c | SM MHz mean (min) | W mean (max) | °C max | clock-event reasons | power-capped |",
-                "| --- | --- | ---: | ---: | ---: | ---: | --- | ---: |"]
+                "| method | in / out | c | SM MHz mean (min) | W mean (max) | °C max | GPU busy | clock-event reasons | "
+                "power-capped |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
         for (m, inp, outp, c), r in sampled:
             out.append(f"| {m} | {inp} / {outp} | {c} | {r['sm_clock_mhz']} ({r['sm_clock_mhz_min']}) | {r['power_w']} "
-                       f"({r['power_w_max']}) | {r['gpu_temp_c_max']} | {r['clock_event_reasons']} | "
+                       f"({r['power_w_max']}) | {r['gpu_temp_c_max']} | {r['gpu_util_pct']}% | {r['clock_event_reasons']} | "
                        f"{r['power_capped_pct']}% |")
     out += ["", "Commands (last record of each method):", ""]
     for m in methods:
