@@ -1,5 +1,6 @@
 """Dense kbit linear benchmark: kbit::linear (GEMV for M <= 2, fused dequant + MMA up to 64, fused dequant
-+ wgmma on large weights (register-fragment up to 128, warp-specialized up to 512), dequant + cuBLAS elsewhere) and each of its kernels forced on its own, vs cuBLAS bf16 and fp16.
++ wgmma on large weights (register-fragment up to 128, warp-specialized up to 512), dequant + cuBLAS
+elsewhere) and each of its kernels forced on its own, vs cuBLAS bf16 and fp16.
 
 Kernel time only: each measurement captures many back-to-back calls in one CUDA graph and
 times its replays with events (median replay / calls). HOT reuses one weight; COLD rotates

@@ -27,8 +27,8 @@ _GEMV_STREAMING_WARPS = 16
 GEMV_MAX_SPLITS = 8
 
 # Mirrors csrc/linear.cpp (kGemvPathMaxM, kMmaMaxM, kWgmmaMaxM, kWgmmaWsMaxM, kWgmmaMinN, kWgmmaMinK,
-# kWgmmaWsMinWeight and the KBIT_MMA_MAX_M
-# override) and csrc/mma.cuh (kMmaMaxSplits, kMmaMaxRowTiles, kMmaWideTiles, kMmaWideMinRowTiles).
+# kWgmmaWsMinWeight and the KBIT_MMA_MAX_M override) and csrc/mma.cuh (kMmaMaxSplits, kMmaMaxRowTiles,
+# kMmaWideTiles, kMmaWideMinRowTiles).
 GEMV_PATH_MAX_M = 2
 _MMA_MAX_M = 64
 _WGMMA_MAX_M = 128

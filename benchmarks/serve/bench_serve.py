@@ -125,8 +125,9 @@ def done_steps(paths: list[str], at_commit: str) -> set[tuple]:
 class Run:
     """One harness invocation: settings, output paths, the deadline and the per-method loop."""
 
-    def __init__(self, args: argparse.Namespace):
+    def __init__(self, args: argparse.Namespace, settings: list[tuple[int, int, int]]):
         self.args = args
+        self.settings = settings  # parse_settings(args.settings, args.prompts_per_concurrency)
         self.t0 = time.monotonic()
         self.deadline = self.t0 + args.deadline
         self.gpu = gpu_name()
@@ -223,8 +224,7 @@ class Run:
     def method(self, method: Method, model: str) -> None:
         """Starts the server for one method, runs every setting x concurrency on it, stops it."""
         a = self.args
-        steps = [(s, c, i) for s in parse_settings(a.settings, a.prompts_per_concurrency)
-                 for c in parse_concurrency(a.concurrency)
+        steps = [(s, c, i) for s in self.settings for c in parse_concurrency(a.concurrency)
                  if (method.name, s[0], s[1], c) not in self.done for i in range(a.repeats)]
         if not steps:
             self.say(f"{method.name}: every step already measured at {self.commit} (--skip-done)")
@@ -304,10 +304,10 @@ def main() -> None:
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
     try:
-        parse_settings(args.settings, args.prompts_per_concurrency)
+        settings = parse_settings(args.settings, args.prompts_per_concurrency)
     except ValueError as e:
         ap.error(str(e))
-    Run(args).run()
+    Run(args, settings).run()
 
 
 if __name__ == "__main__":

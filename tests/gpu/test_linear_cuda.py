@@ -1,6 +1,7 @@
 """kbit::linear on CUDA (GEMV for M <= 2, fused dequant + MMA up to M = 64, on large weights the fused
-dequant + wgmma kernels up to 128 (register-fragment) and 512 (warp-specialized), dequantize + cuBLAS elsewhere) and the kernels on their own (kbit::_gemv_linear,
-kbit::_mma_linear at any M and tile shape, kbit::_wgmma_linear) against the fp32 reference.
+dequant + wgmma kernels up to 128 (register-fragment) and 512 (warp-specialized), dequantize + cuBLAS
+elsewhere) and the kernels on their own (kbit::_gemv_linear, kbit::_mma_linear at any M and tile shape,
+kbit::_wgmma_linear) against the fp32 reference.
 
 Reference: A.float() @ dequant(W).float().T (+ bias), with dequant from vllm_kbit.format.
 Outputs are checked everywhere: the allocator's cache is poisoned with NaN before each call
