@@ -293,7 +293,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/kbit_serve", help="model directories, server logs, raw bench JSON")
     ap.add_argument("--skip-done", metavar="JSONL[,JSONL]",
                     help="skip the steps these results files already hold for this commit (resume a sweep across calls)")
-    ap.add_argument("--deadline", type=float, default=3600, help="seconds for the whole run")
+    ap.add_argument("--deadline", type=float, default=86400, help="seconds for the whole run (default: no practical limit)")
     ap.add_argument("--start-timeout", type=float, default=420, help="seconds for a server to become healthy")
     ap.add_argument("--bench-timeout", type=float, default=300, help="seconds for one `vllm bench serve`")
     ap.add_argument("--min-start-s", type=float, default=150, help="do not start a server with less time left")

@@ -5,7 +5,9 @@
 #   bash benchmarks/serve/run.sh [bench_serve.py args, e.g. --methods kbit-4,bf16 --settings 1024/256 --concurrency 1,16,64,128]
 # With vLLM staged per /work/shared/gpu/README.md, wrap it: bash .vllm/scripts/stage.sh bash benchmarks/serve/run.sh ...
 # Environment:
-#   PYTHON     interpreter (default python3)          DEADLINE  seconds for the whole call (default 570)
+#   PYTHON     interpreter (default python3)
+#   DEADLINE   seconds for the whole call: steps that would not fit are skipped (default none; the device
+#              tool's calls stop at 600 s, so there use 575 and one method per call)
 #   TESTS=1    first run `pytest -m gpu tests/vllm`, each test in its own process, TESTS_PARALLEL (4) at a time
 #              (log: $OUT/tests.log; each test at most TESTS_TIMEOUT s, default 420)
 #   BENCH=0    skip the benchmark                     PROFILE   methods to profile after it, e.g. kbit-4,bf16
@@ -19,7 +21,7 @@
 source "$(dirname "$0")/../gpu_env.sh"
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-/tmp/vllm_cache}  # torch.compile cache kept while the machine is warm
 PY=${PYTHON:-python3}
-DEADLINE=${DEADLINE:-570}
+DEADLINE=${DEADLINE:-86400}  # default: no practical limit
 left() { echo $((DEADLINE - SECONDS)); }
 
 plugin_ok() {  # this checkout's vllm_kbit is what the interpreter imports, with the vllm.general_plugins entry point
