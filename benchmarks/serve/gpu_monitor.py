@@ -12,6 +12,8 @@ Read-only: nvidia-smi is only queried (METHOD.md: never change the card's settin
 
 from __future__ import annotations
 
+import functools
+import operator
 import shutil
 import statistics
 import subprocess
@@ -24,25 +26,19 @@ POWER_CAP = 0x4  # nvidia-smi's "SW power cap" clock-event reason bit
 def parse(text: str) -> dict:
     """Summary of `nvidia-smi --query-gpu=FIELDS --format=csv,noheader,nounits` lines of one GPU. Lines
     that are not five readable values (an error message, a '[N/A]') are skipped."""
-    clocks, power, temps, util, reasons = [], [], [], [], []
+    samples = []
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(",")]
         if len(parts) != 5:
             continue
         try:
-            c, w, t, u, r = float(parts[0]), float(parts[1]), float(parts[2]), float(parts[3]), int(parts[4], 16)
+            samples.append((*map(float, parts[:4]), int(parts[4], 16)))
         except ValueError:
             continue
-        clocks.append(c)
-        power.append(w)
-        temps.append(t)
-        util.append(u)
-        reasons.append(r)
-    if not clocks:
+    if not samples:
         return {}
-    seen = 0
-    for r in reasons:
-        seen |= r
+    clocks, power, temps, util, reasons = zip(*samples)
+    seen = functools.reduce(operator.or_, reasons)
     return {
         "gpu_samples": len(clocks),
         "sm_clock_mhz": round(statistics.fmean(clocks)),
