@@ -19,7 +19,7 @@ import subprocess
 
 import torch
 
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 

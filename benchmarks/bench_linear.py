@@ -37,7 +37,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import vllm_kbit  # noqa: E402
-from vllm_kbit import format as fmt  # noqa: E402
+from vllm_kbit import reference as fmt  # noqa: E402
 from vllm_kbit.linear import KbitLinearWeight, gemv_splits, gemv_tiles, kbit_linear, linear_path, mma_config  # noqa: E402
 
 # design.md section 6 as (name, K, N)

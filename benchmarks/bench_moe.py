@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.dirname(__file__))
 import vllm_kbit  # noqa: E402
 from bench_linear import copy_bandwidth, graph_time_us  # noqa: E402
-from vllm_kbit import format as fmt  # noqa: E402
+from vllm_kbit import reference as fmt  # noqa: E402
 from vllm_kbit.linear import GEMV_MAX_SPLITS, gemv_tiles  # noqa: E402
 from vllm_kbit.moe import chunk_rows, kbit_fused_moe, max_chunks  # noqa: E402
 

@@ -72,7 +72,7 @@ if [ -z "$SKIP_PROFILE" ]; then  # Nsight Compute, k=4: the largest shape at M=1
   # attention shapes, at the card's own clocks
   cat >/tmp/profile_linear.py <<'EOF'
 import torch
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 from vllm_kbit.linear import KbitLinearWeight, kbit_linear
 k = 4
 # the largest shape, then Qwen3-30B-A3B's qkv and o_proj (the small shapes a decode step runs)

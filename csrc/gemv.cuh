@@ -1,5 +1,5 @@
 // GEMV for M = 1..4: C[M, N] = A[M, K] @ dequant(W)^T (+ bias), reading the runtime layout
-// (vllm_kbit/format.py: repack) exactly once. Launcher and split-K heuristic; kernel in gemv.cu.
+// (vllm_kbit/reference.py: repack) exactly once. Launcher and split-K heuristic; kernel in gemv.cu.
 #pragma once
 
 #include <optional>

@@ -1,4 +1,4 @@
-// Device helpers for the kbit format. vllm_kbit/format.py is the spec: every helper
+// Device helpers for the kbit format. vllm_kbit/reference.py is the spec: every helper
 // here reproduces one of its steps bit for bit (no fast-math, explicit _rn arithmetic).
 #pragma once
 

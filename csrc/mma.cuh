@@ -1,5 +1,5 @@
 // Fused dequant + tensor-core MMA for small M: C[M, N] = A[M, K] @ dequant(W)^T (+ bias), reading
-// the runtime layout (vllm_kbit/format.py: repack) once per block of activation rows.
+// the runtime layout (vllm_kbit/reference.py: repack) once per block of activation rows.
 // Launcher, configuration and split-K heuristic in mma.cu; kernel in mma_kernel.cuh.
 #pragma once
 

@@ -1,5 +1,5 @@
 // CUDA implementations of the torch.ops.kbit ops whose schemas vllm_kbit/ops.py defines.
-// Each op checks its inputs like vllm_kbit/format.py (same exception types: TypeError for
+// Each op checks its inputs like vllm_kbit/reference.py (same exception types: TypeError for
 // dtypes, ValueError for values and shapes), allocates its outputs and calls a launcher.
 // Plain C++ with no CUDA headers (c10::DeviceGuard selects the tensors' GPU).
 #include <ATen/ATen.h>

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import vllm_kbit
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 
 
 def _one_line(excinfo):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 
 
 @pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)

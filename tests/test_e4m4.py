@@ -2,7 +2,7 @@
 
 import torch
 
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 
 
 def _value(code: int) -> float:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 
 # Seed 000 §12.2: SQNR floors on 1M N(0,1) elements.
 SEED_SQNR_FLOOR_DB = {2: 5.0, 3: 10.0, 4: 15.0, 5: 20.0}

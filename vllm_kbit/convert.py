@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
 from vllm_kbit.settings import KbitSettings, module_key
 from vllm_kbit.weight import check_representable

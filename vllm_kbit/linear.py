@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
 from vllm_kbit.weight import KbitWeight
 

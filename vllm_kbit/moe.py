@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 from vllm_kbit import ops
 
 _lib = torch.library.Library("kbit", "FRAGMENT")

@@ -13,7 +13,7 @@ import os
 
 import torch
 
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 
 _lib = torch.library.Library("kbit", "DEF")
 

@@ -49,7 +49,7 @@ from typing import Any
 
 import torch
 
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 
 QUANT_METHOD = "kbit"
 DEFAULT_BITS = 4

@@ -6,13 +6,13 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
 
 
 @dataclass(frozen=True)
 class KbitWeight:
-    """A [N, K] weight in the flat kbit layout (see :mod:`vllm_kbit.format`)."""
+    """A [N, K] weight in the flat kbit layout (see :mod:`vllm_kbit.reference`)."""
 
     qweight: torch.Tensor  # int32 [N, K/32, k]
     absmax: torch.Tensor  # uint8 [N, K/32], E4M4 codes

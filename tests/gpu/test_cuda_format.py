@@ -1,5 +1,5 @@
 """CUDA kernels of the kbit format (quantize, dequantize, repack, dequantize_runtime) against
-the PyTorch reference in vllm_kbit.format, run on CPU copies of the same inputs.
+the PyTorch reference in vllm_kbit.reference, run on CPU copies of the same inputs.
 
 Everything must match bit for bit: packed words, scale codes, runtime layout with its zero
 padding, and dequantized values. Each case draws fresh inputs from its own seed, and the
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import vllm_kbit
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

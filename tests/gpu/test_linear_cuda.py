@@ -3,7 +3,7 @@ dequant + wgmma kernels up to 128 (register-fragment) and 512 (warp-specialized)
 elsewhere) and the kernels on their own (kbit::_gemv_linear, kbit::_mma_linear at any M and tile shape,
 kbit::_wgmma_linear) against the fp32 reference.
 
-Reference: A.float() @ dequant(W).float().T (+ bias), with dequant from vllm_kbit.format.
+Reference: A.float() @ dequant(W).float().T (+ bias), with dequant from vllm_kbit.reference.
 Outputs are checked everywhere: the allocator's cache is poisoned with NaN before each call
 so an unwritten element shows up as non-finite.
 """
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import vllm_kbit
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 from vllm_kbit.linear import (
     GEMV_MAX_SPLITS,
     MMA_MAX_SPLITS,

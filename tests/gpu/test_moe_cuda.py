@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 from vllm_kbit.moe import chunk_rows, kbit_fused_moe, max_chunks, route_reference, stack_runtime
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

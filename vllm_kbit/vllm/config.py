@@ -28,7 +28,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
 
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 from vllm_kbit.settings import QUANT_METHOD, KbitSettings
 from vllm_kbit.vllm.linear_method import KbitLinearMethod, KbitOnlineLinearMethod
 from vllm_kbit.vllm.moe_method import KbitMoEMethod, KbitOnlineMoEMethod

@@ -24,7 +24,7 @@ from vllm.model_executor.model_loader.reload.layerwise import initialize_online_
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import replace_parameter
 
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
 from vllm_kbit.weight import check_representable
 

@@ -26,7 +26,7 @@ from vllm.model_executor.model_loader.reload.layerwise import initialize_online_
 from vllm.model_executor.utils import replace_parameter, set_weight_attrs
 from vllm.platforms import current_platform
 
-from vllm_kbit import format as fmt
+from vllm_kbit import reference as fmt
 from vllm_kbit.moe import kbit_fused_moe, stack_runtime
 from vllm_kbit.weight import check_representable
 
