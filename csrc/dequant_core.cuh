@@ -1,7 +1,8 @@
 // Dequantization steps shared by the kernels that read the runtime layout (gemv.cu, mma_*.cuh,
 // wgmma*.cu): E4M4 scale decode, the bit-matrix transpose of a block's plane words into index
-// words, the codebook lookup by register shuffle, and the 16-bit pairs the tensor-core kernels
-// build their weight fragments from.
+// words, the codebook lookup by register shuffle, the 16-bit pairs the tensor-core kernels build
+// their weight fragments from, and (k = 2..4) the shared-memory lookup table of 16-bit pairs and
+// quads the MMA kernel decodes with.
 #pragma once
 
 #include "kbit_format.cuh"
@@ -93,5 +94,105 @@ struct Half2<__half> {
   __device__ static __forceinline__ float to_float(__half v) { return __half2float(v); }
   __device__ static __forceinline__ __half narrow(float v) { return __float2half_rn(v); }
 };
+
+// ----------------------------------------------------------------------------- lookup-table decode
+// For k <= 4 the tensor-core kernels decode from a table in shared memory instead of one register
+// shuffle, one conversion and one multiply per weight: an 8-bit index selects a ready 16-bit pair
+// (k = 3, 4: two weights per 32-bit load) or quad (k = 2: four weights per 64-bit load) of codebook
+// values in the activation type, so a weight costs a fraction of an extraction, a load and a
+// multiply by the block scale. Every entry is stored once per lane (k = 2: per half-warp lane, since a
+// 64-bit load is served a half-warp at a time) in that lane's own bank, so a warp's 32 random
+// indices never conflict: an entry is a 128-byte row of replicas.
+
+template <int BITS>
+struct Lut {
+  static_assert(BITS >= 2 && BITS <= 4, "lookup-table decode is for k = 2..4");
+  static constexpr bool kQuad = BITS == 2;
+  static constexpr int kWords = kQuad ? 2 : 4;  // index words per block (8-bit indices, 4 per word)
+  // k = 3 indices have bits 3 and 7 clear, so one PRMT turns a byte into the row offset when rows
+  // are 256 bytes apart (the spare 128 bytes of each row unused); 8-bit indices of k = 2, 4 would
+  // double the table that way, so their offset is a shift and a mask instead.
+  static constexpr int kRowShift = BITS == 3 ? 8 : 7;
+  static constexpr int kMaxIndex = BITS == 3 ? 0x77 : 0xFF;
+  static constexpr int kBytes = (kMaxIndex + 1) << kRowShift;
+  static constexpr int kRowBytes = 128;  // replicas of one entry: 32 x 4 bytes or 16 x 8 bytes
+};
+
+// Lane's byte offset inside a table row: its own bank (pairs) or bank pair (quads).
+template <int BITS>
+__device__ __forceinline__ uint32_t lut_lane_offset(int lane) {
+  return Lut<BITS>::kQuad ? static_cast<uint32_t>(lane & 15) * 8u : static_cast<uint32_t>(lane) * 4u;
+}
+
+// Fills the table from the fp32 codebook, entries in T rounded to nearest (the same values the
+// pack + scale2 path produces). Threads tid = 0..nthreads-1 of the CTA each fill whole rows; the
+// 16-byte stores of a row rotate with the lane so that 8 lanes of a store hit 8 different bank groups.
+template <typename T, int BITS>
+__device__ __forceinline__ void lut_fill(uint8_t* lut, const float* __restrict__ codebook, int tid, int nthreads) {
+  using L = Lut<BITS>;
+  const auto pack = [](float lo, float hi) { return Half2<T>::pack(lo, hi); };
+  constexpr int mask = (1 << BITS) - 1;
+  const int lane = tid % 32;
+  for (int v = tid; v <= L::kMaxIndex; v += nthreads) {
+    uint4 row;
+    if constexpr (L::kQuad) {
+      row.x = pack(__ldg(codebook + (v & 3)), __ldg(codebook + ((v >> 2) & 3)));
+      row.y = pack(__ldg(codebook + ((v >> 4) & 3)), __ldg(codebook + (v >> 6)));
+      row.z = row.x;
+      row.w = row.y;
+    } else {
+      row.x = pack(__ldg(codebook + (v & mask)), __ldg(codebook + ((v >> 4) & mask)));
+      row.y = row.z = row.w = row.x;
+    }
+    uint8_t* dst = lut + (v << L::kRowShift);
+#pragma unroll
+    for (int i = 0; i < L::kRowBytes / 16; ++i) *reinterpret_cast<uint4*>(dst + 16 * ((i + lane) & 7)) = row;
+  }
+}
+
+// Index words of one block from its k plane words: a bit-matrix transpose by delta swaps. Address
+// bits of a plane bit are (word w, position p0..p4); at the start w = the index bit b and p = the
+// element e. Each swap_bits between words w and w + 2^i at distance 2^j exchanges address bits w_i
+// and p_j, so the transposes below move index bits into the low positions of a byte, keep element
+// bits 3-4 as the byte number n, and put the rest in the word number:
+//   pairs (k = 3, 4; plane 3 = 0 for k = 3): byte n of word W = index of element e in its low nibble,
+//     of e + 1 in its high nibble, e = 8n + 2 (W >> 1) + 4 (W & 1);
+//   quads (k = 2): byte n of word W = 2-bit indices of elements e .. e + 3 from the low bits, e = 8n + 4W.
+// Both give 16-bit pairs of adjacent elements (what one activation register holds), and the two
+// pairs one MMA step needs per row, (e, e + 1) and (e + 2, e + 3), e = 8n + 4 jj, come from words
+// jj and jj + 2 (pairs) or from one entry (quads).
+template <int BITS>
+__device__ __forceinline__ void lut_indices(const uint32_t (&plane)[BITS], uint32_t (&q)[Lut<BITS>::kWords]) {
+  if constexpr (Lut<BITS>::kQuad) {
+    q[0] = plane[0];
+    q[1] = plane[1];
+    swap_bits(q[0], q[1], 1, 0x55555555u);  // w0 <-> p0: index bit b to position bit 0, element bit 0 to w0
+    swap_bits(q[0], q[1], 2, 0x33333333u);  // w0 <-> p1: element bit 0 to position bit 1, bit 1 to w0
+    swap_bits(q[0], q[1], 4, 0x0F0F0F0Fu);  // w0 <-> p2: element bit 1 to position bit 2, bit 2 to w0
+  } else {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) q[r] = r < BITS ? plane[r] : 0u;
+    swap_bits(q[0], q[1], 1, 0x55555555u);  // w0 <-> p0: index bit b0 in, element bit 0 to w0
+    swap_bits(q[2], q[3], 1, 0x55555555u);
+    swap_bits(q[0], q[2], 2, 0x33333333u);  // w1 <-> p1: index bit b1 in, element bit 1 to w1
+    swap_bits(q[1], q[3], 2, 0x33333333u);
+    swap_bits(q[0], q[1], 4, 0x0F0F0F0Fu);  // w0 <-> p2: element bit 0 to the nibble, bit 2 to w0
+    swap_bits(q[2], q[3], 4, 0x0F0F0F0Fu);
+  }
+}
+
+// Table offset of byte n of an index word for this lane (lane_off from lut_lane_offset).
+template <int BITS>
+__device__ __forceinline__ uint32_t lut_offset(uint32_t word, int n, uint32_t lane_off) {
+  if constexpr (Lut<BITS>::kRowShift == 8) {
+    // byte 0 <- lane_off, byte 1 <- byte n of word, bytes 2, 3 <- zero bytes of lane_off
+    return __byte_perm(word, lane_off, 0x5504u | (static_cast<uint32_t>(n) << 4));
+  } else {
+    const uint32_t v = n == 0 ? word << 7 : word >> (8 * n - 7);
+    uint32_t off;  // (v & 0x7F80) | lane_off in one LOP3 (the compiler splits it in two)
+    asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(off) : "r"(v), "n"(0x7F80), "r"(lane_off));
+    return off;
+  }
+}
 
 }  // namespace kbit

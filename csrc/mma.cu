@@ -22,6 +22,8 @@ MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups) {
   return {p, r, m_blocks};
 }
 
+int mma_grouped_r(int p, int64_t n_tiles) { return p <= 2 && n_tiles >= 4 ? 4 : 1; }
+
 bool mma_built(int p, int r) { return r == 1 || r == (p == kMmaMaxRowTiles ? 2 : 4); }
 
 int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm) {
@@ -98,7 +100,8 @@ void launch_mma_grouped(const at::Tensor& A, const at::Tensor& chunks, const at:
   if (chunks.size(0) == 0) return;
   const int64_t n_tiles = qweight.size(1);
   mma_detail::MmaLaunch L = launch_fields(A, qweight, absmax, codebook, N, K, n_tiles, qweight.size(2), C);
-  L.config = mma_config(chunk_rows, n_tiles, 1);  // 8p == chunk_rows: one CTA row covers a chunk; r = 1
+  L.config = mma_config(chunk_rows, n_tiles, 1);  // 8p == chunk_rows: one CTA row covers a chunk
+  L.config.r = mma_grouped_r(L.config.p, n_tiles);
   L.config.m_blocks = static_cast<int>(chunks.size(0));
   L.chunks = chunks.data_ptr<int>();
   L.num_chunks = num_chunks.data_ptr<int>();

@@ -59,14 +59,26 @@ constexpr int tile_bytes() {
   return BITS * kTileN * kTileKB * 4 + kTileN * kTileKB;
 }
 
+// k = 2..4 decode through a shared-memory table (dequant_core.cuh: Lut), k = 5 by register shuffle.
+template <int BITS>
+constexpr bool uses_lut() {
+  return BITS <= 4;
+}
+template <int BITS>
+constexpr int lut_bytes() {
+  if constexpr (uses_lut<BITS>()) return Lut<BITS>::kBytes;
+  return 0;
+}
+
 template <int BITS, int P, int R>
 struct Shape {
+  static constexpr int kLutBytes = lut_bytes<BITS>();  // the table sits first, the stages after it
   static constexpr int kWBytes = R * tile_bytes<BITS>();
   static constexpr int kXBytes = 8 * P * kTileK * 2;
   static constexpr int kStageBytes = kWBytes + kXBytes;
   static constexpr int kStages = std::max(2, std::min(4, kSmemTarget / kStageBytes));
   static constexpr int kPartialUnits = kWarps * R * P * 32;  // float4 C fragments of one CTA
-  static constexpr int kSmemBytes = std::max(kStages * kStageBytes, kPartialUnits * 16);
+  static constexpr int kSmemBytes = kLutBytes + std::max(kStages * kStageBytes, kPartialUnits * 16);
   // CTAs per SM the registers are capped for (launch bounds). Narrow warps: as many as shared memory
   // holds (uncapped, ptxas trades CTAs for fewer re-computations). Wide warps: 3 (<= 168 registers;
   // shared memory allows 3 or 4, and a cap of 4 = 128 registers spills), except k = 5 with 16 MMA
@@ -163,6 +175,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   const int kt_begin = split * prm.k_tiles / splits, kt_end = (split + 1) * prm.k_tiles / splits;
   const int nkt = kt_end - kt_begin;
   const float codebook_reg = __ldg(prm.codebook + (lane & ((1 << BITS) - 1)));
+  const uint32_t lut_lane = lut_lane_offset<std::min(BITS, 4)>(lane);  // unused for k = 5
 
   // Copy sources. A column's k-tiles lie back to back in the runtime layout (planes and scale codes
   // in two arrays), so every source advances by one tile per k-tile: in the loop a copy costs its
@@ -188,7 +201,8 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   const T* const x_any = prm.A;  // a mapped address for the copies that read nothing
   const int64_t x_row_step = 8 * static_cast<int64_t>(prm.K);
   int x_k = kt_begin * kTileK + x_ch * 8;  // K index of this thread's activation chunk
-  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(smem));
+  uint8_t* const stages = smem + S::kLutBytes;
+  const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
   const uint32_t x_dst = smem_base + S::kWBytes + x_row * (kRowChunks * 16) + x_slot(x_ch, x_row) * 16;
 
   // Next stage <- the next k-tile: the CTA's R weight tiles verbatim (plane chunks, then scale-code
@@ -242,8 +256,9 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   const int x_rd = S::kWBytes + (g * kRowChunks + 4 * t) * 16, x_swz = (t & 2) ^ (g & 1);
 
   const auto compute_stage = [&](int stage) {
-    const uint8_t* st = smem + stage * S::kStageBytes;
-    uint32_t q[R][2][F];
+    const uint8_t* st = stages + stage * S::kStageBytes;
+    constexpr int W = uses_lut<BITS>() ? Lut<std::min(BITS, 4)>::kWords : F;
+    uint32_t q[R][2][W];
     uint32_t scale[R][2];  // the scale in both halves of x's 16-bit type (exact: 5 significant bits)
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -255,7 +270,11 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
 #pragma unroll
         for (int b = 0; b < BITS; ++b)
           plane[b] = *reinterpret_cast<const uint32_t*>(st + w_rd + ((b * kTileN + 16 * r + 8 * h) * kTileKB) * 4);
-        gather_indices<BITS>(plane, q[r][h]);
+        if constexpr (uses_lut<BITS>()) {
+          lut_indices<BITS>(plane, q[r][h]);
+        } else {
+          gather_indices<BITS>(plane, q[r][h]);
+        }
         const float sc = decode_scale(st[s_rd + (16 * r + 8 * h) * kTileKB], 0);
         scale[r][h] = Elem<T>::pack(sc, sc);
       }
@@ -272,18 +291,38 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           uint32_t a[4];
+          if constexpr (uses_lut<BITS>()) {
+            // MMA step (c, jj) takes the activation pairs (8c + 4jj, +1) and (8c + 4jj + 2, +3) of the
+            // lane's block (xb .x/.y or .z/.w, as the shuffle path), so its weight pairs are byte c of
+            // index words jj and jj + 2 (pairs) or the two halves of byte c of word jj (quads).
+            constexpr int LB = std::min(BITS, 4);
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            // Codebook values rounded to x's type, then scaled in pairs (two roundings: within
-            // one more unit roundoff of dequantize_runtime's single one, and half the instructions
-            // of an fp32 multiply per weight).
-            const auto pair = [&](int e) {
-              return Elem<T>::scale2(
-                  Elem<T>::pack(lookup<BITS>(codebook_reg, q[r][h], e), lookup<BITS>(codebook_reg, q[r][h], e + 1)),
-                  scale[r][h]);
-            };
-            a[h] = pair(4 * j);
-            a[2 + h] = pair(4 * j + 2);
+            for (int h = 0; h < 2; ++h) {
+              if constexpr (Lut<LB>::kQuad) {
+                const uint2 v = *reinterpret_cast<const uint2*>(smem + lut_offset<LB>(q[r][h][jj], c, lut_lane));
+                a[h] = Elem<T>::scale2(v.x, scale[r][h]);
+                a[2 + h] = Elem<T>::scale2(v.y, scale[r][h]);
+              } else {
+                const uint32_t lo = *reinterpret_cast<const uint32_t*>(smem + lut_offset<LB>(q[r][h][jj], c, lut_lane));
+                const uint32_t hi = *reinterpret_cast<const uint32_t*>(smem + lut_offset<LB>(q[r][h][jj + 2], c, lut_lane));
+                a[h] = Elem<T>::scale2(lo, scale[r][h]);
+                a[2 + h] = Elem<T>::scale2(hi, scale[r][h]);
+              }
+            }
+          } else {
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              // Codebook values rounded to x's type, then scaled in pairs (two roundings: within
+              // one more unit roundoff of dequantize_runtime's single one, and half the instructions
+              // of an fp32 multiply per weight).
+              const auto pair = [&](int e) {
+                return Elem<T>::scale2(
+                    Elem<T>::pack(lookup<BITS>(codebook_reg, q[r][h], e), lookup<BITS>(codebook_reg, q[r][h], e + 1)),
+                    scale[r][h]);
+              };
+              a[h] = pair(4 * j);
+              a[2 + h] = pair(4 * j + 2);
+            }
           }
 #pragma unroll
           for (int i = 0; i < P; ++i) Elem<T>::mma(acc[r][i], a, jj ? xb[i].z : xb[i].x, jj ? xb[i].w : xb[i].y);
@@ -299,6 +338,8 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
     if (s < nkt) load_stage(s);
     cp_async_commit();
   }
+  // The table is written while the first stages are in flight; the loop's first barrier publishes it.
+  if constexpr (uses_lut<BITS>()) lut_fill<T, BITS>(smem, prm.codebook, tid, kThreads);
   for (int it = 0; it < nkt; ++it) {
     cp_async_wait<S::kStages - 2>();
     __syncthreads();
@@ -336,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   // sums slice s of the tile over all ranks in rank order and writes it. The second cluster
   // barrier keeps every CTA's shared memory alive until all remote reads are done.
   cg::cluster_group cluster = cg::this_cluster();
-  float4* part = reinterpret_cast<float4*>(smem);
+  float4* part = reinterpret_cast<float4*>(stages);
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
@@ -433,13 +474,15 @@ void launch_bits(const MmaLaunch& L) {
   TORCH_CHECK(false, "kbit mma: no kernel for p=", p, " r=", r);
 }
 
-// Grouped launches: bf16 activations (the MoE path gathers x to bf16) and r = 1 (an expert's
-// weights have few n-tiles; narrow warps give more CTAs), so four instances per k.
+// Grouped launches: bf16 activations (the MoE path gathers x to bf16); r = 4 at p <= 2, where
+// decode dominates and wide warps spread each k-tile's fixed costs over four row groups, else r = 1
+// (mma_grouped_r).
 template <int BITS>
 void launch_grouped_bits(const MmaLaunch& L) {
+  const bool wide = L.config.r == 4;
   switch (L.config.p) {
-    case 1: return launch_instance<__nv_bfloat16, BITS, 1, 1, true>(L);
-    case 2: return launch_instance<__nv_bfloat16, BITS, 2, 1, true>(L);
+    case 1: return wide ? launch_instance<__nv_bfloat16, BITS, 1, 4, true>(L) : launch_instance<__nv_bfloat16, BITS, 1, 1, true>(L);
+    case 2: return wide ? launch_instance<__nv_bfloat16, BITS, 2, 4, true>(L) : launch_instance<__nv_bfloat16, BITS, 2, 1, true>(L);
     case 4: return launch_instance<__nv_bfloat16, BITS, 4, 1, true>(L);
     default: return launch_instance<__nv_bfloat16, BITS, 8, 1, true>(L);
   }
