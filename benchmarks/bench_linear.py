@@ -40,7 +40,7 @@ import vllm_kbit  # noqa: E402
 from vllm_kbit import reference as fmt  # noqa: E402
 from vllm_kbit.linear import KbitLinearWeight, gemv_splits, gemv_tiles, kbit_linear, linear_path, mma_config  # noqa: E402
 
-# design.md section 6 as (name, K, N)
+# The target shapes of docs/architecture.md, as (name, K, N)
 SHAPES = [
     ("qkv", 2048, 4096),
     ("kv", 2048, 512),

@@ -27,7 +27,7 @@ import torch
 import vllm_kbit
 from vllm_kbit import reference as fmt
 
-SHAPES = ((8192, 28672), (4096, 14336), (2048, 5120))  # (K, N) as in design.md section 6; weights are [N, K]
+SHAPES = ((8192, 28672), (4096, 14336), (2048, 5120))  # (K, N), target shapes of docs/architecture.md; weights are [N, K]
 BITS = (2, 3, 4, 5)
 
 

@@ -3,7 +3,7 @@
 Reads the input shards one tensor at a time (``safetensors.safe_open``; nothing is
 ever unpickled: ``.bin``/``.pt`` checkpoints are refused), quantizes each linear
 weight ``<p>.weight`` into ``<p>.qweight`` int32 ``[N, K/32, k]`` + ``<p>.absmax``
-uint8 ``[N, K/32]`` (design.md section 3), copies every other tensor unchanged, and
+uint8 ``[N, K/32]`` (docs/format.md, sections 7 and 8), copies every other tensor unchanged, and
 writes sharded safetensors plus ``model.safetensors.index.json``. config.json gains
 ``quantization_config`` (``"prequantized": true``), so ``vllm serve OUT_DIR``
 needs no flag; every other top-level file (tokenizer, generation config, ...) is

@@ -19,7 +19,7 @@ import os
 
 from vllm_kbit.tiny_models import EOS_TOKEN_ID, _byte_tokenizer
 
-# Qwen3-30B-A3B (design.md §6); the fields not listed are transformers' Qwen3MoeConfig defaults.
+# Qwen3-30B-A3B (docs/architecture.md, "Target shapes"); the fields not listed are transformers' Qwen3MoeConfig defaults.
 SHAPES = {
     "qwen3-30b-a3b": dict(
         hidden_size=2048,

@@ -31,7 +31,8 @@ from vllm_kbit.linear import (
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 gpu = [pytest.mark.gpu, requires_cuda]
 
-# design.md section 6, as (K, N); the MoE gate_up is the fused x2 shape.
+# The target shapes of docs/architecture.md ("Target shapes"), as (K, N); the MoE gate_up is the
+# fused x2 shape.
 DESIGN_SHAPES = [
     (2048, 4096), (2048, 512), (4096, 2048), (2048, 5120), (5120, 2048), (2048, 1024), (512, 2048),
     (2048, 10240), (10240, 2048), (2048, 1536), (1536, 2048), (4096, 14336), (8192, 28672),
@@ -168,7 +169,7 @@ LINEAR_MS = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)
 @requires_cuda
 def test_design_shapes_every_m(K, N):
     """kbit_linear at every M of LINEAR_MS, and the MMA kernel itself at every MMA M (default tile
-    shape), on every design.md section 6 shape and k."""
+    shape), on every target shape (docs/architecture.md) and k."""
     gen = torch.Generator().manual_seed(K * 7 + N)
     for k in fmt.SUPPORTED_BITS:
         w, flat = _random_weight(N, K, k, gen)

@@ -26,8 +26,8 @@ def test_gpu_converted_checkpoint_identical_to_online(engine, tiny, converted_qw
 
     Not token-identical outputs (the CPU test asks for those): under CUDA graphs and torch.compile two
     processes serving the same weights need not produce bit-identical logits (tests/vllm/repeatability.py
-    measures it; benchmarks/NOTES.md has the numbers), and on this tiny random MoE router near-ties turn
-    any last-bit difference into a different free-running continuation."""
+    measures it; docs/decisions.md, "End-to-end tests compare agreement"), and on this tiny random MoE
+    router near-ties turn any last-bit difference into a different free-running continuation."""
     online = engine("gpu-qwen3_moe-online4", tiny["qwen3_moe"], online_kwargs(ONLINE[4]))
     conv = engine("gpu-qwen3_moe-converted4", converted_qwen3_moe)
     assert any("hash" in i for i in online["layers"].values()), "no kbit layer in the online model"
