@@ -12,15 +12,15 @@ After every measurement it appends a record to STEM.jsonl (records.py) and rewri
     python3 benchmarks/serve/bench_serve.py --methods kbit-4,bf16 --settings 1024/256 --concurrency 1,16,64,128
 
 The steps run in one long-lived `vllm bench serve` worker (bench_client.py). A full sweep is 6 methods x 2
-settings x 5 concurrencies; on the lent GPU run it over several device calls (one method each, 7-9 min on an
-H100) with the same command plus `--skip-done <earlier JSONL files>` (each call skips what those files already
-hold for this commit). `--repeats N` runs each step N times back to back on one server, to size the run-to-run
-spread (report.py lists repeats at one commit with their spread).
+settings x 5 concurrencies. To split it over several runs (e.g. one method each), give every run the same
+command plus `--skip-done <earlier JSONL files>`: it skips what those files already hold for this commit.
+`--repeats N` runs each step N times back to back on one server, to size the run-to-run spread (report.py
+lists repeats at one commit with their spread).
 
-The output folder is --out, else $OUT (the device tool's), else benchmarks/results/. --deadline bounds the
-whole run: a server start or bench gets at most what is left (less a reserve for stopping the server),
-and steps that no longer fit are skipped with a message. bash benchmarks/serve/run.sh wraps this for the
-lent GPU (install, optional GPU tests and profile). On the CPU build, check the harness with a tiny model:
+The output folder is --out, else benchmarks/results/. --deadline bounds the whole run: a server start or
+bench gets at most what is left (less a reserve for stopping the server), and steps that no longer fit are
+skipped with a message. bash benchmarks/serve/run.sh wraps this (install, optional GPU tests and profile).
+On the CPU build, check the harness with a tiny model:
 
     python benchmarks/serve/bench_serve.py --shape tiny --methods bf16,kbit-4 --settings 32/16 \
         --concurrency 1,2 --max-model-len 256 --gpu-memory-utilization 0.3 --server-args=--enforce-eager --out /tmp/x
@@ -92,7 +92,7 @@ def gpu_name() -> str:
 
 
 def commit() -> str:
-    """$KBIT_COMMIT, else git's HEAD, else the commit benchmarks/pack_extension.sh packed the extension at."""
+    """$KBIT_COMMIT, else git's HEAD, else "unknown"."""
     if os.environ.get("KBIT_COMMIT"):
         return os.environ["KBIT_COMMIT"]
     try:
@@ -102,10 +102,6 @@ def commit() -> str:
             return head
     except (OSError, subprocess.TimeoutExpired):
         pass
-    packed = os.path.join(REPO, ".device", "commit")
-    if os.path.exists(packed):
-        with open(packed) as f:
-            return f.read().strip() + " (extension)"
     return "unknown"
 
 
@@ -117,7 +113,7 @@ def free_port() -> int:
 
 def done_steps(paths: list[str], at_commit: str) -> set[tuple]:
     """(method, input_len, output_len, concurrency) measured without error at this commit in the given JSONL
-    files (missing files count as empty), so that a sweep too long for one device call resumes in the next."""
+    files (missing files count as empty), so that a sweep split over several runs resumes where it stopped."""
     found = [p for p in paths if os.path.exists(p)]
     return {key for key, r in records.latest(records.load(found)).items() if r["commit"] == at_commit and not r.get("error")}
 
@@ -133,7 +129,7 @@ class Run:
         self.gpu = gpu_name()
         self.commit = commit()
         today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-        out_dir = args.out or os.environ.get("OUT") or os.path.join(REPO, "benchmarks", "results")
+        out_dir = args.out or os.path.join(REPO, "benchmarks", "results")
         os.makedirs(out_dir, exist_ok=True)
         self.stem = os.path.join(out_dir, args.tag or f"serve_{self.gpu.replace(' ', '_')}_{today}")
         self.results = self.stem + ".jsonl"
@@ -288,11 +284,11 @@ def main() -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     ap.add_argument("--server-args", default="", help="extra `vllm serve` arguments, one shell-quoted string")
-    ap.add_argument("--out", help="output folder (default: $OUT, else benchmarks/results)")
+    ap.add_argument("--out", help="output folder (default: benchmarks/results)")
     ap.add_argument("--tag", help="output file stem (default: serve_<gpu>_<date>)")
     ap.add_argument("--work", default="/tmp/kbit_serve", help="model directories, server logs, raw bench JSON")
     ap.add_argument("--skip-done", metavar="JSONL[,JSONL]",
-                    help="skip the steps these results files already hold for this commit (resume a sweep across calls)")
+                    help="skip the steps these results files already hold for this commit (resume a sweep across runs)")
     ap.add_argument("--deadline", type=float, default=86400, help="seconds for the whole run (default: no practical limit)")
     ap.add_argument("--start-timeout", type=float, default=420, help="seconds for a server to become healthy")
     ap.add_argument("--bench-timeout", type=float, default=300, help="seconds for one `vllm bench serve`")

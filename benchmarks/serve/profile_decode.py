@@ -10,7 +10,7 @@ a decode step the kernels cover; the rest is launch and host overhead.
 
     python3 benchmarks/serve/profile_decode.py --method kbit-4 [--batches 1,16] [--out DIR]
 
-Appends one section per method to DIR/profile_<gpu>_<date>.md (DIR: --out, else $OUT, else
+Appends one section per method to DIR/profile_<gpu>_<date>.md (DIR: --out, else
 benchmarks/results). Without CUDA (vLLM's CPU build) it lists CPU operators by self time instead.
 """
 
@@ -119,7 +119,7 @@ def main() -> None:
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--eager", action="store_true", help="no torch.compile / CUDA graphs (vLLM's --enforce-eager)")
     ap.add_argument("--top", type=int, default=25, help="kernels listed per table")
-    ap.add_argument("--out", help="output folder (default: $OUT, else benchmarks/results)")
+    ap.add_argument("--out", help="output folder (default: benchmarks/results)")
     ap.add_argument("--work", default="/tmp/kbit_serve")
     args = ap.parse_args()
 
@@ -166,7 +166,7 @@ def main() -> None:
         print(parts[-1], flush=True)
 
     gpu = gpu_name()
-    out_dir = args.out or os.environ.get("OUT") or os.path.join(REPO, "benchmarks", "results")
+    out_dir = args.out or os.path.join(REPO, "benchmarks", "results")
     os.makedirs(out_dir, exist_ok=True)
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     path = os.path.join(out_dir, f"profile_{gpu.replace(' ', '_')}_{today}.md")

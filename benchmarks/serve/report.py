@@ -3,7 +3,7 @@
     python3 benchmarks/serve/report.py RESULTS.jsonl [MORE.jsonl ...] --out STEM   # writes STEM.md, STEM.png
 
 bench_serve.py calls :func:`write` after every measurement; run this by hand to merge the records of
-several device calls into one table and plot. Where a (method, setting, concurrency) was measured more
+several runs into one table and plot. Where a (method, setting, concurrency) was measured more
 than once, the last record counts in the tables; repeats at one commit are also listed with their spread.
 """
 

@@ -1,0 +1,34 @@
+# Sourced by benchmarks/run_gpu.sh and benchmarks/serve/run.sh: the repository root as working directory,
+# the Python to use ($PYTHON, else .venv/bin/python, else python3), unbuffered output with the repository
+# importable, $KBIT_COMMIT (the commit the benchmarks record; git's HEAD unless set), and
+# ensure_extension, which builds the CUDA extension in place when it is missing.
+set -o pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+REPO=$PWD
+if [ -z "${PYTHON:-}" ]; then
+  if [ -x .venv/bin/python ]; then PYTHON=$REPO/.venv/bin/python; else PYTHON=python3; fi
+fi
+export PYTHON PYTHONUNBUFFERED=1 PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
+if [ -z "${KBIT_COMMIT:-}" ]; then
+  KBIT_COMMIT=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+  if [ "$KBIT_COMMIT" != unknown ] && ! git diff --quiet HEAD -- csrc vllm_kbit 2>/dev/null; then
+    KBIT_COMMIT="$KBIT_COMMIT+changes"  # uncommitted changes to the code being measured
+  fi
+fi
+export KBIT_COMMIT
+
+# Builds vllm_kbit/_C*.so with nvcc (setup.py; TORCH_CUDA_ARCH_LIST defaults to 9.0a) unless it exists.
+ensure_extension() {
+  if ls vllm_kbit/_C*.so >/dev/null 2>&1; then return 0; fi
+  local log
+  log=$(mktemp /tmp/vllm_kbit_build.XXXXXX.log)
+  echo "building the CUDA extension (python setup.py build_ext --inplace; log: $log)"
+  MAX_JOBS=${MAX_JOBS:-$(nproc 2>/dev/null || echo 4)} "$PYTHON" setup.py build_ext --inplace >"$log" 2>&1 ||
+    { tail -40 "$log"; echo "the CUDA extension did not build (log: $log)" >&2; return 1; }
+  ls vllm_kbit/_C*.so >/dev/null 2>&1 || { echo "setup.py built no vllm_kbit/_C*.so (no nvcc or no CUDA build of torch?)" >&2; return 1; }
+}
+
+# The GPU's name as the result files spell it (spaces to underscores), e.g. NVIDIA_H100_80GB_HBM3.
+gpu_name() {
+  nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 | tr ' ' '_'
+}
