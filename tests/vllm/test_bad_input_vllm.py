@@ -45,6 +45,26 @@ def test_bad_config_dicts_are_refused():
     assert cfg.settings.codebook(2).tolist() == pytest.approx([-1, -0.25, 0.3, 1])
 
 
+@pytest.mark.parametrize("capability", [(8, 0), (8, 9), (10, 0)])
+def test_gpus_other_than_hopper_are_refused_in_one_line(monkeypatch, capability):
+    from vllm.platforms import current_platform
+    from vllm.platforms.interface import DeviceCapability
+
+    from vllm_kbit.vllm.config import KbitConfig
+
+    assert KbitConfig.get_min_capability() == 90
+    KbitConfig()  # no GPU here: nothing to check
+    monkeypatch.setattr(current_platform, "is_cuda_alike", lambda: True)
+    monkeypatch.setattr(current_platform, "is_cuda", lambda: True)
+    monkeypatch.setattr(current_platform, "get_device_name", lambda device_id=0: "NVIDIA Test GPU")
+    monkeypatch.setattr(current_platform, "get_device_capability", lambda device_id=0: DeviceCapability(*capability))
+    with pytest.raises(ValueError, match=rf"compute capability {capability[0]}\.{capability[1]};.*Hopper GPU \(sm_90") as e:
+        KbitConfig.from_config({"quant_method": "kbit", "bits": 4})
+    assert "\n" not in str(e.value)
+    monkeypatch.setattr(current_platform, "get_device_capability", lambda device_id=0: DeviceCapability(9, 0))
+    KbitConfig()
+
+
 def test_unknown_bits_fail_the_engine_with_a_clear_error(tiny, tmp_path):
     proc = run_engine(tiny["qwen3"], str(tmp_path), online_kwargs({"bits": 7}), check=False)
     assert proc.returncode != 0

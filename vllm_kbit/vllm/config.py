@@ -15,6 +15,9 @@ How vLLM 0.26 reaches it:
   detected with no flag.
 
 The fields and per-module rules are documented in :mod:`vllm_kbit.settings`.
+
+The CUDA kernels are built for Hopper (sm_90a) only: :func:`check_gpu` refuses any other GPU when
+the config is created, with a one-line error naming the GPU and its compute capability.
 """
 
 from __future__ import annotations
@@ -36,11 +39,33 @@ from vllm_kbit.vllm.moe_method import KbitMoEMethod, KbitOnlineMoEMethod
 logger = init_logger(__name__)
 
 
+def check_gpu() -> None:
+    """Raises a one-line ValueError on a GPU the kbit CUDA kernels cannot run on.
+
+    The extension is compiled for sm_90a, whose code runs on compute capability 9.x only (it uses
+    wgmma and thread-block clusters). vLLM refuses GPUs below :meth:`KbitConfig.get_min_capability`
+    with its own message; this check names the requirement and also refuses newer architectures.
+    Without a GPU (vLLM's CPU build) there is nothing to check.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cuda_alike():
+        return
+    cap = current_platform.get_device_capability()
+    if cap is None or (current_platform.is_cuda() and cap.major == 9):
+        return
+    raise ValueError(
+        f"kbit: the GPU {current_platform.get_device_name()} has compute capability {cap.major}.{cap.minor}; "
+        "the kbit CUDA kernels need an NVIDIA Hopper GPU (sm_90, e.g. H100 or H200)"
+    )
+
+
 class KbitConfig(QuantizationConfig):
     """k-bit (2..5) blockwise normal-float weight quantization; activations stay bf16/fp16."""
 
     def __init__(self, settings: KbitSettings | None = None) -> None:
         super().__init__()
+        check_gpu()  # vLLM builds the config (from_config or KbitConfig()) before its capability check
         self.settings = settings if settings is not None else KbitSettings()
 
     def __repr__(self) -> str:
@@ -56,7 +81,7 @@ class KbitConfig(QuantizationConfig):
 
     @classmethod
     def get_min_capability(cls) -> int:
-        return 80
+        return 90  # Hopper; see check_gpu
 
     @staticmethod
     def get_config_filenames() -> list[str]:
