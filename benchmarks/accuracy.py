@@ -63,8 +63,8 @@ def rounded_up_absmax_codes(W: torch.Tensor) -> torch.Tensor:
 
 def kbit_window(x: torch.Tensor, k: int, offsets: range) -> torch.Tensor:
     """E4M4 scale searched over ``rounded-up absmax code + offsets`` by block squared error (the
-    earliest candidate wins ties), from the format's reference primitives: issue 7's experiment,
-    which the library's default (nearest code -8..+8) replaced."""
+    earliest candidate wins ties), from the format's reference primitives: an alternative to the
+    library's default window (nearest code -8..+8), kept for comparison."""
     cb = fmt.normal_float_codebook(k)
     W = x.view(-1, 1024)
     w = W.view(W.shape[0], -1, fmt.BLOCK_SIZE)

@@ -60,7 +60,7 @@ QWEN3_BLOCK = ("qkv", "kv", "o", "gate_up", "down")
 GOAL_SHAPES = ("llama8b_gate_up", "llama70b_gate_up")  # >= 8 MB packed at k=4
 GOAL_M = (1, 16, 64, 256, 1024)
 M_ALL = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)  # k = 4
-M_OTHER_K = (1, 4, 16, 64, 256, 1024)  # k = 2, 3, 5 (keeps the run inside one device call)
+M_OTHER_K = (1, 4, 16, 64, 256, 1024)  # k = 2, 3, 5 (fewer M than k = 4, to keep a full run short)
 M_SHORT = (4, 8, 16, 32, 64, 128, 256)  # --short: k = 4 COLD; other k COLD and k = 4 HOT at M_SHORT_OTHER
 M_SHORT_OTHER = (16,)
 FORCED_MAX_M = 512  # the MMA kernel is timed up to here where the dispatch picks dequant + cuBLAS

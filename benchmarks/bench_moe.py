@@ -150,7 +150,7 @@ def bench_layers(args, l2, common, records, save):
 
 
 def bench_gemm(args, l2, common, records):
-    """One grouped projection of 8 experts, M rows each (the issue's reference table)."""
+    """One grouped projection of 8 experts, M rows each, against fp16 torch.bmm and bf16 grouped mm."""
     E = 8
     for proj, K, N in (("gate_up", 2048, 512), ("down", 512, 2048)):
         for regime in args.regimes.split(","):

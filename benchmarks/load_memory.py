@@ -9,7 +9,7 @@ and, on a GPU, torch's peak allocated device memory after loading. Online
 quantization is layerwise (vLLM materializes one layer's bf16 weights at a time),
 so its peak should sit near the converted-kbit peak plus one layer, far below bf16.
 On CPU the reference quantize op (with its per-block scale search) is slow: the
-default ~0.8 GB model takes over 20 minutes to quantize online on 2 busy cores;
+default ~0.8 GB model can take tens of minutes to quantize online on a small CPU;
 use a smaller shape there (e.g. --layers 4 --experts 16).
 """
 

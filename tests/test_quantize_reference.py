@@ -45,7 +45,7 @@ def test_default_quantize_searches_the_scale():
 
 @pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
 def test_per_block_error_bound(k):
-    """|w - deq(w)| <= max(gap/2 * (1 + 1/32), 1/32) * absmax: the tight form of seed 000's (gap/2 + 1/16) * absmax.
+    """|w - deq(w)| <= max(gap/2 * (1 + 1/32), 1/32) * absmax: tighter than the simple (gap/2 + 1/16) * absmax.
 
     The E4M4 scale is within 1/32 of the absmax (round to nearest): a scale above it widens
     every gap by at most 1/32; a scale below it clips the largest elements by at most absmax/32.

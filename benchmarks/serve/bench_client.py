@@ -2,8 +2,8 @@
 
 The worker imports vLLM's benchmark module once (``vllm.benchmarks.serve``: the parser and ``main`` the
 ``vllm bench serve`` subcommand runs) and then runs one step per request, so the measurement is vLLM's own
-code with vLLM's own arguments. Why: on the H100 machine a step as a new process cost ~27 s beyond its
-benchmark (mostly importing vLLM), i.e. ~4.5 of the ~9 minutes one method's sweep took.
+code with vLLM's own arguments. Why: a step as a new process pays vLLM's import every time, which can take
+as long as a short benchmark step itself.
 
 Protocol: the parent writes one JSON list of arguments per line to the worker's stdin; the worker runs them
 and answers one JSON line {"rc": exit status} on a pipe of its own (its stdout and stderr, where vLLM prints

@@ -1,13 +1,10 @@
 """GPU clocks, power and clock-event reasons sampled by `nvidia-smi` while one benchmark step runs.
 
-Why: at concurrency 64 / 128 the same kernels have measured 15.7-22.0 ms mean TPOT on different runs
-(kbit-4, seven runs, 1024/256) while TTFT stayed within 860-914 ms and c <= 16 within 1-2%. If that spread
-is the card slowing itself down (power cap or thermal limits under the instruction-heavy dequant at large
-batches), the samples show it; if clocks and power are the same in fast and slow runs, it is not. The
-utilization (share of time a kernel was running) tells a second suspect apart: steps bound by the host
-(eager large mixed prefill-decode batches outside vLLM's CUDA graphs, with the benchmark client on the same
-CPU) leave the GPU idle between kernels.
-Read-only: nvidia-smi is only queried (METHOD.md: never change the card's settings).
+Why: throughput at large concurrency can vary from run to run with the same kernels. If the card slows
+itself down (power cap or thermal limits), the clock and power samples show it; the utilization (share of
+time a kernel was running) shows the other cause, steps bound by the host, which leave the GPU idle between
+kernels (docs/decisions.md, "Kernel work is judged on the decode-bound cells").
+Read-only: nvidia-smi is only queried; the card's settings are never changed.
 """
 
 from __future__ import annotations

@@ -158,7 +158,7 @@ def test_mma_random_cases_match_reference(seed):
 
 
 MMA_MS = (1, 2, 5, 8, 16, 32, 64, 128)
-# The M list (1, 2, 4, ..., 4096) plus 3 and 5: every path of kbit_linear on both sides of each
+# M = 1, 2, 4, ..., 4096 plus 3 and 5: every path of kbit_linear on both sides of each
 # boundary (2 | 3 GEMV | MMA, 64 | 128 MMA | wgmma or dequant + cuBLAS, 128 | 256 wgmma | warp-specialized wgmma,
 # 512 | 1024 warp-specialized wgmma | dequant + cuBLAS).
 LINEAR_MS = (1, 2, 3, 4, 5, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)

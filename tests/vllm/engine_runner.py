@@ -47,18 +47,13 @@ def main(spec_path: str, out_path: str) -> None:
 def shutdown(llm) -> None:
     """Stops the engine and joins vLLM's output thread while the interpreter is still fully alive.
 
-    Left to itself, vLLM stops the engine from a finalizer at interpreter exit: the client signals its
-    daemon thread ``EngineCoreOutputQueueThread`` to leave and does not wait for it. When that thread
-    frees its last decoded ``EngineCoreOutputs`` (which hold logprob tensors) after the main thread has
-    entered ``Py_FinalizeEx``, torch's tensor dealloc releases and re-takes the GIL, CPython ends the
-    thread with ``pthread_exit`` (no thread may run during finalization), and the forced unwind through
-    torch's noexcept C++ frame calls std::terminate: rc=-6 and "terminate called without an active
-    exception" on stderr, with out.json already complete. Core dump of one such abort: the dying thread
-    is take_gil -> PyThread_exit_thread <- THPVariable_clear <- msgspec Struct_dealloc <- _PyFrame_Clear
-    of that thread's function; the main thread is in Py_FinalizeEx -> PyGC_Collect. A race at process
-    exit, in no way specific to a model or a quantization method. Measured on the 2-core CPU machine with
-    the tiny qwen3_moe engines of the tests, repeated runs: without this shutdown 5/35 dequantized-bf16
-    reference runs and 3/12 online kbit-4 runs aborted; with it 0/20 and 0/10.
+    Left to itself, vLLM stops the engine from a finalizer at interpreter exit and does not wait for its
+    daemon thread ``EngineCoreOutputQueueThread``. If that thread frees its last outputs (which hold
+    tensors) after the interpreter has started finalizing, torch's dealloc re-takes the GIL, CPython ends
+    the thread with ``pthread_exit``, and the unwind through a noexcept C++ frame calls std::terminate:
+    the process aborts (rc -6, "terminate called without an active exception") although its output was
+    complete. A race at process exit, not specific to any model or quantization; joining the thread here
+    removes it.
     """
     client = llm.llm_engine.engine_core
     client.shutdown()
