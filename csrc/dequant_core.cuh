@@ -29,29 +29,24 @@ struct Fields {
   static constexpr int kBits = BITS <= 4 ? 4 : 8;
 };
 
-// Delta swap: exchanges the bits of x at mask << s with the bits of y at mask (5 ALU ops).
-__device__ __forceinline__ void swap_bits(uint32_t& x, uint32_t& y, int s, uint32_t mask) {
-  const uint32_t t = ((x >> s) ^ y) & mask;
-  y ^= t;
-  x ^= t << s;
-}
-
-// Index words of one block from its plane words: a bit-matrix transpose of the F x 32 planes
-// (missing planes are 0) in log2(F) stages of delta swaps between words i and i + s. After it,
-// field j of q[r] holds bits (F*j + r) of planes 0..F-1, i.e. the index of element F*j + r.
-// For k = 4 that is 20 ops per block instead of 28 for gathering each field bit separately;
-// swaps involving zero planes fold away for smaller k.
+// Index words of one block from its runtime words, for lookup(). k = 2, 4: the runtime words as they
+// are (already transposed at repack). k = 3, 5: a bit-matrix transpose of the F x 32 planes (missing
+// planes are 0) in log2(F) stages of delta swaps between words i and i + s; after it field j of q[r]
+// holds bits (F*j + r) of planes 0..F-1, i.e. the index of element F*j + r (swaps involving zero
+// planes fold away).
 template <int BITS>
 __device__ __forceinline__ void gather_indices(const uint32_t (&plane)[BITS], uint32_t (&q)[Fields<BITS>::kBits]) {
   constexpr int F = Fields<BITS>::kBits;
 #pragma unroll
   for (int r = 0; r < F; ++r) q[r] = r < BITS ? plane[r] : 0u;
+  if constexpr (!has_runtime_words<BITS>()) {
 #pragma unroll
-  for (int s = 1; s < F; s *= 2) {
-    const uint32_t mask = s == 1 ? 0x55555555u : s == 2 ? 0x33333333u : 0x0F0F0F0Fu;
+    for (int s = 1; s < F; s *= 2) {
+      const uint32_t mask = s == 1 ? 0x55555555u : s == 2 ? 0x33333333u : 0x0F0F0F0Fu;
 #pragma unroll
-    for (int i = 0; i < F; ++i) {
-      if ((i & s) == 0) swap_bits(q[i], q[i + s], s, mask);
+      for (int i = 0; i < F; ++i) {
+        if ((i & s) == 0) swap_bits(q[i], q[i + s], s, mask);
+      }
     }
   }
 }
@@ -61,9 +56,14 @@ __device__ __forceinline__ void gather_indices(const uint32_t (&plane)[BITS], ui
 // lowest bit of the next field times 16, which the codebook register's replication
 // (lane L holds codebook[L mod 2^k]) makes harmless.
 // e is an unrolled loop counter, so q[e % F] and the shift are compile-time after unrolling.
+// k = 2, 4 read the runtime words directly; the bits above a 2-bit field are the next fields', which
+// the replication makes harmless the same way.
 template <int BITS>
 __device__ __forceinline__ float lookup(float codebook_reg, const uint32_t (&q)[Fields<BITS>::kBits], int e) {
   constexpr int F = Fields<BITS>::kBits;
+  if constexpr (has_runtime_words<BITS>()) {
+    return __shfl_sync(0xFFFFFFFFu, codebook_reg, static_cast<int>(q[runtime_word_of<BITS>(e)] >> runtime_shift_of<BITS>(e)));
+  }
   return __shfl_sync(0xFFFFFFFFu, codebook_reg, static_cast<int>(q[e % F] >> (F * (e / F))));
 }
 
@@ -150,34 +150,22 @@ __device__ __forceinline__ void lut_fill(uint8_t* lut, const float* __restrict__
   }
 }
 
-// Index words of one block from its k plane words: a bit-matrix transpose by delta swaps. Address
-// bits of a plane bit are (word w, position p0..p4); at the start w = the index bit b and p = the
-// element e. Each swap_bits between words w and w + 2^i at distance 2^j exchanges address bits w_i
-// and p_j, so the transposes below move index bits into the low positions of a byte, keep element
-// bits 3-4 as the byte number n, and put the rest in the word number:
-//   pairs (k = 3, 4; plane 3 = 0 for k = 3): byte n of word W = index of element e in its low nibble,
-//     of e + 1 in its high nibble, e = 8n + 2 (W >> 1) + 4 (W & 1);
-//   quads (k = 2): byte n of word W = 2-bit indices of elements e .. e + 3 from the low bits, e = 8n + 4W.
-// Both give 16-bit pairs of adjacent elements (what one activation register holds), and the two
-// pairs one MMA step needs per row, (e, e + 1) and (e + 2, e + 3), e = 8n + 4 jj, come from words
-// jj and jj + 2 (pairs) or from one entry (quads).
+// Table index words of one block from its runtime words: k = 2, 4 store them transposed already
+// (kbit_format.cuh: planes_to_runtime_words): byte n of word W holds the pair (e, e + 1),
+// e = 8n + 2 (W >> 1) + 4 (W & 1) (k = 4), or elements 8n + 4W .. +3 (k = 2). k = 3 keeps bit planes,
+// so its three planes and a zero fourth go through the k = 4 transpose here, which leaves bits 3 and
+// 7 of every byte clear. Either way the two pairs one MMA step needs per row, (e, e + 1) and
+// (e + 2, e + 3) with e = 8n + 4 jj, come from words jj and jj + 2 (pairs) or from one entry (quads).
 template <int BITS>
-__device__ __forceinline__ void lut_indices(const uint32_t (&plane)[BITS], uint32_t (&q)[Lut<BITS>::kWords]) {
-  if constexpr (Lut<BITS>::kQuad) {
-    q[0] = plane[0];
-    q[1] = plane[1];
-    swap_bits(q[0], q[1], 1, 0x55555555u);  // w0 <-> p0: index bit b to position bit 0, element bit 0 to w0
-    swap_bits(q[0], q[1], 2, 0x33333333u);  // w0 <-> p1: element bit 0 to position bit 1, bit 1 to w0
-    swap_bits(q[0], q[1], 4, 0x0F0F0F0Fu);  // w0 <-> p2: element bit 1 to position bit 2, bit 2 to w0
-  } else {
+__device__ __forceinline__ void lut_indices(const uint32_t (&words)[BITS], uint32_t (&q)[Lut<BITS>::kWords]) {
+  if constexpr (has_runtime_words<BITS>()) {
 #pragma unroll
-    for (int r = 0; r < 4; ++r) q[r] = r < BITS ? plane[r] : 0u;
-    swap_bits(q[0], q[1], 1, 0x55555555u);  // w0 <-> p0: index bit b0 in, element bit 0 to w0
-    swap_bits(q[2], q[3], 1, 0x55555555u);
-    swap_bits(q[0], q[2], 2, 0x33333333u);  // w1 <-> p1: index bit b1 in, element bit 1 to w1
-    swap_bits(q[1], q[3], 2, 0x33333333u);
-    swap_bits(q[0], q[1], 4, 0x0F0F0F0Fu);  // w0 <-> p2: element bit 0 to the nibble, bit 2 to w0
-    swap_bits(q[2], q[3], 4, 0x0F0F0F0Fu);
+    for (int r = 0; r < BITS; ++r) q[r] = words[r];
+  } else {
+    uint32_t w[4] = {words[0], words[1], words[2], 0u};
+    planes_to_runtime_words<4>(w);
+#pragma unroll
+    for (int r = 0; r < 4; ++r) q[r] = w[r];
   }
 }
 

@@ -58,7 +58,7 @@ struct BlockAddr {
 template <int K, bool kRuntime>
 __device__ __forceinline__ BlockAddr block_addr(uint32_t blk, uint32_t KB) {
   if constexpr (kRuntime) {
-    // format.repack: qweight_rt[nt, kt, b, r, j], absmax_rt[nt, kt, r, j].
+    // reference.repack: qweight_rt[nt, kt, b, r, j] (runtime word b), absmax_rt[nt, kt, r, j].
     const uint32_t n = blk / KB, kb = blk - n * KB;
     const uint32_t KT = (KB + kTileKB - 1) / kTileKB;
     const int64_t tile = static_cast<int64_t>(n / kTileN) * KT + kb / kTileKB;
@@ -90,6 +90,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int b = 0; b < K; ++b) words[b] = __ldg(qweight + a.word + b * a.plane_stride);
       code = __ldg(absmax + a.code);
     }
+    if constexpr (kRuntime && has_runtime_words<K>()) runtime_words_to_planes<K>(words);
     const float s = e4m4_decode(code);
     uint32_t lo, hi;
     unpack_octet<K>(words, q, lo, hi);

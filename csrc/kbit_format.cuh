@@ -183,6 +183,71 @@ __device__ __forceinline__ void search_unit(uint32_t unit, const uint32_t (&thr)
   });
 }
 
+// ----------------------------------------------------------------------------- runtime index words
+
+// Delta swap: exchanges the bits of x at mask << s with the bits of y at mask (5 ALU ops).
+__host__ __device__ __forceinline__ void swap_bits(uint32_t& x, uint32_t& y, int s, uint32_t mask) {
+  const uint32_t t = ((x >> s) ^ y) & mask;
+  y ^= t;
+  x ^= t << s;
+}
+
+// k = 2 and 4 store each block's words in the runtime layout already transposed for the kernels'
+// lookups (reference.RUNTIME_WORD_SWAPS, the same swaps in the same order), so no kernel transposes
+// them per call; k = 3 and 5 keep bit planes. A plane bit has address bits (word w, position p0..p4)
+// = (index bit, element); a swap between words w and w + 2^i at distance 2^j exchanges w_i and p_j.
+//   k = 4: byte n of word w = indices of elements e (low nibble) and e + 1, e = 8n + 2 (w >> 1) + 4 (w & 1);
+//   k = 2: byte n of word w = 2-bit indices of elements 8n + 4w .. +3, lowest first.
+template <int K>
+constexpr bool has_runtime_words() {
+  return K == 2 || K == 4;
+}
+
+template <int K>
+__host__ __device__ __forceinline__ void planes_to_runtime_words(uint32_t (&w)[K]) {
+  static_assert(has_runtime_words<K>(), "k = 3 and 5 keep bit planes");
+  if constexpr (K == 2) {
+    swap_bits(w[0], w[1], 1, 0x55555555u);  // index bit to position bit 0, element bit 0 to the word
+    swap_bits(w[0], w[1], 2, 0x33333333u);  // element bit 0 to position bit 1, bit 1 to the word
+    swap_bits(w[0], w[1], 4, 0x0F0F0F0Fu);  // element bit 1 to position bit 2, bit 2 to the word
+  } else {
+    swap_bits(w[0], w[1], 1, 0x55555555u);  // index bit 0 in, element bit 0 to word bit 0
+    swap_bits(w[2], w[3], 1, 0x55555555u);
+    swap_bits(w[0], w[2], 2, 0x33333333u);  // index bit 1 in, element bit 1 to word bit 1
+    swap_bits(w[1], w[3], 2, 0x33333333u);
+    swap_bits(w[0], w[1], 4, 0x0F0F0F0Fu);  // element bit 0 to the nibble, bit 2 to word bit 0
+    swap_bits(w[2], w[3], 4, 0x0F0F0F0Fu);
+  }
+}
+
+// The inverse: each swap undoes itself, so the same swaps in reverse order.
+template <int K>
+__host__ __device__ __forceinline__ void runtime_words_to_planes(uint32_t (&w)[K]) {
+  static_assert(has_runtime_words<K>(), "k = 3 and 5 keep bit planes");
+  if constexpr (K == 2) {
+    swap_bits(w[0], w[1], 4, 0x0F0F0F0Fu);
+    swap_bits(w[0], w[1], 2, 0x33333333u);
+    swap_bits(w[0], w[1], 1, 0x55555555u);
+  } else {
+    swap_bits(w[2], w[3], 4, 0x0F0F0F0Fu);
+    swap_bits(w[0], w[1], 4, 0x0F0F0F0Fu);
+    swap_bits(w[1], w[3], 2, 0x33333333u);
+    swap_bits(w[0], w[2], 2, 0x33333333u);
+    swap_bits(w[2], w[3], 1, 0x55555555u);
+    swap_bits(w[0], w[1], 1, 0x55555555u);
+  }
+}
+
+// Word and bit offset of element e's index among a block's runtime words (k = 2, 4).
+template <int K>
+__host__ __device__ constexpr int runtime_word_of(int e) {
+  return K == 4 ? ((e >> 2) & 1) | (((e >> 1) & 1) << 1) : (e >> 2) & 1;
+}
+template <int K>
+__host__ __device__ constexpr int runtime_shift_of(int e) {
+  return K == 4 ? 8 * (e >> 3) + 4 * (e & 1) : 8 * (e >> 3) + 2 * (e & 3);
+}
+
 // ----------------------------------------------------------------------------- bit-plane unpack
 
 // Bits 0..3 of x moved to bits 0, 8, 16, 24 (the four partial products x<<7i land on

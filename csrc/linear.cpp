@@ -25,23 +25,12 @@ namespace {
 enum class LinearPath { kGemv, kMma, kWgmma, kWgmmaWs, kDequantCublas };
 
 // The largest M each path serves (bf16/fp16 x; fp32 x always dequantizes). GEMV for M <= 2: from
-// M = 3 the MMA kernel (whose time is flat up to M = 8, one n8 tile) is faster. H100, COLD, commit
-// cc9614b (benchmarks/results/bench_linear_NVIDIA_H100_80GB_HBM3_2026-11-23_v3.md), k=4, GEMV / MMA:
-// M=4 on 12 of the 13 shapes of design.md §6, e.g. 2048x4096 8.8 / 7.5 us, 8192x28672 104.9 / 67.9
-// (512x2048 loses: 4.0 / 4.5); M=2 mixed (2048x4096 7.2 / 7.5, 8192x28672 74.8 / 67.9); for k=2, 3, 5
-// the MMA at M=16 already beats the GEMV at M=4 on 11-12 of 13 shapes.
-// Fused dequant + MMA up to kMmaMaxM. Above it, on Hopper, the fused dequant + wgmma kernels: the
-// register-fragment one (wgmma.cu) up to kWgmmaMaxM on weights of at least kWgmmaMinN rows and kWgmmaMinK
-// columns (one CTA per 128 rows: fewer rows leave most SMs idle), the warp-specialized one (wgmma_ws.cu,
-// 256 rows of x per CTA) up to kWgmmaWsMaxM on weights of at least kWgmmaWsMinWeight elements; everything
-// else dequantize + cuBLAS. Measured on H100, COLD, k=4, shapes K x N, 2026-11-23 (benchmarks/NOTES.md,
-// "Sixth H100 session": dequantize + cuBLAS on the two large shapes at M <= 256 from bench_linear v6 at
-// 4f447d1, everything else from one A/B at 9daadee), µs dequantize + cuBLAS / register-fragment /
-// warp-specialized: 8192x28672 M=128 418 / 170 / 253, M=256 445 / 343 / 283, M=512 635 / 624 / 578,
-// M=1024 996 / 1241 / 1051; 4096x14336 M=128 110 / 48.2 / 69.9, M=256 117 / 94.8 / 79.0, M=512
-// 160 / 187 / 155, M=1024 243 / 329 / 305 (k=2 and k=5 at M=128 / 256 / 1024 rank the same); 2048x10240
-// M=128 38.0 / 26.0 / 39.3, M=256 42.5 / 49.0 / 47.0; 10240x2048 M=128 43.2 / 103 / 157; the Qwen3
-// block shapes (N <= 5120) lose at every M (2048x5120 M=128 17.8 / 26.0).
+// M = 3 the MMA kernel (whose time is flat up to M = 8, one n8 tile) is faster. Fused dequant + MMA up
+// to kMmaMaxM. Above it, on Hopper, the fused dequant + wgmma kernels: the register-fragment one
+// (wgmma.cu) up to kWgmmaMaxM on weights of at least kWgmmaMinN rows and kWgmmaMinK columns (one CTA
+// per 128 rows: fewer rows leave most SMs idle), the warp-specialized one (wgmma_ws.cu, 256 rows of x
+// per CTA) up to kWgmmaWsMaxM on weights of at least kWgmmaWsMinWeight elements; everything else
+// dequantize + cuBLAS. The measurements behind each bound: docs/decisions.md, "Dense linear layers".
 // KBIT_MMA_MAX_M, read once, replaces kMmaMaxM (<= 2 turns the MMA path off without a rebuild).
 constexpr int64_t kGemvPathMaxM = 2;
 constexpr int64_t kMmaMaxM = 64;

@@ -16,13 +16,18 @@ MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups) {
   // r: wide warps (4 row groups, or 2 at p = 8 where accumulators fill the registers) read each
   // activation fragment from shared memory once per 64 (32) weight rows, which pays from p = 4 on
   // large weights; narrow warps (1) give more, shorter CTAs, which small weights and p <= 2 need
-  // (H100, k=4, M=16, 08f99d8: r = 1 vs 4 at 4096x14336 23.9 vs 33.5 µs, 8192x28672 70.4 vs 78.0).
+  // (docs/decisions.md, "MMA tile shape").
   int r = static_cast<int>(row_groups);
   if (r == 0) r = n_tiles >= kMmaWideTiles && p >= kMmaWideMinRowTiles ? (p == kMmaMaxRowTiles ? 2 : 4) : 1;
   return {p, r, m_blocks};
 }
 
-int mma_grouped_r(int p, int64_t n_tiles) { return p <= 2 && n_tiles >= 4 ? 4 : 1; }
+int mma_grouped_r(int p, int64_t n_tiles) {
+  // Wide warps at p <= 2: the table-decode instances (mma_kernel.cuh: uses_lut) spread each k-tile's
+  // fixed costs (table offsets, scale codes, B fragments) over four row groups; an expert's weight
+  // gives enough CTAs either way, since chunks of all experts share one launch.
+  return p <= 2 && n_tiles >= 4 ? 4 : 1;
+}
 
 bool mma_built(int p, int r) { return r == 1 || r == (p == kMmaMaxRowTiles ? 2 : 4); }
 

@@ -14,10 +14,12 @@
 //
 // Pipeline. A CTA (4 warps) owns 64r weight rows (r runtime n-tiles), 8p activation rows and a
 // K split; per k-tile it copies the r weight tiles verbatim and the 8p x 128 activations into
-// shared memory with cp.async, kStages deep. Each warp owns 16r weight rows: it transposes its
-// plane words into index words once per k-tile (before any MMA), then per k16 step builds one A
-// fragment per row group from index words (shift, shuffle, pack, scale a pair: no bit extraction) and
-// reuses it for all p activation tiles; each B fragment serves r row groups.
+// shared memory with cp.async, kStages deep. Each warp owns 16r weight rows: once per k-tile it
+// turns its words into index words (k = 2, 4: the runtime layout already holds them; k = 3, 5: a
+// transpose of the planes), then per k16 step builds one A fragment per row group and reuses it for
+// all p activation tiles; each B fragment serves r row groups. A fragment is built either from 16-bit
+// pairs / quads read from a per-lane shared-memory table (uses_lut: one load per two or four
+// weights) or by shuffle lookups of single codebook values, a conversion and a scale per pair.
 // The K splits of one CTA column are a thread-block cluster; their fp32 partial tiles are
 // summed through distributed shared memory in rank order (deterministic, no workspace).
 //
@@ -49,6 +51,7 @@ constexpr int kThreads = 32 * kWarps;
 constexpr int kTileK = kTileKB * kBlockSize;      // 128 elements of K per runtime tile
 constexpr int kRowChunks = kTileK * 2 / 16;       // 16-byte chunks of one activation row per k-tile
 constexpr int kSmemTarget = 72 * 1024;            // pipeline bytes that still let 3 CTAs share an SM
+constexpr int kLutSmemTarget = 20 * 1024;         // ... with a 32 KB table: 4 narrow CTAs per SM
 constexpr int kSmemPerSm = 227 * 1024;            // shared memory an sm_90 SM gives its CTAs
 constexpr int kSmemReservedPerCta = 1024;         // of which the driver keeps this much per CTA
 constexpr int kMaxDevices = 64;                   // devices the per-device launch preparation tracks
@@ -59,24 +62,28 @@ constexpr int tile_bytes() {
   return BITS * kTileN * kTileKB * 4 + kTileN * kTileKB;
 }
 
-// k = 2..4 decode through a shared-memory table (dequant_core.cuh: Lut), k = 5 by register shuffle.
-template <int BITS>
+// How an instance decodes: through a shared-memory table of 16-bit pairs / quads (dequant_core.cuh:
+// Lut) for k = 2..4 at p <= 2, where decode instructions bound the kernel; by register shuffle at
+// k = 5 (no table of pairs fits) and at p >= 4, where MMAs per weight grow with p and the table's
+// 32 KB would take the pipeline stages the larger activation tiles need.
+template <int BITS, int P>
 constexpr bool uses_lut() {
-  return BITS <= 4;
+  return BITS <= 4 && P <= 2;
 }
-template <int BITS>
+template <int BITS, int P>
 constexpr int lut_bytes() {
-  if constexpr (uses_lut<BITS>()) return Lut<BITS>::kBytes;
+  if constexpr (uses_lut<BITS, P>()) return Lut<BITS>::kBytes;
   return 0;
 }
 
 template <int BITS, int P, int R>
 struct Shape {
-  static constexpr int kLutBytes = lut_bytes<BITS>();  // the table sits first, the stages after it
+  static constexpr bool kLut = uses_lut<BITS, P>();
+  static constexpr int kLutBytes = lut_bytes<BITS, P>();  // the table sits first, the stages after it
   static constexpr int kWBytes = R * tile_bytes<BITS>();
   static constexpr int kXBytes = 8 * P * kTileK * 2;
   static constexpr int kStageBytes = kWBytes + kXBytes;
-  static constexpr int kStages = std::max(2, std::min(4, kSmemTarget / kStageBytes));
+  static constexpr int kStages = std::max(2, std::min(4, (kLut ? kLutSmemTarget : kSmemTarget) / kStageBytes));
   static constexpr int kPartialUnits = kWarps * R * P * 32;  // float4 C fragments of one CTA
   static constexpr int kSmemBytes = kLutBytes + std::max(kStages * kStageBytes, kPartialUnits * 16);
   // CTAs per SM the registers are capped for (launch bounds). Narrow warps: as many as shared memory
@@ -145,6 +152,7 @@ __device__ __forceinline__ int x_slot(int ch, int row) { return ch ^ ((ch >> 2) 
 template <typename T, int BITS, int P, int R, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma_kernel(const MmaParams<T> prm) {
   using S = Shape<BITS, P, R>;
+  constexpr bool kLut = S::kLut;
   constexpr int F = Fields<BITS>::kBits;
   constexpr int kTileBytes = tile_bytes<BITS>();
   constexpr int kTileChunks = kTileBytes / 16;
@@ -158,32 +166,37 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   const int warp = __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
   const int splits = prm.splits;
-  const int col = blockIdx.x / splits, split = blockIdx.x % splits;
+  const int split = blockIdx.x % splits;
+  const int kt_begin = split * prm.k_tiles / splits, kt_end = (split + 1) * prm.k_tiles / splits;
+  const int nkt = kt_end - kt_begin;
+  const float codebook_reg = __ldg(prm.codebook + (lane & ((1 << BITS) - 1)));
+  const uint32_t lut_lane = lut_lane_offset<std::min(BITS, 4)>(lane);  // unused for k = 5
+
+  const int tid = threadIdx.x;
+  __builtin_assume(tid < kThreads);  // folds the chunk bounds below to compile time
+  const int col = blockIdx.x / splits, y = blockIdx.y;
+  // Grouped: CTA rows past the device-side chunk count hold no rows (a whole cluster shares its y).
+  if constexpr (kGrouped) {
+    if (y >= __ldg(prm.num_chunks)) return;
+  }
   // Rows [m0, m_end) of A and C, and the weight they multiply: the CTA row's block of 8P rows, or
   // its chunk's rows and expert.
-  int m0 = blockIdx.y * 8 * P, m_end = prm.M;
+  int m0 = y * 8 * P, m_end = prm.M;
   const uint8_t* qweight = prm.qweight;
   const uint8_t* absmax = prm.absmax;
   if constexpr (kGrouped) {
-    if (static_cast<int>(blockIdx.y) >= __ldg(prm.num_chunks)) return;
-    const int4 chunk = prm.chunks[blockIdx.y];
+    const int4 chunk = prm.chunks[y];
     m0 = chunk.y;
     m_end = chunk.y + chunk.z;
     qweight += chunk.x * prm.expert_qbytes;
     absmax += chunk.x * prm.expert_abytes;
   }
-  const int kt_begin = split * prm.k_tiles / splits, kt_end = (split + 1) * prm.k_tiles / splits;
-  const int nkt = kt_end - kt_begin;
-  const float codebook_reg = __ldg(prm.codebook + (lane & ((1 << BITS) - 1)));
-  const uint32_t lut_lane = lut_lane_offset<std::min(BITS, 4)>(lane);  // unused for k = 5
 
   // Copy sources. A column's k-tiles lie back to back in the runtime layout (planes and scale codes
   // in two arrays), so every source advances by one tile per k-tile: in the loop a copy costs its
   // LDGSTS (the chunk's place in the tile is an immediate offset) and the sources one add each.
   // n-tiles past N keep pointing at the column's first tile and copy zeros, as do rows of A past
   // m_end and K past the end.
-  const int tid = threadIdx.x;
-  __builtin_assume(tid < kThreads);  // folds the chunk bounds below to compile time
   const uint8_t* w_planes[R];  // this thread's first plane chunk of tile rho, at the next k-tile to copy
   const uint8_t* w_codes[R];   // this thread's first scale-code chunk (tid - kPlaneChunks, may be negative)
   bool w_valid[R];
@@ -257,7 +270,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
 
   const auto compute_stage = [&](int stage) {
     const uint8_t* st = stages + stage * S::kStageBytes;
-    constexpr int W = uses_lut<BITS>() ? Lut<std::min(BITS, 4)>::kWords : F;
+    constexpr int W = kLut ? Lut<std::min(BITS, 4)>::kWords : F;
     uint32_t q[R][2][W];
     uint32_t scale[R][2];  // the scale in both halves of x's 16-bit type (exact: 5 significant bits)
 #pragma unroll
@@ -270,7 +283,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
 #pragma unroll
         for (int b = 0; b < BITS; ++b)
           plane[b] = *reinterpret_cast<const uint32_t*>(st + w_rd + ((b * kTileN + 16 * r + 8 * h) * kTileKB) * 4);
-        if constexpr (uses_lut<BITS>()) {
+        if constexpr (kLut) {
           lut_indices<BITS>(plane, q[r][h]);
         } else {
           gather_indices<BITS>(plane, q[r][h]);
@@ -291,7 +304,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           uint32_t a[4];
-          if constexpr (uses_lut<BITS>()) {
+          if constexpr (kLut) {
             // MMA step (c, jj) takes the activation pairs (8c + 4jj, +1) and (8c + 4jj + 2, +3) of the
             // lane's block (xb .x/.y or .z/.w, as the shuffle path), so its weight pairs are byte c of
             // index words jj and jj + 2 (pairs) or the two halves of byte c of word jj (quads).
@@ -339,7 +352,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
     cp_async_commit();
   }
   // The table is written while the first stages are in flight; the loop's first barrier publishes it.
-  if constexpr (uses_lut<BITS>()) lut_fill<T, BITS>(smem, prm.codebook, tid, kThreads);
+  if constexpr (kLut) lut_fill<T, BITS>(smem, prm.codebook, tid, kThreads);
   for (int it = 0; it < nkt; ++it) {
     cp_async_wait<S::kStages - 2>();
     __syncthreads();

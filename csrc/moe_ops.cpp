@@ -24,13 +24,10 @@ namespace {
 
 enum class MoePath : int64_t { kAuto = 0, kGemv = 1, kGroupedMm = 2, kGroupedMma = 3 };
 
-// Path by slots. Measured on H100, k=4, Qwen3-30B-A3B shape (E=128, top-8), COLD, µs GEMV / grouped
-// MMA / grouped mm at commit 08f99d8 (benchmarks/results/moe_NVIDIA_H100_80GB_HBM3_2026-11-23_v2*.md):
-// T=1 (8 slots) 29.2 / 31.5; T=4 (32) 65.7 / 54.5; T=16 (128) 185 / 124; T=64 (512) 520 / 163;
-// T=1024 (64 per expert) - / 842 / 1168; T=4096 (256 per expert) - / 2250 / 1595. The GEMV wins only
-// while few experts are touched (its per-byte cost is higher, its latency lower); it streams each
-// expert once per 4 rows, so it also needs most experts to hold no row or one. 16 slots is between
-// the measured 8 (GEMV) and 32 (grouped MMA).
+// Path by slots. The GEMV wins only while few experts are touched (its per-byte cost is higher, its
+// latency lower); it streams each expert once per 4 rows, so it also needs most experts to hold no
+// row or one. Past kMmaMaxSlotsPerExpert rows per expert, grouped mm (dequantize + cuBLAS) wins.
+// Measurements: docs/decisions.md, "Three paths, picked by slots per expert".
 constexpr int64_t kGemvMaxSlots = 16;
 constexpr int64_t kMmaMaxSlotsPerExpert = 128;
 constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memory counters

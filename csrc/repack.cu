@@ -12,6 +12,25 @@ namespace {
 
 constexpr int kThreads = 256;
 
+// Word b of a block's runtime words from its k flat plane words (kbit_format.cuh: k = 2, 4 transposed).
+template <int K>
+__device__ __forceinline__ int32_t runtime_word_k(const int32_t* planes, int64_t b) {
+  uint32_t w[K];
+#pragma unroll
+  for (int i = 0; i < K; ++i) w[i] = static_cast<uint32_t>(planes[i]);
+  planes_to_runtime_words<K>(w);
+  uint32_t out = w[0];
+#pragma unroll
+  for (int i = 1; i < K; ++i) out = b == i ? w[i] : out;
+  return static_cast<int32_t>(out);
+}
+
+__device__ __forceinline__ int32_t runtime_word(const int32_t* planes, int64_t k, int64_t b) {
+  if (k == 2) return runtime_word_k<2>(planes, b);
+  if (k == 4) return runtime_word_k<4>(planes, b);
+  return planes[b];
+}
+
 __global__ void __launch_bounds__(kThreads)
     repack_kernel(const int32_t* __restrict__ qweight, const uint8_t* __restrict__ absmax, int32_t* __restrict__ qweight_rt,
                   uint8_t* __restrict__ absmax_rt, int64_t N, int64_t KB, int64_t k, int64_t KT, int64_t rt_words,
@@ -19,11 +38,11 @@ __global__ void __launch_bounds__(kThreads)
   constexpr int64_t kTile = kTileN * kTileKB;
   for (int64_t o = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; o < rt_words;
        o += static_cast<int64_t>(gridDim.x) * kThreads) {
-    // qweight_rt[nt, kt, b, r, j] = qweight[nt*64 + r, kt*4 + j, b]
+    // qweight_rt[nt, kt, b, r, j] = runtime word b of the block qweight[nt*64 + r, kt*4 + j, :]
     const int64_t j = o % kTileKB, r = (o / kTileKB) % kTileN, rest = o / kTile;
     const int64_t b = rest % k, tile = rest / k;
     const int64_t n = (tile / KT) * kTileN + r, kb = (tile % KT) * kTileKB + j;
-    qweight_rt[o] = (n < N && kb < KB) ? qweight[(n * KB + kb) * k + b] : 0;
+    qweight_rt[o] = (n < N && kb < KB) ? runtime_word(qweight + (n * KB + kb) * k, k, b) : 0;
     if (o < rt_codes) {
       // absmax_rt[nt, kt, r, j] = absmax[nt*64 + r, kt*4 + j]
       const int64_t ctile = o / kTile;

@@ -114,8 +114,31 @@ def test_runtime_layout_round_trip_and_padding(N, K, k):
     assert tuple(q_rt.shape) == q_shape and tuple(a_rt.shape) == a_shape
     q2, a2 = fmt.unrepack(q_rt, a_rt, N, K)
     assert torch.equal(q2, q) and torch.equal(a2, a)
-    assert q_rt.abs().sum() == q.abs().sum()  # the padding holds zeros only
+    assert _popcount(q_rt) == _popcount(q)  # runtime words permute each block's bits; padding holds zeros
     assert torch.equal(fmt.dequantize_runtime(q_rt, a_rt, cb, N, K, torch.float32), fmt.dequantize(q, a, cb, torch.float32))
+
+
+def _popcount(words: torch.Tensor) -> int:
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    return int(sum(((w >> i) & 1).sum() for i in range(32)))
+
+
+@pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
+def test_runtime_words_hold_each_index_where_the_kernels_read_it(k):
+    # k = 4: byte n of word w = elements e (low nibble), e + 1 with e = 8n + 2 (w >> 1) + 4 (w & 1);
+    # k = 2: byte n of word w = elements 8n + 4w .. +3, two bits each; k = 3, 5: bit planes.
+    idx = torch.randint(0, 2**k, (6, 3, 32), generator=torch.Generator().manual_seed(k))
+    planes = fmt.pack_bitplanes(idx, k)
+    words = fmt.planes_to_runtime_words(planes).to(torch.int64) & 0xFFFFFFFF
+    for e in range(32):
+        if k == 4:
+            got = (words[..., ((e >> 2) & 1) | (((e >> 1) & 1) << 1)] >> (8 * (e >> 3) + 4 * (e & 1))) & 15
+        elif k == 2:
+            got = (words[..., (e >> 2) & 1] >> (8 * (e >> 3) + 2 * (e & 3))) & 3
+        else:
+            got = sum(((words[..., b] >> e) & 1) << b for b in range(k))
+        assert torch.equal(got, idx[..., e]), e
+    assert torch.equal(fmt.runtime_words_to_planes(fmt.planes_to_runtime_words(planes)), planes)
 
 
 def test_runtime_tile_element_placement():

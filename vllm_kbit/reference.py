@@ -298,17 +298,57 @@ def runtime_shapes(N: int, K: int, k: int) -> tuple[tuple[int, ...], tuple[int, 
     return (n_tiles, kb_tiles, k, TILE_N, TILE_KB), (n_tiles, kb_tiles, TILE_N, TILE_KB)
 
 
+# Runtime index words for k = 2 and 4: each block's k plane words transposed, once at load, into the
+# words the kernels' table lookup reads (csrc/dequant_core.cuh: runtime index words). For k = 4, byte n
+# of word w holds the pair (e, e + 1), e = 8n + 2 (w >> 1) + 4 (w & 1), as two 4-bit indices (e low);
+# for k = 2, byte n of word w holds elements 8n + 4w .. +3 as four 2-bit indices (lowest first). k = 3
+# and 5 keep bit planes (their transposed words would not be dense). Each entry is a delta swap
+# (word a, word b, shift, mask) of csrc's swap_bits, applied in order.
+RUNTIME_WORD_SWAPS = {
+    2: ((0, 1, 1, 0x55555555), (0, 1, 2, 0x33333333), (0, 1, 4, 0x0F0F0F0F)),
+    4: (
+        (0, 1, 1, 0x55555555), (2, 3, 1, 0x55555555),
+        (0, 2, 2, 0x33333333), (1, 3, 2, 0x33333333),
+        (0, 1, 4, 0x0F0F0F0F), (2, 3, 4, 0x0F0F0F0F),
+    ),
+}
+
+
+def _swap_words(words: torch.Tensor, swaps) -> torch.Tensor:
+    """Applies delta swaps along the last dim of int32 words (csrc swap_bits: bits of word a at
+    mask << shift exchanged with bits of word b at mask)."""
+    w = [words[..., i].to(torch.int64) & 0xFFFFFFFF for i in range(words.shape[-1])]
+    for a, b, shift, mask in swaps:
+        t = ((w[a] >> shift) ^ w[b]) & mask
+        w[b] = w[b] ^ t
+        w[a] = w[a] ^ (t << shift)
+    out = torch.stack(w, dim=-1)
+    return (out - ((out >> 31) << 32)).to(torch.int32)
+
+
+def planes_to_runtime_words(planes: torch.Tensor) -> torch.Tensor:
+    """[..., k] bit-plane words of blocks -> their runtime index words (identity for k = 3, 5)."""
+    swaps = RUNTIME_WORD_SWAPS.get(planes.shape[-1])
+    return planes.clone() if swaps is None else _swap_words(planes, swaps)
+
+
+def runtime_words_to_planes(words: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`planes_to_runtime_words` (each swap is its own inverse: reverse order)."""
+    swaps = RUNTIME_WORD_SWAPS.get(words.shape[-1])
+    return words.clone() if swaps is None else _swap_words(words, tuple(reversed(swaps)))
+
+
 def repack(qweight: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Flat -> runtime layout.
 
-    qweight_rt[nt, kt, b, r, j] = qweight[nt*TILE_N + r, kt*TILE_KB + j, b]
+    qweight_rt[nt, kt, b, r, j] = word b of planes_to_runtime_words(qweight[nt*TILE_N + r, kt*TILE_KB + j])
     absmax_rt[nt, kt, r, j]     = absmax[nt*TILE_N + r, kt*TILE_KB + j]
 
     One tile (TILE_N rows x TILE_KB blocks) is contiguous and tiles of one row band
     follow each other along K, so a kernel streams a row band front to back. Inside
-    a tile, bit-plane b of the TILE_KB blocks of one row is one 16-byte vector, and
-    the 64 rows of that plane are consecutive: a warp reads one plane of 32 rows as
-    512 contiguous bytes. Padding rows/blocks hold zero words and scale code 0, so
+    a tile, word b of the TILE_KB blocks of one row is one 16-byte vector, and the 64
+    rows of that word are consecutive: a warp reads word b of 32 rows as 512
+    contiguous bytes. Padding rows/blocks hold zero words and scale code 0, so
     they dequantize to 0.
     """
     if qweight.dtype != torch.int32 or qweight.dim() != 3:
@@ -324,7 +364,7 @@ def repack(qweight: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, t
     q_shape, a_shape = runtime_shapes(N, KB * BLOCK_SIZE, k)
     nt, kt = q_shape[0], q_shape[1]
     q = qweight.new_zeros(nt * TILE_N, kt * TILE_KB, k)
-    q[:N, :KB] = qweight
+    q[:N, :KB] = planes_to_runtime_words(qweight)
     a = absmax.new_zeros(nt * TILE_N, kt * TILE_KB)
     a[:N, :KB] = absmax
     q_rt = q.view(nt, TILE_N, kt, TILE_KB, k).permute(0, 2, 4, 1, 3).contiguous()
@@ -336,7 +376,7 @@ def unrepack(qweight_rt: torch.Tensor, absmax_rt: torch.Tensor, N: int, K: int) 
     """Runtime -> flat layout (inverse of :func:`repack`), for a weight of shape [N, K]."""
     check_runtime(qweight_rt, absmax_rt, N, K)
     nt, kt, k = qweight_rt.shape[:3]
-    q = qweight_rt.permute(0, 3, 1, 4, 2).reshape(nt * TILE_N, kt * TILE_KB, k)
+    q = runtime_words_to_planes(qweight_rt.permute(0, 3, 1, 4, 2).reshape(nt * TILE_N, kt * TILE_KB, k))
     a = absmax_rt.permute(0, 2, 1, 3).reshape(nt * TILE_N, kt * TILE_KB)
     KB = K // BLOCK_SIZE
     return q[:N, :KB].contiguous(), a[:N, :KB].contiguous()

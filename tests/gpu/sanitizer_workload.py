@@ -1,0 +1,76 @@
+"""A workload for compute-sanitizer over the MMA kernels: every k, activation tile count p and row-group
+shape, dense (M = 1 .. 64, forced and heuristic row groups, ragged N) and grouped over experts
+(fused_moe's grouped MMA path at 1 .. 64 rows per expert), plus the wgmma kernels at one M each.
+Fresh random inputs; each output is checked finite (NaN-poisoned outputs would show).
+
+    compute-sanitizer --tool memcheck python tests/gpu/sanitizer_workload.py
+    compute-sanitizer --tool racecheck python tests/gpu/sanitizer_workload.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import vllm_kbit  # noqa: F401  (registers torch.ops.kbit)
+from vllm_kbit import reference as fmt
+
+
+def random_runtime(E: int | None, N: int, K: int, k: int):
+    q_shape, a_shape = fmt.runtime_shapes(N, K, k)
+    lead = () if E is None else (E,)
+    q = torch.randint(-(2**31), 2**31 - 1, (*lead, *q_shape), dtype=torch.int32, device="cuda")
+    a = torch.randint(100, 140, (*lead, *a_shape), dtype=torch.uint8, device="cuda")
+    return q, a
+
+
+def check(name: str, out: torch.Tensor) -> None:
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), f"{name}: non-finite output"
+
+
+def dense(k: int, quick: bool) -> None:
+    cb = fmt.normal_float_codebook(k, "cuda")
+    shapes = [(320, 256)] if quick else [(320, 256), (1088, 512)]  # N not a multiple of 256: ragged tiles
+    for N, K in shapes:
+        q, a = random_runtime(None, N, K, k)
+        for M in ([1, 9, 33] if quick else [1, 3, 8, 9, 16, 17, 32, 33, 64]):
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            p = torch.ops.kbit._mma_config(M, q.shape[0])[0]
+            for r in [0, 1, 2 if p == 8 else 4]:
+                out = torch.ops.kbit._mma_linear(x, q, a, cb, N, K, None, r, 0)
+                check(f"mma k={k} M={M} N={N} r={r}", out)
+        if not quick:
+            x = torch.randn(80, K, device="cuda", dtype=torch.bfloat16)
+            check(f"wgmma k={k}", torch.ops.kbit._wgmma_linear(x, q, a, cb, N, K, None, False))
+            check(f"wgmma_ws k={k}", torch.ops.kbit._wgmma_linear(x, q, a, cb, N, K, None, True))
+
+
+def grouped(k: int, quick: bool) -> None:
+    E, top_k, H, I = 16, 4, 256, 192
+    cb = fmt.normal_float_codebook(k, "cuda")
+    q13, a13 = random_runtime(E, 2 * I, H, k)
+    q2, a2 = random_runtime(E, H, I, k)
+    for T in ([4, 64] if quick else [4, 16, 40, 64, 150, 256]):  # up to 64 rows per expert: p = 1 .. 8
+        ids = torch.topk(torch.rand(T, E, device="cuda"), top_k, dim=1).indices.to(torch.int32)
+        w = torch.softmax(torch.randn(T, top_k, device="cuda"), -1)
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        out = torch.ops.kbit._fused_moe_cuda(x, ids, w, q13, a13, q2, a2, cb, I, None, False, 3)
+        check(f"grouped mma k={k} T={T}", out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="a few shapes per kernel (racecheck is slow)")
+    ap.add_argument("--bits", default="2,3,4,5")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    for k in (int(b) for b in args.bits.split(",")):
+        dense(k, args.quick)
+        grouped(k, args.quick)
+    print("sanitizer workload done")
+
+
+if __name__ == "__main__":
+    main()
