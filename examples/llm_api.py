@@ -23,7 +23,7 @@ if __name__ == "__main__":  # vLLM starts its engine in a new process
         quantization="kbit",
         # kbit settings (all optional): 4 bits, routed experts at 3, router gates and lm_head in bf16.
         hf_overrides={"quantization_config": {"quant_method": "kbit", "bits": 4, "bits_overrides": {"experts": 3}}},
-        max_model_len=1024,
+        max_model_len=512,  # the tiny model holds 512 positions
         gpu_memory_utilization=0.3,
     )
     outputs = llm.generate(
