@@ -23,10 +23,13 @@ MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups) {
 }
 
 int mma_grouped_r(int p, int64_t n_tiles) {
-  // Wide warps at p <= 2: the table-decode instances (mma_kernel.cuh: uses_lut) spread each k-tile's
-  // fixed costs (table offsets, scale codes, B fragments) over four row groups; an expert's weight
-  // gives enough CTAs either way, since chunks of all experts share one launch.
-  return p <= 2 && n_tiles >= 4 ? 4 : 1;
+  // Wide warps wherever an expert has the rows for them: all experts' chunks share one launch, so
+  // there are CTAs enough either way (unlike a narrow dense weight). At p <= 2 the table-decode
+  // instances (mma_kernel.cuh: uses_lut) spread each k-tile's fixed costs (table offsets, scale
+  // codes, B fragments) over four row groups; at p = 4 and 8 each activation fragment read from
+  // shared memory serves 4 (2) row groups, as on wide dense weights (mma_config).
+  if (n_tiles < 4) return 1;
+  return p == kMmaMaxRowTiles ? 2 : 4;
 }
 
 bool mma_built(int p, int r) { return r == 1 || r == (p == kMmaMaxRowTiles ? 2 : 4); }

@@ -29,7 +29,7 @@ struct MmaConfig {
 MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups = 0);
 
 // Row groups per warp of the grouped (routed-expert) kernel for p activation tiles and an expert's
-// n_tiles: 4 at p <= 2, where decode dominates the time, else 1.
+// n_tiles: 4 (2 at p = 8, where the accumulators fill the registers), 1 for experts under 4 n-tiles.
 int mma_grouped_r(int p, int64_t n_tiles);
 
 // Whether a kernel is built for p activation tiles and r row groups (r = 1, or 4; 2 at p = 8).

@@ -487,17 +487,16 @@ void launch_bits(const MmaLaunch& L) {
   TORCH_CHECK(false, "kbit mma: no kernel for p=", p, " r=", r);
 }
 
-// Grouped launches: bf16 activations (the MoE path gathers x to bf16); r = 4 at p <= 2, where
-// decode dominates and wide warps spread each k-tile's fixed costs over four row groups, else r = 1
-// (mma_grouped_r).
+// Grouped launches: bf16 activations (the MoE path gathers x to bf16); the row groups per warp
+// from mma_grouped_r (wide: 4, or 2 at p = 8; narrow experts 1).
 template <int BITS>
 void launch_grouped_bits(const MmaLaunch& L) {
   const bool wide = L.config.r == 4;
   switch (L.config.p) {
     case 1: return wide ? launch_instance<__nv_bfloat16, BITS, 1, 4, true>(L) : launch_instance<__nv_bfloat16, BITS, 1, 1, true>(L);
     case 2: return wide ? launch_instance<__nv_bfloat16, BITS, 2, 4, true>(L) : launch_instance<__nv_bfloat16, BITS, 2, 1, true>(L);
-    case 4: return launch_instance<__nv_bfloat16, BITS, 4, 1, true>(L);
-    default: return launch_instance<__nv_bfloat16, BITS, 8, 1, true>(L);
+    case 4: return wide ? launch_instance<__nv_bfloat16, BITS, 4, 4, true>(L) : launch_instance<__nv_bfloat16, BITS, 4, 1, true>(L);
+    default: return L.config.r == 2 ? launch_instance<__nv_bfloat16, BITS, 8, 2, true>(L) : launch_instance<__nv_bfloat16, BITS, 8, 1, true>(L);
   }
 }
 
