@@ -61,6 +61,44 @@ def test_log_facts_reads_both_gpu_runners_and_the_kv_cache_lines():
     assert vllm_server.log_facts("nothing") == {"weight_gib": None, "kv_cache_gib": None, "kv_cache_tokens": None}
 
 
+def test_log_facts_of_a_tensor_parallel_server_are_per_gpu():
+    log = (
+        "(Worker_TP1 pid=12) INFO [gpu_model_runner.py:5348] Model loading took 28.47 GiB memory and 9.1 seconds\n"
+        "(Worker_TP0 pid=11) INFO [gpu_model_runner.py:5348] Model loading took 28.49 GiB memory and 9.0 seconds\n"
+        "(Worker_TP0 pid=11) INFO [gpu_worker.py:561] Available KV cache memory: 95.1 GiB\n"
+        "(Worker_TP1 pid=12) INFO [gpu_worker.py:561] Available KV cache memory: 95.3 GiB\n"
+        "(EngineCore pid=10) INFO [kv_cache_utils.py:2177] GPU KV cache size: 2,077,184 tokens\n"
+    )
+    assert vllm_server.log_facts(log) == {"weight_gib": 28.49, "weight_gib_per_rank": [28.47, 28.49], "kv_cache_gib": 95.3,
+                                          "kv_cache_tokens": 2077184}
+
+
+def test_tp_goes_to_vllm_serve_the_file_name_and_the_records(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench_serve, "gpu_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(bench_serve, "commit", lambda: "abc")
+    args = ["--tp", "2", "--methods", "kbit-4", "--out", str(tmp_path), "--work", str(tmp_path / "w")]
+    monkeypatch.setattr(sys, "argv", ["bench_serve.py", *args])
+    captured = {}
+    monkeypatch.setattr(bench_serve.Run, "run", lambda self: captured.update(run=self))
+    bench_serve.main()
+    run = captured["run"]
+    method = methods.parse_methods("kbit-4")[0]
+    serve = run.serve_args(method)
+    assert serve[serve.index("--tensor-parallel-size") + 1] == "2"
+    assert os.path.basename(run.stem).startswith("serve_tp2_NVIDIA_H200_")
+    ctx = run.context(method, "m", (1024, 256, 4), 16, {}, "cmd")
+    assert ctx["tp"] == 2 and ctx["model"].endswith("TP=2")
+    path = str(tmp_path / "r.jsonl")
+    records.append(path, records.from_bench(_bench(200.0, 64, 64 * 256), ctx))
+    assert bench_serve.done_steps([path], "abc", tp=2) == {("kbit-4", 1024, 256, 16)}
+    assert bench_serve.done_steps([path], "abc") == set()  # a TP=1 run does not skip TP=2 results
+    assert "| kbit-4 | 4 | 2 |" in report.markdown(records.load([path]))
+    monkeypatch.setattr(sys, "argv", ["bench_serve.py", "--methods", "kbit-4", "--out", str(tmp_path), "--work", str(tmp_path / "w")])
+    bench_serve.main()
+    assert "--tensor-parallel-size" not in captured["run"].serve_args(method)
+    assert os.path.basename(captured["run"].stem).startswith("serve_NVIDIA_H200_")
+
+
 def _context(method, c, bits=4):
     return {"gpu": "H100", "commit": "abc", "date": "2026-11-23 10:00 UTC", "model": "m", "method": method, "bits": bits,
             "concurrency": c, "input_len": 1024, "output_len": 256, "num_prompts": max(8, 4 * c),
@@ -95,7 +133,7 @@ def test_report_tables_ratios_and_plot(tmp_path):
     assert "| gptq-int4 | failed: vllm serve exited with 1 while starting |" in md
     assert "| kbit-4 | 3.00x | 2.50x |" in md  # relative to bf16
     assert "Prompts per bench: c=1 8, c=16 64" in md
-    assert "| kbit-4 | 4 | 16.0 | 50.0 | 500,000 | 90 |" in md
+    assert "| kbit-4 | 4 | 1 | 16.0 | 50.0 | 500,000 | 90 |" in md
     pytest.importorskip("matplotlib")
     written = report.write(records.load([path]), str(tmp_path / "r"))
     assert written == [str(tmp_path / "r.md"), str(tmp_path / "r.png")] and os.path.getsize(written[1]) > 10000

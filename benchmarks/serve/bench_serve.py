@@ -11,6 +11,10 @@ After every measurement it appends a record to STEM.jsonl (records.py) and rewri
 
     python3 benchmarks/serve/bench_serve.py --methods kbit-4,bf16 --settings 1024/256 --concurrency 1,16,64,128
 
+--tp N serves every method with `vllm serve --tensor-parallel-size N` (N GPUs); its results go to
+serve_tp<N>_<gpu>_<date>.* and their records carry "tp". The weight and KV-cache memory in the records are
+per GPU (each worker logs its own); the KV-cache size in tokens is the engine's. nvidia-smi samples GPU 0.
+
 The steps run in one long-lived `vllm bench serve` worker (bench_client.py). A full sweep is 6 methods x 2
 settings x 5 concurrencies. To split it over several runs (e.g. one method each), give every run the same
 command plus `--skip-done <earlier JSONL files>`: it skips what those files already hold for this commit.
@@ -111,11 +115,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def done_steps(paths: list[str], at_commit: str) -> set[tuple]:
-    """(method, input_len, output_len, concurrency) measured without error at this commit in the given JSONL
-    files (missing files count as empty), so that a sweep split over several runs resumes where it stopped."""
+def done_steps(paths: list[str], at_commit: str, tp: int = 1) -> set[tuple]:
+    """(method, input_len, output_len, concurrency) measured without error at this commit and tensor-parallel
+    size in the given JSONL files (missing files count as empty), so that a sweep split over several runs
+    resumes where it stopped."""
     found = [p for p in paths if os.path.exists(p)]
-    return {key for key, r in records.latest(records.load(found)).items() if r["commit"] == at_commit and not r.get("error")}
+    rows = records.latest(r for r in records.load(found) if r.get("tp", 1) == tp)
+    return {key for key, r in rows.items() if r["commit"] == at_commit and not r.get("error")}
 
 
 class Run:
@@ -131,11 +137,12 @@ class Run:
         today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
         out_dir = args.out or os.path.join(REPO, "benchmarks", "results")
         os.makedirs(out_dir, exist_ok=True)
-        self.stem = os.path.join(out_dir, args.tag or f"serve_{self.gpu.replace(' ', '_')}_{today}")
+        tp = f"tp{args.tp}_" if args.tp > 1 else ""
+        self.stem = os.path.join(out_dir, args.tag or f"serve_{tp}{self.gpu.replace(' ', '_')}_{today}")
         self.results = self.stem + ".jsonl"
         self.servers_log = self.stem + "_servers.log"
         os.makedirs(os.path.join(args.work, "bench"), exist_ok=True)
-        self.done = done_steps(args.skip_done.split(",") if args.skip_done else [], self.commit)
+        self.done = done_steps(args.skip_done.split(",") if args.skip_done else [], self.commit, args.tp)
         self.client = bench_client.BenchClient(os.path.join(args.work, "bench_worker.log"))
 
     def left(self) -> float:
@@ -154,7 +161,8 @@ class Run:
 
     def serve_args(self, method: Method) -> list[str]:
         a = self.args
-        return ["--load-format", "dummy", "--max-model-len", str(a.max_model_len),
+        tp = ["--tensor-parallel-size", str(a.tp)] if a.tp > 1 else []
+        return ["--load-format", "dummy", *tp, "--max-model-len", str(a.max_model_len),
                 "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--no-enable-prefix-caching",
                 "--disable-uvicorn-access-log", *method.serve_args, *shlex.split(a.server_args)]
 
@@ -163,7 +171,8 @@ class Run:
         return {
             "gpu": self.gpu, "commit": self.commit,
             "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-            "model": f"{self.args.shape} shape, dummy weights", "method": method.name, "bits": method.bits,
+            "model": f"{self.args.shape} shape, dummy weights" + (f", TP={self.args.tp}" if self.args.tp > 1 else ""),
+            "tp": self.args.tp, "method": method.name, "bits": method.bits,
             "concurrency": c, "input_len": setting[0], "output_len": setting[1],
             "num_prompts": num_prompts(c, setting[2]), "repeat": repeat, **facts,
             "command": command,
@@ -281,6 +290,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=1,
                     help="run each setting x concurrency this many times back to back on the same server")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(model_dir.SHAPES))
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: `vllm serve --tensor-parallel-size` (GPUs)")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     ap.add_argument("--server-args", default="", help="extra `vllm serve` arguments, one shell-quoted string")
@@ -299,6 +309,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.repeats < 1:
         ap.error(f"--repeats must be at least 1, got {args.repeats}")
+    if args.tp < 1:
+        ap.error(f"--tp must be at least 1, got {args.tp}")
     try:
         settings = parse_settings(args.settings, args.prompts_per_concurrency)
     except ValueError as e:

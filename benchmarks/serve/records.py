@@ -2,7 +2,8 @@
 
 Fields: gpu, commit, date, model, method, bits, concurrency, input_len, output_len, output_tok_s, tpot_ms,
 ttft_ms (means over requests, as `vllm bench serve` reports them), weight_gib, kv_cache_gib, kv_cache_tokens
-(from the server log), command (the serve and bench command lines), plus num_prompts, completed,
+(from the server log; weights and KV cache GiB per GPU, KV tokens for the engine), tp (tensor-parallel size;
+absent = 1), command (the serve and bench command lines), plus num_prompts, completed,
 total_output_tokens, duration_s, median_tpot_ms, p99_tpot_ms, median_ttft_ms, startup_s and error. A failed
 step is a record with ``error`` set and no numbers, so the table shows what did not run and why.
 """

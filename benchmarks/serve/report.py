@@ -78,10 +78,13 @@ def markdown(records: list[dict]) -> str:
                     cells.append(f"{a['output_tok_s'] / b['output_tok_s']:.2f}x" if ok else "")
                 out.append(f"| {m} | " + " | ".join(cells) + " |")
     out += ["", "## Memory (from the server log)", "",
-            "| method | bits | weights GiB | KV cache GiB | KV cache tokens | start-up s |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
+            "Weights and KV cache GiB per GPU (the largest over the tensor-parallel workers); KV cache tokens: what "
+            "the engine holds.", "",
+            "| method | bits | TP | weights GiB per GPU | KV cache GiB per GPU | KV cache tokens | start-up s |",
+            "| --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for m in methods:
         r = next(r for r in reversed(records) if r["method"] == m)
-        out.append(f"| {m} | {r['bits']} | {_fmt(r.get('weight_gib'))} | {_fmt(r.get('kv_cache_gib'))} | "
+        out.append(f"| {m} | {r['bits']} | {r.get('tp', 1)} | {_fmt(r.get('weight_gib'))} | {_fmt(r.get('kv_cache_gib'))} | "
                    f"{_fmt(r.get('kv_cache_tokens'), ',')} | {_fmt(r.get('startup_s'), '.0f')} |")
     again = rec.repeated(records)
     if again:

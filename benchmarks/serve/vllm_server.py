@@ -50,19 +50,30 @@ def bench_command() -> list[str]:
 
 # What vLLM 0.26 logs while starting (v1/worker/gpu_model_runner.py, v1/worker/gpu/model_runner.py,
 # v1/worker/gpu_worker.py, v1/core/kv_cache_utils.py). The CPU worker logs only the KV-cache size in tokens.
+# Under tensor parallelism every worker (one per GPU, lines prefixed "(Worker_TP<r> pid=...)") logs its own
+# weight and KV-cache memory, and the engine logs the KV-cache size in tokens once, for the whole engine.
 _LOG_FACTS = {
     "weight_gib": (re.compile(r"Model loading took ([0-9.]+) GiB"), float),
     "kv_cache_gib": (re.compile(r"Available KV cache memory: ([0-9.]+) GiB"), float),
     "kv_cache_tokens": (re.compile(r"GPU KV cache size: ([0-9,]+) tokens"), lambda s: int(s.replace(",", ""))),
 }
+_PER_GPU = ("weight_gib", "kv_cache_gib")
 
 
 def log_facts(log_text: str) -> dict:
-    """{"weight_gib", "kv_cache_gib", "kv_cache_tokens"} from a server log (None where not logged)."""
+    """{"weight_gib", "kv_cache_gib", "kv_cache_tokens"} from a server log (None where not logged).
+
+    weight_gib and kv_cache_gib are per GPU: the largest over the workers' lines (one line at TP=1); with
+    several workers, "weight_gib_per_rank" lists every worker's value in log order."""
     facts = {}
     for key, (pattern, convert) in _LOG_FACTS.items():
-        m = pattern.search(log_text)
-        facts[key] = convert(m.group(1)) if m else None
+        values = [convert(v) for v in pattern.findall(log_text)]
+        if key in _PER_GPU:
+            facts[key] = max(values) if values else None
+            if key == "weight_gib" and len(values) > 1:
+                facts["weight_gib_per_rank"] = values
+        else:
+            facts[key] = values[0] if values else None
     return facts
 
 

@@ -2,13 +2,19 @@
 
 Engine start-up costs about a minute on CPU, so every engine configuration is
 started once per session (:func:`engine`) and its outputs and layer summary are
-cached for all tests that need them.
+cached for all tests that need them. ``KBIT_E2E_ENGINES=N`` (default 1) lets up to
+N engines run at once: tests can start the engines they need ahead with
+``engine.start(...)`` (the GPU tensor-parallel set does), and each engine then gets
+a vLLM compile cache of its own, so engines running at once never write one cache.
 """
 
 from __future__ import annotations
 
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import pytest
-from kbit_e2e import ONLINE, TEXT_PROMPTS, run_engine, settings_of
+from kbit_e2e import MIXED, ONLINE, TEXT_PROMPTS, run_engine, settings_of
 
 from vllm_kbit import tiny_models
 
@@ -20,19 +26,37 @@ def tiny(tmp_path_factory):
     return {kind: tiny_models.build(kind, str(root / kind)) for kind in tiny_models.BUILDERS}
 
 
+class Engines:
+    """``engine(key, model, llm_kwargs, env, text_prompts)`` -> the runner's output for that key (one engine
+    start per key and session); ``engine.start(...)`` with the same arguments begins it in the background."""
+
+    def __init__(self, root, parallel: int):
+        self.root = root
+        self.parallel = parallel
+        self.pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="engine")
+        self.runs: dict[str, Future] = {}
+
+    def start(self, key: str, model: str, llm_kwargs: dict | None = None, env: dict | None = None,
+              text_prompts: list[str] | None = None) -> Future:
+        if key not in self.runs:
+            env = dict(env or {})
+            if self.parallel > 1:
+                cache = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(os.path.expanduser("~"), ".cache", "vllm")
+                env.setdefault("VLLM_CACHE_ROOT", os.path.join(cache, "kbit-e2e", key))
+            self.runs[key] = self.pool.submit(run_engine, model, str(self.root / key), llm_kwargs, env, text_prompts)
+        return self.runs[key]
+
+    def __call__(self, key: str, model: str, llm_kwargs: dict | None = None, env: dict | None = None,
+                 text_prompts: list[str] | None = None) -> dict:
+        return self.start(key, model, llm_kwargs, env, text_prompts).result()
+
+
 @pytest.fixture(scope="session")
 def engine(tmp_path_factory):
     """engine(key, model, **kwargs) -> cached runner output; each key starts one engine per session."""
-    cache: dict[str, dict] = {}
-    root = tmp_path_factory.mktemp("engines")
-
-    def get(key: str, model: str, llm_kwargs: dict | None = None, env: dict | None = None,
-            text_prompts: list[str] | None = None) -> dict:
-        if key not in cache:
-            cache[key] = run_engine(model, str(root / key), llm_kwargs, env, text_prompts)
-        return cache[key]
-
-    return get
+    engines = Engines(tmp_path_factory.mktemp("engines"), max(1, int(os.environ.get("KBIT_E2E_ENGINES", "1"))))
+    yield engines
+    engines.pool.shutdown(wait=False, cancel_futures=True)
 
 
 @pytest.fixture(scope="session")
@@ -44,6 +68,25 @@ def converted_qwen3_moe(tiny, tmp_path_factory):
     summary = convert(tiny["qwen3_moe"], out, settings_of(ONLINE[4]), progress=False)
     assert summary.quantized > 0 and summary.output_bytes < summary.input_bytes
     return out
+
+
+@pytest.fixture(scope="session")
+def converted_mixed(tiny, tmp_path_factory):
+    """converted_mixed(kind) -> the tiny checkpoint written by `vllm-kbit convert` with MIXED bits (routed
+    experts 3, attention 5, the rest 4); each kind converted once per session."""
+    from vllm_kbit.convert import convert
+
+    done: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in done:
+            out = str(tmp_path_factory.mktemp("converted") / f"{kind}-mixed")
+            summary = convert(tiny[kind], out, settings_of(MIXED), progress=False)
+            assert summary.quantized > 0 and summary.output_bytes < summary.input_bytes
+            done[kind] = out
+        return done[kind]
+
+    return get
 
 
 @pytest.fixture(scope="session")

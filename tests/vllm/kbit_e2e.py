@@ -37,6 +37,11 @@ ONLINE = {
     5: {"bits": 5},
 }
 
+# Mixed bits of the converted checkpoints of the tensor / expert parallel tests: the routed experts at 3 bits,
+# attention at 5, everything else (GLM's shared experts and dense first layer) at 4. Routed experts are one
+# module named <block>.experts; the `$` keeps GLM's shared_experts out of the 3-bit pattern.
+MIXED = {"bits": 4, "bits_overrides": {r"mlp\.experts$": 3, r"self_attn\.": 5}}
+
 
 def settings_of(config: dict) -> KbitSettings:
     return KbitSettings.from_dict({"quant_method": "kbit", **config})
@@ -142,6 +147,39 @@ def assert_agree(what: str, a: dict, b: dict) -> None:
     assert match >= MIN_TOKEN_MATCH, f"{what}: greedy match {match:.1%} < {MIN_TOKEN_MATCH:.0%}"
     assert within >= MIN_POSITIONS_WITHIN_GAP, (
         f"{what}: logprob gap <= {MAX_LOGPROB_GAP} at only {within:.1%} of positions (< {MIN_POSITIONS_WITHIN_GAP:.0%})")
+
+
+def first_differences(a: dict, b: dict) -> list[tuple[int, int, int, int]]:
+    """(prompt, position, token of a, token of b) at the first generated position where a prompt's greedy
+    tokens differ between two runs; prompts whose tokens are identical are left out."""
+    out = []
+    for i, (ta, tb) in enumerate(zip(a["tokens"], b["tokens"])):
+        pos = next((j for j, (x, y) in enumerate(zip(ta, tb)) if x != y), None)
+        if pos is not None:
+            out.append((i, pos, ta[pos], tb[pos]))
+    return out
+
+
+def report_token_differences(what: str, a: dict, b: dict) -> list[tuple[int, int, int, int]]:
+    """Prints whether the free-running greedy tokens of two runs are identical and, where not, each prompt's
+    first differing position with both runs' logprobs of the two candidate tokens there (a near-tie shows as
+    a small margin); returns first_differences(a, b)."""
+    diffs = first_differences(a, b)
+    n, length = len(a["tokens"]), max((len(t) for t in a["tokens"]), default=0)
+    if not diffs:
+        print(f"{what}: greedy tokens identical ({n} prompts x {length} tokens)")
+        return diffs
+
+    def lp(run: dict, i: int, pos: int, tok: int) -> str:
+        v = run["logprobs"][i][pos].get(str(tok))
+        return "not in top-5" if v is None else f"{v:.4f}"
+
+    print(f"{what}: greedy tokens differ in {len(diffs)} of {n} prompts ({n} x {length} tokens); "
+          f"first differing position per prompt:")
+    for i, pos, x, y in diffs:
+        print(f"{what}:   prompt {i} token {pos}: {x} vs {y}; logprobs of ({x}, {y}): first run "
+              f"({lp(a, i, pos, x)}, {lp(a, i, pos, y)}), second run ({lp(b, i, pos, x)}, {lp(b, i, pos, y)})")
+    return diffs
 
 
 def packed_weight_differences(a: dict, b: dict) -> list[str]:

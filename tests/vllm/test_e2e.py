@@ -1,4 +1,4 @@
-"""End to end on vLLM's CPU backend: online kbit, converted checkpoints, mixed bits, tensor parallel.
+"""End to end on vLLM's CPU backend: online kbit, converted checkpoints, mixed bits, tensor and expert parallel.
 
 Each engine configuration starts once per session (see conftest.engine).
 """
@@ -82,6 +82,33 @@ def test_tensor_parallel_2_matches_tp1(engine, tiny):
     # The all-reduce sums the two halves in another order than TP1's single dot product: bf16 noise, so the
     # same criterion as kbit vs its dequantized model rather than bit-identical tokens.
     assert_agree("TP2 vs TP1", tp2, tp1)
+
+
+def test_expert_parallel_2_matches_tp1(engine, tiny):
+    """TP=2 with expert parallel: attention sharded as in TP=2, the routed experts split whole between the
+    ranks (4 of 8 each, at full intermediate size) through vLLM's expert_map."""
+    tp1 = _online(engine, tiny, "qwen3_moe", 4)
+    ep2 = engine(
+        "qwen3_moe-online4-tp2-ep",
+        tiny["qwen3_moe"],
+        {**online_kwargs(ONLINE[4]), "tensor_parallel_size": 2, "enable_expert_parallel": True},
+        env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"},
+        text_prompts=TEXT_PROMPTS,
+    )
+    ranks = ep2["layers_per_rank"]
+    assert len(ranks) == 2
+    qkv1 = tp1["layers"]["model.layers.0.self_attn.qkv_proj"]["params"]["qweight"][1]
+    for r in ranks:
+        assert r["model.layers.0.self_attn.qkv_proj"]["params"]["qweight"][1][0] * 2 == qkv1[0]
+    for layer in ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts"):
+        full = tp1["layers"][layer]["params"]
+        for r in ranks:
+            assert r[layer]["method"] == "KbitOnlineMoEMethod"
+            for name in ("w13_qweight", "w2_qweight"):
+                shape = r[layer]["params"][name][1]
+                assert shape[0] * 2 == full[name][1][0] and shape[1:] == full[name][1][1:], (layer, name, shape, full[name])
+        assert ranks[0][layer]["hash"] != ranks[1][layer]["hash"]
+    assert_agree("TP2+EP vs TP1", ep2, tp1)
 
 
 @pytest.mark.parametrize("kind", ["glm4_moe", "qwen3"])

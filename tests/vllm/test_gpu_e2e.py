@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kbit_e2e import ONLINE, assert_agree, dequantized_checkpoint, online_kwargs, packed_weight_differences, settings_of
+from kbit_e2e import (
+    ONLINE,
+    assert_agree,
+    dequantized_checkpoint,
+    online_kwargs,
+    packed_weight_differences,
+    report_token_differences,
+    settings_of,
+)
 
 pytestmark = [
     pytest.mark.gpu,
@@ -53,9 +61,104 @@ def test_gpu_mixed_bits_match_dequantized_model(engine, tiny, tmp_path_factory):
     assert_agree("GPU mixed bits", got, ref)
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_gpu_tensor_parallel_2_matches_tp1(engine, tiny):
-    tp1 = engine("gpu-qwen3_moe-online4", tiny["qwen3_moe"], online_kwargs(ONLINE[4]))
-    tp2 = engine("gpu-qwen3_moe-online4-tp2", tiny["qwen3_moe"], {**online_kwargs(ONLINE[4]), "tensor_parallel_size": 2})
-    assert len(tp2["layers_per_rank"]) == 2
-    assert_agree("GPU TP2 vs TP1", tp2, tp1)
+# Tensor / expert parallel on two GPUs against TP=1 on the same machine. Each kind x quantization has one
+# TP=1 reference engine shared by its parallel variants; `parallel_engines` starts all the engines the
+# selected tests need at once (KBIT_E2E_ENGINES at a time), so the set takes a few engine start-ups, not twelve.
+PARALLEL = {
+    "tp2": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+    "tp2-ep": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "enable_expert_parallel": True},
+}
+QUANTS = ("online4", "converted-mixed")
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+
+class ParallelEngines:
+    """The engines of test_gpu_parallel_matches_tp1: (kind, quant, parallel or None for TP=1) -> runner output."""
+
+    def __init__(self, engine, tiny, converted_mixed):
+        self.engine, self.tiny, self.converted_mixed = engine, tiny, converted_mixed
+
+    def spec(self, kind: str, quant: str, parallel: str | None) -> tuple[str, str, dict]:
+        if quant == "online4":  # the TP=1 key is the one test_gpu_online_matches_dequantized_model starts
+            key, model, kwargs = f"gpu-{kind}-online4", self.tiny[kind], online_kwargs(ONLINE[4])
+        else:  # a converted checkpoint, served with no quantization flag
+            key, model, kwargs = f"gpu-{kind}-converted-mixed", self.converted_mixed(kind), {}
+        if parallel is None:
+            return key, model, kwargs
+        return f"{key}-{parallel}", model, {**kwargs, **PARALLEL[parallel]}
+
+    def start(self, kind: str, quant: str, parallel: str | None) -> None:
+        self.engine.start(*self.spec(kind, quant, parallel))
+
+    def get(self, kind: str, quant: str, parallel: str | None) -> dict:
+        return self.engine(*self.spec(kind, quant, parallel))
+
+
+@pytest.fixture(scope="session")
+def parallel_engines(request, engine, tiny, converted_mixed):
+    engines = ParallelEngines(engine, tiny, converted_mixed)
+    wanted = [item.callspec.params for item in request.session.items
+              if getattr(item, "originalname", None) == "test_gpu_parallel_matches_tp1" and hasattr(item, "callspec")]
+    for p in wanted:  # the TP=1 references first: every parallel test waits for one
+        engines.start(p["kind"], p["quant"], None)
+    for p in wanted:
+        engines.start(p["kind"], p["quant"], p["parallel"])
+    return engines
+
+
+def _kbit(layers: dict) -> dict:
+    return {name: info for name, info in layers.items() if "bits" in info}
+
+
+def _describe(rank: int, layers: dict) -> str:
+    kbit = _kbit(layers)
+    experts = {n: i["params"]["w13_qweight"][1][0] for n, i in kbit.items() if "w13_qweight" in i["params"]}
+    bits = sorted({i["bits"] for i in kbit.values()})
+    return (f"rank {rank}: {len(layers)} linear/MoE layers, {len(kbit)} kbit (bits {bits}), "
+            f"local experts per MoE layer {sorted(set(experts.values()))}")
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("parallel", list(PARALLEL))
+@pytest.mark.parametrize("quant", QUANTS)
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe"])
+def test_gpu_parallel_matches_tp1(parallel_engines, kind, quant, parallel):
+    """TP=2 (and TP=2 with expert parallel) against TP=1: each rank holds its share of every kbit layer with
+    the same method and bits, and the outputs agree like two runs of one engine (assert_agree: the all-reduce
+    sums the halves in another order, so bf16 noise, and router near-ties can flip an expert). Where the
+    free-running greedy tokens differ, the first differing position of each prompt is printed."""
+    what = f"GPU {kind} {quant} {parallel} vs TP1"
+    tp1 = parallel_engines.get(kind, quant, None)
+    got = parallel_engines.get(kind, quant, parallel)
+    ranks = got["layers_per_rank"]
+    for r, layers in enumerate(ranks):
+        print(f"{what}: {_describe(r, layers)}")
+    assert len(ranks) == 2
+    ref = _kbit(tp1["layers"])
+    assert ref, "no kbit layer in the TP=1 model"
+    if quant == "converted-mixed":
+        for name, info in tp1["layers"].items():
+            if name.endswith("mlp.experts"):
+                assert (info["method"], info["bits"]) == ("KbitMoEMethod", 3), (name, info)
+            elif ".self_attn." in name:
+                assert (info["method"], info["bits"]) == ("KbitLinearMethod", 5), (name, info)
+    expert_parallel = PARALLEL[parallel].get("enable_expert_parallel", False)
+    for r, layers in enumerate(ranks):
+        assert set(layers) == set(tp1["layers"]), f"rank {r} has other layers than TP=1"
+        for name, info in ref.items():
+            mine = layers[name]
+            assert (mine["method"], mine["bits"]) == (info["method"], info["bits"]), (r, name, mine["method"], info["method"])
+            if "w13_qweight" in info["params"]:  # routed experts: [E, ...] runtime tiles
+                for p in ("w13_qweight", "w2_qweight"):
+                    full, part = info["params"][p][1], mine["params"][p][1]
+                    if expert_parallel:  # whole experts, half of them per rank
+                        assert part[0] * 2 == full[0] and part[1:] == full[1:], (r, name, p, part, full)
+                    else:  # every expert, sharded along its intermediate size
+                        assert part[0] == full[0], (r, name, p, part, full)
+            elif name.endswith("self_attn.qkv_proj"):  # column parallel: half the 64-row tiles
+                assert mine["params"]["qweight"][1][0] * 2 == info["params"]["qweight"][1][0], (r, name)
+    for name in ref:
+        if name.endswith("mlp.experts"):
+            assert ranks[0][name]["hash"] != ranks[1][name]["hash"], f"both ranks hold the same experts of {name}"
+    report_token_differences(what, got, tp1)
+    assert_agree(what, got, tp1)

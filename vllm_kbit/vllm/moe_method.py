@@ -75,6 +75,14 @@ def _load_per_expert_tensors(layer: torch.nn.Module, weights):
                 yield name
 
 
+def _skip_after_processing(layer: torch.nn.Module, load_weights, weights):
+    """``load_weights`` of a RoutedExperts with online kbit experts: tensors that arrive after the layer was
+    quantized are dropped. Under expert parallelism vLLM's layerwise loader quantizes the layer once this
+    rank's experts are loaded, and the checkpoint's later tensors are other ranks' experts, which vLLM's
+    loader would look up as ``w13_weight`` / ``w2_weight``, parameters the kbit layer no longer has."""
+    return load_weights(w for w in weights if not getattr(layer, "_already_called_process_weights_after_loading", False))
+
+
 class _KbitMoEBase(FusedMoEMethodBase):
     def __init__(self, layer: torch.nn.Module, prefix: str, bits: int, codebook: torch.Tensor):
         super().__init__(layer.moe_config)
@@ -239,6 +247,7 @@ class KbitOnlineMoEMethod(_KbitMoEBase):
             layer.register_parameter(name, param)
             set_weight_attrs(param, extra_weight_attrs)
         initialize_online_processing(layer)
+        layer.load_weights = functools.partial(_skip_after_processing, layer, layer.load_weights)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if getattr(layer, "_already_called_process_weights_after_loading", False):
