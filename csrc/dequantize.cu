@@ -12,6 +12,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "check.h"
+
 namespace kbit {
 namespace {
 
@@ -133,7 +135,7 @@ void launch_k(const at::Tensor& qweight, const at::Tensor& absmax, const at::Ten
     case 3: return launch_layout<OutT, 3>(qweight, absmax, codebook, runtime_layout, N, KB, out);
     case 4: return launch_layout<OutT, 4>(qweight, absmax, codebook, runtime_layout, N, KB, out);
     case 5: return launch_layout<OutT, 5>(qweight, absmax, codebook, runtime_layout, N, KB, out);
-    default: TORCH_CHECK_VALUE(false, "kbit: k=", k, " is not supported; k must be one of (2, 3, 4, 5)");
+    default: KBIT_CHECK_VALUE(false, "kbit: k=", k, " is not supported; k must be one of (2, 3, 4, 5)");
   }
 }
 
@@ -147,7 +149,7 @@ void launch_dequantize(const at::Tensor& qweight, const at::Tensor& absmax, cons
     case at::kHalf: return launch_k<__half>(qweight, absmax, codebook, k, runtime_layout, N, KB, out);
     case at::kFloat: return launch_k<float>(qweight, absmax, codebook, k, runtime_layout, N, KB, out);
     default:
-      TORCH_CHECK_TYPE(false, "kbit: output dtype ", out.scalar_type(),
+      KBIT_CHECK_TYPE(false, "kbit: output dtype ", out.scalar_type(),
                        " is not supported; supported: float16, bfloat16, float32");
   }
 }

@@ -26,6 +26,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 
+#include "check.h"
+
 namespace kbit {
 namespace {
 
@@ -101,7 +103,7 @@ void launch_bits(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, 
     case 2: return launch_typed<T, BITS, 2>(A, q, a, cb, bias, N, K, C, splits);
     case 3: return launch_typed<T, BITS, 3>(A, q, a, cb, bias, N, K, C, splits);
     case 4: return launch_typed<T, BITS, 4>(A, q, a, cb, bias, N, K, C, splits);
-    default: TORCH_CHECK(false, "kbit gemv: M=", A.size(0), " is outside 1..", kGemvMaxM);
+    default: KBIT_CHECK(false, "kbit gemv: M=", A.size(0), " is outside 1..", kGemvMaxM);
   }
 }
 
@@ -114,7 +116,7 @@ void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
     case 3: return launch_bits<T, 3>(A, q, a, cb, bias_ptr, N, K, C, splits);
     case 4: return launch_bits<T, 4>(A, q, a, cb, bias_ptr, N, K, C, splits);
     case 5: return launch_bits<T, 5>(A, q, a, cb, bias_ptr, N, K, C, splits);
-    default: TORCH_CHECK(false, "kbit gemv: k=", q.size(2), " is not supported");
+    default: KBIT_CHECK(false, "kbit gemv: k=", q.size(2), " is not supported");
   }
 }
 
@@ -148,16 +150,16 @@ void launch_gemv(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Te
                  const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
                  at::Tensor& C, int64_t splits) {
   const int64_t n_tiles = qweight_rt.size(0), k_tiles = qweight_rt.size(1);
-  TORCH_CHECK(N <= INT32_MAX && K <= INT32_MAX && n_tiles * k_tiles <= INT32_MAX, "kbit gemv: weight too large");
+  KBIT_CHECK(N <= INT32_MAX && K <= INT32_MAX && n_tiles * k_tiles <= INT32_MAX, "kbit gemv: weight too large");
   const int64_t max_splits = std::min<int64_t>(kGemvMaxSplits, k_tiles);
-  TORCH_CHECK(splits >= 0 && splits <= max_splits, "kbit gemv: splits=", splits, " outside 0 (heuristic) .. ",
+  KBIT_CHECK(splits >= 0 && splits <= max_splits, "kbit gemv: splits=", splits, " outside 0 (heuristic) .. ",
               max_splits);
   const int s = static_cast<int>(
       splits > 0 ? splits : gemv_splits(n_tiles, k_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount));
   if (A.scalar_type() == at::kBFloat16) {
     launch_dtype<__nv_bfloat16>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C, s);
   } else {
-    TORCH_CHECK(A.scalar_type() == at::kHalf, "kbit gemv: activations must be bf16 or fp16");
+    KBIT_CHECK(A.scalar_type() == at::kHalf, "kbit gemv: activations must be bf16 or fp16");
     launch_dtype<__half>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C, s);
   }
 }

@@ -19,6 +19,9 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
+#include "check.h"
+#include "checks.h"
+
 namespace kbit {
 namespace {
 
@@ -59,34 +62,15 @@ LinearPath pick_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype) {
   return LinearPath::kDequantCublas;
 }
 
+// The op's checks (checks.cpp) plus the CUDA-only ones: every tensor on x's GPU.
 void check_inputs(const at::Tensor& x, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, int64_t N,
                   int64_t K, const std::optional<at::Tensor>& bias) {
-  TORCH_CHECK(x.is_cuda(), "kbit linear: x must be a CUDA tensor");
-  const auto dt = x.scalar_type();
-  TORCH_CHECK(dt == at::kBFloat16 || dt == at::kHalf || dt == at::kFloat,
-              "kbit linear: x has dtype ", dt, "; supported: bfloat16, float16, float32");
-  TORCH_CHECK(x.dim() >= 1 && x.size(-1) == K, "kbit linear: x has ", x.dim() ? x.size(-1) : 0,
-              " features but the weight has K=", K);
-  TORCH_CHECK(N > 0 && K > 0 && K % 32 == 0, "kbit linear: weight shape [", N, ", ", K,
-              "] needs N > 0 and K a positive multiple of 32");
-  TORCH_CHECK(q.scalar_type() == at::kInt && q.dim() == 5, "kbit linear: runtime qweight must be int32 5-D");
-  const int64_t k = q.size(2);
-  TORCH_CHECK(k >= 2 && k <= 5, "kbit linear: k=", k, " is not supported");
-  const int64_t n_tiles = (N + 63) / 64, k_tiles = (K / 32 + 3) / 4;
-  TORCH_CHECK(q.size(0) == n_tiles && q.size(1) == k_tiles && q.size(3) == 64 && q.size(4) == 4,
-              "kbit linear: runtime qweight shape ", q.sizes(), " does not match weight [", N, ", ", K, "]");
-  TORCH_CHECK(a.scalar_type() == at::kByte && a.dim() == 4 && a.size(0) == n_tiles && a.size(1) == k_tiles &&
-                  a.size(2) == 64 && a.size(3) == 4,
-              "kbit linear: runtime absmax must be uint8 [", n_tiles, ", ", k_tiles, ", 64, 4], got ", a.sizes());
-  TORCH_CHECK(q.is_contiguous() && a.is_contiguous(), "kbit linear: runtime tensors must be contiguous");
-  TORCH_CHECK(cb.scalar_type() == at::kFloat && cb.dim() == 1 && cb.numel() == (int64_t{1} << k) && cb.is_contiguous(),
-              "kbit linear: codebook must be float32 [", int64_t{1} << k, "]");
-  TORCH_CHECK(q.device() == x.device() && a.device() == x.device() && cb.device() == x.device(),
-              "kbit linear: all tensors must be on ", x.device());
-  if (bias.has_value()) {
-    TORCH_CHECK(bias->dim() == 1 && bias->size(0) == N && bias->scalar_type() == dt && bias->device() == x.device(),
-                "kbit linear: bias must be [", N, "] of x's dtype on x's device");
-  }
+  check_linear(x, q, a, cb, N, K, bias);
+  check_cuda(x, "x");
+  check_device(q, x, "runtime qweight", "x");
+  check_device(a, x, "runtime absmax", "x");
+  check_device(cb, x, "codebook", "x");
+  if (bias.has_value()) check_device(*bias, x, "bias", "x");
 }
 
 at::Tensor dequantize_runtime(const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, int64_t N, int64_t K,
@@ -125,7 +109,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const 
     const at::Tensor W = dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.scalar_type());
     return at::linear(x, W, bias);
   }
-  TORCH_CHECK(N <= INT32_MAX && K <= INT32_MAX && M <= INT32_MAX, "kbit linear: weight or x too large for int32 sizes");
+  KBIT_CHECK(N <= INT32_MAX && K <= INT32_MAX && M <= INT32_MAX, "kbit linear: weight or x too large for int32 sizes");
   const at::Tensor A = as_matrix(x, M, K);
   at::Tensor C = at::empty({M, N}, x.options());
   if (path == LinearPath::kGemv) {
@@ -146,9 +130,9 @@ at::Tensor forced_kernel_input(const char* op, const at::Tensor& x, const at::Te
                                const at::Tensor& absmax_rt, const at::Tensor& codebook, int64_t N, int64_t K,
                                const std::optional<at::Tensor>& bias) {
   check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
-  TORCH_CHECK(x.scalar_type() != at::kFloat, op, ": x must be bf16 or fp16");
+  KBIT_CHECK(x.scalar_type() != at::kFloat, op, ": x must be bf16 or fp16");
   const int64_t M = x.numel() / K;
-  TORCH_CHECK(M > 0 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX, op,
+  KBIT_CHECK(M > 0 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX, op,
               ": x has no rows or sizes exceed int32");
   return as_matrix(x, M, K);
 }
@@ -162,10 +146,10 @@ at::Tensor mma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, co
   const at::Tensor A = forced_kernel_input("kbit _mma_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias);
   const int64_t M = A.size(0);
   const int p = mma_config(M, qweight_rt.size(0)).p;
-  TORCH_CHECK(row_groups == 0 || mma_built(p, static_cast<int>(row_groups)), "kbit _mma_linear: row_groups=", row_groups,
+  KBIT_CHECK(row_groups == 0 || mma_built(p, static_cast<int>(row_groups)), "kbit _mma_linear: row_groups=", row_groups,
               " is not built for M=", M, "; supported: 0 (heuristic), 1, ", p == kMmaMaxRowTiles ? 2 : 4);
   const int64_t max_splits = std::min<int64_t>(kMmaMaxSplits, qweight_rt.size(1));
-  TORCH_CHECK(splits >= 0 && splits <= max_splits, "kbit _mma_linear: splits=", splits, " outside 0 (heuristic) .. ",
+  KBIT_CHECK(splits >= 0 && splits <= max_splits, "kbit _mma_linear: splits=", splits, " outside 0 (heuristic) .. ",
               max_splits);
   at::Tensor C = at::empty({M, N}, x.options());
   launch_mma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, row_groups, splits);
@@ -179,7 +163,7 @@ at::Tensor gemv_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, c
   const c10::DeviceGuard guard(x.device());
   const at::Tensor A = forced_kernel_input("kbit _gemv_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias);
   const int64_t M = A.size(0);
-  TORCH_CHECK(M <= kGemvMaxM, "kbit _gemv_linear: x has ", M, " rows; supported: 1..", kGemvMaxM);
+  KBIT_CHECK(M <= kGemvMaxM, "kbit _gemv_linear: x has ", M, " rows; supported: 1..", kGemvMaxM);
   at::Tensor C = at::empty({M, N}, x.options());
   launch_gemv(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, splits);
   return C;
@@ -192,7 +176,7 @@ at::Tensor wgmma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, 
                              bool warp_specialized) {
   const c10::DeviceGuard guard(x.device());
   const at::Tensor A = forced_kernel_input("kbit _wgmma_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias);
-  TORCH_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9, "kbit _wgmma_linear: needs a Hopper (sm_90) GPU");
+  KBIT_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9, "kbit _wgmma_linear: needs a Hopper (sm_90) GPU");
   at::Tensor C = at::empty({A.size(0), N}, x.options());
   if (warp_specialized) {
     launch_wgmma_ws(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);

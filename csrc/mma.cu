@@ -7,6 +7,8 @@
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/util/Exception.h>
 
+#include "check.h"
+
 namespace kbit {
 
 MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups) {
@@ -84,7 +86,7 @@ void launch_k(const mma_detail::MmaLaunch& L, int64_t k, bool bf16) {
     case 3: return mma_detail::launch_mma_k<3>(L, bf16);
     case 4: return mma_detail::launch_mma_k<4>(L, bf16);
     case 5: return mma_detail::launch_mma_k<5>(L, bf16);
-    default: TORCH_CHECK(false, "kbit mma: k=", k, " is not supported");
+    default: KBIT_CHECK(false, "kbit mma: k=", k, " is not supported");
   }
 }
 

@@ -43,7 +43,7 @@ int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms,
 
 // A [M, K] (bf16/fp16, contiguous, 16-byte aligned) -> C [M, N] of A's dtype. row_groups / splits
 // force the tile shape / split count (0: heuristic), for tests and benchmarks; the caller
-// (linear.cpp) validates them: errors thrown from nvcc-compiled code abort the process.
+// (linear.cpp) validates them before the launch.
 void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                 const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C,
                 int64_t row_groups = 0, int64_t splits = 0);

@@ -41,6 +41,8 @@
 #include <c10/util/Exception.h>
 #include <cooperative_groups.h>
 
+#include "check.h"
+
 namespace kbit {
 namespace mma_detail {
 
@@ -438,7 +440,7 @@ void launch_instance(const MmaLaunch& L) {
   // and how many CTAs an SM holds (0 = not prepared yet; preparing twice is harmless).
   static std::atomic<int> prepared[kMaxDevices] = {};
   const int device = L.device;
-  TORCH_CHECK(device >= 0 && device < kMaxDevices, "kbit mma: device index ", device, " >= ", kMaxDevices);
+  KBIT_CHECK(device >= 0 && device < kMaxDevices, "kbit mma: device index ", device, " >= ", kMaxDevices);
   int ctas_per_sm = prepared[device].load(std::memory_order_relaxed);
   if (ctas_per_sm == 0) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
@@ -448,7 +450,7 @@ void launch_instance(const MmaLaunch& L) {
   }
   const int cols = (L.n_tiles + R - 1) / R;
   const int splits = L.splits > 0 ? L.splits : mma_splits(cols, L.config.m_blocks, L.k_tiles, L.num_sms, ctas_per_sm);
-  TORCH_CHECK(splits >= 1 && splits <= std::min(kMmaMaxSplits, L.k_tiles), "kbit mma: splits=", splits,
+  KBIT_CHECK(splits >= 1 && splits <= std::min(kMmaMaxSplits, L.k_tiles), "kbit mma: splits=", splits,
               " outside 1..", std::min(kMmaMaxSplits, L.k_tiles));
   const MmaParams<T> prm{static_cast<const T*>(L.A), static_cast<const uint8_t*>(L.qweight),
                          static_cast<const uint8_t*>(L.absmax), L.codebook, static_cast<const T*>(L.bias),
@@ -484,7 +486,7 @@ void launch_bits(const MmaLaunch& L) {
   KBIT_MMA_CASE(8, 1)
   KBIT_MMA_CASE(8, 2)
 #undef KBIT_MMA_CASE
-  TORCH_CHECK(false, "kbit mma: no kernel for p=", p, " r=", r);
+  KBIT_CHECK(false, "kbit mma: no kernel for p=", p, " r=", r);
 }
 
 // Grouped launches: bf16 activations (the MoE path gathers x to bf16); the row groups per warp

@@ -1,5 +1,6 @@
 // Launcher of the grouped kbit GEMV (kernel in moe_gemv.cuh); instantiates the gate_up stage.
 #include "moe_gemv.cuh"
+#include "check.h"
 
 namespace kbit {
 namespace moe_gemv {
@@ -15,7 +16,7 @@ void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at
   const int64_t max_chunks = chunks.size(0);
   if (max_chunks == 0) return;
   const int64_t n_tiles = qweight.size(1), k_tiles = qweight.size(2), bits = qweight.size(3);
-  TORCH_CHECK(max_chunks * n_tiles * kGemvMaxSplits <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX,
+  KBIT_CHECK(max_chunks * n_tiles * kGemvMaxSplits <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX,
               "kbit moe gemv: problem too large");
   MoeGemvParams p;
   p.A = A.data_ptr();
@@ -35,12 +36,12 @@ void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at
   p.n_tiles = static_cast<int>(n_tiles);
   p.k_tiles = static_cast<int>(k_tiles);
   // Split K as the dense GEMV would for all chunks' n-tiles side by side (or as forced, for benchmarks).
-  TORCH_CHECK(splits >= 0 && splits <= std::min<int64_t>(kGemvMaxSplits, k_tiles), "kbit moe gemv: splits=", splits,
+  KBIT_CHECK(splits >= 0 && splits <= std::min<int64_t>(kGemvMaxSplits, k_tiles), "kbit moe gemv: splits=", splits,
               " outside 0 (heuristic) .. ", std::min<int64_t>(kGemvMaxSplits, k_tiles));
   p.splits = splits > 0 ? static_cast<int>(splits)
                         : gemv_splits(max_chunks * n_tiles, k_tiles,
                                       at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-  TORCH_CHECK(A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf,
+  KBIT_CHECK(A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf,
               "kbit moe gemv: activations must be bf16 or fp16");
   const bool bf16 = A.scalar_type() == at::kBFloat16;
   if (stage == MoeStage::kGather) {

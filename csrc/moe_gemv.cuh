@@ -21,6 +21,8 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 
+#include "check.h"
+
 namespace kbit {
 namespace moe_gemv {
 
@@ -168,7 +170,7 @@ void launch_bits(int bits, const MoeGemvParams& p, int max_chunks) {
     case 3: return launch_typed<T, O, 3, STAGE, MAX_ROWS>(p, max_chunks);
     case 4: return launch_typed<T, O, 4, STAGE, MAX_ROWS>(p, max_chunks);
     case 5: return launch_typed<T, O, 5, STAGE, MAX_ROWS>(p, max_chunks);
-    default: TORCH_CHECK(false, "kbit moe gemv: k=", bits, " is not supported");
+    default: KBIT_CHECK(false, "kbit moe gemv: k=", bits, " is not supported");
   }
 }
 

@@ -19,6 +19,8 @@
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
+#include "check.h"
+
 namespace kbit {
 namespace {
 
@@ -53,7 +55,7 @@ Routing route(const at::Tensor& ids, const std::optional<at::Tensor>& expert_map
 
 std::optional<at::Tensor> int32_map(const std::optional<at::Tensor>& expert_map, const at::Tensor& x) {
   if (!expert_map.has_value()) return std::nullopt;
-  TORCH_CHECK(expert_map->dim() == 1 && !at::isFloatingType(expert_map->scalar_type()) &&
+  KBIT_CHECK(expert_map->dim() == 1 && !at::isFloatingType(expert_map->scalar_type()) &&
                   expert_map->device() == x.device(),
               "kbit fused_moe: expert_map must be a 1-D integer tensor on ", x.device(), ", got ",
               expert_map->scalar_type(), " ", expert_map->sizes(), " on ", expert_map->device());
@@ -63,15 +65,15 @@ std::optional<at::Tensor> int32_map(const std::optional<at::Tensor>& expert_map,
 // Checks one stacked runtime weight [E, ceil(N/64), ceil(K/128), k, 64, 4] (+ absmax); returns k.
 int64_t check_stacked(const at::Tensor& q, const at::Tensor& a, int64_t E, int64_t N, int64_t K, const char* what) {
   const int64_t nt = (N + 63) / 64, kt = (K / 32 + 3) / 4;
-  TORCH_CHECK(q.scalar_type() == at::kInt && q.dim() == 6 && q.size(0) == E && q.size(1) == nt && q.size(2) == kt &&
+  KBIT_CHECK(q.scalar_type() == at::kInt && q.dim() == 6 && q.size(0) == E && q.size(1) == nt && q.size(2) == kt &&
                   q.size(3) >= 2 && q.size(3) <= 5 && q.size(4) == 64 && q.size(5) == 4,
               "kbit fused_moe: ", what, "_qweight must be int32 [", E, ", ", nt, ", ", kt, ", k, 64, 4] (k in 2..5) for [",
               N, ", ", K, "] experts, got ", q.scalar_type(), " ", q.sizes());
-  TORCH_CHECK(a.scalar_type() == at::kByte && a.dim() == 5 && a.size(0) == E && a.size(1) == nt && a.size(2) == kt &&
+  KBIT_CHECK(a.scalar_type() == at::kByte && a.dim() == 5 && a.size(0) == E && a.size(1) == nt && a.size(2) == kt &&
                   a.size(3) == 64 && a.size(4) == 4,
               "kbit fused_moe: ", what, "_absmax must be uint8 [", E, ", ", nt, ", ", kt, ", 64, 4], got ",
               a.scalar_type(), " ", a.sizes());
-  TORCH_CHECK(q.is_contiguous() && a.is_contiguous(), "kbit fused_moe: ", what, " tensors must be contiguous");
+  KBIT_CHECK(q.is_contiguous() && a.is_contiguous(), "kbit fused_moe: ", what, " tensors must be contiguous");
   return q.size(3);
 }
 
@@ -93,30 +95,32 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
                           const at::Tensor& w13_qweight, const at::Tensor& w13_absmax, const at::Tensor& w2_qweight,
                           const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
                           const std::optional<at::Tensor>& expert_map, bool on_input, int64_t path_arg) {
-  TORCH_CHECK(x.is_cuda() && x.dim() == 2, "kbit fused_moe: x must be a 2-D CUDA tensor [T, H], got ", x.sizes(),
+  KBIT_CHECK(x.is_cuda() && x.dim() == 2, "kbit fused_moe: x must be a 2-D CUDA tensor [T, H], got ", x.sizes(),
               " on ", x.device());
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "kbit fused_moe: x has dtype ",
+  KBIT_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "kbit fused_moe: x has dtype ",
               x.scalar_type(), "; the CUDA kernels support bfloat16 and float16");
   const int64_t T = x.size(0), H = x.size(1);
-  TORCH_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T && topk_weights.sizes() == topk_ids.sizes() &&
+  KBIT_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T && topk_weights.sizes() == topk_ids.sizes() &&
                   !at::isFloatingType(topk_ids.scalar_type()),
               "kbit fused_moe: topk_ids (integer) and topk_weights must both be [T=", T, ", top_k], got ",
               topk_ids.sizes(), " and ", topk_weights.sizes());
-  TORCH_CHECK(H > 0 && H % 32 == 0 && I > 0 && I % 32 == 0, "kbit fused_moe: hidden size ", H,
+  KBIT_CHECK_TYPE(at::isFloatingType(topk_weights.scalar_type()), "kbit: fused_moe topk_weights must be a float tensor, got ",
+                  topk_weights.scalar_type());
+  KBIT_CHECK(H > 0 && H % 32 == 0 && I > 0 && I % 32 == 0, "kbit fused_moe: hidden size ", H,
               " and intermediate size ", I, " must be positive multiples of 32");
   const int64_t E = w13_qweight.dim() == 6 ? w13_qweight.size(0) : 0, top_k = topk_ids.size(1);
-  TORCH_CHECK(E >= 1 && E <= kMaxLocalExperts, "kbit fused_moe: w13_qweight must be [E, ...] with 1 <= E <= ",
+  KBIT_CHECK(E >= 1 && E <= kMaxLocalExperts, "kbit fused_moe: w13_qweight must be [E, ...] with 1 <= E <= ",
               kMaxLocalExperts, " local experts, got ", w13_qweight.sizes());
   const int64_t k = check_stacked(w13_qweight, w13_absmax, E, 2 * I, H, "w13");
-  TORCH_CHECK(check_stacked(w2_qweight, w2_absmax, E, H, I, "w2") == k, "kbit fused_moe: w13 and w2 have different k");
-  TORCH_CHECK(codebook.scalar_type() == at::kFloat && codebook.dim() == 1 && codebook.numel() == (int64_t{1} << k) &&
+  KBIT_CHECK(check_stacked(w2_qweight, w2_absmax, E, H, I, "w2") == k, "kbit fused_moe: w13 and w2 have different k");
+  KBIT_CHECK(codebook.scalar_type() == at::kFloat && codebook.dim() == 1 && codebook.numel() == (int64_t{1} << k) &&
                   codebook.is_contiguous(),
               "kbit fused_moe: codebook must be float32 [", int64_t{1} << k, "]");
   for (const at::Tensor* t : {&topk_ids, &topk_weights, &w13_qweight, &w13_absmax, &w2_qweight, &w2_absmax, &codebook}) {
-    TORCH_CHECK(t->device() == x.device(), "kbit fused_moe: all tensors must be on ", x.device(), ", one is on ",
+    KBIT_CHECK(t->device() == x.device(), "kbit fused_moe: all tensors must be on ", x.device(), ", one is on ",
                 t->device());
   }
-  TORCH_CHECK(path_arg >= 0 && path_arg <= 3,
+  KBIT_CHECK(path_arg >= 0 && path_arg <= 3,
               "kbit fused_moe: path must be 0 (auto), 1 (GEMV), 2 (grouped mm) or 3 (grouped MMA)");
   const c10::DeviceGuard guard(x.device());
   at::Tensor out = at::empty({T, H}, x.options());
@@ -146,7 +150,7 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
   }
   if (path == MoePath::kGroupedMma) {
     const int64_t rows = moe_mma_chunk_rows(S, E), max_chunks = moe_max_chunks(S, E, rows);
-    TORCH_CHECK(max_chunks <= kMmaMaxGridRows, "kbit fused_moe: ", S, " slots need up to ", max_chunks,
+    KBIT_CHECK(max_chunks <= kMmaMaxGridRows, "kbit fused_moe: ", S, " slots need up to ", max_chunks,
                 " chunks of ", rows, " rows; the grouped MMA launches at most ", kMmaMaxGridRows);
     const Routing r = route(ids, map, E, rows, max_chunks);
     at::Tensor xp = at::empty({S, H}, x.options().dtype(at::kBFloat16));
@@ -175,9 +179,9 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_op(
     const at::Tensor& topk_ids, const std::optional<at::Tensor>& expert_map, int64_t num_experts, int64_t chunk_rows,
     int64_t max_chunks) {
-  TORCH_CHECK(topk_ids.is_cuda() && !at::isFloatingType(topk_ids.scalar_type()),
+  KBIT_CHECK(topk_ids.is_cuda() && !at::isFloatingType(topk_ids.scalar_type()),
               "kbit _moe_route: topk_ids must be an integer CUDA tensor");
-  TORCH_CHECK(max_chunks >= 0 && chunk_rows >= 1 && chunk_rows <= kMoeMaxChunkRows && num_experts >= 1 &&
+  KBIT_CHECK(max_chunks >= 0 && chunk_rows >= 1 && chunk_rows <= kMoeMaxChunkRows && num_experts >= 1 &&
                   num_experts <= kMaxLocalExperts,
               "kbit _moe_route: needs max_chunks >= 0, chunk_rows in 1..", kMoeMaxChunkRows, " and 1..",
               kMaxLocalExperts, " experts");
@@ -194,24 +198,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route
 at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
                                const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook,
                                int64_t N, int64_t K, int64_t chunk_rows, int64_t splits) {
-  TORCH_CHECK(A.is_cuda() && A.dim() == 2 && A.size(1) == K && A.is_contiguous() &&
+  KBIT_CHECK(A.is_cuda() && A.dim() == 2 && A.size(1) == K && A.is_contiguous() &&
                   (A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf),
               "kbit _moe_grouped_linear: A must be contiguous bf16/fp16 [rows, K=", K, "], got ", A.sizes());
-  TORCH_CHECK(K % 32 == 0, "kbit _moe_grouped_linear: K must be a multiple of 32");
-  TORCH_CHECK(chunks.scalar_type() == at::kInt && chunks.dim() == 2 && chunks.size(1) == 4 && chunks.is_contiguous() &&
+  KBIT_CHECK(K % 32 == 0, "kbit _moe_grouped_linear: K must be a multiple of 32");
+  KBIT_CHECK(chunks.scalar_type() == at::kInt && chunks.dim() == 2 && chunks.size(1) == 4 && chunks.is_contiguous() &&
                   num_chunks.scalar_type() == at::kInt && num_chunks.numel() == 1,
               "kbit _moe_grouped_linear: chunks/num_chunks as _moe_route returns them");
   const int64_t k = check_stacked(qweight, absmax, qweight.size(0), N, K, "w");
-  TORCH_CHECK(codebook.scalar_type() == at::kFloat && codebook.numel() == (int64_t{1} << k) && codebook.is_contiguous(),
+  KBIT_CHECK(codebook.scalar_type() == at::kFloat && codebook.numel() == (int64_t{1} << k) && codebook.is_contiguous(),
               "kbit _moe_grouped_linear: codebook must be float32 [", int64_t{1} << k, "]");
   const c10::DeviceGuard guard(A.device());
   at::Tensor C = at::empty({A.size(0), N}, A.options());
   const bool mma = chunk_rows == 8 || chunk_rows == 16 || chunk_rows == 32 || chunk_rows == 64;
-  TORCH_CHECK(chunk_rows == 1 || chunk_rows == kMoeChunkRows || mma, "kbit _moe_grouped_linear: chunk_rows must be 1 or ",
+  KBIT_CHECK(chunk_rows == 1 || chunk_rows == kMoeChunkRows || mma, "kbit _moe_grouped_linear: chunk_rows must be 1 or ",
               kMoeChunkRows, " (GEMV) or 8, 16, 32, 64 (MMA), as given to _moe_route");
-  TORCH_CHECK(chunks.size(0) <= kMmaMaxGridRows, "kbit _moe_grouped_linear: at most ", kMmaMaxGridRows, " chunks");
-  TORCH_CHECK(!mma || A.scalar_type() == at::kBFloat16, "kbit _moe_grouped_linear: the grouped MMA takes bf16 A");
-  TORCH_CHECK(!mma || splits == 0, "kbit _moe_grouped_linear: splits applies to the GEMV (chunk_rows 1 or ",
+  KBIT_CHECK(chunks.size(0) <= kMmaMaxGridRows, "kbit _moe_grouped_linear: at most ", kMmaMaxGridRows, " chunks");
+  KBIT_CHECK(!mma || A.scalar_type() == at::kBFloat16, "kbit _moe_grouped_linear: the grouped MMA takes bf16 A");
+  KBIT_CHECK(!mma || splits == 0, "kbit _moe_grouped_linear: splits applies to the GEMV (chunk_rows 1 or ",
               kMoeChunkRows, ")");
   if (mma) {
     launch_mma_grouped(A, chunks, num_chunks, qweight, absmax, codebook, N, K, chunk_rows, C);

@@ -15,6 +15,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "check.h"
+
 namespace kbit {
 namespace {
 
@@ -213,7 +215,7 @@ dim3 elt_grid(int64_t rows, int64_t cols) {
 template <typename F>
 void dispatch_half(at::ScalarType t, const char* what, F&& f) {
   if (t == at::kBFloat16) return f(__nv_bfloat16{});
-  TORCH_CHECK(t == at::kHalf, "kbit moe ", what, ": dtype ", t, " is not supported; supported: bfloat16, float16");
+  KBIT_CHECK(t == at::kHalf, "kbit moe ", what, ": dtype ", t, " is not supported; supported: bfloat16, float16");
   f(__half{});
 }
 
@@ -226,11 +228,11 @@ int64_t moe_max_chunks(int64_t slots, int64_t experts, int64_t chunk_rows) {
 void launch_moe_route(const at::Tensor& topk_ids, const std::optional<at::Tensor>& expert_map, int64_t num_experts,
                       int64_t chunk_rows, at::Tensor& offsets, at::Tensor& pos, at::Tensor& slot_of, at::Tensor& chunks,
                       at::Tensor& num_chunks) {
-  TORCH_CHECK(num_experts >= 1 && num_experts <= kRouteMaxExperts, "kbit fused_moe: ", num_experts,
+  KBIT_CHECK(num_experts >= 1 && num_experts <= kRouteMaxExperts, "kbit fused_moe: ", num_experts,
               " local experts; supported: 1..", kRouteMaxExperts);
   const int64_t S = topk_ids.numel();
-  TORCH_CHECK(S <= INT32_MAX / 2, "kbit fused_moe: too many slots (", S, ")");
-  TORCH_CHECK(chunk_rows >= 1 && chunk_rows <= kMoeMaxChunkRows, "kbit fused_moe: chunk_rows must be in 1..",
+  KBIT_CHECK(S <= INT32_MAX / 2, "kbit fused_moe: too many slots (", S, ")");
+  KBIT_CHECK(chunk_rows >= 1 && chunk_rows <= kMoeMaxChunkRows, "kbit fused_moe: chunk_rows must be in 1..",
               kMoeMaxChunkRows);
   const int E = static_cast<int>(num_experts);
   const size_t smem = (2 * static_cast<size_t>(E) + 1) * sizeof(int);
@@ -282,7 +284,7 @@ void launch_moe_combine(const at::Tensor& y, const at::Tensor& pos, const std::o
     if (y.scalar_type() == at::kFloat) {
       go(float{});
     } else {
-      TORCH_CHECK(y.scalar_type() == at::kBFloat16, "kbit moe combine: expert outputs must be float32 or bfloat16");
+      KBIT_CHECK(y.scalar_type() == at::kBFloat16, "kbit moe combine: expert outputs must be float32 or bfloat16");
       go(__nv_bfloat16{});
     }
   });

@@ -18,6 +18,8 @@
 
 #include <c10/util/Exception.h>
 
+#include "check.h"
+
 namespace kbit {
 namespace {
 
@@ -225,7 +227,7 @@ void launch_k(const at::Tensor& W, const at::Tensor& codebook, int64_t k, bool s
     case 3: return launch_typed<T, 3>(W, codebook, search, qweight, absmax);
     case 4: return launch_typed<T, 4>(W, codebook, search, qweight, absmax);
     case 5: return launch_typed<T, 5>(W, codebook, search, qweight, absmax);
-    default: TORCH_CHECK_VALUE(false, "kbit: k=", k, " is not supported; k must be one of (2, 3, 4, 5)");
+    default: KBIT_CHECK_VALUE(false, "kbit: k=", k, " is not supported; k must be one of (2, 3, 4, 5)");
   }
 }
 
@@ -238,7 +240,7 @@ void launch_quantize(const at::Tensor& W, const at::Tensor& codebook, int64_t k,
     case at::kBFloat16: return launch_k<__nv_bfloat16>(W, codebook, k, search_scale, qweight, absmax);
     case at::kHalf: return launch_k<__half>(W, codebook, k, search_scale, qweight, absmax);
     case at::kFloat: return launch_k<float>(W, codebook, k, search_scale, qweight, absmax);
-    default: TORCH_CHECK_TYPE(false, "kbit: weight has dtype ", W.scalar_type(), "; supported: float16, bfloat16, float32");
+    default: KBIT_CHECK_TYPE(false, "kbit: weight has dtype ", W.scalar_type(), "; supported: float16, bfloat16, float32");
   }
 }
 

@@ -18,6 +18,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "check.h"
+
 namespace kbit {
 namespace wgmma_core {
 
@@ -64,7 +66,7 @@ __device__ __forceinline__ void pin(uint32_t& v) { asm volatile("" : "+r"(v)::"m
 template <auto kKernel>
 void opt_in_shared_memory(int bytes, int device) {
   static std::atomic<bool> prepared[kMaxDevices] = {};
-  TORCH_CHECK(device >= 0 && device < kMaxDevices, "kbit wgmma: device index ", device, " >= ", kMaxDevices);
+  KBIT_CHECK(device >= 0 && device < kMaxDevices, "kbit wgmma: device index ", device, " >= ", kMaxDevices);
   if (!prepared[device].load(std::memory_order_relaxed)) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes));
     prepared[device].store(true, std::memory_order_relaxed);
@@ -80,11 +82,11 @@ void dispatch_type_and_bits(at::ScalarType dtype, int64_t bits, const char* what
       case 3: return f(type, std::integral_constant<int, 3>{});
       case 4: return f(type, std::integral_constant<int, 4>{});
       case 5: return f(type, std::integral_constant<int, 5>{});
-      default: TORCH_CHECK(false, what, ": k=", bits, " is not supported; supported: 2..5");
+      default: KBIT_CHECK(false, what, ": k=", bits, " is not supported; supported: 2..5");
     }
   };
   if (dtype == at::kBFloat16) return with_type(__nv_bfloat16{});
-  TORCH_CHECK(dtype == at::kHalf, what, ": activations must be bf16 or fp16, got ", dtype);
+  KBIT_CHECK(dtype == at::kHalf, what, ": activations must be bf16 or fp16, got ", dtype);
   with_type(__half{});
 }
 

@@ -1,10 +1,54 @@
-"""Bad input gets a one-line error saying what is wrong and what is supported."""
+"""Bad input gets a one-line error saying what is wrong and what is supported.
+
+The table in bad_input_cases.py runs here through the CPU implementations and, where the CUDA
+extension is built, through the C++ checks of the CUDA implementations (kbit::_check_<op> on CPU
+tensors, in a subprocess that loads the extension); tests/gpu/test_bad_input_cuda.py runs it through
+the CUDA implementations.
+"""
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 import torch
 
 import vllm_kbit
+import vllm_kbit.moe  # noqa: F401  (registers kbit::fused_moe)
 from vllm_kbit import reference as fmt
+
+from bad_input_cases import CASES, ROUTING_CASES, run_case, run_routing_case
+
+_CASES_FILE = os.path.join(os.path.dirname(__file__), "bad_input_cases.py")
+_EXTENSION = glob.glob(os.path.join(os.path.dirname(vllm_kbit.__file__), "_C*.so"))
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if not c.cuda_only], ids=lambda c: c.id)
+def test_cpu_op_refuses_bad_input_in_one_line(case):
+    assert run_case(case, "cpu") is None
+
+
+@pytest.mark.parametrize("case_id", ROUTING_CASES)
+def test_cpu_routing_ids_outside_the_local_experts_contribute_zero(case_id):
+    assert run_routing_case(case_id, "cpu") is None
+
+
+@pytest.mark.skipif(not _EXTENSION, reason="the CUDA extension is not built")
+def test_cpp_checks_raise_what_the_reference_raises():
+    """The C++ checks the CUDA ops run first, on the table's CPU tensors; a crash fails the test."""
+    env = {**os.environ, "VLLM_KBIT_LOAD_EXTENSION": "1"}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import torch, vllm_kbit.ops as o; assert o.HAS_CUDA_KERNELS; torch.ops.kbit._check_repack"],
+        env=env, capture_output=True, text=True,
+    )
+    if probe.returncode != 0 and "libcudart" in probe.stderr:
+        pytest.skip("the extension needs libcudart, which this machine lacks")
+    assert probe.returncode == 0, probe.stderr[-2000:]
+    run = subprocess.run([sys.executable, _CASES_FILE, "--check-op"], env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, (run.returncode, run.stdout[-4000:], run.stderr[-4000:])
+    assert run.stdout.count(": ok") == sum(c.cpp_check and not c.cuda_only for c in CASES)
 
 
 def _one_line(excinfo):
@@ -79,3 +123,12 @@ def test_mismatched_runtime_tensors_and_activations():
         torch.ops.kbit.linear(torch.randn(2, 32), q_rt, a_rt, w.codebook, 8, 64, None)
     with pytest.raises(TypeError, match="x has dtype torch.int64"):
         torch.ops.kbit.linear(torch.ones(2, 64, dtype=torch.long), q_rt, a_rt, w.codebook, 8, 64, None)
+
+
+@pytest.mark.skipif(not _EXTENSION or not shutil.which("nm"), reason="the CUDA extension is not built (or no nm)")
+def test_extension_has_no_iostream_code_of_its_own():
+    """Messages go through csrc/check.h: no stream template of libstdc++ is instantiated in the .so (those
+    copies crashed the process when a check fired, with a g++ other than the process's libstdc++)."""
+    symbols = subprocess.run(["nm", "-C", "--defined-only", _EXTENSION[0]], capture_output=True, text=True, check=True).stdout
+    streams = [line for line in symbols.splitlines() if "ostream" in line or "num_put" in line]
+    assert not streams, "stream code in the extension (use KBIT_CHECK*, not TORCH_CHECK):\n" + "\n".join(streams[:10])

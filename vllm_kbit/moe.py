@@ -5,7 +5,10 @@ Weights of the E local experts are stacked runtime tensors: ``w13_qweight``
 ``[E, *runtime_shape(H, I)]`` and their absmax codes likewise, one codebook
 for both. ``topk_ids`` hold global expert ids; ``expert_map`` (optional, [global
 experts] int32) maps them to local ids, -1 for experts on other ranks, which
-then contribute nothing.
+then contribute nothing. Ids outside the local experts -- negative, >= E without an
+``expert_map``, outside the map, or mapped outside [0, E) -- contribute nothing either (on
+CUDA too: the routing kernel drops such slots, so no weight is read for them). They are not
+refused because checking device-side ids would need a host sync on every call.
 
 CPU runs the PyTorch reference below. CUDA with bf16/fp16 activations runs
 ``kbit::_fused_moe_cuda`` (csrc/moe_ops.cpp: device-side routing, then by slots per
@@ -57,6 +60,8 @@ def check_inputs(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight,
         )
     if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
         raise TypeError(f"kbit: fused_moe topk_ids must be an integer tensor, got {topk_ids.dtype}")
+    if not topk_weights.dtype.is_floating_point:
+        raise TypeError(f"kbit: fused_moe topk_weights must be a float tensor, got {topk_weights.dtype}")
     H, I = x.shape[1], int(intermediate_size)
     if H <= 0 or I <= 0 or H % fmt.BLOCK_SIZE or I % fmt.BLOCK_SIZE:
         raise ValueError(f"kbit: fused_moe hidden size {H} and intermediate size {I} must be positive multiples of 32")
@@ -99,7 +104,9 @@ def _fused_moe_reference(
     E = w13_qweight.shape[0]
     ids = topk_ids.long()
     if expert_map is not None:
-        ids = expert_map.long()[ids]
+        inside = (ids >= 0) & (ids < expert_map.numel())
+        ids = torch.where(inside, expert_map.long()[ids.clamp(0, max(expert_map.numel() - 1, 0))], -1)
+    ids = torch.where(ids < E, ids, -1)  # ids outside [0, E) contribute nothing, as on CUDA
     # combine[t, e] = sum of the router weights token t gives local expert e; column E collects non-local picks.
     combine = torch.zeros(T, E + 1, dtype=torch.float32, device=x.device)
     combine.scatter_add_(1, torch.where(ids < 0, E, ids), topk_weights.float())
@@ -127,9 +134,8 @@ def _fused_moe_cuda(
 ):
     """CUDA: the fused kernels for bf16/fp16 activations, the reference for fp32 (or without the extension).
 
-    Inputs are checked here, before the C++ op: a TORCH_CHECK failing inside kbit::_fused_moe_cuda
-    when it is reached through this Python kernel crashed the process on the H100 runs (see
-    benchmarks/NOTES.md, MoE), so bad input must not get that far.
+    check_inputs is the op's one validation, shared with the CPU implementation; kbit::_fused_moe_cuda
+    repeats the checks its memory accesses depend on for direct callers.
     """
     if x.dtype == torch.float32 or not ops.HAS_CUDA_KERNELS:
         return _fused_moe_reference(
@@ -171,7 +177,11 @@ def kbit_fused_moe(
     expert_map: torch.Tensor | None = None,
     apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
-    """Routed-expert MLPs of a MoE block on kbit weights; see the module docstring for the layout."""
+    """Routed-expert MLPs of a MoE block on kbit weights; see the module docstring for the layout.
+
+    Slots whose expert id is outside the local experts (negative, >= E without expert_map, or not
+    mapped to a local expert) contribute zero; nothing is read for them.
+    """
     return torch.ops.kbit.fused_moe(
         x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
         expert_map, apply_router_weight_on_input,

@@ -40,8 +40,14 @@ for _schema in _SCHEMAS.values():
 def _linear_reference(x, qweight_rt, absmax_rt, codebook, N, K, bias):
     """out[..., N] = x[..., K] @ dequant(W).T (+ bias), in x's dtype."""
     fmt.check_float_dtype(x, "x")
+    if x.dim() == 0:
+        raise ValueError(f"kbit: x must be [..., K] with K={K}, got a 0-d tensor")
     if x.shape[-1] != K:
         raise ValueError(f"kbit: x has {x.shape[-1]} features but the weight has K={K}")
+    fmt.check_runtime(qweight_rt, absmax_rt, N, K)
+    fmt.check_codebook(codebook, qweight_rt.shape[2])
+    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or bias.dtype != x.dtype):
+        raise ValueError(f"kbit: bias must be [{N}] of x's dtype {x.dtype}, got {bias.dtype} {list(bias.shape)}")
     W = fmt.dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.dtype)
     return torch.nn.functional.linear(x, W, bias)
 

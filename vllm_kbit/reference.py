@@ -61,10 +61,10 @@ def check_contiguous(t: torch.Tensor, what: str) -> None:
 def check_weight(W: torch.Tensor) -> None:
     check_float_dtype(W, "weight")
     if W.dim() != 2:
-        raise ValueError(f"kbit: weight must be 2-D [N, K], got shape {tuple(W.shape)}")
+        raise ValueError(f"kbit: weight must be 2-D [N, K], got shape {list(W.shape)}")
     if W.shape[1] % BLOCK_SIZE != 0 or W.shape[1] == 0:
         raise ValueError(
-            f"kbit: weight K={W.shape[1]} (shape {tuple(W.shape)}) is not a positive multiple of {BLOCK_SIZE}"
+            f"kbit: weight K={W.shape[1]} (shape {list(W.shape)}) is not a positive multiple of {BLOCK_SIZE}"
         )
     check_contiguous(W, "weight")
 
@@ -74,7 +74,7 @@ def check_codebook(codebook: torch.Tensor, k: int) -> None:
     check_bits(k)
     if codebook.dtype != torch.float32 or codebook.dim() != 1:
         raise TypeError(
-            f"kbit: codebook must be a 1-D float32 tensor, got {codebook.dtype} of shape {tuple(codebook.shape)}"
+            f"kbit: codebook must be a 1-D float32 tensor, got {codebook.dtype} of shape {list(codebook.shape)}"
         )
     if codebook.numel() != 2**k:
         raise ValueError(f"kbit: codebook has {codebook.numel()} entries but k={k} needs {2**k}")
@@ -92,11 +92,26 @@ def check_codebook_values(codebook: torch.Tensor) -> None:
         raise ValueError(f"kbit: codebook must have max |c| == 1, got {cb.abs().max().item()}")
 
 
+def check_representable(W: torch.Tensor) -> None:
+    """Refuses weights the format cannot hold: non-finite values or |w| beyond the E4M4 range.
+
+    Syncs with the host (one reduction): a load-time check, never on a forward path.
+    """
+    amax = W.detach().abs().amax().float().item() if W.numel() else 0.0
+    if amax != amax or amax == float("inf"):
+        raise ValueError("kbit: weight has NaN or Inf values; cannot quantize")
+    if amax > E4M4_MAX * (1 + 1 / 64):
+        raise ValueError(
+            f"kbit: weight has |w| = {amax:.4g}, above the largest E4M4 block scale {E4M4_MAX}; "
+            "leave this module unquantized (modules_to_not_convert)"
+        )
+
+
 def check_packed(qweight: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor) -> int:
     """Checks a flat-layout (qweight, absmax, codebook) triple; returns k."""
     if qweight.dtype != torch.int32 or qweight.dim() != 3:
         raise TypeError(
-            f"kbit: qweight must be int32 [N, K/32, k], got {qweight.dtype} of shape {tuple(qweight.shape)}"
+            f"kbit: qweight must be int32 [N, K/32, k], got {qweight.dtype} of shape {list(qweight.shape)}"
         )
     k = qweight.shape[2]
     check_bits(k)
@@ -270,6 +285,7 @@ def quantize(
     """W[N, K] (fp16/bf16/fp32) -> (qweight int32 [N, K/32, k], absmax uint8 [N, K/32])."""
     check_weight(W)
     check_codebook(codebook, k)
+    check_representable(W)
     absmax = block_scales(W, codebook, search_scale)
     idx = choose_indices(W, e4m4_decode(absmax), codebook)
     return pack_bitplanes(idx, k), absmax
@@ -353,7 +369,7 @@ def repack(qweight: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, t
     """
     if qweight.dtype != torch.int32 or qweight.dim() != 3:
         raise TypeError(
-            f"kbit: qweight must be int32 [N, K/32, k], got {qweight.dtype} of shape {tuple(qweight.shape)}"
+            f"kbit: qweight must be int32 [N, K/32, k], got {qweight.dtype} of shape {list(qweight.shape)}"
         )
     N, KB, k = qweight.shape
     check_bits(k)
@@ -361,6 +377,8 @@ def repack(qweight: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, t
         raise ValueError(
             f"kbit: absmax must be uint8 {[N, KB]} to match qweight {[N, KB, k]}, got {absmax.dtype} {list(absmax.shape)}"
         )
+    check_contiguous(qweight, "qweight")
+    check_contiguous(absmax, "absmax")
     q_shape, a_shape = runtime_shapes(N, KB * BLOCK_SIZE, k)
     nt, kt = q_shape[0], q_shape[1]
     q = qweight.new_zeros(nt * TILE_N, kt * TILE_KB, k)
@@ -389,7 +407,7 @@ def check_runtime(qweight_rt: torch.Tensor, absmax_rt: torch.Tensor, N: int, K: 
     if qweight_rt.dtype != torch.int32 or qweight_rt.dim() != 5:
         raise TypeError(
             f"kbit: runtime qweight must be int32 [N/{TILE_N}, K/{32 * TILE_KB}, k, {TILE_N}, {TILE_KB}], "
-            f"got {qweight_rt.dtype} of shape {tuple(qweight_rt.shape)}"
+            f"got {qweight_rt.dtype} of shape {list(qweight_rt.shape)}"
         )
     k = qweight_rt.shape[2]
     check_bits(k)

@@ -8,6 +8,7 @@ import torch
 
 from vllm_kbit import reference as fmt
 from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+from vllm_kbit.reference import check_representable  # noqa: F401  (re-exported: the op runs it)
 
 
 @dataclass(frozen=True)
@@ -36,21 +37,6 @@ class KbitWeight:
         return 8 * self.nbytes / (self.shape[0] * self.shape[1])
 
 
-def check_representable(W: torch.Tensor) -> None:
-    """Refuses weights the format cannot hold: non-finite values or |w| beyond the E4M4 range.
-
-    Syncs with the host (one reduction): a load-time check, never on a forward path.
-    """
-    amax = W.detach().abs().amax().float().item() if W.numel() else 0.0
-    if amax != amax or amax == float("inf"):
-        raise ValueError("kbit: weight has NaN or Inf values; cannot quantize")
-    if amax > fmt.E4M4_MAX * (1 + 1 / 64):
-        raise ValueError(
-            f"kbit: weight has |w| = {amax:.4g}, above the largest E4M4 block scale {fmt.E4M4_MAX}; "
-            "leave this module unquantized (modules_to_not_convert)"
-        )
-
-
 def quantize(
     W: torch.Tensor, k: int = 4, codebook: torch.Tensor | None = None, search_scale: bool = fmt.DEFAULT_SEARCH_SCALE
 ) -> KbitWeight:
@@ -68,6 +54,5 @@ def quantize(
         fmt.check_codebook(codebook, k)
         fmt.check_codebook_values(codebook)
         codebook = codebook.to(W.device)
-    check_representable(W)
     qweight, absmax = torch.ops.kbit.quantize(W, codebook, k, search_scale)
     return KbitWeight(qweight, absmax, codebook, k, (W.shape[0], W.shape[1]))
