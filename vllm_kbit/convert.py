@@ -33,7 +33,6 @@ import torch
 from vllm_kbit import reference as fmt
 from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
 from vllm_kbit.settings import KbitSettings, module_key
-from vllm_kbit.weight import check_representable
 
 NEVER_QUANTIZED = ("embed_tokens", "lm_head", "wte", "wpe", "embeddings", "embed_positions")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".msgpack", ".h5")
@@ -154,19 +153,36 @@ def convert(
     overwrite: bool = False,
     progress: bool = True,
 ) -> ConvertSummary:
-    """Writes the kbit checkpoint of ``in_dir`` to ``out_dir``; returns what was done."""
-    from safetensors import SafetensorError, safe_open
-    from safetensors.torch import save_file
-    from tqdm import tqdm
-
+    """Writes the kbit checkpoint of ``in_dir`` to ``out_dir``; returns what was done. On failure the
+    output directory is removed if this call created it (emptied otherwise)."""
     if not os.path.isdir(in_dir):
         raise ConvertError(f"kbit convert: input {in_dir} is not a directory")
     config = _read_config(in_dir)
     files = _input_files(in_dir)
     _check_output(in_dir, out_dir, overwrite)
+    created = not os.path.exists(out_dir)
     if os.path.isdir(out_dir) and overwrite:
         shutil.rmtree(out_dir)
     os.makedirs(out_dir, exist_ok=True)
+    try:
+        return _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, progress)
+    except BaseException:
+        # A failed conversion leaves nothing behind: the directory it created goes, or, in a directory
+        # that existed (empty, or emptied by --overwrite), what it wrote.
+        if created:
+            shutil.rmtree(out_dir, ignore_errors=True)
+        else:
+            for entry in os.listdir(out_dir):
+                path = os.path.join(out_dir, entry)
+                shutil.rmtree(path, ignore_errors=True) if os.path.isdir(path) else os.remove(path)
+        raise
+
+
+def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, progress) -> ConvertSummary:
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import save_file
+    from tqdm import tqdm
+
     settings = KbitSettings.from_dict({**settings.to_dict(), "prequantized": True})
     codebooks = {k: settings.codebook(k).to(device) for k in settings.bit_widths}
 
@@ -227,11 +243,10 @@ def convert(
                         summary.left_unquantized.append(name[: -len(".weight")])
                     add(name, t)
                 else:
-                    try:
-                        check_representable(t)
+                    try:  # the op refuses NaN, Inf and |w| beyond the E4M4 range
+                        qweight, absmax = torch.ops.kbit.quantize(t.contiguous(), codebooks[bits], bits)
                     except ValueError as e:
                         raise ConvertError(f"kbit convert: tensor {name}: {e}") from None
-                    qweight, absmax = torch.ops.kbit.quantize(t.contiguous(), codebooks[bits], bits)
                     module = name[: -len(".weight")]
                     add(f"{module}.qweight", qweight)
                     add(f"{module}.absmax", absmax)

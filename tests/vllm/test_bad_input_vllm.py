@@ -119,6 +119,41 @@ def test_linear_with_k_not_multiple_of_32_stays_unquantized(tmp_path, engine):
     assert len(converted["tokens"]) == 8 and all(len(t) == 24 for t in converted["tokens"])
 
 
+def _with_weight_value(src: str, dst: str, key: str, value: float) -> str:
+    """A copy of the checkpoint src with one element of tensor `key` set to value."""
+    shutil.copytree(src, dst)
+    for f in sorted(os.listdir(dst)):
+        if f.endswith(".safetensors"):
+            tensors = load_file(os.path.join(dst, f))
+            if key in tensors:
+                tensors[key] = tensors[key].clone()
+                tensors[key].view(-1)[5] = value
+                save_file(tensors, os.path.join(dst, f), metadata={"format": "pt"})
+                return dst
+    raise KeyError(key)
+
+
+def test_linear_with_weights_beyond_e4m4_stays_bf16_with_a_warning(tiny, tmp_path):
+    """Online: one linear layer the format cannot hold stays in bf16, named in a warning; the server runs."""
+    model = _with_weight_value(tiny["qwen3"], str(tmp_path / "m"), "model.layers.0.self_attn.o_proj.weight", 100.0)
+    proc = run_engine(model, str(tmp_path / "run"), {"quantization": "kbit"}, check=False)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-3000:]
+    assert "kbit: layer model.layers.0.self_attn.o_proj left unquantized: weight has |w| = 100" in log
+    with open(tmp_path / "run" / "out.json") as f:
+        out = json.load(f)
+    assert out["layers"]["model.layers.0.self_attn.o_proj"]["method"] == "LeftUnquantizedLinearMethod"
+    assert out["layers"]["model.layers.1.self_attn.o_proj"]["method"] == "KbitOnlineLinearMethod"
+    assert len(out["tokens"]) == 8 and all(len(t) == 24 for t in out["tokens"])
+
+
+def test_moe_experts_beyond_e4m4_fail_naming_layer_and_expert(tiny, tmp_path):
+    model = _with_weight_value(tiny["qwen3_moe"], str(tmp_path / "m"), "model.layers.1.mlp.experts.3.down_proj.weight", float("inf"))
+    proc = run_engine(model, str(tmp_path / "run"), {"quantization": "kbit"}, check=False)
+    assert proc.returncode != 0
+    assert "MoE layer 'model.layers.1.mlp.experts' expert 3 w2: weight has NaN or Inf values" in proc.stdout + proc.stderr
+
+
 # ----------------------------------------------------------------------------- corrupted checkpoints
 
 
@@ -172,6 +207,31 @@ def test_missing_absmax_is_refused(converted_qwen3_moe, tmp_path):
 
 
 # ----------------------------------------------------------------------------- convert
+
+
+def test_failed_convert_removes_the_output_it_created(tiny, tmp_path):
+    src = str(tmp_path / "in")
+    shutil.copytree(tiny["qwen3"], src)
+    shard = sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))[0]
+    size = os.path.getsize(os.path.join(src, shard))
+    with open(os.path.join(src, shard), "r+b") as f:
+        f.truncate(size // 2)
+    out = str(tmp_path / "out")
+    with pytest.raises(ConvertError, match=f"cannot read .*{shard}"):
+        convert(src, out, KbitSettings(), progress=False)
+    assert not os.path.exists(out)
+    os.makedirs(out)  # an empty directory given by the user stays, empty
+    with pytest.raises(ConvertError):
+        convert(src, out, KbitSettings(), progress=False)
+    assert os.listdir(out) == []
+
+
+def test_failed_convert_of_an_unrepresentable_tensor_names_it_and_leaves_nothing(tiny, tmp_path):
+    src = _with_weight_value(tiny["qwen3"], str(tmp_path / "in"), "model.layers.1.mlp.up_proj.weight", float("nan"))
+    out = str(tmp_path / "out")
+    with pytest.raises(ConvertError, match="tensor model.layers.1.mlp.up_proj.weight: kbit: weight has NaN or Inf"):
+        convert(src, out, KbitSettings(), max_shard_bytes=1 << 16, progress=False)
+    assert not os.path.exists(out)
 
 
 def test_convert_refuses_bad_locations_and_inputs(tiny, tmp_path, capsys):

@@ -7,7 +7,9 @@
 * :class:`KbitOnlineLinearMethod` loads a bf16/fp16 checkpoint: the weight lives
   on the meta device and vLLM's layerwise loading materializes it only once the
   whole layer has arrived; ``process_weights_after_loading`` quantizes it and
-  frees the bf16 copy, so peak memory is the packed model plus one layer in bf16.
+  frees the bf16 copy, so peak memory is the packed model plus one layer in bf16. A weight the
+  format cannot hold (NaN, Inf or |w| above the largest E4M4 scale) leaves its layer in bf16 with a
+  warning naming it.
 
 Both end the same way: the flat tensors are repacked once to the runtime layout
 and ``apply`` calls ``torch.ops.kbit.linear`` (+ bias).
@@ -19,7 +21,11 @@ import functools
 
 import torch
 from vllm.logger import init_logger
-from vllm.model_executor.layers.linear import LinearMethodBase, register_weight_loader_v2_supported_method
+from vllm.model_executor.layers.linear import (
+    LinearMethodBase,
+    UnquantizedLinearMethod,
+    register_weight_loader_v2_supported_method,
+)
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import replace_parameter
@@ -152,6 +158,16 @@ class KbitLinearMethod(_KbitLinearBase):
         layer._already_called_process_weights_after_loading = True
 
 
+class LeftUnquantizedLinearMethod(UnquantizedLinearMethod):
+    """vLLM's bf16 method for a layer the online method could not quantize. Its weights are processed
+    once: vLLM's final pass over the model may call this again after the layerwise loader did."""
+
+    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
+        if not getattr(layer, "_already_called_process_weights_after_loading", False):
+            super().process_weights_after_loading(layer)
+            layer._already_called_process_weights_after_loading = True
+
+
 @register_weight_loader_v2_supported_method
 class KbitOnlineLinearMethod(_KbitLinearBase):
     """bf16/fp16 checkpoint quantized while loading (vLLM's layerwise online processing)."""
@@ -187,7 +203,11 @@ class KbitOnlineLinearMethod(_KbitLinearBase):
         try:
             check_representable(W)
         except ValueError as e:
-            raise ValueError(f"kbit: layer {self.prefix!r}: {e}") from None
+            # One layer the format cannot hold does not stop the server: it stays in bf16, like K % 32 layers.
+            logger.warning("kbit: layer %s left unquantized: %s", self.prefix, str(e).removeprefix("kbit: "))
+            layer.quant_method = LeftUnquantizedLinearMethod()
+            layer.quant_method.process_weights_after_loading(layer)
+            return
         codebook = self.codebook.to(W.device)
         qweight, absmax = torch.ops.kbit.quantize(W.contiguous(), codebook, self.bits)
         del layer.weight

@@ -9,7 +9,10 @@
   (global -> local expert id, experts of other ranks skipped) are vLLM's.
 * :class:`KbitOnlineMoEMethod` loads bf16/fp16 experts on the meta device;
   vLLM's layerwise loading materializes the block once all its experts arrived,
-  then each expert is quantized and the bf16 block is freed.
+  then each expert is quantized and the bf16 block is freed. Experts the format cannot hold (NaN,
+  Inf, |w| above the largest E4M4 scale) fail the load naming the layer and expert, as soon as that
+  layer's weights have arrived (their values are not known earlier); structural problems (activation,
+  biases, sizes not multiples of 32) are refused when the method is created, before any weight loads.
 
 After loading, each expert is repacked to the runtime layout and the experts
 are stacked ``[E, ...]`` for :func:`vllm_kbit.moe.kbit_fused_moe`.
@@ -260,8 +263,17 @@ class KbitOnlineMoEMethod(_KbitMoEBase):
         for name, W in (("w13", w13_full), ("w2", w2_full)):
             try:
                 check_representable(W)
-            except ValueError as e:
-                raise ValueError(f"kbit: MoE layer {self.prefix!r} {name}: {e}") from None
+            except ValueError:
+                # Routed experts have no bf16 fallback here: refuse, naming the first expert the format cannot hold.
+                for e in range(W.shape[0]):
+                    try:
+                        check_representable(W[e])
+                    except ValueError as err:
+                        raise ValueError(
+                            f"kbit: MoE layer {self.prefix!r} expert {e} {name}: {str(err).removeprefix('kbit: ')}; "
+                            "add the layer to modules_to_not_convert to keep it in bf16"
+                        ) from None
+                raise
             for e in range(W.shape[0]):
                 packed[name].append(torch.ops.kbit.quantize(W[e].contiguous(), codebook, self.bits))
         del layer.w13_weight, layer.w2_weight
