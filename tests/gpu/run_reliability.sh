@@ -7,6 +7,8 @@
 #      and racecheck over the routing cases (the routing kernel's shared-memory counters);
 #   3. memcheck over tests/gpu/sanitizer_workload.py (every MMA instance, dense and grouped) and racecheck
 #      over its --quick set.
+# PYTEST_ARGS are added to step 1's pytest (e.g. "-n 16": each case starts a process of its own, ~5 s);
+# KBIT_COMMIT, when set, is the commit recorded in the summary.
 # Logs go to the directory given as $1 (default: reliability-logs), one per step, with summary.txt.
 # Exit status 0 only when every step passed (sanitizer steps: 0 errors).
 #   bash tests/gpu/run_reliability.sh benchmarks/results/reliability_H100
@@ -31,7 +33,7 @@ step() {
 }
 
 {
-  echo "commit $(git rev-parse --short HEAD)$(git diff --quiet HEAD -- csrc vllm_kbit tests || echo ' (with local changes)')"
+  echo "commit ${KBIT_COMMIT:-$(git rev-parse --short HEAD)$(git diff --quiet HEAD -- csrc vllm_kbit tests || echo ' (with local changes)')}"
   nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
   "$PY" -c 'import torch, vllm_kbit; print("torch", torch.__version__, "cuda", torch.version.cuda, "extension loaded", vllm_kbit.HAS_CUDA_KERNELS)'
   "$SAN" --version | tail -n 1
@@ -39,7 +41,8 @@ step() {
 
 routing_cases=$("$PY" tests/bad_input_cases.py --list | grep -E '^fused_moe-(id|map)-')
 
-step bad_input_subprocess "$PY" -m pytest tests/gpu/test_bad_input_cuda.py -q -p no:cacheprovider
+# shellcheck disable=SC2086  (PYTEST_ARGS: e.g. "-n 16" with pytest-xdist; each case starts its own process)
+step bad_input_subprocess "$PY" -m pytest tests/gpu/test_bad_input_cuda.py -q -p no:cacheprovider ${PYTEST_ARGS:-}
 step memcheck_bad_input "$SAN" --tool memcheck --error-exitcode 9 "$PY" tests/bad_input_cases.py --device cuda
 # shellcheck disable=SC2086  (one argument per case id)
 step racecheck_routing "$SAN" --tool racecheck --error-exitcode 9 "$PY" tests/bad_input_cases.py --device cuda $routing_cases
