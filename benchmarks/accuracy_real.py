@@ -220,7 +220,7 @@ def markdown(meta: dict, records: list[dict], tok) -> str:
         "",
         f"- model: {meta['model']} from `{meta['source']}`. Its linear weights were already 4-bit (Q4_1: an",
         "  fp16 scale and minimum per 32 weights); the reference is those values in bf16. That favours",
-        "  uniform-grid methods (int-RTN asymmetric g32 at 4 bits reproduces it exactly; g128 spans 4 such",
+        "  uniform-grid methods (Q4_1's own layout reproduces it up to bf16 rounding, see the control; int-RTN g128 spans 4 such",
         "  grids) over normal-float levels.",
         f"- text: {meta['text_source']}, first {meta['tokens']} tokens, windows of {meta['window']}",
         f"  ({meta['predicted']} predicted positions).",

@@ -20,8 +20,9 @@ from vllm_kbit import reference as fmt
 SLOW = pytest.mark.skipif(not os.environ.get("VLLM_KBIT_SLOW"), reason="slow real-model test: run with VLLM_KBIT_SLOW=1 (make test-real)")
 
 # kbit-4's perplexity on the first 1024 tokens of the bundled text may exceed bf16's by at most this
-# factor (benchmarks/results/accuracy_real_*.md has the measurement the bound rests on, 4096 tokens).
-KBIT4_MAX_PPL_RATIO = 1.25
+# factor: between kbit-4's measured ratio and int-RTN g128 4-bit's (docs/decisions.md, "Accuracy on
+# a real model"; benchmarks/results/accuracy_real_*.md).
+KBIT4_MAX_PPL_RATIO = 1.30
 # bf16 reference on the same tokens: a trained model, far below a random one (~49152).
 BF16_MAX_PPL = 25.0
 

