@@ -1,10 +1,13 @@
-"""Builds the CUDA extension ``vllm_kbit._C`` when nvcc and a CUDA build of torch are present.
+"""Builds the CUDA extension ``vllm_kbit._C`` against the torch installed in the environment.
 
-The extension holds only ``TORCH_LIBRARY_IMPL`` registrations (no Python symbols,
-no pybind11), so it is built against the limited API and one ``.so`` serves any
-Python that has torch 2.11.0; ``vllm_kbit.ops`` loads it with
-``torch.ops.load_library``. Without nvcc or with a CPU build of torch, the
-package installs without it and the PyTorch reference serves every op.
+Install with ``pip install --no-build-isolation .`` (or ``pip install --no-build-isolation vllm-kbit``)
+into the environment that already has torch and vLLM: the build imports that torch, so the extension
+matches the torch it runs with, and pip leaves torch and vLLM as they are. pyproject.toml does not list
+torch as a build requirement on purpose: pip's default isolated build would fetch some other torch and
+compile against it. The extension holds only ``TORCH_LIBRARY_IMPL`` registrations (no Python symbols,
+no pybind11), so it is built against Python's limited API and one ``.so`` serves any Python with the
+torch it was built against; ``vllm_kbit.ops`` loads it with ``torch.ops.load_library``. Without nvcc or
+with a CPU build of torch, the package installs without it and the PyTorch reference serves every op.
 """
 
 import glob
@@ -14,8 +17,20 @@ import shutil
 from setuptools import setup
 
 
+def _import_torch():
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit(
+            "vllm-kbit: torch is not importable in the build environment. vllm-kbit builds against the torch "
+            "you run: install torch (and vLLM) first, then install this package with "
+            "`pip install --no-build-isolation vllm-kbit` (or `pip install --no-build-isolation .` from a checkout)."
+        ) from None
+    return torch
+
+
 def cuda_extensions():
-    import torch
+    torch = _import_torch()
     from torch.utils import cpp_extension
 
     if torch.version.cuda is None or cpp_extension.CUDA_HOME is None or shutil.which("nvcc", path=os.path.join(cpp_extension.CUDA_HOME, "bin")) is None:

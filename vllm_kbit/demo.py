@@ -144,16 +144,13 @@ def tiny_demo(args) -> None:
 
         bf16 = _bf16_outputs(bf16_dir, args.max_tokens)
 
-        from vllm import LLM, SamplingParams
-        from vllm.platforms import current_platform
+        from vllm_kbit.vllm.compat import LLM, SamplingParams, TokensPrompt, current_platform
 
         print(f"== vLLM on {current_platform.device_name} (kbit checkpoint detected from config.json, no flag)")
         llm = LLM(model=kbit_dir, enforce_eager=True, max_model_len=256, gpu_memory_utilization=0.3)
         params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
         outs = llm.generate(PROMPTS, params, use_tqdm=False)
         # Teacher-forced: on each bf16 continuation, kbit's greedy next token at every generated position.
-        from vllm.inputs import TokensPrompt
-
         forced = llm.generate(
             [TokensPrompt(prompt_token_ids=p + g) for p, g in bf16],
             SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),

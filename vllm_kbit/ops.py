@@ -75,7 +75,16 @@ def _load_extension() -> bool:
     if not candidates or not torch.cuda.is_available() and os.environ.get("VLLM_KBIT_LOAD_EXTENSION") != "1":
         # Loading needs libcudart; on machines without a GPU the reference serves everything.
         return False
-    torch.ops.load_library(candidates[0])
+    try:
+        torch.ops.load_library(candidates[0])
+    except OSError as e:
+        # Typically undefined torch symbols: the extension was compiled against another torch than this one.
+        raise ImportError(
+            f"vllm-kbit: cannot load its CUDA extension {candidates[0]} with torch {torch.__version__} ({e}). "
+            "The extension is built against the torch installed at build time; after changing torch, reinstall "
+            "with `pip install --no-build-isolation --no-deps --force-reinstall vllm-kbit` (or `pip install "
+            "--no-build-isolation -e .` in a checkout)"
+        ) from None
     return True
 
 

@@ -9,15 +9,12 @@ from __future__ import annotations
 
 
 def register() -> None:
-    from vllm.model_executor.layers.quantization import QUANTIZATION_METHODS, register_quantization_config
-
     from vllm_kbit import moe  # noqa: F401  (registers torch.ops.kbit.fused_moe)
     from vllm_kbit.settings import QUANT_METHOD
+    from vllm_kbit.vllm.compat import QUANTIZATION_METHODS, get_quantization_config, register_quantization_config
     from vllm_kbit.vllm.config import KbitConfig
 
     if QUANT_METHOD in QUANTIZATION_METHODS:
-        from vllm.model_executor.layers.quantization import get_quantization_config
-
         if get_quantization_config(QUANT_METHOD) is KbitConfig:
             return
     register_quantization_config(QUANT_METHOD)(KbitConfig)

@@ -1,6 +1,6 @@
 """``KbitConfig``: the vLLM ``QuantizationConfig`` registered as ``kbit`` (see :mod:`vllm_kbit.plugin`).
 
-How vLLM 0.26 reaches it:
+How vLLM reaches it:
 
 * ``--quantization kbit`` on a bf16/fp16 checkpoint whose config.json has no
   ``quantization_config``: vLLM builds ``KbitConfig()`` (defaults: 4 bits,
@@ -25,11 +25,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from vllm.logger import init_logger
-from vllm.model_executor.layers.fused_moe import RoutedExperts
-from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-from vllm.model_executor.layers.linear import LinearBase, UnquantizedLinearMethod
-from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+
+from vllm_kbit.vllm.compat import (
+    LinearBase,
+    QuantizationConfig,
+    QuantizeMethodBase,
+    RoutedExperts,
+    UnquantizedFusedMoEMethod,
+    UnquantizedLinearMethod,
+    current_platform,
+    init_logger,
+)
 
 from vllm_kbit import reference as fmt
 from vllm_kbit.settings import QUANT_METHOD, KbitSettings
@@ -47,8 +53,6 @@ def check_gpu() -> None:
     with its own message; this check names the requirement and also refuses newer architectures.
     Without a GPU (vLLM's CPU build) there is nothing to check.
     """
-    from vllm.platforms import current_platform
-
     if not current_platform.is_cuda_alike():
         return
     cap = current_platform.get_device_capability()

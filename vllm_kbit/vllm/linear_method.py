@@ -20,18 +20,18 @@ from __future__ import annotations
 import functools
 
 import torch
-from vllm.logger import init_logger
-from vllm.model_executor.layers.linear import (
-    LinearMethodBase,
-    UnquantizedLinearMethod,
-    register_weight_loader_v2_supported_method,
-)
-from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
-from vllm.model_executor.parameter import ModelWeightParameter
-from vllm.model_executor.utils import replace_parameter
 
 from vllm_kbit import reference as fmt
 from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+from vllm_kbit.vllm.compat import (
+    LinearMethodBase,
+    ModelWeightParameter,
+    UnquantizedLinearMethod,
+    init_logger,
+    initialize_online_processing,
+    register_weight_loader_v2_supported_method,
+    replace_parameter,
+)
 from vllm_kbit.weight import check_representable
 
 logger = init_logger(__name__)

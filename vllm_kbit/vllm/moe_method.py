@@ -23,14 +23,18 @@ from __future__ import annotations
 import functools
 
 import torch
-from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase
-from vllm.model_executor.layers.fused_moe.activation import MoEActivation
-from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
-from vllm.model_executor.utils import replace_parameter, set_weight_attrs
-from vllm.platforms import current_platform
 
 from vllm_kbit import reference as fmt
 from vllm_kbit.moe import kbit_fused_moe, stack_runtime
+from vllm_kbit.vllm.compat import (
+    FusedMoEMethodBase,
+    MoEActivation,
+    cpu_select_experts,
+    current_platform,
+    initialize_online_processing,
+    replace_parameter,
+    set_weight_attrs,
+)
 from vllm_kbit.weight import check_representable
 
 
@@ -114,8 +118,6 @@ class _KbitMoEBase(FusedMoEMethodBase):
         return current_platform.is_cpu()
 
     def apply_monolithic(self, layer, x, router_logits, input_ids=None) -> torch.Tensor:
-        from vllm.model_executor.layers.fused_moe.cpu_fused_moe import select_experts as cpu_select_experts
-
         topk_weights, topk_ids = cpu_select_experts(
             hidden_states=x,
             router_logits=router_logits,
