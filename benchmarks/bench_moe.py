@@ -47,7 +47,7 @@ MAX_COPIES = 16
 
 
 def mma_chunk_rows(M):
-    """Chunk height of the grouped MMA for M rows per expert: 8p covering M, at most 64 (csrc moe_mma_chunk_rows)."""
+    """Chunk height of the grouped MMA when every expert has exactly M rows: the smallest 8p covering M, at most 64."""
     return 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
 
 

@@ -19,12 +19,20 @@ constexpr int kMoeMaxChunkRows = 64;  // most rows of one chunk: a grouped-MMA C
 // Rows per chunk for T tokens: 1 for T = 1 (a one-row kernel, fewer registers), else kMoeChunkRows.
 inline int64_t moe_chunk_rows(int64_t tokens) { return tokens == 1 ? 1 : kMoeChunkRows; }
 
-// Rows per chunk of the grouped MMA for S slots over E experts: the CTA height 8p (8, 16, 32 or 64)
-// that covers the average slots of an expert that got any, ceil(S / min(E, S)), in one CTA row.
-inline int64_t moe_mma_chunk_rows(int64_t slots, int64_t experts) {
+// Rows per chunk of the grouped MMA (the CTA height 8p: 8, 16, 32 or 64) for S slots over E experts of
+// k-bit weights, from the average rows of an expert that got any, avg = ceil(S / min(E, S)). Every chunk
+// decodes its expert's weights once, so a height below an expert's rows decodes them again per chunk,
+// and one far above multiplies padding MMAs. Heights 8 and 16 (p <= 2) decode through the per-lane table
+// (mma_kernel.cuh, uses_lut), which makes 16 rows cheap: from 8 average rows (many experts past 8) 16
+// wins, and stays best up to 32 average rows except at k = 5, whose wider decode favours 32; past 32, 64.
+// At k = 2 the 8-row table decode is cheap enough that re-decoding beats padding up to 8 average rows.
+// Measured per T and k: benchmarks/sweep_moe_chunk_rows.py (docs/decisions.md, "Grouped MMA chunk height").
+inline int64_t moe_mma_chunk_rows(int64_t slots, int64_t experts, int bits) {
   const int64_t busy = std::max<int64_t>(1, std::min(experts, slots));
   const int64_t avg = (slots + busy - 1) / busy;
-  return avg <= 8 ? 8 : avg <= 16 ? 16 : avg <= 32 ? 32 : 64;
+  if (avg <= 4 || (avg <= 8 && bits == 2)) return 8;
+  if (avg <= 32) return bits == 5 && avg > 8 ? 32 : 16;
+  return 64;
 }
 
 // Upper bound on the number of chunks (<= R rows of one expert) S slots over E experts can

@@ -149,7 +149,7 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     return out;
   }
   if (path == MoePath::kGroupedMma) {
-    const int64_t rows = moe_mma_chunk_rows(S, E), max_chunks = moe_max_chunks(S, E, rows);
+    const int64_t rows = moe_mma_chunk_rows(S, E, static_cast<int>(k)), max_chunks = moe_max_chunks(S, E, rows);
     KBIT_CHECK(max_chunks <= kMmaMaxGridRows, "kbit fused_moe: ", S, " slots need up to ", max_chunks,
                 " chunks of ", rows, " rows; the grouped MMA launches at most ", kMmaMaxGridRows);
     const Routing r = route(ids, map, E, rows, max_chunks);
