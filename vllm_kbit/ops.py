@@ -18,7 +18,6 @@ import weakref
 from typing import Callable
 
 import torch
-from torch.utils.weak import WeakIdKeyDictionary
 
 from vllm_kbit import reference as fmt
 
@@ -55,8 +54,20 @@ def _cache_setting() -> bool:
 
 
 CPU_DECODE_CACHE = _cache_setting()
-# packed weight tensor -> {(dtype, what): (stamp, decoded)}; an entry lives as long as its packed tensor.
-_decoded: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# id(packed weight) -> (weak reference to it, {key: (stamp, decoded)}); the weak reference's callback drops
+# the entry when the packed tensor dies. A plain dict: this lookup runs on every CPU forward of every layer.
+_decoded: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _entries(owner: torch.Tensor) -> dict:
+    slot = _decoded.get(id(owner))
+    if slot is None or slot[0]() is not owner:
+        def drop(ref, i=id(owner)):
+            if _decoded.get(i, (None,))[0] is ref:
+                del _decoded[i]
+
+        slot = _decoded[id(owner)] = (weakref.ref(owner, drop), {})
+    return slot[1]
 
 
 def _version(t: torch.Tensor) -> int:
@@ -79,7 +90,7 @@ def _stamp_matches(stamp: tuple, tensors: tuple[torch.Tensor, ...]) -> bool:
 
 def cpu_decode_cache_on(t: torch.Tensor) -> bool:
     """Whether :func:`cpu_decoded` keeps what it decodes for a packed tensor on t's device."""
-    return CPU_DECODE_CACHE and t.device.type == "cpu"
+    return CPU_DECODE_CACHE and t.is_cpu
 
 
 def cpu_decoded(packed: tuple[torch.Tensor, ...], key: tuple, decode: Callable[[], object]):
@@ -94,7 +105,7 @@ def cpu_decoded(packed: tuple[torch.Tensor, ...], key: tuple, decode: Callable[[
     owner = packed[0]
     if not cpu_decode_cache_on(owner):
         return decode()
-    entries = _decoded.setdefault(owner, {})
+    entries = _entries(owner)
     hit = entries.get(key)
     if hit is not None and _stamp_matches(hit[0], packed):
         return hit[1]
@@ -106,7 +117,7 @@ def cpu_decoded(packed: tuple[torch.Tensor, ...], key: tuple, decode: Callable[[
 def cpu_decode_cache_nbytes() -> int:
     """Bytes held by the CPU decode cache (decoded weights of packed tensors still alive)."""
     total = 0
-    for entries in list(_decoded.values()):
+    for _, entries in list(_decoded.values()):
         for _, value in entries.values():
             total += sum(t.nbytes for t in (value if isinstance(value, tuple) else (value,)))
     return total
