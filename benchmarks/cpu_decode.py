@@ -84,7 +84,7 @@ def main() -> None:
         r = json.loads(line[len("RESULT "):])
         results.append(r)
         name = "bf16" if not r["kbit"] else f"kbit-{r['bits']}" + ("" if r["cache"] else " (no decode cache)")
-        print(f"vLLM {".".join(map(str, r["vllm"]))} torch {r['torch']} {name:24s} load {r['load_s']:6.1f} s  prefill {r['prefill_s'] * 1e3:8.1f} ms  "
+        print(f"vLLM {'.'.join(map(str, r['vllm']))} torch {r['torch']} {name:24s} load {r['load_s']:6.1f} s  prefill {r['prefill_s'] * 1e3:8.1f} ms  "
               f"step {r['step_s'] * 1e3:8.1f} ms  {r['prompts']} x {r['max_tokens']} tokens {r['total_s']:7.2f} s", flush=True)
         if args.out:
             with open(args.out, "a") as f:
