@@ -74,15 +74,16 @@ def main() -> None:
     if args.uncached_tokens:
         runs.append(({**base, "kbit": True, "cache": False, "max_tokens": args.uncached_tokens, "repeats": 1},
                      {"VLLM_KBIT_CPU_DECODE_CACHE": "0"}))
-    results = []
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip()
     for spec, env in runs:
         proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
                               env={**os.environ, **env})
         line = next((s for s in proc.stdout.splitlines() if s.startswith("RESULT ")), None)
         if proc.returncode or line is None:
             sys.exit(f"cpu_decode: {spec} failed (rc={proc.returncode}):\n{proc.stderr[-3000:]}")
-        r = json.loads(line[len("RESULT "):])
-        results.append(r)
+        r = {**json.loads(line[len("RESULT "):]), "commit": commit, "command": " ".join(sys.argv),
+             "date": time.strftime("%Y-%m-%d")}
         name = "bf16" if not r["kbit"] else f"kbit-{r['bits']}" + ("" if r["cache"] else " (no decode cache)")
         print(f"vLLM {'.'.join(map(str, r['vllm']))} torch {r['torch']} {name:24s} load {r['load_s']:6.1f} s  prefill {r['prefill_s'] * 1e3:8.1f} ms  "
               f"step {r['step_s'] * 1e3:8.1f} ms  {r['prompts']} x {r['max_tokens']} tokens {r['total_s']:7.2f} s", flush=True)
