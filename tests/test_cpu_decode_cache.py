@@ -140,3 +140,26 @@ def test_cached_fused_moe_equals_reference(k, on_input, decodes, monkeypatch):
     for c, got in zip(calls, cached):
         assert torch.equal(got, kbit_fused_moe(*c))
     assert len(decodes) == 2 * E + 2 * E * len(calls)
+
+
+def test_cache_hits_through_torch_compile(decodes):
+    """A compiled module passes its packed parameters to the op as the same tensors: one decode, reference outputs."""
+
+    class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            q_rt, a_rt, cb = _layer(64, 128, 3, seed=0)
+            self.qweight = torch.nn.Parameter(q_rt, requires_grad=False)
+            self.absmax = torch.nn.Parameter(a_rt, requires_grad=False)
+            self.register_buffer("codebook", cb, persistent=False)
+
+        def forward(self, x):
+            return torch.ops.kbit.linear(x * 2, self.qweight, self.absmax, self.codebook, 64, 128, None)
+
+    layer = Layer()
+    compiled = torch.compile(layer, backend="aot_eager", dynamic=True)
+    with torch.inference_mode():  # as vLLM runs its forwards
+        outs = [(x, compiled(x)) for x in (torch.randn(rows, 128, dtype=torch.bfloat16) for rows in (1, 2, 5))]
+    assert len(decodes) == 1
+    for x, got in outs:
+        assert torch.equal(got, _reference_linear(x * 2, layer.qweight, layer.absmax, layer.codebook, 64, 128, None))
