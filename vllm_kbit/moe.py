@@ -10,7 +10,8 @@ then contribute nothing. Ids outside the local experts -- negative, >= E without
 CUDA too: the routing kernel drops such slots, so no weight is read for them). They are not
 refused because checking device-side ids would need a host sync on every call.
 
-CPU runs the PyTorch reference below. CUDA with bf16/fp16 activations runs
+CPU runs the PyTorch reference below, with each expert's weights decoded once and kept
+(:func:`vllm_kbit.ops.cpu_decoded`). CUDA with bf16/fp16 activations runs
 ``kbit::_fused_moe_cuda`` (csrc/moe_ops.cpp: device-side routing, then by slots per
 expert the grouped kbit GEMV, the grouped dequant + MMA, or dequantize +
 ``torch._grouped_mm``);
@@ -113,9 +114,21 @@ def _fused_moe_reference(
     picked = torch.zeros(T, E + 1, dtype=torch.float32, device=x.device)
     picked.scatter_add_(1, torch.where(ids < 0, E, ids), torch.ones_like(topk_weights, dtype=torch.float32))
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+
+    def decode_w13(e):
+        return fmt.dequantize_runtime(w13_qweight[e], w13_absmax[e], codebook, 2 * I, H, x.dtype)
+
+    def decode_w2(e):
+        return fmt.dequantize_runtime(w2_qweight[e], w2_absmax[e], codebook, H, I, x.dtype)
+
+    w13_of, w2_of = decode_w13, decode_w2
+    if ops.cpu_decode_cache_on(w13_qweight):  # every expert decoded once per weight (ops.cpu_decoded)
+        w13_of = ops.cpu_decoded((w13_qweight, w13_absmax, codebook), ("fused_moe", x.dtype, 2 * I, H),
+                                 lambda: tuple(map(decode_w13, range(E)))).__getitem__
+        w2_of = ops.cpu_decoded((w2_qweight, w2_absmax, codebook), ("fused_moe", x.dtype, H, I),
+                                lambda: tuple(map(decode_w2, range(E)))).__getitem__
     for e in range(E):
-        w13 = fmt.dequantize_runtime(w13_qweight[e], w13_absmax[e], codebook, 2 * I, H, x.dtype)
-        w2 = fmt.dequantize_runtime(w2_qweight[e], w2_absmax[e], codebook, H, I, x.dtype)
+        w13, w2 = w13_of(e), w2_of(e)
         if apply_router_weight_on_input:
             xe = (x.float() * combine[:, e : e + 1]).to(x.dtype)
             scale = picked[:, e : e + 1]

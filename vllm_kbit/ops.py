@@ -4,12 +4,18 @@ The schemas live here; the CUDA extension (``vllm_kbit/_C*.so``, built from
 ``csrc/``) only adds CUDA kernels to them with ``TORCH_LIBRARY_IMPL``. Without
 the extension (a CPU-only install) the PyTorch reference also serves CUDA
 tensors, slowly, and :data:`HAS_CUDA_KERNELS` is False.
+
+On CPU the ops that multiply by a packed weight (``linear``, ``fused_moe``) decode it once and keep
+the decoded tensor (:func:`cpu_decoded`), so a forward costs a plain matmul; ``VLLM_KBIT_CPU_DECODE_CACHE=0``
+turns this off (each call decodes again: less memory, ~100x slower decode steps).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import weakref
+from typing import Callable
 
 import torch
 
@@ -37,6 +43,86 @@ for _schema in _SCHEMAS.values():
     _lib.define(_schema)
 
 
+# ----------------------------------------------------------------------------- CPU decode cache
+
+
+def _cache_setting() -> bool:
+    value = os.environ.get("VLLM_KBIT_CPU_DECODE_CACHE", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"kbit: VLLM_KBIT_CPU_DECODE_CACHE={value!r} is not a setting; supported: 0 (off), 1 (on)")
+    return value == "1"
+
+
+CPU_DECODE_CACHE = _cache_setting()
+# id(packed weight) -> (weak reference to it, {key: (stamp, decoded)}); the weak reference's callback drops
+# the entry when the packed tensor dies. A plain dict: this lookup runs on every CPU forward of every layer.
+_decoded: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _entries(owner: torch.Tensor) -> dict:
+    slot = _decoded.get(id(owner))
+    if slot is None or slot[0]() is not owner:
+        def drop(ref, i=id(owner)):
+            if _decoded.get(i, (None,))[0] is ref:
+                del _decoded[i]
+
+        slot = _decoded[id(owner)] = (weakref.ref(owner, drop), {})
+    return slot[1]
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter (and no in-place writes outside it)
+        return -1
+
+
+def _stamp(tensors: tuple[torch.Tensor, ...]) -> tuple:
+    """What a decoded weight depends on: the packed tensors themselves, their storage and in-place writes."""
+    return tuple((weakref.ref(t), t.data_ptr(), _version(t)) for t in tensors)
+
+
+def _stamp_matches(stamp: tuple, tensors: tuple[torch.Tensor, ...]) -> bool:
+    return len(stamp) == len(tensors) and all(
+        ref() is t and ptr == t.data_ptr() and v == _version(t) for (ref, ptr, v), t in zip(stamp, tensors)
+    )
+
+
+def cpu_decode_cache_on(t: torch.Tensor) -> bool:
+    """Whether :func:`cpu_decoded` keeps what it decodes for a packed tensor on t's device."""
+    return CPU_DECODE_CACHE and t.is_cpu
+
+
+def cpu_decoded(packed: tuple[torch.Tensor, ...], key: tuple, decode: Callable[[], object]):
+    """``decode()``, computed once per packed weight on CPU and kept while ``packed[0]`` lives.
+
+    ``packed`` holds every tensor the result is decoded from (qweight first: the entry hangs on it);
+    ``key`` tells apart results decoded from the same tensors (output dtype, shape). A packed tensor
+    written in place or swapped for another one is decoded again. The decoded values are exactly
+    ``decode()``'s, so a cached forward equals the reference's bit for bit; the price is the weight's
+    size in the decoded dtype, kept beside the packed tensors. Off (or off CPU): ``decode()`` each call.
+    """
+    owner = packed[0]
+    if not cpu_decode_cache_on(owner):
+        return decode()
+    entries = _entries(owner)
+    hit = entries.get(key)
+    if hit is not None and _stamp_matches(hit[0], packed):
+        return hit[1]
+    value = decode()
+    entries[key] = (_stamp(packed), value)
+    return value
+
+
+def cpu_decode_cache_nbytes() -> int:
+    """Bytes held by the CPU decode cache (decoded weights of packed tensors still alive)."""
+    total = 0
+    for _, entries in list(_decoded.values()):
+        for _, value in entries.values():
+            total += sum(t.nbytes for t in (value if isinstance(value, tuple) else (value,)))
+    return total
+
+
 def _linear_reference(x, qweight_rt, absmax_rt, codebook, N, K, bias):
     """out[..., N] = x[..., K] @ dequant(W).T (+ bias), in x's dtype."""
     fmt.check_float_dtype(x, "x")
@@ -48,7 +134,11 @@ def _linear_reference(x, qweight_rt, absmax_rt, codebook, N, K, bias):
     fmt.check_codebook(codebook, qweight_rt.shape[2])
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or bias.dtype != x.dtype):
         raise ValueError(f"kbit: bias must be [{N}] of x's dtype {x.dtype}, got {bias.dtype} {list(bias.shape)}")
-    W = fmt.dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.dtype)
+    W = cpu_decoded(
+        (qweight_rt, absmax_rt, codebook),
+        ("linear", x.dtype, N, K),
+        lambda: fmt.dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.dtype),
+    )
     return torch.nn.functional.linear(x, W, bias)
 
 
