@@ -27,6 +27,7 @@
 #include <c10/util/Exception.h>
 
 #include "check.h"
+#include "launch_utils.cuh"
 
 namespace kbit {
 namespace {
@@ -61,6 +62,10 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
         const float2 lo = Act<T>::widen(raw.x), hi = Act<T>::widen(raw.y);
         return make_float4(lo.x, lo.y, hi.x, hi.y);
       },
+      [] {
+        pdl_wait();               // first weight tile in flight; A is the previous kernel's output, C written below
+        pdl_launch_dependents();  // the main loop only streams: the next kernel may start its weight prologue
+      },
       acc);
   reduce_and_store<M>(acc, &warp_sums[0][0][0], cta_sums, warp, lane, split, splits, [&](int m, int r, float v) {
     const int n = n_tile * kTileN + r;
@@ -76,23 +81,11 @@ void launch_typed(const at::Tensor& A, const at::Tensor& qweight_rt, const at::T
                   const at::Tensor& codebook, const T* bias, int N, int K, at::Tensor& C, int splits) {
   const int n_tiles = static_cast<int>(qweight_rt.size(0)), k_tiles = static_cast<int>(qweight_rt.size(1));
 
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(n_tiles * splits));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = 0;
-  config.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(splits);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, gemv_kernel<T, BITS, M>, reinterpret_cast<const T*>(A.data_ptr()),
-                                    reinterpret_cast<const uint4*>(qweight_rt.data_ptr()),
-                                    reinterpret_cast<const uint32_t*>(absmax_rt.data_ptr()),
-                                    codebook.data_ptr<float>(), bias, reinterpret_cast<T*>(C.data_ptr()), N, K,
-                                    k_tiles, splits));
+  launch_kernel(gemv_kernel<T, BITS, M>, dim3(static_cast<unsigned>(n_tiles * splits)), dim3(kThreads), 0,
+                at::cuda::getCurrentCUDAStream(), splits, reinterpret_cast<const T*>(A.data_ptr()),
+                reinterpret_cast<const uint4*>(qweight_rt.data_ptr()),
+                reinterpret_cast<const uint32_t*>(absmax_rt.data_ptr()), codebook.data_ptr<float>(), bias,
+                reinterpret_cast<T*>(C.data_ptr()), N, K, k_tiles, splits);
 }
 
 template <typename T, int BITS>

@@ -134,12 +134,13 @@ __device__ __forceinline__ void load_tile(const uint4* __restrict__ qweight, con
 // two steps so their loads can be issued early: `fetch(m, e)` loads activation row m's elements
 // e..e+3 in whatever raw form the caller keeps (called for e < K only; a zero-initialized raw
 // value must widen to zeros), `widen(m, raw)` turns that into fp32. a_stage is the warp's own
-// staging buffer of M * 32 float4.
-template <typename T, int BITS, int M, typename Fetch, typename Widen>
+// staging buffer of M * 32 float4. `ready()` runs once in every thread, after the first weight
+// tile's loads are issued and before any activation load (the dense GEMV's PDL wait).
+template <typename T, int BITS, int M, typename Fetch, typename Widen, typename Ready>
 __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, const uint32_t* __restrict__ absmax,
                                            const float* __restrict__ codebook, int64_t band, int kt_begin, int kt_end,
                                            int K, int warp, int lane, float4* __restrict__ a_stage, Fetch&& fetch,
-                                           Widen&& widen, float (&acc)[kRowsPerLane][M]) {
+                                           Widen&& widen, Ready&& ready, float (&acc)[kRowsPerLane][M]) {
   using Raw = decltype(fetch(0, 0));
   const float codebook_reg = __ldg(codebook + (lane & ((1 << BITS) - 1)));
 #pragma unroll
@@ -179,9 +180,10 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
   uint32_t codes0[kRowsPerLane], codes1[kRowsPerLane];
   Raw raw0[M], raw1[M];
   int kt = kt_begin + warp;
-  if (kt < kt_end) {
-    load_tile<BITS>(qweight, absmax, band + kt, lane, planes0, codes0);
-    if constexpr (kPrefetchActivations) fetch_tile(raw0, kt);
+  if (kt < kt_end) load_tile<BITS>(qweight, absmax, band + kt, lane, planes0, codes0);
+  ready();
+  if constexpr (kPrefetchActivations) {
+    if (kt < kt_end) fetch_tile(raw0, kt);
   }
   while (kt < kt_end) {
     if (kt + kWarps < kt_end) {

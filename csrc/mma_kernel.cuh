@@ -31,6 +31,7 @@
 #include "cp_async.cuh"
 #include "dequant_core.cuh"
 #include "kbit_format.cuh"
+#include "launch_utils.cuh"
 #include "mma.cuh"
 
 #include <algorithm>
@@ -179,6 +180,8 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   const int col = blockIdx.x / splits, y = blockIdx.y;
   // Grouped: CTA rows past the device-side chunk count hold no rows (a whole cluster shares its y).
   if constexpr (kGrouped) {
+    pdl_wait();               // the chunk (and so the expert's weights) comes from the routing kernel
+    pdl_launch_dependents();  // the rest is this CTA's own pipeline: the next kernel may start its prologue
     if (y >= __ldg(prm.num_chunks)) return;
   }
   // Rows [m0, m_end) of A and C, and the weight they multiply: the CTA row's block of 8P rows, or
@@ -224,7 +227,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   // chunks), then its 8P activation rows. Loop bounds are compile-time, so each thread issues a
   // fixed list of copies; whether chunk c = tid + 128 it is a plane or a code chunk is known at
   // compile time except in one warp-uniform case (k = 3, 5: the boundary is a multiple of 64).
-  const auto load_stage = [&](int stage) {
+  const auto load_weights = [&](int stage) {
     const uint32_t st = smem_base + stage * S::kStageBytes;
 #pragma unroll
     for (int rho = 0; rho < R; ++rho) {
@@ -239,6 +242,8 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
       w_planes[rho] += kPlaneBytes;
       w_codes[rho] += kCodeBytes;
     }
+  };
+  const auto load_activations = [&](int stage) {
     const bool k_valid = x_k < prm.K;
 #pragma unroll
     for (int p = 0; p < P; ++p) {
@@ -247,6 +252,10 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
     }
     x_src += kTileK;
     x_k += kTileK;
+  };
+  const auto load_stage = [&](int stage) {
+    load_weights(stage);
+    load_activations(stage);
   };
 
   float acc[R][P][4];
@@ -348,13 +357,31 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
 
   // Multistage pipeline: k-tile it + kStages - 1 is copied while k-tile it is computed. The copy
   // into a stage is issued after the barrier that follows every warp's last read of it.
+  if constexpr (kGrouped) {
 #pragma unroll
-  for (int s = 0; s < S::kStages - 1; ++s) {
-    if (s < nkt) load_stage(s);
-    cp_async_commit();
+    for (int s = 0; s < S::kStages - 1; ++s) {
+      if (s < nkt) load_stage(s);
+      cp_async_commit();
+    }
+  } else {
+    // Dense: the first stages' weight tiles are copied before the PDL wait (weights are immutable),
+    // their activations after it. The weight copies join the first commit group, so the loop's
+    // cp_async_wait for k-tile 0 also covers the weights of the stages after it (issued together).
+#pragma unroll
+    for (int s = 0; s < S::kStages - 1; ++s) {
+      if (s < nkt) load_weights(s);
+    }
+    if constexpr (kLut) lut_fill<T, BITS>(smem, prm.codebook, tid, kThreads);  // codebook only: before the wait too
+    pdl_wait();               // A is the previous kernel's output, and C may be memory it still reads
+    pdl_launch_dependents();  // the main loop is this CTA's own pipeline: the next kernel may start its prologue
+#pragma unroll
+    for (int s = 0; s < S::kStages - 1; ++s) {
+      if (s < nkt) load_activations(s);
+      cp_async_commit();
+    }
   }
   // The table is written while the first stages are in flight; the loop's first barrier publishes it.
-  if constexpr (kLut) lut_fill<T, BITS>(smem, prm.codebook, tid, kThreads);
+  if constexpr (kLut && kGrouped) lut_fill<T, BITS>(smem, prm.codebook, tid, kThreads);
   for (int it = 0; it < nkt; ++it) {
     cp_async_wait<S::kStages - 2>();
     __syncthreads();
@@ -456,19 +483,8 @@ void launch_instance(const MmaLaunch& L) {
                          static_cast<const uint8_t*>(L.absmax), L.codebook, static_cast<const T*>(L.bias),
                          static_cast<T*>(L.C), L.M, L.N, L.K, L.n_tiles, L.k_tiles, splits,
                          reinterpret_cast<const int4*>(L.chunks), L.num_chunks, L.expert_qbytes, L.expert_abytes};
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(cols * splits), static_cast<unsigned>(L.config.m_blocks));
-  config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = S::kSmemBytes;
-  config.stream = L.stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(splits);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, prm));
+  launch_kernel(kernel, dim3(static_cast<unsigned>(cols * splits), static_cast<unsigned>(L.config.m_blocks)),
+                dim3(kThreads), S::kSmemBytes, L.stream, splits, prm);
 }
 
 // Launches the instance of mma_config's (p, r): r = 1, or the wide r of p (4, or 2 at p = 8).

@@ -22,6 +22,7 @@
 #include <c10/util/Exception.h>
 
 #include "check.h"
+#include "launch_utils.cuh"
 
 namespace kbit {
 namespace moe_gemv {
@@ -110,7 +111,7 @@ __device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, in
   float acc[kRowsPerLane][M];
   accumulate<T, BITS, M>(p.qweight + expert * p.expert_vectors, p.absmax + expert * p.expert_code_words, p.codebook,
                          static_cast<int64_t>(n_tile) * p.k_tiles, kt_begin, kt_end, p.K, warp, lane,
-                         a_stage + warp * kGemvMaxM * 32, fetch, widen, acc);
+                         a_stage + warp * kGemvMaxM * 32, fetch, widen, [] {}, acc);  // PDL wait at kernel entry
   reduce_and_store<M>(acc, warp_sums, cta_sums, warp, lane, split, p.splits, [&](int m, int r, float v) {
     const int n = n_tile * kTileN + r;
     if (n < p.N) static_cast<O*>(p.C)[static_cast<int64_t>(row0 + m) * p.N + n] = Out<O>::narrow(v);
@@ -124,6 +125,9 @@ __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constan
   __shared__ float4 a_stage[kWarps * kGemvMaxM * 32];
   __shared__ float warp_sums[kWarps * kGemvMaxM * kTileN];
   __shared__ float cta_sums[kGemvMaxM * kTileN];
+  // The expert of this CTA comes from the routing kernel, so nothing useful precedes the wait.
+  pdl_wait();                // chunks/num_chunks and A come from earlier kernels; C may be memory they still read
+  pdl_launch_dependents();   // the rest only streams weights: the next kernel may start its prologue
   const int per_chunk = p.n_tiles * p.splits;
   const int chunk = blockIdx.x / per_chunk;
   // Both loads in flight at once (chunk < max_chunks, so its entry exists even when unused): one
@@ -149,18 +153,9 @@ __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constan
 
 template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS>
 void launch_typed(const MoeGemvParams& p, int max_chunks) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(static_cast<int64_t>(max_chunks) * p.n_tiles * p.splits));
-  config.blockDim = dim3(kThreads);
-  config.stream = at::cuda::getCurrentCUDAStream();
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(p.splits);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.attrs = attr;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelEx(&config, moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS>, p));
+  launch_kernel(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS>,
+                dim3(static_cast<unsigned>(static_cast<int64_t>(max_chunks) * p.n_tiles * p.splits)), dim3(kThreads), 0,
+                at::cuda::getCurrentCUDAStream(), p.splits, p);
 }
 
 template <typename T, typename O, MoeStage STAGE, int MAX_ROWS>

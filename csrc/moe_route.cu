@@ -16,6 +16,7 @@
 #include <cuda_fp16.h>
 
 #include "check.h"
+#include "launch_utils.cuh"
 
 namespace kbit {
 namespace {
@@ -66,7 +67,9 @@ __global__ void __launch_bounds__(kRouteThreads)
   __shared__ int2 warp_totals[kRouteThreads / 32];
   __shared__ int used_chunks;
   const int tid = threadIdx.x;
-  for (int e = tid; e < E; e += kRouteThreads) count[e] = 0;
+  for (int e = tid; e < E; e += kRouteThreads) count[e] = 0;  // shared memory only: may overlap the previous kernel
+  pdl_wait();                 // ids come from the previous kernels, and pos etc. may be memory they still read
+  pdl_launch_dependents();    // one CTA: the next kernel's CTAs may take the other SMs now
   __syncthreads();
   // The rank within the expert parks in pos (this thread reads it back below: same s, same thread).
   for (int s = tid; s < S; s += kRouteThreads) {
@@ -164,6 +167,8 @@ template <typename T>
 __global__ void __launch_bounds__(kEltThreads)
     moe_gather_kernel(const T* __restrict__ x, const int* __restrict__ slot_of, const float* __restrict__ slot_weight,
                       int top_k, int H, __nv_bfloat16* __restrict__ xp) {
+  pdl_wait();                // slot_of and x come from the previous kernels; xp may be memory they still read
+  pdl_launch_dependents();   // tiny kernel: let the grouped MMA start its prologue now
   const int p = blockIdx.x, h = (blockIdx.y * kEltThreads + threadIdx.x) * 4;
   if (h >= H) return;
   const int s = slot_of[p];
@@ -182,6 +187,8 @@ __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); 
 // Grid (S, I / kEltPerBlock).
 __global__ void __launch_bounds__(kEltThreads)
     moe_silu_mul_kernel(const __nv_bfloat16* __restrict__ g, int I, __nv_bfloat16* __restrict__ h) {
+  pdl_wait();                // g is the previous kernel's output; h may be memory it still reads
+  pdl_launch_dependents();   // tiny kernel: let the down projection start its prologue now
   const int p = blockIdx.x, i = (blockIdx.y * kEltThreads + threadIdx.x) * 4;
   if (i >= I) return;
   const float4 a = Vec4<__nv_bfloat16>::load(g + static_cast<int64_t>(p) * 2 * I + i);
@@ -195,6 +202,8 @@ template <typename Y, typename T>
 __global__ void __launch_bounds__(kEltThreads)
     moe_combine_kernel(const Y* __restrict__ y, const int* __restrict__ pos, const float* __restrict__ weights,
                        int top_k, int H, T* __restrict__ out) {
+  pdl_wait();                // y and pos come from the previous kernels; out may be memory they still read
+  pdl_launch_dependents();   // tiny kernel: whatever follows may start its prologue now
   const int t = blockIdx.x, h = (blockIdx.y * kEltThreads + threadIdx.x) * 4;
   if (h >= H) return;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -236,13 +245,12 @@ void launch_moe_route(const at::Tensor& topk_ids, const std::optional<at::Tensor
               kMoeMaxChunkRows);
   const int E = static_cast<int>(num_experts);
   const size_t smem = (2 * static_cast<size_t>(E) + 1) * sizeof(int);
-  moe_route_kernel<<<1, kRouteThreads, smem, at::cuda::getCurrentCUDAStream()>>>(
+  launch_kernel(moe_route_kernel, dim3(1), dim3(kRouteThreads), smem, at::cuda::getCurrentCUDAStream(), 0,
       topk_ids.data_ptr<int>(), static_cast<int>(S), expert_map.has_value() ? expert_map->data_ptr<int>() : nullptr,
       expert_map.has_value() ? static_cast<int>(expert_map->numel()) : 0, E, static_cast<int>(chunk_rows),
       offsets.data_ptr<int>(),
       pos.data_ptr<int>(), slot_of.data_ptr<int>(), reinterpret_cast<int4*>(chunks.data_ptr<int>()),
       static_cast<int>(chunks.size(0)), num_chunks.data_ptr<int>());
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void launch_moe_gather(const at::Tensor& x, const at::Tensor& slot_of, const std::optional<at::Tensor>& slot_weight,
@@ -251,21 +259,19 @@ void launch_moe_gather(const at::Tensor& x, const at::Tensor& slot_of, const std
   if (S == 0) return;
   dispatch_half(x.scalar_type(), "gather", [&](auto tag) {
     using T = decltype(tag);
-    moe_gather_kernel<T><<<elt_grid(S, H), kEltThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
+    launch_kernel(moe_gather_kernel<T>, elt_grid(S, H), dim3(kEltThreads), 0, at::cuda::getCurrentCUDAStream(), 0,
         reinterpret_cast<const T*>(x.data_ptr()), slot_of.data_ptr<int>(),
         slot_weight.has_value() ? slot_weight->data_ptr<float>() : nullptr, static_cast<int>(top_k),
         static_cast<int>(H), reinterpret_cast<__nv_bfloat16*>(xp.data_ptr()));
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void launch_moe_silu_mul(const at::Tensor& g, at::Tensor& h) {
   const int64_t S = h.size(0), I = h.size(1);
   if (S == 0) return;
-  moe_silu_mul_kernel<<<elt_grid(S, I), kEltThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-      reinterpret_cast<const __nv_bfloat16*>(g.data_ptr()), static_cast<int>(I),
-      reinterpret_cast<__nv_bfloat16*>(h.data_ptr()));
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  launch_kernel(moe_silu_mul_kernel, elt_grid(S, I), dim3(kEltThreads), 0, at::cuda::getCurrentCUDAStream(), 0,
+                reinterpret_cast<const __nv_bfloat16*>(g.data_ptr()), static_cast<int>(I),
+                reinterpret_cast<__nv_bfloat16*>(h.data_ptr()));
 }
 
 void launch_moe_combine(const at::Tensor& y, const at::Tensor& pos, const std::optional<at::Tensor>& weights,
@@ -277,8 +283,8 @@ void launch_moe_combine(const at::Tensor& y, const at::Tensor& pos, const std::o
     using T_ = decltype(out_tag);
     const auto go = [&](auto y_tag) {
       using Y = decltype(y_tag);
-      moe_combine_kernel<Y, T_><<<elt_grid(T, H), kEltThreads, 0, at::cuda::getCurrentCUDAStream()>>>(
-          reinterpret_cast<const Y*>(y.data_ptr()), pos.data_ptr<int>(), w, static_cast<int>(top_k),
+      launch_kernel(moe_combine_kernel<Y, T_>, elt_grid(T, H), dim3(kEltThreads), 0, at::cuda::getCurrentCUDAStream(),
+          0, reinterpret_cast<const Y*>(y.data_ptr()), pos.data_ptr<int>(), w, static_cast<int>(top_k),
           static_cast<int>(H), reinterpret_cast<T_*>(out.data_ptr()));
     };
     if (y.scalar_type() == at::kFloat) {
@@ -288,7 +294,6 @@ void launch_moe_combine(const at::Tensor& y, const at::Tensor& pos, const std::o
       go(__nv_bfloat16{});
     }
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace kbit
