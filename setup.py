@@ -42,7 +42,7 @@ def cuda_extensions():
     ext = cpp_extension.CUDAExtension(
         name="vllm_kbit._C",
         sources=sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu")),
-        include_dirs=[os.path.abspath("csrc"), *nvidia_include],
+        include_dirs=[os.path.abspath("csrc"), os.path.abspath("vllm_kbit"), *nvidia_include],  # vllm_kbit: format_constants.h
         extra_compile_args={
             "cxx": ["-O3", "-std=c++17"],
             "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],

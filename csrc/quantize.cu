@@ -52,7 +52,7 @@ __device__ __forceinline__ int chunk_slot(int lane, int c) {
 }
 
 // E4M4 code offsets tried around the absmax code, in order (format.SCALE_SEARCH_OFFSETS).
-constexpr int kScaleSearchMin = -8, kScaleSearchMax = 8;
+constexpr int kScaleSearchMin = -kScaleSearchRadius, kScaleSearchMax = kScaleSearchRadius;
 
 // 32-bit registers holding one block of T.
 template <typename T>

@@ -40,7 +40,7 @@ def test_cpp_checks_raise_what_the_reference_raises():
     """The C++ checks the CUDA ops run first, on the table's CPU tensors; a crash fails the test."""
     env = {**os.environ, "VLLM_KBIT_LOAD_EXTENSION": "1"}
     probe = subprocess.run(
-        [sys.executable, "-c", "import torch, vllm_kbit.ops as o; assert o.HAS_CUDA_KERNELS; torch.ops.kbit._check_repack"],
+        [sys.executable, "-c", "import torch, vllm_kbit.ops as o; assert o.HAS_EXTENSION; torch.ops.kbit._check_repack"],
         env=env, capture_output=True, text=True,
     )
     if probe.returncode != 0 and "libcudart" in probe.stderr:
