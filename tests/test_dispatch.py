@@ -22,11 +22,11 @@ def plan(M, N, K, dtype=torch.bfloat16, sm_major=9, num_sms=132, ctas_per_sm=1, 
 
 
 def test_linear_plan_paths_on_both_sides_of_each_bound():
-    big, small = (14336, 4096), (4096, 2048)  # >= 10240 rows: the register-fragment wgmma's weights
+    big, small = (14336, 4096), (8192, 4096)  # big: >= 10240 rows (register-fragment wgmma); small: 2^25 elements
     assert [plan(M, *big)[0] for M in (1, 2, 3, 64, 65, 128, 129, 512, 513)] == [
         "gemv", "gemv", "mma", "mma", "wgmma", "wgmma", "wgmma_ws", "wgmma_ws", "dequant_cublas"]
     assert [plan(M, *small)[0] for M in (65, 128, 129, 512)] == ["dequant_cublas", "dequant_cublas", "wgmma_ws", "wgmma_ws"]
-    assert plan(129, 4096, 4096)[0] == "wgmma_ws" and plan(129, 4096, 4064)[0] == "dequant_cublas"  # 2^25 elements
+    assert plan(129, 8192, 4064)[0] == "dequant_cublas"  # under 2^25 elements
     assert plan(100, 10240, 2048)[0] == "wgmma" and plan(100, 10240, 2016)[0] == "dequant_cublas"
     assert {plan(M, *big, sm_major=8)[0] for M in (65, 128, 129, 512)} == {"dequant_cublas"}  # wgmma: Hopper only
     assert {plan(M, *big, dtype=torch.float16)[0] for M in (1, 3, 100)} == {"gemv", "mma", "wgmma"}
@@ -43,7 +43,7 @@ def test_linear_plan_fields():
         assert r == (1 if p < 4 else 4 if p == 4 else 2)  # wide warps on this 224-tile weight from p = 4
         n_tiles, k_tiles = gemv_tiles(14336, 4096)
         assert splits == torch.ops.kbit._mma_splits(-(-n_tiles // r), m_blocks, k_tiles, 132, 3)
-    assert plan(200, 4096, 2048, path="mma")[3:] == (8, 2, 4)  # 4 CTA rows of 64
+    assert plan(200, 14336, 2048, path="mma")[3:] == (8, 2, 4)  # 4 CTA rows of 64
     assert plan(40, 64 * 127, 2048, path="mma")[4] == 1  # under 128 n-tiles: narrow warps
     assert plan(600, 14336, 4096)[1:] == (1, 1, 0, 0, 0)
     with pytest.raises(ValueError, match="is not one of auto, gemv, mma, wgmma, wgmma_ws, dequant_cublas"):
