@@ -44,7 +44,9 @@ def cuda_extensions():
         sources=sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu")),
         include_dirs=[os.path.abspath("csrc"), os.path.abspath("vllm_kbit"), *nvidia_include],  # vllm_kbit: format_constants.h
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17"],
+            # -fno-ipa-sra: no GCC clones of the libstdc++ stream templates that torch's inline checks use;
+            # the extension must not carry its own stream code (docs/decisions.md, "Input checks").
+            "cxx": ["-O3", "-std=c++17", "-fno-ipa-sra"],
             "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
         },
         py_limited_api=True,

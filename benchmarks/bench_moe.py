@@ -125,11 +125,11 @@ def bench_layers(args, l2, common, records, save):
                         paths += [("kbit_moe_gemv", "gemv")] if T <= GEMV_FORCED_MAX_T else []
                         paths += [("kbit_moe_grouped_mma", "grouped_mma"), ("kbit_moe_grouped_mm", "grouped_mm")]
                     for op, path in paths:
-                        def call(i, T=T, path=path):
+                        def call(i, T=T, path=path, path_id=torch.ops.kbit._moe_path_id(path)):
                             ids, w = routes[T][i % n_rt]
                             if path == "auto":
                                 return kbit_fused_moe(xs[T], ids, w, *Wk[i % n], cb, I)
-                            return torch.ops.kbit._fused_moe_cuda(xs[T], ids, w, *Wk[i % n], cb, I, None, False, path)
+                            return torch.ops.kbit._fused_moe_cuda(xs[T], ids, w, *Wk[i % n], cb, I, None, False, path_id)
                         us = graph_time_us([lambda i=i: call(i) for i in range(max(n, n_rt))], min_calls=calls_for(T),
                                            replays=10)
                         records.append(dict(common, view="layer", model=name, op=op, E=E, top_k=top_k, T=T, H=H, I=I,

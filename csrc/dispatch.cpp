@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <iterator>
 #include <tuple>
 
 #include <torch/library.h>
@@ -110,6 +111,12 @@ MoePath moe_path_from_name(const std::string& name) {
   return static_cast<MoePath>(it - names);
 }
 
+MoePath moe_path_from_id(int64_t id) {
+  KBIT_CHECK_VALUE(id >= 0 && id < static_cast<int64_t>(std::size(kMoePathNames)), "kbit fused_moe: path id ", id,
+                   " is not one kbit::_moe_path_id returns");
+  return static_cast<MoePath>(id);
+}
+
 MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, MoePath path) {
   KBIT_CHECK_VALUE(tokens >= 0 && top_k >= 0 && experts >= 1 && experts <= kMaxLocalExperts,
                    "kbit moe_plan: needs tokens, top_k >= 0 and 1..", kMaxLocalExperts, " local experts, got ", tokens,
@@ -146,6 +153,8 @@ std::tuple<std::string, int64_t, int64_t> moe_plan_op(int64_t tokens, int64_t to
   return {moe_path_name(p.path), p.chunk_rows, p.max_chunks};
 }
 
+int64_t moe_path_id_op(const std::string& name) { return static_cast<int64_t>(moe_path_from_name(name)); }
+
 int64_t gemv_splits_op(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
   return gemv_splits(n_tiles, k_tiles, num_sms);
 }
@@ -166,6 +175,7 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
         &kbit::linear_plan_op);
   m.def("moe_plan(int tokens, int top_k, int experts, str path=\"auto\") -> (str path, int chunk_rows, int max_chunks)",
         &kbit::moe_plan_op);
+  m.def("_moe_path_id(str path) -> int", &kbit::moe_path_id_op);
   m.def("_gemv_splits(int n_tiles, int k_tiles, int num_sms) -> int", &kbit::gemv_splits_op);
   m.def("_mma_splits(int cols, int m_blocks, int k_tiles, int num_sms, int ctas_per_sm) -> int", &kbit::mma_splits_op);
   m.def("_moe_max_chunks(int slots, int experts, int chunk_rows) -> int", &kbit::moe_max_chunks);

@@ -47,6 +47,9 @@ constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memor
 const char* moe_path_name(MoePath path);
 // "auto", "gemv", "grouped_mm" or "grouped_mma"; anything else raises a one-line ValueError.
 MoePath moe_path_from_name(const std::string& name);
+// The path of an id kbit::_moe_path_id returned (kernels take ids: a `str` argument of a C++ kernel
+// brings libstdc++ stream code into the extension through torch's argument unboxing).
+MoePath moe_path_from_id(int64_t id);
 
 struct MoePlan {
   MoePath path;          // never kAuto

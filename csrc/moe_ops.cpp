@@ -82,7 +82,7 @@ at::Tensor dequantize_stacked(const at::Tensor& q, const at::Tensor& a, const at
 at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                           const at::Tensor& w13_qweight, const at::Tensor& w13_absmax, const at::Tensor& w2_qweight,
                           const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
-                          const std::optional<at::Tensor>& expert_map, bool on_input, const std::string& path_name) {
+                          const std::optional<at::Tensor>& expert_map, bool on_input, int64_t path_id) {
   KBIT_CHECK(x.is_cuda() && x.dim() == 2, "kbit fused_moe: x must be a 2-D CUDA tensor [T, H], got ", x.sizes(),
               " on ", x.device());
   KBIT_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "kbit fused_moe: x has dtype ",
@@ -108,7 +108,7 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     KBIT_CHECK(t->device() == x.device(), "kbit fused_moe: all tensors must be on ", x.device(), ", one is on ",
                 t->device());
   }
-  const MoePlan plan = moe_plan(T, top_k, E, moe_path_from_name(path_name));
+  const MoePlan plan = moe_plan(T, top_k, E, moe_path_from_id(path_id));
   const c10::DeviceGuard guard(x.device());
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0 || top_k == 0) return out.zero_();

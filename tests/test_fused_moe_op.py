@@ -142,6 +142,9 @@ def test_moe_plan_paths_and_workspace():
         plan(1, 1, 1, "fastest")
     with pytest.raises(ValueError, match="local experts"):
         plan(1, 1, 5000)
+    assert [torch.ops.kbit._moe_path_id(name) for name in ("auto", "gemv", "grouped_mm", "grouped_mma")] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="is not one of auto, gemv, grouped_mm, grouped_mma"):
+        torch.ops.kbit._moe_path_id("fastest")
 
 
 def test_without_extension_the_reference_needs_no_plan():

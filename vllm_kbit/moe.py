@@ -31,12 +31,12 @@ _lib = torch.library.Library("kbit", "FRAGMENT")  # kbit::fused_moe's schema: vl
 
 # KBIT_MOE_PATH forces one CUDA path for every call (benchmarks, bisecting a numerical difference):
 # auto (default), gemv, grouped_mm or grouped_mma; csrc/dispatch.cpp names and checks them.
-_MOE_PATH = os.environ.get("KBIT_MOE_PATH", "auto")
+_MOE_PATH = 0  # auto
 if ops.HAS_EXTENSION:
     try:
-        torch.ops.kbit.moe_plan(1, 1, 1, _MOE_PATH)
+        _MOE_PATH = torch.ops.kbit._moe_path_id(os.environ.get("KBIT_MOE_PATH", "auto"))
     except ValueError as e:
-        raise ValueError(f"kbit: KBIT_MOE_PATH={_MOE_PATH!r}: {e}") from None
+        raise ValueError(f"kbit: KBIT_MOE_PATH: {e}") from None
 
 
 def check_inputs(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,

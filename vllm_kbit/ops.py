@@ -59,7 +59,7 @@ _VARIANTS = {
     "_gemv_linear": _variant("linear", "_gemv_linear", ", int splits=0"),
     "_mma_linear": _variant("linear", "_mma_linear", ", int row_groups=0, int splits=0"),
     "_wgmma_linear": _variant("linear", "_wgmma_linear", ", bool warp_specialized=False"),
-    "_fused_moe_cuda": _variant("fused_moe", "_fused_moe_cuda", ', str path="auto"'),
+    "_fused_moe_cuda": _variant("fused_moe", "_fused_moe_cuda", ", int path=0"),  # kbit::_moe_path_id; 0: auto
 }
 for _schema in (*_SCHEMAS.values(), *_VARIANTS.values()):
     _lib.define(_schema)

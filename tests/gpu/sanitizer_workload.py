@@ -56,7 +56,8 @@ def grouped(k: int, quick: bool) -> None:
         ids = torch.topk(torch.rand(T, E, device="cuda"), top_k, dim=1).indices.to(torch.int32)
         w = torch.softmax(torch.randn(T, top_k, device="cuda"), -1)
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        out = torch.ops.kbit._fused_moe_cuda(x, ids, w, q13, a13, q2, a2, cb, I, None, False, "grouped_mma")
+        grouped_mma = torch.ops.kbit._moe_path_id("grouped_mma")
+        out = torch.ops.kbit._fused_moe_cuda(x, ids, w, q13, a13, q2, a2, cb, I, None, False, grouped_mma)
         check(f"grouped mma k={k} T={T}", out)
 
 

@@ -83,7 +83,8 @@ def run(x, ids, weights, ex, expert_map, on_input, path):
     poison_cache()
     if path == "auto":
         return kbit_fused_moe(x, ids, weights, *ex.args(), ex.I, expert_map, on_input)
-    return torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), ex.I, expert_map, on_input, path)
+    path_id = torch.ops.kbit._moe_path_id(path)
+    return torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), ex.I, expert_map, on_input, path_id)
 
 
 def check(out, ref, dtype, path):
@@ -282,7 +283,8 @@ def test_cuda_graph_capture_and_replay():
         def forward():
             if path == "auto":
                 return kbit_fused_moe(x, ids, weights, *ex.args(), I, expert_map)
-            return torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, expert_map, False, path)
+            path_id = torch.ops.kbit._moe_path_id(path)
+            return torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, expert_map, False, path_id)
 
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
