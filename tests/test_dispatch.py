@@ -1,4 +1,4 @@
-"""Dispatch through the ops that expose it (csrc/dispatch.cpp): kbit::linear_plan, and the split-K
+"""Dispatch through the ops that expose it (csrc/ops/dispatch.cpp): kbit::linear_plan, and the split-K
 heuristics and routing bound behind the plans. Host C++ only, so this runs on CPU wherever the
 extension is built; tests/test_fused_moe_op.py covers kbit::moe_plan."""
 

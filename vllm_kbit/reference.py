@@ -331,7 +331,7 @@ def runtime_shapes(N: int, K: int, k: int) -> tuple[tuple[int, ...], tuple[int, 
 
 
 # Runtime index words for k = 2 and 4: each block's k plane words transposed, once at load, into the
-# words the kernels' table lookup reads (csrc/dequant_core.cuh: runtime index words). For k = 4, byte n
+# words the kernels' table lookup reads (csrc/format/dequant_core.cuh: runtime index words). For k = 4, byte n
 # of word w holds the pair (e, e + 1), e = 8n + 2 (w >> 1) + 4 (w & 1), as two 4-bit indices (e low);
 # for k = 2, byte n of word w holds elements 8n + 4w .. +3 as four 2-bit indices (lowest first). k = 3
 # and 5 keep bit planes (their transposed words would not be dense). Each entry is a delta swap
