@@ -1,9 +1,11 @@
 """``torch.ops.kbit.*``: schemas, CPU (reference) and fake implementations.
 
-The schemas live here; the CUDA extension (``vllm_kbit/_C*.so``, built from
-``csrc/``) only adds CUDA kernels to them with ``TORCH_LIBRARY_IMPL``. Without
+The schemas of every op with a PyTorch reference, and of the C++ variants of those ops, live here
+(``_SCHEMAS``); the CUDA extension (``vllm_kbit/_C*.so``, built from ``csrc/``) only adds kernels
+to them with ``TORCH_LIBRARY_IMPL``. Its C++-only ops (``linear_plan``, ``moe_plan``, the routing
+pieces) are defined in ``csrc/`` and exist only with the extension. Without
 the extension (a CPU-only install) the PyTorch reference also serves CUDA
-tensors, slowly, and :data:`HAS_CUDA_KERNELS` is False.
+tensors, slowly, and :data:`HAS_EXTENSION` and :data:`HAS_CUDA_KERNELS` are False.
 
 On CPU the ops that multiply by a packed weight (``linear``, ``fused_moe``) decode it once and keep
 the decoded tensor (:func:`cpu_decoded`), so a forward costs a plain matmul; ``VLLM_KBIT_CPU_DECODE_CACHE=0``
@@ -23,6 +25,8 @@ from vllm_kbit import reference as fmt
 
 _lib = torch.library.Library("kbit", "DEF")
 
+# Every schema of an op with a PyTorch reference, written once. The C++ extension adds kernels to
+# them (TORCH_LIBRARY_IMPL) and defines no schema of its own for these ops or their variants below.
 _SCHEMAS = {
     "quantize": (
         "quantize(Tensor W, Tensor codebook, int k, bool search_scale=True) -> (Tensor qweight, Tensor absmax)"
@@ -38,8 +42,32 @@ _SCHEMAS = {
         "linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, SymInt N, SymInt K, "
         "Tensor? bias) -> Tensor"
     ),
+    "fused_moe": (
+        "fused_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_absmax, "
+        "Tensor w2_qweight, Tensor w2_absmax, Tensor codebook, SymInt intermediate_size, Tensor? expert_map, "
+        "bool apply_router_weight_on_input) -> Tensor"
+    ),
 }
-for _schema in _SCHEMAS.values():
+
+
+def _variant(op: str, name: str, extra_args: str = "", returns: str | None = None) -> str:
+    """The schema of `op` renamed, with extra trailing arguments and/or other returns."""
+    args, ret = _SCHEMAS[op].split(" -> ")
+    return f"{name}({args[len(op) + 1 : -1]}{extra_args}) -> {returns or ret}"
+
+
+# Variants the C++ extension implements: its argument checks on any device (kbit::_check_<op>, for
+# the bad-input tests), one kernel forced (tests, benchmarks), and fused_moe's CUDA composition with
+# a forced path. The extension's C++-only ops (plans, routing pieces) are defined in csrc/.
+_VARIANTS = {
+    **{f"_check_{op}": _variant(op, f"_check_{op}", returns="()")
+       for op in ("quantize", "dequantize", "repack", "dequantize_runtime", "linear")},
+    "_gemv_linear": _variant("linear", "_gemv_linear", ", int splits=0"),
+    "_mma_linear": _variant("linear", "_mma_linear", ", int row_groups=0, int splits=0"),
+    "_wgmma_linear": _variant("linear", "_wgmma_linear", ", bool warp_specialized=False"),
+    "_fused_moe_cuda": _variant("fused_moe", "_fused_moe_cuda", ", int path=0"),  # kbit::_moe_path_id; 0: auto
+}
+for _schema in (*_SCHEMAS.values(), *_VARIANTS.values()):
     _lib.define(_schema)
 
 
@@ -160,14 +188,22 @@ _lib.impl("unrepack", fmt.unrepack, "CUDA")
 
 
 def _load_extension() -> bool:
+    """Loads vllm_kbit/_C*.so where it is built and loadable; False leaves the reference serving every op.
+
+    It loads on machines without a GPU too (its plan ops and checks are host C++); there a load
+    failure (no CUDA runtime, or built for another torch) only means no extension. With a GPU it
+    is an error: CUDA tensors would silently run the slow reference. VLLM_KBIT_LOAD_EXTENSION=0
+    skips it (tests of the extension-less package).
+    """
     here = os.path.dirname(__file__)
     candidates = sorted(glob.glob(os.path.join(here, "_C*.so")))
-    if not candidates or not torch.cuda.is_available() and os.environ.get("VLLM_KBIT_LOAD_EXTENSION") != "1":
-        # Loading needs libcudart; on machines without a GPU the reference serves everything.
+    if not candidates or os.environ.get("VLLM_KBIT_LOAD_EXTENSION") == "0":
         return False
     try:
         torch.ops.load_library(candidates[0])
     except OSError as e:
+        if not torch.cuda.is_available():
+            return False
         # Typically undefined torch symbols: the extension was compiled against another torch than this one.
         raise ImportError(
             f"vllm-kbit: cannot load its CUDA extension {candidates[0]} with torch {torch.__version__} ({e}). "
@@ -178,8 +214,13 @@ def _load_extension() -> bool:
     return True
 
 
-HAS_CUDA_KERNELS = _load_extension()
-if not HAS_CUDA_KERNELS:
+# HAS_EXTENSION: the C++ extension is loaded, so its ops exist (CUDA kernels, and on any machine the
+# plans kbit::linear_plan / kbit::moe_plan and the C++ checks). HAS_CUDA_KERNELS: CUDA tensors run
+# the kernels. Nothing outside tests and benchmarks needs the extension's own ops: without it the
+# PyTorch reference serves every public op on every device.
+HAS_EXTENSION = _load_extension()
+HAS_CUDA_KERNELS = HAS_EXTENSION and torch.cuda.is_available()
+if not HAS_EXTENSION:
     for _name in _CUDA_KERNEL_OPS:
         _lib.impl(_name, _REFERENCE[_name], "CUDA")
 
@@ -223,3 +264,7 @@ def _dequantize_runtime_fake(qweight_rt, absmax_rt, codebook, N, K, dtype):
 @torch.library.register_fake("kbit::linear")
 def _linear_fake(x, qweight_rt, absmax_rt, codebook, N, K, bias):
     return x.new_empty(*x.shape[:-1], N)
+
+
+# kbit::fused_moe's implementations live with the MoE code (it uses this module).
+from vllm_kbit import moe as _moe  # noqa: E402,F401

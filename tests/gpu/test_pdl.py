@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (KBIT_PDL, csrc/launch_utils.cuh) changes no output bit.
+"""Programmatic dependent launch (KBIT_PDL, csrc/common/launch_utils.cuh) changes no output bit.
 
 With PDL each kbit kernel may start while the previous one runs and waits (griddepcontrol.wait) before
 it touches memory an earlier kernel writes; a wait in the wrong place reads stale or unwritten data. A

@@ -19,6 +19,7 @@
 #include <cuda_fp16.h>
 
 #include "check.h"
+#include "launch_utils.cuh"  // with_bits
 
 namespace kbit {
 namespace wgmma_core {
@@ -76,15 +77,7 @@ void opt_in_shared_memory(int bytes, int device) {
 // Calls f(T{}, std::integral_constant<int, BITS>{}) for activations of 16-bit type `dtype` and k = bits.
 template <typename F>
 void dispatch_type_and_bits(at::ScalarType dtype, int64_t bits, const char* what, F&& f) {
-  const auto with_type = [&](auto type) {
-    switch (bits) {
-      case 2: return f(type, std::integral_constant<int, 2>{});
-      case 3: return f(type, std::integral_constant<int, 3>{});
-      case 4: return f(type, std::integral_constant<int, 4>{});
-      case 5: return f(type, std::integral_constant<int, 5>{});
-      default: KBIT_CHECK(false, what, ": k=", bits, " is not supported; supported: 2..5");
-    }
-  };
+  const auto with_type = [&](auto type) { with_bits(bits, what, [&](auto k) { f(type, k); }); };
   if (dtype == at::kBFloat16) return with_type(__nv_bfloat16{});
   KBIT_CHECK(dtype == at::kHalf, what, ": activations must be bf16 or fp16, got ", dtype);
   with_type(__half{});

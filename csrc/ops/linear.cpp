@@ -1,16 +1,16 @@
 // kbit::linear on CUDA: out[..., N] = x[..., K] @ dequant(W)^T (+ bias), W in the runtime layout.
 //
-// Picks a path by M (rows of x) and the weight's size: GEMV (gemv.cu), fused dequant + MMA (mma.cu),
-// fused dequant + wgmma (wgmma.cu, wgmma_ws.cu), dequantize + cuBLAS. Everything here is metadata work: no host
-// sync, and every allocation's size follows from the shapes alone, so calls are capturable
-// in CUDA graphs.
+// The path by M (rows of x) and the weight's size is dispatch.cpp's linear_path: GEMV (gemv.cu),
+// fused dequant + MMA (mma.cu), fused dequant + wgmma (wgmma.cu, wgmma_ws.cu), dequantize + cuBLAS.
+// Everything here is metadata work: no host sync, and every allocation's size follows from the
+// shapes alone, so calls are capturable in CUDA graphs.
+#include "dispatch.h"
 #include "gemv.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <vector>
 
 #include <ATen/ATen.h>
@@ -24,43 +24,6 @@
 
 namespace kbit {
 namespace {
-
-enum class LinearPath { kGemv, kMma, kWgmma, kWgmmaWs, kDequantCublas };
-
-// The largest M each path serves (bf16/fp16 x; fp32 x always dequantizes). GEMV for M <= 2: from
-// M = 3 the MMA kernel (whose time is flat up to M = 8, one n8 tile) is faster. Fused dequant + MMA up
-// to kMmaMaxM. Above it, on Hopper, the fused dequant + wgmma kernels: the register-fragment one
-// (wgmma.cu) up to kWgmmaMaxM on weights of at least kWgmmaMinN rows and kWgmmaMinK columns (one CTA
-// per 128 rows: fewer rows leave most SMs idle), the warp-specialized one (wgmma_ws.cu, 256 rows of x
-// per CTA) up to kWgmmaWsMaxM on weights of at least kWgmmaWsMinWeight elements; everything else
-// dequantize + cuBLAS. The measurements behind each bound: docs/decisions.md, "Dense linear layers".
-// KBIT_MMA_MAX_M, read once, replaces kMmaMaxM (<= 2 turns the MMA path off without a rebuild).
-constexpr int64_t kGemvPathMaxM = 2;
-constexpr int64_t kMmaMaxM = 64;
-constexpr int64_t kWgmmaMaxM = 128;
-constexpr int64_t kWgmmaWsMaxM = 512;
-constexpr int64_t kWgmmaMinN = 10240;
-constexpr int64_t kWgmmaMinK = 2048;
-constexpr int64_t kWgmmaWsMinWeight = int64_t{1} << 25;
-
-int64_t mma_max_m() {
-  static const int64_t from_env = [] {
-    const char* env = std::getenv("KBIT_MMA_MAX_M");
-    return env != nullptr ? std::atoll(env) : int64_t{-1};
-  }();
-  return from_env >= 0 ? from_env : kMmaMaxM;
-}
-
-LinearPath pick_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype) {
-  if (dtype != at::kBFloat16 && dtype != at::kHalf) return LinearPath::kDequantCublas;  // fp32 x
-  if (M <= kGemvPathMaxM) return LinearPath::kGemv;
-  if (M <= mma_max_m()) return LinearPath::kMma;
-  if (M <= kWgmmaWsMaxM && at::cuda::getCurrentDeviceProperties()->major == 9) {
-    if (M <= kWgmmaMaxM && N >= kWgmmaMinN && K >= kWgmmaMinK) return LinearPath::kWgmma;
-    if (M > kWgmmaMaxM && N * K >= kWgmmaWsMinWeight) return LinearPath::kWgmmaWs;
-  }
-  return LinearPath::kDequantCublas;
-}
 
 // The op's checks (checks.cpp) plus the CUDA-only ones: every tensor on x's GPU.
 void check_inputs(const at::Tensor& x, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, int64_t N,
@@ -104,7 +67,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const 
   const int64_t M = x.numel() / K;
   if (M == 0) return at::empty(out_shape, x.options());
 
-  const LinearPath path = pick_path(M, N, K, x.scalar_type());
+  const LinearPath path = linear_path(M, N, K, x.scalar_type(), at::cuda::getCurrentDeviceProperties()->major);
   if (path == LinearPath::kDequantCublas) {
     const at::Tensor W = dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.scalar_type());
     return at::linear(x, W, bias);
@@ -186,36 +149,10 @@ at::Tensor wgmma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, 
   return C;
 }
 
-int64_t gemv_splits_op(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
-  return gemv_splits(n_tiles, k_tiles, num_sms);
-}
-
-int64_t mma_splits_op(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm) {
-  return mma_splits(cols, m_blocks, k_tiles, num_sms, ctas_per_sm);
-}
-
-std::vector<int64_t> mma_config_op(int64_t M, int64_t n_tiles) {
-  const MmaConfig c = mma_config(M, n_tiles);
-  return {c.p, c.r, c.m_blocks};
-}
-
 }  // namespace
 }  // namespace kbit
 
-// The split-K heuristics and the MMA tile shape as ops, so tests can check them against their
-// Python mirrors; the GEMV and MMA kernels on their own for tests and benchmarks.
-TORCH_LIBRARY_FRAGMENT(kbit, m) {
-  m.def("_gemv_splits(int n_tiles, int k_tiles, int num_sms) -> int", &kbit::gemv_splits_op);
-  m.def("_mma_splits(int cols, int m_blocks, int k_tiles, int num_sms, int ctas_per_sm) -> int", &kbit::mma_splits_op);
-  m.def("_mma_config(int M, int n_tiles) -> int[]", &kbit::mma_config_op);
-  m.def("_mma_linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, int N, int K, Tensor? bias, "
-        "int row_groups=0, int splits=0) -> Tensor");
-  m.def("_gemv_linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, int N, int K, Tensor? bias, "
-        "int splits=0) -> Tensor");
-  m.def("_wgmma_linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, int N, int K, Tensor? bias, "
-        "bool warp_specialized=False) -> Tensor");
-}
-
+// Schemas: vllm_kbit/ops.py (the forced-kernel ops are kbit::linear's with their extra arguments).
 TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
   m.impl("linear", &kbit::linear_cuda);
   m.impl("_mma_linear", &kbit::mma_linear_cuda);

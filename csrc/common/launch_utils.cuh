@@ -1,5 +1,5 @@
-// Launch helpers shared by the launchers: persistent grid sizing, and the one launch path of the
-// kernels that take part in programmatic dependent launch (PDL, Hopper).
+// Launch helpers shared by the launchers: persistent grid sizing, the k -> template dispatch, and the
+// one launch path of the kernels that take part in programmatic dependent launch (PDL, Hopper).
 //
 // PDL. A kernel launched with cudaLaunchAttributeProgrammaticStreamSerialization may start while
 // the previous kernel in the stream is still running (inside CUDA graphs too: capture turns the
@@ -14,10 +14,14 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+
+#include "check.h"
+#include "format_constants.h"
 
 namespace kbit {
 
@@ -77,6 +81,18 @@ inline void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, 
   config.attrs = attr;
   config.numAttrs = n;
   C10_CUDA_CHECK(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...));
+}
+
+// Calls f(std::integral_constant<int, k>{}) for k in kMinBits..kMaxBits (one template instance per k);
+// any other k raises. The ops check k before launching, so that error is only a safety net.
+template <int K = kMinBits, typename F>
+void with_bits(int64_t k, const char* what, F&& f) {
+  if constexpr (K > kMaxBits) {
+    KBIT_CHECK_VALUE(false, what, ": k=", k, " is not supported; supported: ", kMinBits, "..", kMaxBits);
+  } else {
+    if (k == K) return f(std::integral_constant<int, K>{});
+    with_bits<K + 1>(k, what, std::forward<F>(f));
+  }
 }
 
 }  // namespace kbit

@@ -7,6 +7,8 @@
 // nothing downstream does: each row is computed on its own and the combine reads rows by slot.
 #include "moe.cuh"
 
+#include "dispatch.h"  // kMaxLocalExperts
+
 #include <algorithm>
 
 #include <ATen/cuda/CUDAContext.h>
@@ -22,7 +24,7 @@ namespace kbit {
 namespace {
 
 constexpr int kRouteThreads = 1024;
-constexpr int kRouteMaxExperts = 4096;  // 2 ints per expert of shared memory (32 KiB)
+constexpr int kRouteMaxExperts = kMaxLocalExperts;  // 2 ints per expert of shared memory (32 KiB)
 constexpr int kEltThreads = 256;        // elementwise kernels: 4 elements per thread
 constexpr int kEltPerBlock = 4 * kEltThreads;
 

@@ -25,7 +25,7 @@ struct MmaConfig {
 };
 
 // The tile shape for M activation rows and n_tiles runtime n-tiles (r forced when row_groups > 0).
-// Mirrored by vllm_kbit.linear.mma_config.
+// kbit::linear_plan reports it (dispatch.cpp).
 MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups = 0);
 
 // Row groups per warp of the grouped (routed-expert) kernel for p activation tiles and an expert's
@@ -38,7 +38,7 @@ bool mma_built(int p, int r);
 // K splits (CTAs of one cluster per CTA column) for cols x m_blocks CTA tiles over k_tiles, on num_sms
 // SMs holding ctas_per_sm CTAs each. Always in [1, min(kMmaMaxSplits, k_tiles)], so with the balanced
 // partition [s*k_tiles/S, (s+1)*k_tiles/S) every split owns at least one k-tile.
-// Mirrored exactly by vllm_kbit.linear.mma_splits (tests compare the two).
+// kbit::_mma_splits exposes it for the property tests (dispatch.cpp).
 int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm);
 
 // A [M, K] (bf16/fp16, contiguous, 16-byte aligned) -> C [M, N] of A's dtype. row_groups / splits

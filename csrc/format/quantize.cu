@@ -52,7 +52,7 @@ __device__ __forceinline__ int chunk_slot(int lane, int c) {
 }
 
 // E4M4 code offsets tried around the absmax code, in order (format.SCALE_SEARCH_OFFSETS).
-constexpr int kScaleSearchMin = -8, kScaleSearchMax = 8;
+constexpr int kScaleSearchMin = -kScaleSearchRadius, kScaleSearchMax = kScaleSearchRadius;
 
 // 32-bit registers holding one block of T.
 template <typename T>
@@ -222,13 +222,9 @@ void launch_typed(const at::Tensor& W, const at::Tensor& codebook, bool search, 
 template <typename T>
 void launch_k(const at::Tensor& W, const at::Tensor& codebook, int64_t k, bool search, at::Tensor& qweight,
               at::Tensor& absmax) {
-  switch (k) {
-    case 2: return launch_typed<T, 2>(W, codebook, search, qweight, absmax);
-    case 3: return launch_typed<T, 3>(W, codebook, search, qweight, absmax);
-    case 4: return launch_typed<T, 4>(W, codebook, search, qweight, absmax);
-    case 5: return launch_typed<T, 5>(W, codebook, search, qweight, absmax);
-    default: KBIT_CHECK_VALUE(false, "kbit: k=", k, " is not supported; k must be one of (2, 3, 4, 5)");
-  }
+  with_bits(k, "kbit quantize", [&](auto bits) {
+    launch_typed<T, decltype(bits)::value>(W, codebook, search, qweight, absmax);
+  });
 }
 
 }  // namespace

@@ -10,12 +10,10 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "format_constants.h"  // kBlockSize, kTileN, kTileKB, kE4M4Bias
+
 namespace kbit {
 
-constexpr int kBlockSize = 32;  // elements per quantization block (format.BLOCK_SIZE)
-constexpr int kTileN = 64;      // runtime tile rows (format.TILE_N)
-constexpr int kTileKB = 4;      // runtime tile blocks along K (format.TILE_KB)
-constexpr int kE4M4Bias = 11;   // format.E4M4_BIAS
 
 // Reinterprets the bits of one 32-bit value as another type (packed halves <-> registers).
 template <typename To, typename From>

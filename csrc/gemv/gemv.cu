@@ -104,13 +104,9 @@ template <typename T>
 void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb,
                   const std::optional<at::Tensor>& bias, int N, int K, at::Tensor& C, int splits) {
   const T* bias_ptr = bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
-  switch (q.size(2)) {
-    case 2: return launch_bits<T, 2>(A, q, a, cb, bias_ptr, N, K, C, splits);
-    case 3: return launch_bits<T, 3>(A, q, a, cb, bias_ptr, N, K, C, splits);
-    case 4: return launch_bits<T, 4>(A, q, a, cb, bias_ptr, N, K, C, splits);
-    case 5: return launch_bits<T, 5>(A, q, a, cb, bias_ptr, N, K, C, splits);
-    default: KBIT_CHECK(false, "kbit gemv: k=", q.size(2), " is not supported");
-  }
+  with_bits(q.size(2), "kbit gemv", [&](auto bits) {
+    launch_bits<T, decltype(bits)::value>(A, q, a, cb, bias_ptr, N, K, C, splits);
+  });
 }
 
 }  // namespace

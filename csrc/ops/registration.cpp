@@ -12,15 +12,12 @@
 #include <tuple>
 
 #include "check.h"
+#include "format_constants.h"
 #include "checks.h"
 #include "kbit_ops.h"
 
 namespace kbit {
 namespace {
-
-constexpr int64_t kBlock = 32;
-constexpr int64_t kTileN = 64;
-constexpr int64_t kTileKB = 4;
 
 // Non-finite values and |w| beyond the largest E4M4 scale (reference.check_representable). One
 // reduction and a host sync: quantize is a load-time op, never captured in a graph.
@@ -30,8 +27,13 @@ void check_representable(const at::Tensor& W) {
   KBIT_CHECK_VALUE(std::isfinite(amax), "kbit: weight has NaN or Inf values; cannot quantize");
   char amax_text[32];
   std::snprintf(amax_text, sizeof(amax_text), "%.4g", amax);
-  KBIT_CHECK_VALUE(amax <= 31.0 * (1 + 1.0 / 64), "kbit: weight has |w| = ", std::string(amax_text),
-                   ", above the largest E4M4 block scale 31.0; leave this module unquantized (modules_to_not_convert)");
+  // The largest scale, code 255: 2^(15 - bias) * (1 + 15/16); up to 1/64 above it still rounds to it.
+  constexpr double kE4M4Max = (1 << (15 - kE4M4Bias)) * (1 + 15 / 16.0);
+  char max_text[32];
+  std::snprintf(max_text, sizeof(max_text), "%.1f", kE4M4Max);
+  KBIT_CHECK_VALUE(amax <= kE4M4Max * (1 + 1.0 / 64), "kbit: weight has |w| = ", std::string(amax_text),
+                   ", above the largest E4M4 block scale ", std::string(max_text),
+                   "; leave this module unquantized (modules_to_not_convert)");
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& W, const at::Tensor& codebook, int64_t k,
@@ -39,7 +41,7 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& W, const at::Tenso
   check_quantize(W, codebook, k);
   check_cuda(W, "weight");
   check_device(codebook, W, "codebook", "weight");
-  const int64_t N = W.size(0), KB = W.size(1) / kBlock;
+  const int64_t N = W.size(0), KB = W.size(1) / kBlockSize;
   check_block_count(N * KB);
   const c10::DeviceGuard guard(W.device());
   check_representable(W);
@@ -60,7 +62,7 @@ at::Tensor dequantize(const at::Tensor& qweight, const at::Tensor& absmax, const
   check_device(codebook, qweight, "codebook", "qweight");
   const int64_t N = qweight.size(0), KB = qweight.size(1);
   const c10::DeviceGuard guard(qweight.device());
-  at::Tensor out = at::empty({N, KB * kBlock}, qweight.options().dtype(dtype));
+  at::Tensor out = at::empty({N, KB * kBlockSize}, qweight.options().dtype(dtype));
   launch_dequantize(qweight, absmax, codebook, k, /*runtime_layout=*/false, N, KB, out);
   return out;
 }
@@ -85,7 +87,7 @@ at::Tensor dequantize_runtime(const at::Tensor& qweight_rt, const at::Tensor& ab
   check_cuda(qweight_rt, "runtime qweight");
   check_device(absmax_rt, qweight_rt, "runtime absmax", "runtime qweight");
   check_device(codebook, qweight_rt, "codebook", "runtime qweight");
-  const int64_t KB = K / kBlock;
+  const int64_t KB = K / kBlockSize;
   check_block_count(N * KB);
   const c10::DeviceGuard guard(qweight_rt.device());
   at::Tensor out = at::empty({N, K}, qweight_rt.options().dtype(dtype));

@@ -14,7 +14,7 @@ constexpr int kGemvMaxSplits = 8;  // portable thread-block cluster size: split-
 // Number of K splits (CTAs of one cluster per 64-row n-tile) for a grid of n_tiles x k_tiles
 // runtime tiles on num_sms SMs. Always in [1, min(kGemvMaxSplits, k_tiles)], so with the
 // balanced partition [s*k_tiles/S, (s+1)*k_tiles/S) every split owns at least one k-tile.
-// Mirrored exactly by vllm_kbit.linear.gemv_splits (tests compare the two).
+// kbit::_gemv_splits exposes it for the property tests (dispatch.cpp).
 int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms);
 
 // A [M, K] (bf16/fp16, contiguous, 16-byte aligned, 1 <= M <= kGemvMaxM) -> C [M, N] of A's dtype.

@@ -2,20 +2,22 @@
 // vllm_kbit/reference.py. Plain C++ compiled by the host compiler; messages through check.h.
 #include "checks.h"
 
+#include <string>
+
 #include <ATen/ATen.h>
 #include <torch/library.h>
 
 #include "check.h"
+#include "format_constants.h"
 
 namespace kbit {
 namespace {
 
-constexpr int64_t kBlock = 32;   // reference.BLOCK_SIZE
-constexpr int64_t kTileN = 64;   // reference.TILE_N
-constexpr int64_t kTileKB = 4;   // reference.TILE_KB
-
 void check_bits(int64_t k) {
-  KBIT_CHECK_VALUE(k >= 2 && k <= 5, "kbit: k=", k, " is not supported; k must be one of (2, 3, 4, 5)");
+  if (k >= kMinBits && k <= kMaxBits) return;
+  std::string bits = "(";  // Python's tuple repr, as reference.SUPPORTED_BITS prints
+  for (int b = kMinBits; b <= kMaxBits; ++b) bits += std::to_string(b) + (b < kMaxBits ? ", " : ")");
+  KBIT_CHECK_VALUE(false, "kbit: k=", k, " is not supported; k must be one of ", bits);
 }
 
 bool is_float_dtype(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat; }
@@ -58,14 +60,14 @@ int64_t check_flat(const at::Tensor& qweight, const at::Tensor& absmax) {
 
 // A runtime-layout pair for a [N, K] weight (reference.check_runtime); returns k.
 int64_t check_runtime(const at::Tensor& qweight_rt, const at::Tensor& absmax_rt, int64_t N, int64_t K) {
-  KBIT_CHECK_VALUE(N > 0 && K > 0 && K % kBlock == 0, "kbit: weight shape [", N, ", ", K,
-                   "] needs N > 0 and K a positive multiple of ", kBlock);
+  KBIT_CHECK_VALUE(N > 0 && K > 0 && K % kBlockSize == 0, "kbit: weight shape [", N, ", ", K,
+                   "] needs N > 0 and K a positive multiple of ", kBlockSize);
   KBIT_CHECK_TYPE(qweight_rt.scalar_type() == at::kInt && qweight_rt.dim() == 5,
                   "kbit: runtime qweight must be int32 [N/64, K/128, k, 64, 4], got ", qweight_rt.scalar_type(),
                   " of shape ", qweight_rt.sizes());
   const int64_t k = qweight_rt.size(2);
   check_bits(k);
-  const int64_t KB = K / kBlock;
+  const int64_t KB = K / kBlockSize;
   const int64_t NT = (N + kTileN - 1) / kTileN, KT = (KB + kTileKB - 1) / kTileKB;
   const std::vector<int64_t> q_shape{NT, KT, k, kTileN, kTileKB}, a_shape{NT, KT, kTileN, kTileKB};
   KBIT_CHECK_VALUE(qweight_rt.sizes() == at::IntArrayRef(q_shape) && absmax_rt.scalar_type() == at::kByte &&
@@ -96,8 +98,8 @@ void check_block_count(int64_t n_blocks) {
 int64_t check_quantize(const at::Tensor& W, const at::Tensor& codebook, int64_t k) {
   check_float_dtype(W, "weight");
   KBIT_CHECK_VALUE(W.dim() == 2, "kbit: weight must be 2-D [N, K], got shape ", W.sizes());
-  KBIT_CHECK_VALUE(W.size(1) % kBlock == 0 && W.size(1) > 0, "kbit: weight K=", W.size(1), " (shape ", W.sizes(),
-                   ") is not a positive multiple of ", kBlock);
+  KBIT_CHECK_VALUE(W.size(1) % kBlockSize == 0 && W.size(1) > 0, "kbit: weight K=", W.size(1), " (shape ", W.sizes(),
+                   ") is not a positive multiple of ", kBlockSize);
   check_contiguous(W, "weight");
   check_codebook(codebook, k);
   return k;
@@ -162,14 +164,11 @@ void check_linear_op(const at::Tensor& x, const at::Tensor& q, const at::Tensor&
 }  // namespace
 }  // namespace kbit
 
-TORCH_LIBRARY_FRAGMENT(kbit, m) {
-  m.def("_check_quantize(Tensor W, Tensor codebook, int k, bool search_scale=True) -> ()", &kbit::check_quantize_op);
-  m.def("_check_dequantize(Tensor qweight, Tensor absmax, Tensor codebook, ScalarType dtype) -> ()",
-        &kbit::check_dequantize_op);
-  m.def("_check_repack(Tensor qweight, Tensor absmax) -> ()", &kbit::check_repack_op);
-  m.def("_check_dequantize_runtime(Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, int N, int K, "
-        "ScalarType dtype) -> ()",
-        &kbit::check_dequantize_runtime_op);
-  m.def("_check_linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, int N, int K, Tensor? bias) -> ()",
-        &kbit::check_linear_op);
+// Schemas: vllm_kbit/ops.py (each public op's, with `_check_` and no outputs). Any device.
+TORCH_LIBRARY_IMPL(kbit, CompositeExplicitAutograd, m) {
+  m.impl("_check_quantize", &kbit::check_quantize_op);
+  m.impl("_check_dequantize", &kbit::check_dequantize_op);
+  m.impl("_check_repack", &kbit::check_repack_op);
+  m.impl("_check_dequantize_runtime", &kbit::check_dequantize_runtime_op);
+  m.impl("_check_linear", &kbit::check_linear_op);
 }

@@ -10,7 +10,8 @@
 //                got tokens, each weight tile once per chunk of up to 64 rows (the GEMV: per 4).
 //   grouped mm   route -> gather x (bf16) -> dequantize all experts to bf16 -> torch._grouped_mm ->
 //                SiLU * up -> dequantize -> torch._grouped_mm -> combine.
-// The last two run fp16 inputs in bf16.
+// dispatch.cpp's moe_plan picks the path and sizes the routing. The last two run fp16 inputs in bf16.
+#include "dispatch.h"
 #include "mma.cuh"
 #include "moe.cuh"
 
@@ -20,24 +21,10 @@
 #include <torch/library.h>
 
 #include "check.h"
+#include "format_constants.h"
 
 namespace kbit {
 namespace {
-
-enum class MoePath : int64_t { kAuto = 0, kGemv = 1, kGroupedMm = 2, kGroupedMma = 3 };
-
-// Path by slots. The GEMV wins only while few experts are touched (its per-byte cost is higher, its
-// latency lower); it streams each expert once per 4 rows, so it also needs most experts to hold no
-// row or one. Past kMmaMaxSlotsPerExpert rows per expert, grouped mm (dequantize + cuBLAS) wins.
-// Measurements: docs/decisions.md, "Three paths, picked by slots per expert".
-constexpr int64_t kGemvMaxSlots = 16;
-constexpr int64_t kMmaMaxSlotsPerExpert = 128;
-constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memory counters
-
-MoePath pick_path(int64_t slots, int64_t experts) {
-  if (slots <= kGemvMaxSlots && 2 * slots <= experts) return MoePath::kGemv;
-  return slots <= kMmaMaxSlotsPerExpert * experts ? MoePath::kGroupedMma : MoePath::kGroupedMm;
-}
 
 struct Routing {
   at::Tensor offsets, pos, slot_of, chunks, num_chunks;
@@ -64,15 +51,16 @@ std::optional<at::Tensor> int32_map(const std::optional<at::Tensor>& expert_map,
 
 // Checks one stacked runtime weight [E, ceil(N/64), ceil(K/128), k, 64, 4] (+ absmax); returns k.
 int64_t check_stacked(const at::Tensor& q, const at::Tensor& a, int64_t E, int64_t N, int64_t K, const char* what) {
-  const int64_t nt = (N + 63) / 64, kt = (K / 32 + 3) / 4;
+  const int64_t nt = (N + kTileN - 1) / kTileN, kt = (K / kBlockSize + kTileKB - 1) / kTileKB;
   KBIT_CHECK(q.scalar_type() == at::kInt && q.dim() == 6 && q.size(0) == E && q.size(1) == nt && q.size(2) == kt &&
-                  q.size(3) >= 2 && q.size(3) <= 5 && q.size(4) == 64 && q.size(5) == 4,
-              "kbit fused_moe: ", what, "_qweight must be int32 [", E, ", ", nt, ", ", kt, ", k, 64, 4] (k in 2..5) for [",
-              N, ", ", K, "] experts, got ", q.scalar_type(), " ", q.sizes());
+                  q.size(3) >= kMinBits && q.size(3) <= kMaxBits && q.size(4) == kTileN && q.size(5) == kTileKB,
+              "kbit fused_moe: ", what, "_qweight must be int32 [", E, ", ", nt, ", ", kt, ", k, ", kTileN, ", ", kTileKB,
+              "] (k in ", kMinBits, "..", kMaxBits, ") for [", N, ", ", K, "] experts, got ", q.scalar_type(), " ",
+              q.sizes());
   KBIT_CHECK(a.scalar_type() == at::kByte && a.dim() == 5 && a.size(0) == E && a.size(1) == nt && a.size(2) == kt &&
-                  a.size(3) == 64 && a.size(4) == 4,
-              "kbit fused_moe: ", what, "_absmax must be uint8 [", E, ", ", nt, ", ", kt, ", 64, 4], got ",
-              a.scalar_type(), " ", a.sizes());
+                  a.size(3) == kTileN && a.size(4) == kTileKB,
+              "kbit fused_moe: ", what, "_absmax must be uint8 [", E, ", ", nt, ", ", kt, ", ", kTileN, ", ", kTileKB,
+              "], got ", a.scalar_type(), " ", a.sizes());
   KBIT_CHECK(q.is_contiguous() && a.is_contiguous(), "kbit fused_moe: ", what, " tensors must be contiguous");
   return q.size(3);
 }
@@ -86,15 +74,15 @@ at::Tensor dequantize_stacked(const at::Tensor& q, const at::Tensor& a, const at
                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt,
                                                c10::SymInt, at::ScalarType)>();
   const int64_t E = q.size(0), rows = q.size(0) * q.size(1);
-  const at::Tensor W = op.call(q.view({rows, q.size(2), q.size(3), 64, 4}), a.view({rows, a.size(2), 64, 4}), codebook,
-                               c10::SymInt(rows * 64), c10::SymInt(K), at::kBFloat16);
-  return W.view({E, q.size(1) * 64, K}).narrow(1, 0, N);
+  const at::Tensor W = op.call(q.view({rows, q.size(2), q.size(3), kTileN, kTileKB}), a.view({rows, a.size(2), kTileN, kTileKB}),
+                               codebook, c10::SymInt(rows * kTileN), c10::SymInt(K), at::kBFloat16);
+  return W.view({E, q.size(1) * kTileN, K}).narrow(1, 0, N);
 }
 
 at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                           const at::Tensor& w13_qweight, const at::Tensor& w13_absmax, const at::Tensor& w2_qweight,
                           const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
-                          const std::optional<at::Tensor>& expert_map, bool on_input, int64_t path_arg) {
+                          const std::optional<at::Tensor>& expert_map, bool on_input, int64_t path_id) {
   KBIT_CHECK(x.is_cuda() && x.dim() == 2, "kbit fused_moe: x must be a 2-D CUDA tensor [T, H], got ", x.sizes(),
               " on ", x.device());
   KBIT_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "kbit fused_moe: x has dtype ",
@@ -106,10 +94,10 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
               topk_ids.sizes(), " and ", topk_weights.sizes());
   KBIT_CHECK_TYPE(at::isFloatingType(topk_weights.scalar_type()), "kbit: fused_moe topk_weights must be a float tensor, got ",
                   topk_weights.scalar_type());
-  KBIT_CHECK(H > 0 && H % 32 == 0 && I > 0 && I % 32 == 0, "kbit fused_moe: hidden size ", H,
-              " and intermediate size ", I, " must be positive multiples of 32");
+  KBIT_CHECK(H > 0 && H % kBlockSize == 0 && I > 0 && I % kBlockSize == 0, "kbit fused_moe: hidden size ", H,
+              " and intermediate size ", I, " must be positive multiples of ", kBlockSize);
   const int64_t E = w13_qweight.dim() == 6 ? w13_qweight.size(0) : 0, top_k = topk_ids.size(1);
-  KBIT_CHECK(E >= 1 && E <= kMaxLocalExperts, "kbit fused_moe: w13_qweight must be [E, ...] with 1 <= E <= ",
+  KBIT_CHECK_VALUE(E >= 1 && E <= kMaxLocalExperts, "kbit fused_moe: w13_qweight must be [E, ...] with 1 <= E <= ",
               kMaxLocalExperts, " local experts, got ", w13_qweight.sizes());
   const int64_t k = check_stacked(w13_qweight, w13_absmax, E, 2 * I, H, "w13");
   KBIT_CHECK(check_stacked(w2_qweight, w2_absmax, E, H, I, "w2") == k, "kbit fused_moe: w13 and w2 have different k");
@@ -120,8 +108,7 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     KBIT_CHECK(t->device() == x.device(), "kbit fused_moe: all tensors must be on ", x.device(), ", one is on ",
                 t->device());
   }
-  KBIT_CHECK(path_arg >= 0 && path_arg <= 3,
-              "kbit fused_moe: path must be 0 (auto), 1 (GEMV), 2 (grouped mm) or 3 (grouped MMA)");
+  const MoePlan plan = moe_plan(T, top_k, E, k, moe_path_from_id(path_id));
   const c10::DeviceGuard guard(x.device());
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0 || top_k == 0) return out.zero_();
@@ -134,11 +121,10 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
   const int64_t S = ids.numel();
   const std::optional<at::Tensor> input_weights = on_input ? std::optional<at::Tensor>(weights) : std::nullopt;
   const std::optional<at::Tensor> output_weights = on_input ? std::nullopt : std::optional<at::Tensor>(weights);
-  const MoePath path = path_arg == 0 ? pick_path(S, E) : static_cast<MoePath>(path_arg);
+  const int64_t rows = plan.chunk_rows, max_chunks = plan.max_chunks;
 
-  if (path == MoePath::kGemv) {
-    const int64_t rows = moe_chunk_rows(T);
-    const Routing r = route(ids, map, E, rows, moe_max_chunks(S, E, rows));
+  if (plan.path == MoePath::kGemv) {
+    const Routing r = route(ids, map, E, rows, max_chunks);
     at::Tensor h13 = at::empty({S, 2 * I}, x.options());
     launch_moe_gemv(MoeStage::kGather, xc, r.slot_of, input_weights, top_k, r.chunks, r.num_chunks, w13_qweight,
                     w13_absmax, codebook, 2 * I, H, rows, h13);
@@ -148,8 +134,7 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     launch_moe_combine(y, r.pos, output_weights, top_k, out);
     return out;
   }
-  if (path == MoePath::kGroupedMma) {
-    const int64_t rows = moe_mma_chunk_rows(S, E, static_cast<int>(k)), max_chunks = moe_max_chunks(S, E, rows);
+  if (plan.path == MoePath::kGroupedMma) {
     KBIT_CHECK(max_chunks <= kMmaMaxGridRows, "kbit fused_moe: ", S, " slots need up to ", max_chunks,
                 " chunks of ", rows, " rows; the grouped MMA launches at most ", kMmaMaxGridRows);
     const Routing r = route(ids, map, E, rows, max_chunks);
@@ -164,7 +149,7 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     launch_moe_combine(y, r.pos, output_weights, top_k, out);
     return out;
   }
-  const Routing r = route(ids, map, E, kMoeChunkRows, 0);
+  const Routing r = route(ids, map, E, rows, max_chunks);
   const at::Tensor offs = r.offsets.narrow(0, 1, E);  // end row of each expert's group
   at::Tensor xp = at::empty({S, H}, x.options().dtype(at::kBFloat16));
   launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp);
@@ -201,7 +186,7 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
   KBIT_CHECK(A.is_cuda() && A.dim() == 2 && A.size(1) == K && A.is_contiguous() &&
                   (A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf),
               "kbit _moe_grouped_linear: A must be contiguous bf16/fp16 [rows, K=", K, "], got ", A.sizes());
-  KBIT_CHECK(K % 32 == 0, "kbit _moe_grouped_linear: K must be a multiple of 32");
+  KBIT_CHECK(K % kBlockSize == 0, "kbit _moe_grouped_linear: K must be a multiple of ", kBlockSize);
   KBIT_CHECK(chunks.scalar_type() == at::kInt && chunks.dim() == 2 && chunks.size(1) == 4 && chunks.is_contiguous() &&
                   num_chunks.scalar_type() == at::kInt && num_chunks.numel() == 1,
               "kbit _moe_grouped_linear: chunks/num_chunks as _moe_route returns them");
@@ -229,18 +214,15 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
 }  // namespace
 }  // namespace kbit
 
+// The routing pieces as ops (C++ only); _fused_moe_cuda's schema is kbit::fused_moe's plus the path
+// (vllm_kbit/ops.py).
 TORCH_LIBRARY_FRAGMENT(kbit, m) {
-  m.def(
-      "_fused_moe_cuda(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_absmax, "
-      "Tensor w2_qweight, Tensor w2_absmax, Tensor codebook, int intermediate_size, Tensor? expert_map, "
-      "bool apply_router_weight_on_input, int path=0) -> Tensor");
   m.def(
       "_moe_route(Tensor topk_ids, Tensor? expert_map, int num_experts, int chunk_rows, int max_chunks) -> "
       "(Tensor offsets, Tensor pos, Tensor slot_of, Tensor chunks, Tensor num_chunks)");
   m.def(
       "_moe_grouped_linear(Tensor A, Tensor chunks, Tensor num_chunks, Tensor qweight, Tensor absmax, Tensor codebook, "
       "int N, int K, int chunk_rows, int splits=0) -> Tensor");
-  m.def("_moe_max_chunks(int slots, int experts, int chunk_rows) -> int", &kbit::moe_max_chunks);
 }
 
 TORCH_LIBRARY_IMPL(kbit, CUDA, m) {

@@ -130,13 +130,9 @@ void launch_layout(const at::Tensor& qweight, const at::Tensor& absmax, const at
 template <typename OutT>
 void launch_k(const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook, int64_t k,
               bool runtime_layout, int64_t N, int64_t KB, at::Tensor& out) {
-  switch (k) {
-    case 2: return launch_layout<OutT, 2>(qweight, absmax, codebook, runtime_layout, N, KB, out);
-    case 3: return launch_layout<OutT, 3>(qweight, absmax, codebook, runtime_layout, N, KB, out);
-    case 4: return launch_layout<OutT, 4>(qweight, absmax, codebook, runtime_layout, N, KB, out);
-    case 5: return launch_layout<OutT, 5>(qweight, absmax, codebook, runtime_layout, N, KB, out);
-    default: KBIT_CHECK_VALUE(false, "kbit: k=", k, " is not supported; k must be one of (2, 3, 4, 5)");
-  }
+  with_bits(k, "kbit dequantize", [&](auto bits) {
+    launch_layout<OutT, decltype(bits)::value>(qweight, absmax, codebook, runtime_layout, N, KB, out);
+  });
 }
 
 }  // namespace
