@@ -64,3 +64,47 @@ def test_calibration_text_is_not_the_perplexity_text():
     assert len(text) > 100_000 and text == gptq.calibration_text()
     ppl_text, _ = real_model.bundled_text()
     assert text[:2000] not in ppl_text and ppl_text[:2000] not in text
+
+
+def test_convert_with_gptq_writes_the_same_layout_with_other_indices(tmp_path):
+    """`convert(gptq=True)` on a tiny dense model: same tensors, shapes and config as plain convert, the
+    linear weights rounded differently, and the first layer's q_proj output on the calibration text
+    closer to bf16's than round-to-nearest's."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_kbit import tiny_models
+    from vllm_kbit.convert import convert
+    from vllm_kbit.settings import KbitSettings
+
+    src = tiny_models.build("qwen3", str(tmp_path / "src"), hidden=128, layers=1)
+    settings = KbitSettings(bits=3)
+    text = gptq.calibration_text()[:20000]
+    rtn_dir, gptq_dir = str(tmp_path / "rtn"), str(tmp_path / "gptq")
+    convert(src, rtn_dir, settings, progress=False)
+    convert(src, gptq_dir, settings, progress=False, gptq=True, calibration_text=text)
+    rtn = load_file(f"{rtn_dir}/model-00001-of-00001.safetensors")
+    got = load_file(f"{gptq_dir}/model-00001-of-00001.safetensors")
+    assert {n: (t.shape, t.dtype) for n, t in rtn.items()} == {n: (t.shape, t.dtype) for n, t in got.items()}
+    assert open(f"{rtn_dir}/config.json").read() == open(f"{gptq_dir}/config.json").read()
+    qnames = [n for n in rtn if n.endswith(".qweight")]
+    assert len(qnames) == 7 and all(not torch.equal(rtn[n], got[n]) for n in qnames)
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(src)
+    ids = tok(text, return_tensors="pt").input_ids[:, :512]
+    captured = {}
+    layer = model.model.layers[0]
+    h = layer.self_attn.q_proj.register_forward_pre_hook(lambda m, a: captured.setdefault("x", a[0]))
+    with torch.no_grad():
+        model.model(input_ids=ids)
+    h.remove()
+    x, W = captured["x"][0], layer.self_attn.q_proj.weight
+    cb = settings.codebook(3)
+    p = "model.layers.0.self_attn.q_proj"
+
+    def out_err(t):
+        D = fmt.dequantize(t[f"{p}.qweight"], t[f"{p}.absmax"], cb, torch.float32)
+        return (x @ (D - W).T).square().sum().item()
+
+    assert out_err(got) < 0.9 * out_err(rtn)
