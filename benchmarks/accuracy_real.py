@@ -103,6 +103,112 @@ def nf4_bs64(W: torch.Tensor) -> torch.Tensor:
     return (cb[idx] * s).reshape(W.shape).to(torch.bfloat16)
 
 
+# ----------------------------------------------------------------------------- accuracy levers (--levers)
+
+
+def normal_float_zero_codebook(k: int) -> torch.Tensor:
+    """bitsandbytes' NF4 construction at k bits: 2^(k-1) positive and 2^(k-1) - 1 negative normal
+    quantiles and an exact zero (asymmetric), scaled to max |c| = 1. At k = 4 it is NF4's codebook."""
+    n = 2**k
+    offset = 0.5 * ((1 - 1 / (2 * (n - 1))) + (1 - 1 / (2 * n)))
+    pos = torch.special.ndtri(torch.linspace(offset, 0.5, n // 2 + 1, dtype=torch.float64)[:-1])
+    neg = -torch.special.ndtri(torch.linspace(offset, 0.5, n // 2, dtype=torch.float64)[:-1])
+    levels = torch.cat([pos, torch.zeros(1, dtype=torch.float64), neg]).sort().values
+    return (levels / levels.abs().max()).float()
+
+
+def fitted_codebook(original: dict, k: int, rounds: int = 6, n_blocks: int = 60000, seed: int = 0) -> torch.Tensor:
+    """Lloyd-Max levels fitted to this model's blocks (a sample of them), starting from normal-float:
+    each round picks every block's scale by the reference's search, then moves each level to the
+    mean of the scaled weights it receives; max |c| = 1 again after each round."""
+    from vllm_kbit import reference as fmt
+
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.cat([original[n].float().reshape(-1, 32) for n in sorted(original)])
+    sample = blocks[torch.randperm(blocks.shape[0], generator=g)[:n_blocks]].contiguous()
+    cb = fmt.normal_float_codebook(k)
+    for _ in range(rounds):
+        scale = fmt.e4m4_decode(fmt.block_scales(sample, cb, True))
+        x = (sample / scale.clamp_min(1e-30)).flatten()
+        idx = torch.bucketize(x, fmt.codebook_thresholds(cb))
+        levels = torch.stack([x[idx == i].mean() if (idx == i).any() else cb[i] for i in range(2**k)])
+        cb = (levels / levels.abs().max()).float().sort().values.contiguous()
+    return cb
+
+
+def lever_fake_weight(W: torch.Tensor, k: int, cb: torch.Tensor, rule: str) -> torch.Tensor:
+    """kbit fake quantization with a scale rule other than the reference's (same candidates as its search):
+    ``wmse1``: block error weighted by |w| (the largest weights count most); ``up``: the block-error
+    search over the absmax code and the offsets above it only (a scale never below the block's absmax
+    code, so its largest weight is not clipped by the search)."""
+    from vllm_kbit import reference as fmt
+
+    N, K = W.shape
+    w = W.float().view(N, K // 32, 32).contiguous()
+    thresholds = fmt.codebook_thresholds(cb)
+
+    def values_for(code):
+        s = fmt.e4m4_decode(code).unsqueeze(-1)
+        return cb[torch.searchsorted((thresholds * s).contiguous(), w)] * s
+
+    def err(v):
+        return (w.abs() * (w - v).square()).sum(-1) if rule == "wmse1" else fmt.block_squared_error(w, v)
+
+    offsets = {"wmse1": fmt.SCALE_SEARCH_OFFSETS, "up": tuple(o for o in fmt.SCALE_SEARCH_OFFSETS if o > 0)}[rule]
+    absmax_code = fmt.block_absmax_codes(W)
+    best = values_for(absmax_code)
+    best_err = err(best)
+    for o in offsets:
+        v = values_for((absmax_code.int() + o).clamp(0, 255).to(torch.uint8))
+        e = err(v)
+        better = e < best_err
+        best, best_err = torch.where(better.unsqueeze(-1), v, best), torch.where(better, e, best_err)
+    return best.view(N, K).to(W.dtype)
+
+
+def gptq_weights(original: dict, model_dir: str, k: int) -> dict:
+    """kbit-k (default codebook and scale rule) rounded by GPTQ on the default calibration text
+    (``vllm_kbit.gptq``: standard-library docstrings, not the perplexity text), sequentially, on a
+    fresh float32 copy of the model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_kbit import gptq
+    from vllm_kbit import reference as fmt
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cb = fmt.normal_float_codebook(k)
+    packed = gptq.quantize_model(model, AutoTokenizer.from_pretrained(model_dir), lambda n: (k, cb) if n in original else None)
+    return {n: fmt.dequantize(q, a, cb, torch.bfloat16) for n, (q, a) in packed.items()}
+
+
+def lever_specs(original: dict, model_dir: str, bits=(3, 4, 5)):
+    """(name, family, control, make) of the lever variants: codebook, scale rule, GPTQ rounding."""
+    from vllm_kbit import reference as fmt
+
+    def cached(k, tag, compute):
+        return lambda: (real_model.cached_weights(original, f"kbit{k}-{tag}", compute, model_dir)[0], {n: k + 0.25 for n in original})
+
+    def every(k, cb_fn, rule):
+        def compute():
+            cb = cb_fn()
+            if rule == "mse":
+                return {n: real_model.kbit_fake_weight(W, k, cb, True) for n, W in original.items()}
+            return {n: lever_fake_weight(W, k, cb, rule) for n, W in original.items()}
+        return compute
+
+    specs = []
+    for k in bits:
+        nf = lambda k=k: fmt.normal_float_codebook(k)  # noqa: E731
+        specs += [
+            (f"kbit-{k} NF+zero codebook", "lever: codebook", False, cached(k, "nf0", every(k, lambda k=k: normal_float_zero_codebook(k), "mse"))),
+            (f"kbit-{k} fitted codebook", "lever: codebook", False, cached(k, "fitted", every(k, lambda k=k: fitted_codebook(original, k), "mse"))),
+            (f"kbit-{k} |w|-weighted scale", "lever: scale", False, cached(k, "wmse1", every(k, nf, "wmse1"))),
+            (f"kbit-{k} scale >= absmax", "lever: scale", False, cached(k, "up", every(k, nf, "up"))),
+            (f"kbit-{k} GPTQ (calibrated)", "lever: GPTQ", False, cached(k, "gptq", lambda k=k: gptq_weights(original, model_dir, k))),
+        ]
+    return specs
+
+
 # ----------------------------------------------------------------------------- methods
 
 
@@ -128,7 +234,7 @@ def kbit_mixed(original: dict, overrides: dict, search: bool, model_dir: str) ->
     return out, bits
 
 
-def methods(original: dict, model_dir: str, which: set[str] | None):
+def methods(original: dict, model_dir: str, which: set[str] | None, levers: bool = False):
     """(name, family, control, {module: W_hat}, {module: bits/weight}) per method, computed lazily."""
     uniform = lambda b: {n: b for n in original}  # noqa: E731
     specs = [("bf16", "bf16", False, lambda: (dict(original), uniform(16.0)))]
@@ -148,6 +254,8 @@ def methods(original: dict, model_dir: str, which: set[str] | None):
     specs.append(
         ("uniform 4-bit g32, float min (Q4_1 layout)", "control", True, lambda: ({n: int_rtn(W, 4, 32, True) for n, W in original.items()}, uniform(5.0)))
     )
+    if levers:
+        specs += lever_specs(original, model_dir)
     for name, family, control, make in specs:
         if which and name not in which:
             continue
@@ -242,6 +350,8 @@ def markdown(meta: dict, records: list[dict], tok) -> str:
             f"{100 * (r['perplexity'] / ref['perplexity'] - 1):+.1f}% | {100 * r['top1_agreement']:.1f}% | "
             f"{r['sqnr_db']:.2f} |"
         )
+    if not meta["max_new_tokens"]:
+        return "\n".join(lines)
     lines += ["", "## Greedy answers (chat template, greedy, up to "
               f"{meta['max_new_tokens']} new tokens; [n] = leading tokens equal to bf16's)", ""]
     for i, p in enumerate(PROMPTS):
@@ -299,6 +409,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(RESULTS), help="directory for the result files")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--levers", action="store_true",
+                        help="also the accuracy levers at k = 3, 4, 5: NF+zero and fitted codebooks, |w|-weighted and "
+                             ">= absmax scale rules, GPTQ rounding (calibrated)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -315,14 +428,14 @@ def main(argv: list[str] | None = None) -> None:
 
     which = set(args.methods) | {"bf16"} if args.methods else None
     records, ref_top1 = [], None
-    for name, family, control, make in methods(original, model_dir, which):
+    for name, family, control, make in methods(original, model_dir, which, args.levers):
         t = time.time()
         weights, bits = make()
         real_model.set_weights(model, weights)
         nll, top1 = evaluate_text(model, ids, args.window)
         if ref_top1 is None:
             ref_top1 = top1
-        gens = generate(model, tok, args.max_new_tokens)
+        gens = generate(model, tok, args.max_new_tokens) if args.max_new_tokens > 0 else []
         rec = {
             "method": name,
             "family": family,
@@ -368,7 +481,8 @@ def main(argv: list[str] | None = None) -> None:
     (out / f"{stem}.json").write_text(json.dumps({**meta, "prompts": PROMPTS, "records": records}, indent=1))
     text = markdown(meta, records, tok)
     if not args.no_plot and plot(records, out / f"{stem}.png"):
-        text = text.replace("\n## Greedy", f"\n![perplexity and top-1 agreement against bits per weight]({stem}.png)\n\n## Greedy", 1)
+        image = f"![perplexity and top-1 agreement against bits per weight]({stem}.png)"
+        text = text.replace("\n## Greedy", f"\n{image}\n\n## Greedy", 1) if "\n## Greedy" in text else f"{text}\n\n{image}"
     (out / f"{stem}.md").write_text(text + "\n")
     print(text.split("\n## Greedy")[0])
     print(f"wrote {out / stem}.{{json,md{'' if args.no_plot else ',png'}}}")
