@@ -9,7 +9,7 @@ weight is quantized and decoded back to bf16 (kbit through the format's referenc
 embedding / tied lm_head and the norms stay bf16, and the forward runs in float32 so the weights
 are the only difference between methods.
 
-Methods: bf16; kbit k = 2..5 (default settings: normal-float codebook, E4M4 scale searched by
+Methods: bf16; kbit k = 2..5 (default settings: normal-float codebook with an exact zero, E4M4 scale searched by
 block error); kbit mixed bits (attention 5 / MLP 3, and attention + down_proj 4 / gate, up 3);
 int-RTN asymmetric, groups of 128, 3 and 4 bits (GPTQ's storage without GPTQ's rounding);
 NF4 with an fp32 absmax per 64 weights (bitsandbytes' layout, no double quantization). Controls:
@@ -106,17 +106,6 @@ def nf4_bs64(W: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- accuracy levers (--levers)
 
 
-def normal_float_zero_codebook(k: int) -> torch.Tensor:
-    """bitsandbytes' NF4 construction at k bits: 2^(k-1) positive and 2^(k-1) - 1 negative normal
-    quantiles and an exact zero (asymmetric), scaled to max |c| = 1. At k = 4 it is NF4's codebook."""
-    n = 2**k
-    offset = 0.5 * ((1 - 1 / (2 * (n - 1))) + (1 - 1 / (2 * n)))
-    pos = torch.special.ndtri(torch.linspace(offset, 0.5, n // 2 + 1, dtype=torch.float64)[:-1])
-    neg = -torch.special.ndtri(torch.linspace(offset, 0.5, n // 2, dtype=torch.float64)[:-1])
-    levels = torch.cat([pos, torch.zeros(1, dtype=torch.float64), neg]).sort().values
-    return (levels / levels.abs().max()).float()
-
-
 def fitted_codebook(original: dict, k: int, rounds: int = 6, n_blocks: int = 60000, seed: int = 0) -> torch.Tensor:
     """Lloyd-Max levels fitted to this model's blocks (a sample of them), starting from normal-float:
     each round picks every block's scale by the reference's search, then moves each level to the
@@ -166,8 +155,8 @@ def lever_fake_weight(W: torch.Tensor, k: int, cb: torch.Tensor, rule: str) -> t
     return best.view(N, K).to(W.dtype)
 
 
-def gptq_weights(original: dict, model_dir: str, k: int) -> dict:
-    """kbit-k (default codebook and scale rule) rounded by GPTQ on the default calibration text
+def gptq_weights(original: dict, model_dir: str, k: int, codebook: str | None = None) -> dict:
+    """kbit-k (the default or the named codebook, default scale rule) rounded by GPTQ on the default calibration text
     (``vllm_kbit.gptq``: standard-library docstrings, not the perplexity text), sequentially, on a
     fresh float32 copy of the model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -176,7 +165,7 @@ def gptq_weights(original: dict, model_dir: str, k: int) -> dict:
     from vllm_kbit import reference as fmt
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    cb = fmt.normal_float_codebook(k)
+    cb = fmt.CODEBOOKS[codebook or fmt.DEFAULT_CODEBOOK](k)
     packed = gptq.quantize_model(model, AutoTokenizer.from_pretrained(model_dir), lambda n: (k, cb) if n in original else None)
     return {n: fmt.dequantize(q, a, cb, torch.bfloat16) for n, (q, a) in packed.items()}
 
@@ -198,13 +187,16 @@ def lever_specs(original: dict, model_dir: str, bits=(3, 4, 5)):
 
     specs = []
     for k in bits:
-        nf = lambda k=k: fmt.normal_float_codebook(k)  # noqa: E731
+        nf = lambda k=k: fmt.default_codebook(k)  # noqa: E731
         specs += [
-            (f"kbit-{k} NF+zero codebook", "lever: codebook", False, cached(k, "nf0", every(k, lambda k=k: normal_float_zero_codebook(k), "mse"))),
+            (f"kbit-{k} normal_float codebook (no zero)", "lever: codebook", False,
+             lambda k=k: (kbit_cached(original, k, True, model_dir, "normal_float"), {n: k + 0.25 for n in original})),
             (f"kbit-{k} fitted codebook", "lever: codebook", False, cached(k, "fitted", every(k, lambda k=k: fitted_codebook(original, k), "mse"))),
-            (f"kbit-{k} |w|-weighted scale", "lever: scale", False, cached(k, "wmse1", every(k, nf, "wmse1"))),
-            (f"kbit-{k} scale >= absmax", "lever: scale", False, cached(k, "up", every(k, nf, "up"))),
-            (f"kbit-{k} GPTQ (calibrated)", "lever: GPTQ", False, cached(k, "gptq", lambda k=k: gptq_weights(original, model_dir, k))),
+            (f"kbit-{k} |w|-weighted scale", "lever: scale", False, cached(k, "nf0-wmse1", every(k, nf, "wmse1"))),
+            (f"kbit-{k} scale >= absmax", "lever: scale", False, cached(k, "nf0-up", every(k, nf, "up"))),
+            (f"kbit-{k} GPTQ (calibrated)", "lever: GPTQ", False, cached(k, "nf0-gptq", lambda k=k: gptq_weights(original, model_dir, k))),
+            (f"kbit-{k} normal_float GPTQ (calibrated)", "lever: GPTQ", False,
+             cached(k, "gptq", lambda k=k: gptq_weights(original, model_dir, k, "normal_float"))),
         ]
     return specs
 
@@ -217,9 +209,9 @@ class Method:
         self.name, self.family, self.weights, self.bits_of, self.control = name, family, weights, bits_of, control
 
 
-def kbit_cached(original: dict, k: int, search: bool, model_dir: str) -> dict:
+def kbit_cached(original: dict, k: int, search: bool, model_dir: str, codebook: str | None = None) -> dict:
     """kbit-k decoded weights of every decoder linear, from the cache or computed (and cached)."""
-    return real_model.cached_kbit_weights(original, k, search, model_dir)[0]
+    return real_model.cached_kbit_weights(original, k, search, model_dir, codebook=codebook)[0]
 
 
 def kbit_mixed(original: dict, overrides: dict, search: bool, model_dir: str) -> tuple[dict, dict]:

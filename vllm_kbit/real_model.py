@@ -228,7 +228,7 @@ def kbit_fake_weight(W, k: int, codebook=None, search_scale: bool | None = None)
     if search_scale is None:
         search_scale = fmt.DEFAULT_SEARCH_SCALE
     if codebook is None:
-        codebook = fmt.normal_float_codebook(k)
+        codebook = fmt.default_codebook(k)
     fmt.check_weight(W)
     fmt.check_codebook(codebook, k)
     N, K = W.shape
@@ -316,19 +316,27 @@ def cached_weights(original: dict, tag: str, compute, model_dir: str | None = No
 
 
 def cached_kbit_weights(original: dict, k: int, search_scale: bool = True, model_dir: str | None = None,
-                        verbose: bool = True) -> tuple[dict, bool]:
+                        verbose: bool = True, codebook: str | None = None) -> tuple[dict, bool]:
     """(kbit-k decoded bf16 weights of every module in ``original``, whether they came from the cache).
 
-    Default codebook; every module at k bits; cached by :func:`cached_weights`, keyed by k and the
-    scale rule, so the benchmark, the demo and the tests quantize the model once per setting.
+    ``codebook``: a name in ``reference.CODEBOOKS`` (default: the default codebook); every module at
+    k bits; cached by :func:`cached_weights`, keyed by k, the codebook and the scale rule, so the
+    benchmark, the demo and the tests quantize the model once per setting.
     """
     from vllm_kbit import reference as fmt
 
+    codebook = codebook or fmt.DEFAULT_CODEBOOK
+
     def compute():
-        cb = fmt.normal_float_codebook(k)
+        cb = fmt.CODEBOOKS[codebook](k)
         return {name: kbit_fake_weight(W.contiguous(), k, cb, search_scale) for name, W in original.items()}
 
-    return cached_weights(original, f"kbit{k}{'' if search_scale else '-absmax'}", compute, model_dir, verbose)
+    tag = f"kbit{k}{CODEBOOK_TAGS[codebook]}{'' if search_scale else '-absmax'}"
+    return cached_weights(original, tag, compute, model_dir, verbose)
+
+
+# Cache-name part of each codebook ("kbit3" is the normal-float one, as before the default changed).
+CODEBOOK_TAGS = {"normal_float": "", "normal_float_zero": "-nf0"}
 
 
 def kbit_bytes(shape: tuple[int, int], k: int) -> int:
