@@ -32,6 +32,7 @@ import json
 import math
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 import time
@@ -450,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
 
     date = datetime.date.today().isoformat()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
-    cmd = "python benchmarks/accuracy_real.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:]) if (argv or sys.argv[1:]) else "")
+    cmd = shlex.join(["python", "benchmarks/accuracy_real.py", *(argv if argv is not None else sys.argv[1:])])
     meta = {
         "date": date,
         "commit": commit,
