@@ -11,7 +11,7 @@ are the only difference between methods.
 
 Methods: bf16; kbit k = 2..5 (default settings: normal-float codebook with an exact zero, E4M4 scale searched by
 block error); kbit mixed bits (attention 5 / MLP 3, and attention + down_proj 4 / gate, up 3);
-int-RTN asymmetric, groups of 128, 3 and 4 bits (GPTQ's storage without GPTQ's rounding);
+int-RTN asymmetric, groups of 128, 3, 4 and 5 bits (GPTQ's storage without GPTQ's rounding);
 NF4 with an fp32 absmax per 64 weights (bitsandbytes' layout, no double quantization). Controls:
 kbit-3 / kbit-4 with plain absmax scales, and a uniform 4-bit grid per 32 weights with a float
 minimum (Q4_1's own layout), which reproduces the reference up to its bf16 rounding.
@@ -237,7 +237,7 @@ def methods(original: dict, model_dir: str, which: set[str] | None, levers: bool
     specs.append(
         ("kbit mixed attn4+down4/gate,up3", "kbit mixed", False, lambda: kbit_mixed(original, ATTN_DOWN4_GATEUP3, True, model_dir))
     )
-    for k in (3, 4):
+    for k in (3, 4, 5):
         specs.append(
             (f"int-RTN g128 asym {k}-bit", "int-RTN g128", False, lambda k=k: ({n: int_rtn(W, k, 128) for n, W in original.items()}, uniform(k + 0.25)))
         )
