@@ -108,3 +108,10 @@ def test_convert_with_gptq_writes_the_same_layout_with_other_indices(tmp_path):
         return (x @ (D - W).T).square().sum().item()
 
     assert out_err(got) < 0.9 * out_err(rtn)
+
+
+def test_cli_calibration_file_needs_gptq(tmp_path, capsys):
+    from vllm_kbit import cli
+
+    assert cli.main(["convert", str(tmp_path / "in"), str(tmp_path / "out"), "--calibration-file", "x.txt"]) == 2
+    assert "--calibration-file needs --gptq" in capsys.readouterr().err
