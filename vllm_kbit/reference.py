@@ -158,9 +158,38 @@ def _normal_float_codebook_cpu(k: int) -> torch.Tensor:
 
 
 def normal_float_codebook(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The default codebook: 2**k normal-float levels, ascending, symmetric, max |c| == 1."""
+    """2**k normal-float levels, ascending, symmetric (no zero level), max |c| == 1."""
     check_bits(k)
     return _normal_float_codebook_cpu(k).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _normal_float_zero_codebook_cpu(k: int) -> torch.Tensor:
+    # bitsandbytes' NF4 construction at k bits: 2**(k-1) positive and 2**(k-1) - 1 negative normal
+    # quantiles at equally spaced probabilities from 1/2 to `offset` (the middle of the two outer bins
+    # of 2**k - 1 and 2**k levels), plus an exact zero; scaled to max |c| = 1. At k = 4: NF4's values.
+    n = 2**k
+    offset = 0.5 * ((1 - 1 / (2 * (n - 1))) + (1 - 1 / (2 * n)))
+    pos = torch.special.ndtri(torch.linspace(offset, 0.5, n // 2 + 1, dtype=torch.float64)[:-1])
+    neg = -torch.special.ndtri(torch.linspace(offset, 0.5, n // 2, dtype=torch.float64)[:-1])
+    levels = torch.cat([pos, torch.zeros(1, dtype=torch.float64), neg]).sort().values
+    return (levels / levels.abs().max()).float()
+
+
+def normal_float_zero_codebook(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The default codebook: 2**k normal-quantile levels with an exact zero (one more positive level
+    than negative), ascending, max |c| == 1 at both ends."""
+    check_bits(k)
+    return _normal_float_zero_codebook_cpu(k).to(device)
+
+
+# Named codebooks a checkpoint's quantization_config may give; the first is the default.
+CODEBOOKS = {"normal_float_zero": normal_float_zero_codebook, "normal_float": normal_float_codebook}
+DEFAULT_CODEBOOK = "normal_float_zero"
+
+
+def default_codebook(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    return CODEBOOKS[DEFAULT_CODEBOOK](k, device)
 
 
 def codebook_thresholds(codebook: torch.Tensor) -> torch.Tensor:
