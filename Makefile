@@ -61,7 +61,7 @@ NEXT_TESTS    ?= tests/vllm/test_install.py tests/vllm/test_compat.py \
   tests/vllm/test_e2e.py::test_converted_checkpoint_is_detected_and_identical_to_online \
   tests/vllm/test_e2e.py::test_other_families_match_dequantized_model \
   tests/vllm/test_e2e.py::test_mixed_bits_and_modules_to_not_convert_take_effect \
-  tests/vllm/test_e2e.py::test_expert_parallel_2_matches_tp1 \
+  tests/vllm/test_e2e.py::test_expert_parallel_2_matches_dequantized_tp2 \
   tests/vllm/test_serve.py
 
 # torch derives CUDA_HOME from `which nvcc`, which can be a wrapper outside the toolkit

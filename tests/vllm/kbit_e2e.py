@@ -138,12 +138,18 @@ def agreement(a: dict, b: dict) -> tuple[float, float, float]:
     return probe_match(a, b), sum(g <= MAX_LOGPROB_GAP for g in gaps) / len(gaps), max(gaps)
 
 
-def assert_agree(what: str, a: dict, b: dict) -> None:
-    """Prints the agreement of two runs on the probes and asserts it (see MIN_TOKEN_MATCH above)."""
+def report_agreement(what: str, a: dict, b: dict) -> tuple[float, float, float]:
+    """Prints the agreement of two runs on the probes and returns it (see :func:`agreement`)."""
     match, within, worst = agreement(a, b)
     print(f"{what}: teacher-forced greedy match {match:.1%}, logprob gap <= {MAX_LOGPROB_GAP} at {within:.1%} "
           f"of positions (largest {worst:.4f}); free-running greedy match {token_match(a['tokens'], b['tokens']):.1%} "
           f"(common-prefix gap {max_logprob_gap(a, b):.4f})")
+    return match, within, worst
+
+
+def assert_agree(what: str, a: dict, b: dict) -> None:
+    """Prints the agreement of two runs on the probes and asserts it (see MIN_TOKEN_MATCH above)."""
+    match, within, _ = report_agreement(what, a, b)
     assert match >= MIN_TOKEN_MATCH, f"{what}: greedy match {match:.1%} < {MIN_TOKEN_MATCH:.0%}"
     assert within >= MIN_POSITIONS_WITHIN_GAP, (
         f"{what}: logprob gap <= {MAX_LOGPROB_GAP} at only {within:.1%} of positions (< {MIN_POSITIONS_WITHIN_GAP:.0%})")

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from kbit_e2e import ONLINE, TEXT_PROMPTS, assert_agree, dequantized_checkpoint, online_kwargs, settings_of
+from kbit_e2e import (
+    ONLINE, TEXT_PROMPTS, assert_agree, dequantized_checkpoint, online_kwargs, report_agreement, settings_of,
+)
 
 
 def _online(engine, tiny, kind: str, k: int, config: dict | None = None, **extra):
@@ -15,10 +17,17 @@ def _online(engine, tiny, kind: str, k: int, config: dict | None = None, **extra
     return engine(f"{kind}-online{k}", tiny[kind], online_kwargs(config), text_prompts=TEXT_PROMPTS, **extra)
 
 
-def _dequantized(engine, tiny, tmp_path_factory, kind: str, k: int, config: dict | None = None):
-    config = ONLINE[k] if config is None else config
-    ref_dir = dequantized_checkpoint(tiny[kind], str(tmp_path_factory.mktemp(f"{kind}-deq{k}")), settings_of(config))
-    return engine(f"{kind}-deq{k}", ref_dir, text_prompts=TEXT_PROMPTS)
+_DEQUANTIZED_DIRS: dict[tuple[str, int], str] = {}
+
+
+def _dequantized(engine, tiny, tmp_path_factory, kind: str, k: int, llm_kwargs: dict | None = None,
+                 env: dict | None = None, key_suffix: str = ""):
+    """The bf16 model whose weights are kbit-k's dequantized values (written once per kind and k)."""
+    if (kind, k) not in _DEQUANTIZED_DIRS:
+        _DEQUANTIZED_DIRS[(kind, k)] = dequantized_checkpoint(
+            tiny[kind], str(tmp_path_factory.mktemp(f"{kind}-deq{k}")), settings_of(ONLINE[k]))
+    return engine(f"{kind}-deq{k}{key_suffix}", _DEQUANTIZED_DIRS[(kind, k)], llm_kwargs, env=env,
+                  text_prompts=TEXT_PROMPTS)
 
 
 def _kbit_layers(result: dict) -> dict:
@@ -61,7 +70,7 @@ def test_converted_checkpoint_is_detected_and_identical_to_online(engine, tiny, 
     assert conv["texts"] == online["texts"]
 
 
-def test_tensor_parallel_2_matches_tp1(engine, tiny):
+def test_tensor_parallel_2_matches_dequantized_tp2(engine, tiny, tmp_path_factory):
     tp1 = _online(engine, tiny, "qwen3_moe", 4)
     tp2 = engine(
         "qwen3_moe-online4-tp2",
@@ -79,12 +88,16 @@ def test_tensor_parallel_2_matches_tp1(engine, tiny):
         assert r["model.layers.0.self_attn.qkv_proj"]["params"]["qweight"][1][0] * 2 == qkv1[0]
         assert r["model.layers.0.self_attn.o_proj"]["params"]["qweight"][1][1] * 2 == o1[1]
     assert ranks[0]["model.layers.0.mlp.experts"]["hash"] != ranks[1]["model.layers.0.mlp.experts"]["hash"]
-    # The all-reduce sums the two halves in another order than TP1's single dot product: bf16 noise, so the
-    # same criterion as kbit vs its dequantized model rather than bit-identical tokens.
-    assert_agree("TP2 vs TP1", tp2, tp1)
+    # The reference is the dequantized model at the same TP=2: it shards and all-reduces exactly as kbit
+    # does, so a sharding bug (a scale row split from its weight row) shows while reduction order does not.
+    # Against TP1 even the bf16 dequantized model moves: reported, not asserted (docs/decisions.md).
+    ref = _dequantized(engine, tiny, tmp_path_factory, "qwen3_moe", 4, llm_kwargs={"tensor_parallel_size": 2},
+                       env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, key_suffix="-tp2")
+    assert_agree("TP2 vs dequantized TP2", tp2, ref)
+    report_agreement("TP2 vs TP1", tp2, tp1)
 
 
-def test_expert_parallel_2_matches_tp1(engine, tiny):
+def test_expert_parallel_2_matches_dequantized_tp2(engine, tiny, tmp_path_factory):
     """TP=2 with expert parallel: attention sharded as in TP=2, the routed experts split whole between the
     ranks (4 of 8 each, at full intermediate size) through vLLM's expert_map."""
     tp1 = _online(engine, tiny, "qwen3_moe", 4)
@@ -108,7 +121,12 @@ def test_expert_parallel_2_matches_tp1(engine, tiny):
                 shape = r[layer]["params"][name][1]
                 assert shape[0] * 2 == full[name][1][0] and shape[1:] == full[name][1][1:], (layer, name, shape, full[name])
         assert ranks[0][layer]["hash"] != ranks[1][layer]["hash"]
-    assert_agree("TP2+EP vs TP1", ep2, tp1)
+    # Reference: the dequantized model at TP=2 without expert parallel (attention sharded the same way);
+    # vLLM 0.26's own CPU MoE kernel crashes given an expert_map, so a bf16 TP2+EP engine cannot run here.
+    ref = _dequantized(engine, tiny, tmp_path_factory, "qwen3_moe", 4, llm_kwargs={"tensor_parallel_size": 2},
+                       env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"}, key_suffix="-tp2")
+    assert_agree("TP2+EP vs dequantized TP2", ep2, ref)
+    report_agreement("TP2+EP vs TP1", ep2, tp1)
 
 
 @pytest.mark.parametrize("kind", ["glm4_moe", "qwen3"])
