@@ -41,10 +41,13 @@ def cuda_extensions():
     nvidia_include = [p for p in (os.path.join(d, "nvidia", "cu13", "include") for d in __import__("site").getsitepackages()) if os.path.isdir(p)]
     ext = cpp_extension.CUDAExtension(
         name="vllm_kbit._C",
-        sources=sorted(glob.glob("csrc/*.cpp") + glob.glob("csrc/*.cu")),
-        include_dirs=[os.path.abspath("csrc"), *nvidia_include],
+        sources=sorted(glob.glob("csrc/*/*.cpp") + glob.glob("csrc/*/*.cu")),
+        # csrc/<concept>/ folders include each other's headers by file name; vllm_kbit: format_constants.h
+        include_dirs=[*sorted(os.path.abspath(d) for d in glob.glob("csrc/*/")), os.path.abspath("vllm_kbit"), *nvidia_include],
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17"],
+            # -fno-ipa-sra: no GCC clones of the libstdc++ stream templates that torch's inline checks use;
+            # the extension must not carry its own stream code (docs/decisions.md, "Input checks").
+            "cxx": ["-O3", "-std=c++17", "-fno-ipa-sra"],
             "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
         },
         py_limited_api=True,

@@ -9,9 +9,9 @@ weight is quantized and decoded back to bf16 (kbit through the format's referenc
 embedding / tied lm_head and the norms stay bf16, and the forward runs in float32 so the weights
 are the only difference between methods.
 
-Methods: bf16; kbit k = 2..5 (default settings: normal-float codebook, E4M4 scale searched by
+Methods: bf16; kbit k = 2..5 (default settings: normal-float codebook with an exact zero, E4M4 scale searched by
 block error); kbit mixed bits (attention 5 / MLP 3, and attention + down_proj 4 / gate, up 3);
-int-RTN asymmetric, groups of 128, 3 and 4 bits (GPTQ's storage without GPTQ's rounding);
+int-RTN asymmetric, groups of 128, 3, 4 and 5 bits (GPTQ's storage without GPTQ's rounding);
 NF4 with an fp32 absmax per 64 weights (bitsandbytes' layout, no double quantization). Controls:
 kbit-3 / kbit-4 with plain absmax scales, and a uniform 4-bit grid per 32 weights with a float
 minimum (Q4_1's own layout), which reproduces the reference up to its bf16 rounding.
@@ -32,6 +32,7 @@ import json
 import math
 import os
 import pathlib
+import shlex
 import subprocess
 import sys
 import time
@@ -103,6 +104,104 @@ def nf4_bs64(W: torch.Tensor) -> torch.Tensor:
     return (cb[idx] * s).reshape(W.shape).to(torch.bfloat16)
 
 
+# ----------------------------------------------------------------------------- accuracy levers (--levers)
+
+
+def fitted_codebook(original: dict, k: int, rounds: int = 6, n_blocks: int = 60000, seed: int = 0) -> torch.Tensor:
+    """Lloyd-Max levels fitted to this model's blocks (a sample of them), starting from normal-float:
+    each round picks every block's scale by the reference's search, then moves each level to the
+    mean of the scaled weights it receives; max |c| = 1 again after each round."""
+    from vllm_kbit import reference as fmt
+
+    g = torch.Generator().manual_seed(seed)
+    blocks = torch.cat([original[n].float().reshape(-1, 32) for n in sorted(original)])
+    sample = blocks[torch.randperm(blocks.shape[0], generator=g)[:n_blocks]].contiguous()
+    cb = fmt.normal_float_codebook(k)
+    for _ in range(rounds):
+        scale = fmt.e4m4_decode(fmt.block_scales(sample, cb, True))
+        x = (sample / scale.clamp_min(1e-30)).flatten()
+        idx = torch.bucketize(x, fmt.codebook_thresholds(cb))
+        levels = torch.stack([x[idx == i].mean() if (idx == i).any() else cb[i] for i in range(2**k)])
+        cb = (levels / levels.abs().max()).float().sort().values.contiguous()
+    return cb
+
+
+def lever_fake_weight(W: torch.Tensor, k: int, cb: torch.Tensor, rule: str) -> torch.Tensor:
+    """kbit fake quantization with a scale rule other than the reference's (same candidates as its search):
+    ``wmse1``: block error weighted by |w| (the largest weights count most); ``up``: the block-error
+    search over the absmax code and the offsets above it only (a scale never below the block's absmax
+    code, so its largest weight is not clipped by the search)."""
+    from vllm_kbit import reference as fmt
+
+    N, K = W.shape
+    w = W.float().view(N, K // 32, 32).contiguous()
+    thresholds = fmt.codebook_thresholds(cb)
+
+    def values_for(code):
+        s = fmt.e4m4_decode(code).unsqueeze(-1)
+        return cb[torch.searchsorted((thresholds * s).contiguous(), w)] * s
+
+    def err(v):
+        return (w.abs() * (w - v).square()).sum(-1) if rule == "wmse1" else fmt.block_squared_error(w, v)
+
+    offsets = {"wmse1": fmt.SCALE_SEARCH_OFFSETS, "up": tuple(o for o in fmt.SCALE_SEARCH_OFFSETS if o > 0)}[rule]
+    absmax_code = fmt.block_absmax_codes(W)
+    best = values_for(absmax_code)
+    best_err = err(best)
+    for o in offsets:
+        v = values_for((absmax_code.int() + o).clamp(0, 255).to(torch.uint8))
+        e = err(v)
+        better = e < best_err
+        best, best_err = torch.where(better.unsqueeze(-1), v, best), torch.where(better, e, best_err)
+    return best.view(N, K).to(W.dtype)
+
+
+def gptq_weights(original: dict, model_dir: str, k: int, codebook: str | None = None) -> dict:
+    """kbit-k (the default or the named codebook, default scale rule) rounded by GPTQ on the default calibration text
+    (``vllm_kbit.gptq``: standard-library docstrings, not the perplexity text), sequentially, on a
+    fresh float32 copy of the model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_kbit import gptq
+    from vllm_kbit import reference as fmt
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    cb = fmt.CODEBOOKS[codebook or fmt.DEFAULT_CODEBOOK](k)
+    packed = gptq.quantize_model(model, AutoTokenizer.from_pretrained(model_dir), lambda n: (k, cb) if n in original else None)
+    return {n: fmt.dequantize(q, a, cb, torch.bfloat16) for n, (q, a) in packed.items()}
+
+
+def lever_specs(original: dict, model_dir: str, bits=(3, 4, 5)):
+    """(name, family, control, make) of the lever variants: codebook, scale rule, GPTQ rounding."""
+    from vllm_kbit import reference as fmt
+
+    def cached(k, tag, compute):
+        return lambda: (real_model.cached_weights(original, f"kbit{k}-{tag}", compute, model_dir)[0], {n: k + 0.25 for n in original})
+
+    def every(k, cb_fn, rule):
+        def compute():
+            cb = cb_fn()
+            if rule == "mse":
+                return {n: real_model.kbit_fake_weight(W, k, cb, True) for n, W in original.items()}
+            return {n: lever_fake_weight(W, k, cb, rule) for n, W in original.items()}
+        return compute
+
+    specs = []
+    for k in bits:
+        nf = lambda k=k: fmt.default_codebook(k)  # noqa: E731
+        specs += [
+            (f"kbit-{k} normal_float codebook (no zero)", "lever: codebook", False,
+             lambda k=k: (kbit_cached(original, k, True, model_dir, "normal_float"), {n: k + 0.25 for n in original})),
+            (f"kbit-{k} fitted codebook", "lever: codebook", False, cached(k, "fitted", every(k, lambda k=k: fitted_codebook(original, k), "mse"))),
+            (f"kbit-{k} |w|-weighted scale", "lever: scale", False, cached(k, "nf0-wmse1", every(k, nf, "wmse1"))),
+            (f"kbit-{k} scale >= absmax", "lever: scale", False, cached(k, "nf0-up", every(k, nf, "up"))),
+            (f"kbit-{k} GPTQ (calibrated)", "lever: GPTQ", False, cached(k, "nf0-gptq", lambda k=k: gptq_weights(original, model_dir, k))),
+            (f"kbit-{k} normal_float GPTQ (calibrated)", "lever: GPTQ", False,
+             cached(k, "gptq", lambda k=k: gptq_weights(original, model_dir, k, "normal_float"))),
+        ]
+    return specs
+
+
 # ----------------------------------------------------------------------------- methods
 
 
@@ -111,9 +210,9 @@ class Method:
         self.name, self.family, self.weights, self.bits_of, self.control = name, family, weights, bits_of, control
 
 
-def kbit_cached(original: dict, k: int, search: bool, model_dir: str) -> dict:
+def kbit_cached(original: dict, k: int, search: bool, model_dir: str, codebook: str | None = None) -> dict:
     """kbit-k decoded weights of every decoder linear, from the cache or computed (and cached)."""
-    return real_model.cached_kbit_weights(original, k, search, model_dir)[0]
+    return real_model.cached_kbit_weights(original, k, search, model_dir, codebook=codebook)[0]
 
 
 def kbit_mixed(original: dict, overrides: dict, search: bool, model_dir: str) -> tuple[dict, dict]:
@@ -128,7 +227,7 @@ def kbit_mixed(original: dict, overrides: dict, search: bool, model_dir: str) ->
     return out, bits
 
 
-def methods(original: dict, model_dir: str, which: set[str] | None):
+def methods(original: dict, model_dir: str, which: set[str] | None, levers: bool = False):
     """(name, family, control, {module: W_hat}, {module: bits/weight}) per method, computed lazily."""
     uniform = lambda b: {n: b for n in original}  # noqa: E731
     specs = [("bf16", "bf16", False, lambda: (dict(original), uniform(16.0)))]
@@ -138,7 +237,7 @@ def methods(original: dict, model_dir: str, which: set[str] | None):
     specs.append(
         ("kbit mixed attn4+down4/gate,up3", "kbit mixed", False, lambda: kbit_mixed(original, ATTN_DOWN4_GATEUP3, True, model_dir))
     )
-    for k in (3, 4):
+    for k in (3, 4, 5):
         specs.append(
             (f"int-RTN g128 asym {k}-bit", "int-RTN g128", False, lambda k=k: ({n: int_rtn(W, k, 128) for n, W in original.items()}, uniform(k + 0.25)))
         )
@@ -148,6 +247,8 @@ def methods(original: dict, model_dir: str, which: set[str] | None):
     specs.append(
         ("uniform 4-bit g32, float min (Q4_1 layout)", "control", True, lambda: ({n: int_rtn(W, 4, 32, True) for n, W in original.items()}, uniform(5.0)))
     )
+    if levers:
+        specs += lever_specs(original, model_dir)
     for name, family, control, make in specs:
         if which and name not in which:
             continue
@@ -242,6 +343,8 @@ def markdown(meta: dict, records: list[dict], tok) -> str:
             f"{100 * (r['perplexity'] / ref['perplexity'] - 1):+.1f}% | {100 * r['top1_agreement']:.1f}% | "
             f"{r['sqnr_db']:.2f} |"
         )
+    if not meta["max_new_tokens"]:
+        return "\n".join(lines)
     lines += ["", "## Greedy answers (chat template, greedy, up to "
               f"{meta['max_new_tokens']} new tokens; [n] = leading tokens equal to bf16's)", ""]
     for i, p in enumerate(PROMPTS):
@@ -299,6 +402,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(RESULTS), help="directory for the result files")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--levers", action="store_true",
+                        help="also the accuracy levers at k = 3, 4, 5: NF+zero and fitted codebooks, |w|-weighted and "
+                             ">= absmax scale rules, GPTQ rounding (calibrated)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -315,14 +421,14 @@ def main(argv: list[str] | None = None) -> None:
 
     which = set(args.methods) | {"bf16"} if args.methods else None
     records, ref_top1 = [], None
-    for name, family, control, make in methods(original, model_dir, which):
+    for name, family, control, make in methods(original, model_dir, which, args.levers):
         t = time.time()
         weights, bits = make()
         real_model.set_weights(model, weights)
         nll, top1 = evaluate_text(model, ids, args.window)
         if ref_top1 is None:
             ref_top1 = top1
-        gens = generate(model, tok, args.max_new_tokens)
+        gens = generate(model, tok, args.max_new_tokens) if args.max_new_tokens > 0 else []
         rec = {
             "method": name,
             "family": family,
@@ -345,7 +451,7 @@ def main(argv: list[str] | None = None) -> None:
 
     date = datetime.date.today().isoformat()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()
-    cmd = "python benchmarks/accuracy_real.py" + (" " + " ".join(argv if argv is not None else sys.argv[1:]) if (argv or sys.argv[1:]) else "")
+    cmd = shlex.join(["python", "benchmarks/accuracy_real.py", *(argv if argv is not None else sys.argv[1:])])
     meta = {
         "date": date,
         "commit": commit,
@@ -368,7 +474,8 @@ def main(argv: list[str] | None = None) -> None:
     (out / f"{stem}.json").write_text(json.dumps({**meta, "prompts": PROMPTS, "records": records}, indent=1))
     text = markdown(meta, records, tok)
     if not args.no_plot and plot(records, out / f"{stem}.png"):
-        text = text.replace("\n## Greedy", f"\n![perplexity and top-1 agreement against bits per weight]({stem}.png)\n\n## Greedy", 1)
+        image = f"![perplexity and top-1 agreement against bits per weight]({stem}.png)"
+        text = text.replace("\n## Greedy", f"\n{image}\n\n## Greedy", 1) if "\n## Greedy" in text else f"{text}\n\n{image}"
     (out / f"{stem}.md").write_text(text + "\n")
     print(text.split("\n## Greedy")[0])
     print(f"wrote {out / stem}.{{json,md{'' if args.no_plot else ',png'}}}")

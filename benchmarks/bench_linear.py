@@ -38,7 +38,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import vllm_kbit  # noqa: E402
 from vllm_kbit import reference as fmt  # noqa: E402
-from vllm_kbit.linear import KbitLinearWeight, gemv_splits, gemv_tiles, kbit_linear, linear_path, mma_config  # noqa: E402
+from vllm_kbit.linear import KbitLinearWeight, kbit_linear  # noqa: E402
 
 # The target shapes of docs/architecture.md, as (name, K, N)
 SHAPES = [
@@ -225,8 +225,10 @@ def main() -> None:
         records.append(rec)
         return rec
 
+    def plan(M, N, K, dtype, path="auto"):  # (path, splits, max_splits, p, r, m_blocks) on this GPU
+        return torch.ops.kbit.linear_plan(M, N, K, dtype, props.major, sms, 1, path)
+
     for name, K, N in shapes:
-        n_tiles, _ = gemv_tiles(N, K)
         for regime in regimes:
             base = {}
             for dtype in (torch.bfloat16, torch.float16):
@@ -244,7 +246,6 @@ def main() -> None:
                 w0 = random_runtime_weight(N, K, k)
                 wbytes = w0.qweight_rt.nbytes + w0.absmax_rt.nbytes
                 ws = [w0] + [random_runtime_weight(N, K, k) for _ in range(copies_for(wbytes, regime, l2) - 1)]
-                splits = gemv_splits(*gemv_tiles(N, K), sms)
                 for dtype in (torch.bfloat16, torch.float16):
                     for M in m_plan(args, k, regime):
                         if dtype == torch.float16 and (M not in (1, 16) or k != 4):
@@ -253,7 +254,7 @@ def main() -> None:
                         nbytes = wbytes + 2 * M * (K + N)
                         extra = dict(baseline_us=round(base[(torch.bfloat16, M)], 3),
                                      fp16_us=round(base[(torch.float16, M)], 3) if (torch.float16, M) in base else None)
-                        path = linear_path(M, N, K, hopper)
+                        path, splits = plan(M, N, K, dtype)[:2]
                         us = graph_time_us([lambda w=w: kbit_linear(x, w) for w in ws])
                         rec = record("kbit_linear", name, K, N, k, M, dtype, regime, us, nbytes,
                                      dict(extra, path=path, **(dict(splits=splits) if path == "gemv" else {})))
@@ -276,7 +277,7 @@ def main() -> None:
                                 us2 = graph_time_us([lambda w=w: F.linear(x, w.dequantize(dtype)) for w in ws])
                                 record("kbit_dequant_cublas", name, K, N, k, M, dtype, regime, us2, nbytes, extra)
                             if M in ((16, 64) if args.short else VARIANT_M):
-                                p, r, _ = mma_config(M, n_tiles)
+                                p, r = plan(M, N, K, dtype, "mma")[3:5]
                                 other = (1 if r > 1 else (2 if p == 8 else 4))
                                 us3 = graph_time_us([mma_fn(x, w, other) for w in ws])
                                 record(f"kbit_mma_r{other}", name, K, N, k, M, dtype, regime, us3, nbytes,

@@ -32,8 +32,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 import vllm_kbit  # noqa: E402
 from bench_linear import copy_bandwidth, graph_time_us  # noqa: E402
 from vllm_kbit import reference as fmt  # noqa: E402
-from vllm_kbit.linear import GEMV_MAX_SPLITS, gemv_tiles  # noqa: E402
-from vllm_kbit.moe import chunk_rows, kbit_fused_moe, max_chunks  # noqa: E402
+from vllm_kbit.moe import kbit_fused_moe  # noqa: E402
 
 MODELS = [  # name, E, top_k, H, I
     ("qwen3_30b_a3b", 128, 8, 2048, 768),
@@ -44,11 +43,6 @@ TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
 GEMV_FORCED_MAX_T = 1024  # the GEMV path re-reads an expert's tiles per 4 rows: far too slow beyond
 GEMM_M = (1, 4, 16, 64, 256, 1024)
 MAX_COPIES = 16
-
-
-def mma_chunk_rows(M):
-    """Chunk height of the grouped MMA for M rows per expert: 8p covering M, at most 64 (csrc moe_mma_chunk_rows)."""
-    return 8 if M <= 8 else 16 if M <= 16 else 32 if M <= 32 else 64
 
 
 def distinct_experts(E, top_k, T):
@@ -126,16 +120,16 @@ def bench_layers(args, l2, common, records, save):
                 Wk = [(*random_stacked(E, 2 * I, H, k), *random_stacked(E, H, I, k)) for _ in range(n_w)]
                 for T in TOKENS:
                     n = 1 if regime == "hot" else cold_copies(distinct_experts(E, top_k, T) * expert_kbit, l2)
-                    paths = [("kbit_moe", 0)]
+                    paths = [("kbit_moe", "auto")]
                     if k == 4:
-                        paths += [("kbit_moe_gemv", 1)] if T <= GEMV_FORCED_MAX_T else []
-                        paths += [("kbit_moe_grouped_mma", 3), ("kbit_moe_grouped_mm", 2)]
+                        paths += [("kbit_moe_gemv", "gemv")] if T <= GEMV_FORCED_MAX_T else []
+                        paths += [("kbit_moe_grouped_mma", "grouped_mma"), ("kbit_moe_grouped_mm", "grouped_mm")]
                     for op, path in paths:
-                        def call(i, T=T, path=path):
+                        def call(i, T=T, path=path, path_id=torch.ops.kbit._moe_path_id(path)):
                             ids, w = routes[T][i % n_rt]
-                            if path == 0:
+                            if path == "auto":
                                 return kbit_fused_moe(xs[T], ids, w, *Wk[i % n], cb, I)
-                            return torch.ops.kbit._fused_moe_cuda(xs[T], ids, w, *Wk[i % n], cb, I, None, False, path)
+                            return torch.ops.kbit._fused_moe_cuda(xs[T], ids, w, *Wk[i % n], cb, I, None, False, path_id)
                         us = graph_time_us([lambda i=i: call(i) for i in range(max(n, n_rt))], min_calls=calls_for(T),
                                            replays=10)
                         records.append(dict(common, view="layer", model=name, op=op, E=E, top_k=top_k, T=T, H=H, I=I,
@@ -163,9 +157,12 @@ def bench_gemm(args, l2, common, records):
             for M in GEMM_M:
                 A16 = torch.randn(E, M, K, device="cuda", dtype=torch.float16)
                 Ab = A16.view(E * M, K).to(torch.bfloat16)
-                rows = chunk_rows(M)
+                # Chunks as the fused op makes them for M tokens: the GEMV's one-row chunks at M = 1, else
+                # kMoeChunkRows; the grouped MMA's height covering M rows per expert.
+                rows = torch.ops.kbit.moe_plan(M, 1, E, 4, "gemv")[1]
                 ids = torch.arange(E, dtype=torch.int32, device="cuda").repeat_interleave(M).view(-1, 1)
-                offsets, _, _, chunks, num = torch.ops.kbit._moe_route(ids, None, E, rows, max_chunks(E * M, E, rows))
+                offsets, _, _, chunks, num = torch.ops.kbit._moe_route(ids, None, E, rows,
+                                                                       torch.ops.kbit._moe_max_chunks(E * M, E, rows))
                 offs = offsets[1:]
                 t = {
                     "fp16_bmm": graph_time_us([lambda w=w: torch.bmm(A16, w.transpose(1, 2)) for w in Wh]),
@@ -181,12 +178,13 @@ def bench_gemm(args, l2, common, records):
                         [lambda w=w: torch.ops.kbit._moe_grouped_linear(Ab, chunks, num, w[0], w[1], cb, N, K, rows)
                          for w in Wk])
                 if M <= 4:  # the GEMV at every K split count (the heuristic's choice is the row above)
-                    for s in range(1, min(GEMV_MAX_SPLITS, gemv_tiles(N, K)[1]) + 1):
+                    max_splits = torch.ops.kbit.linear_plan(1, N, K, torch.bfloat16, 9, 132, 1, "gemv")[2]
+                    for s in range(1, max_splits + 1):
                         t[f"kbit_grouped_gemv_s{s}"] = graph_time_us(
                             [lambda w=w, s=s: torch.ops.kbit._moe_grouped_linear(Ab, chunks, num, w[0], w[1], cb, N, K,
                                                                                  rows, s) for w in Wk])
-                mrows = mma_chunk_rows(M)
-                _, _, _, mchunks, mnum = torch.ops.kbit._moe_route(ids, None, E, mrows, max_chunks(E * M, E, mrows))
+                _, mrows, mmax = torch.ops.kbit.moe_plan(E * M, 1, E, 4, "grouped_mma")
+                _, _, _, mchunks, mnum = torch.ops.kbit._moe_route(ids, None, E, mrows, mmax)
                 t["kbit_grouped_mma"] = graph_time_us(
                     [lambda w=w: torch.ops.kbit._moe_grouped_linear(Ab, mchunks, mnum, w[0], w[1], cb, N, K, mrows)
                      for w in Wk])

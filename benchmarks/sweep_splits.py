@@ -16,7 +16,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 from bench_linear import SHAPES, copies_for, graph_time_us, random_runtime_weight  # noqa: E402
-from vllm_kbit.linear import mma_config  # noqa: E402
 
 K_BITS = 4
 
@@ -45,13 +44,11 @@ def main() -> None:
         n_tiles, k_tiles = w0.qweight_rt.shape[0], w0.qweight_rt.shape[1]
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            for r in [0] if gemv else sorted({1, mma_config(M, n_tiles)[1]}):
-                if gemv:
-                    p, ctas_per_split = 0, n_tiles
-                else:
-                    p, _, m_blocks = mma_config(M, n_tiles, r)
-                    ctas_per_split = -(-n_tiles // r) * m_blocks
-                for s in range(0, min(8, k_tiles) + 1):  # 0: the heuristic's choice
+            _, _, max_splits, p, r_auto, m_blocks = torch.ops.kbit.linear_plan(
+                M, N, K, torch.bfloat16, props.major, props.multi_processor_count, 1, "gemv" if gemv else "mma")
+            for r in [0] if gemv else sorted({1, r_auto}):
+                ctas_per_split = n_tiles if gemv else -(-n_tiles // r) * m_blocks
+                for s in range(0, max_splits + 1):  # 0: the heuristic's choice
                     if gemv:
                         fns = [lambda w=w, s=s: gemv_op(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, s) for w in ws]
                     else:

@@ -274,7 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_kbit import ops
 
     on_cuda = args.device.startswith("cuda")
-    if (on_cuda or args.check_op) and not ops.HAS_CUDA_KERNELS:
+    if (on_cuda and not ops.HAS_CUDA_KERNELS) or (args.check_op and not ops.HAS_EXTENSION):
         print("the CUDA extension (vllm_kbit/_C*.so) is not loaded: nothing of it to test", file=sys.stderr)
         return 2
     ids = args.cases or [

@@ -40,7 +40,7 @@ def test_cpp_checks_raise_what_the_reference_raises():
     """The C++ checks the CUDA ops run first, on the table's CPU tensors; a crash fails the test."""
     env = {**os.environ, "VLLM_KBIT_LOAD_EXTENSION": "1"}
     probe = subprocess.run(
-        [sys.executable, "-c", "import torch, vllm_kbit.ops as o; assert o.HAS_CUDA_KERNELS; torch.ops.kbit._check_repack"],
+        [sys.executable, "-c", "import torch, vllm_kbit.ops as o; assert o.HAS_EXTENSION; torch.ops.kbit._check_repack"],
         env=env, capture_output=True, text=True,
     )
     if probe.returncode != 0 and "libcudart" in probe.stderr:
@@ -127,7 +127,7 @@ def test_mismatched_runtime_tensors_and_activations():
 
 @pytest.mark.skipif(not _EXTENSION or not shutil.which("nm"), reason="the CUDA extension is not built (or no nm)")
 def test_extension_has_no_iostream_code_of_its_own():
-    """Messages go through csrc/check.h: no stream template of libstdc++ is instantiated in the .so (those
+    """Messages go through csrc/common/check.h: no stream template of libstdc++ is instantiated in the .so (those
     copies crashed the process when a check fired, with a g++ other than the process's libstdc++)."""
     symbols = subprocess.run(["nm", "-C", "--defined-only", _EXTENSION[0]], capture_output=True, text=True, check=True).stdout
     streams = [line for line in symbols.splitlines() if "ostream" in line or "num_put" in line]

@@ -65,3 +65,34 @@ def test_asymmetric_custom_codebook_quantizes_to_its_own_levels():
     scale = fmt.e4m4_decode(w.absmax).unsqueeze(-1)
     levels = cb * scale.unsqueeze(-1)  # [16, 2, 1, 8]: the 8 values each block may hold
     assert (D.unsqueeze(-1) == levels).any(-1).all()
+
+
+# bitsandbytes' NF4 table (bitsandbytes/functional.py, create_normal_map), rounded to 4 decimals.
+BNB_NF4 = [-1.0, -0.6962, -0.5251, -0.3949, -0.2844, -0.1848, -0.0911, 0.0,
+           0.0796, 0.1609, 0.2461, 0.3379, 0.4407, 0.5626, 0.7230, 1.0]
+
+
+@pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
+def test_normal_float_zero_codebook_has_an_exact_zero(k):
+    cb = fmt.normal_float_zero_codebook(k)
+    fmt.check_codebook(cb, k)
+    fmt.check_codebook_values(cb)
+    assert (cb == 0).sum() == 1 and cb[0] == -1 and cb[-1] == 1
+    assert (cb > 0).sum() == 2 ** (k - 1) and (cb < 0).sum() == 2 ** (k - 1) - 1
+
+
+def test_normal_float_zero_at_4_bits_is_nf4():
+    assert torch.allclose(fmt.normal_float_zero_codebook(4), torch.tensor(BNB_NF4), atol=1e-4)
+
+
+def test_default_codebook_is_normal_float_zero_and_normal_float_still_loads():
+    from vllm_kbit.settings import KbitSettings
+
+    assert fmt.DEFAULT_CODEBOOK == "normal_float_zero"
+    assert torch.equal(fmt.default_codebook(3), fmt.normal_float_zero_codebook(3))
+    assert torch.equal(KbitSettings(bits=3).codebook(3), fmt.normal_float_zero_codebook(3))
+    assert KbitSettings(bits=3).to_dict()["codebook"] == "normal_float_zero"
+    old = KbitSettings.from_dict({"quant_method": "kbit", "bits": 3, "codebook": "normal_float"})
+    assert torch.equal(old.codebook(3), fmt.normal_float_codebook(3))
+    with pytest.raises(ValueError, match="codebook must be 'normal_float_zero' or 'normal_float', a list or a dict"):
+        KbitSettings(bits=3, codebook="nf3")

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 
 import vllm_kbit
-from vllm_kbit.moe import CHUNK_ROWS, chunk_rows, kbit_fused_moe, max_chunks, route_reference, stack_runtime
+from vllm_kbit import ops
+from vllm_kbit.moe import kbit_fused_moe, route_reference, stack_runtime
+
+requires_extension = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="the C++ extension is not built or not loadable")
 
 E, H, I, T, TOP_K = 6, 64, 96, 7, 2
 
@@ -95,20 +102,81 @@ def test_route_reference_groups_slots_by_local_expert():
     assert offsets.tolist() == [0, 1, 3] and pos.tolist() == [1, 0, 2, -1, -1, -1]
 
 
+@requires_extension
 def test_max_chunks_bounds_every_routing():
-    """The grouped GEMV's grid (max_chunks) covers the chunks any split of the slots over the experts needs."""
+    """The routing's chunk list (kbit::_moe_max_chunks rows) covers the chunks any split of the slots over the experts needs."""
     g = torch.Generator().manual_seed(0)
-    assert chunk_rows(1) == 1 and chunk_rows(2) == CHUNK_ROWS
+    gemv_rows = torch.ops.kbit.moe_plan(2, 1, 8, 4, "gemv")[1]
+    assert torch.ops.kbit.moe_plan(1, 1, 8, 4, "gemv")[1] == 1 and gemv_rows > 1  # one-row chunks for one token
     for _ in range(3000):
         E = int(torch.randint(1, 24, (1,), generator=g))
         S = int(torch.randint(0, 100, (1,), generator=g))
-        rows = 1 if torch.rand(1, generator=g) < 0.3 else CHUNK_ROWS
+        rows = int(torch.tensor([1, gemv_rows, 8, 16, 32, 64])[torch.randint(0, 6, (1,), generator=g)])
         picks = torch.randint(0, E + 1, (S,), generator=g)  # E: on another rank
         if torch.rand(1, generator=g) < 0.2:
             picks[:] = 0
         counts = torch.bincount(picks[picks < E], minlength=E)
         need = int(((counts + rows - 1) // rows).sum())
-        assert need <= max_chunks(S, E, rows) <= max(S, 0)
+        assert need <= torch.ops.kbit._moe_max_chunks(S, E, rows) <= max(S, 0)
+
+
+@requires_extension
+def test_moe_plan_paths_and_workspace():
+    """kbit::moe_plan: few slots over many experts take the GEMV, up to 128 slots per expert the grouped
+    MMA (chunk height from the average rows of a busy expert and k), beyond that grouped mm (no chunks);
+    the workspace always bounds the chunks; forced paths and bad names."""
+    def plan(tokens, top_k, experts, *path, bits=4):
+        return torch.ops.kbit.moe_plan(tokens, top_k, experts, bits, *path)
+
+    assert plan(1, 8, 128) == ("gemv", 1, 8)
+    path, rows, chunks = plan(2, 8, 128)
+    assert path == "gemv" and rows > 1 and chunks == torch.ops.kbit._moe_max_chunks(16, 128, rows)
+    assert plan(3, 8, 128)[0] == "grouped_mma"  # 24 slots: past the GEMV's
+    assert plan(1, 8, 8)[0] == "grouped_mma"  # 8 slots on 8 experts: most experts would hold a row
+    # Chunk height by average rows per busy expert (8T / 128 here) and k: 8 up to 4 rows (k = 2: up to 8),
+    # 16 up to 32 (k = 5: 32 from 9), 64 beyond.
+    heights = {2: ((16, 8), (64, 8), (128, 8), (129, 16), (512, 16), (513, 64), (2048, 64)),
+               4: ((16, 8), (64, 8), (65, 16), (128, 16), (512, 16), (513, 64), (1024, 64)),
+               5: ((64, 8), (65, 16), (128, 16), (129, 32), (512, 32), (513, 64))}
+    for bits, cases in heights.items():
+        for T, rows in cases:
+            path, got_rows, chunks = plan(T, 8, 128, bits=bits)
+            assert (path, got_rows) == ("grouped_mma", rows), (bits, T)
+            assert chunks == torch.ops.kbit._moe_max_chunks(8 * T, 128, rows) <= 8 * T
+    assert plan(128 * 128 // 8, 8, 128)[0] == "grouped_mma" and plan(128 * 128 // 8 + 1, 8, 128)[:3:2] == ("grouped_mm", 0)
+    assert plan(1, 8, 128, "grouped_mm")[0] == "grouped_mm" and plan(5000, 8, 128, "gemv")[0] == "gemv"
+    assert plan(0, 8, 128)[2] == 0
+    with pytest.raises(ValueError, match="is not one of auto, gemv, grouped_mm, grouped_mma"):
+        plan(1, 1, 1, "fastest")
+    with pytest.raises(ValueError, match="local experts"):
+        plan(1, 1, 5000)
+    with pytest.raises(ValueError, match="k=6 is not supported; supported: 2..5"):
+        plan(1, 1, 8, bits=6)
+    assert [torch.ops.kbit._moe_path_id(name) for name in ("auto", "gemv", "grouped_mm", "grouped_mma")] == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="is not one of auto, gemv, grouped_mm, grouped_mma"):
+        torch.ops.kbit._moe_path_id("fastest")
+
+
+def test_without_extension_the_reference_needs_no_plan():
+    """The package without its C++ extension (VLLM_KBIT_LOAD_EXTENSION=0, as a CPU torch install has
+    it): no plan ops, and the public ops still run (the reference never asks for a plan)."""
+    code = (
+        "import torch, vllm_kbit, vllm_kbit.moe as moe\n"
+        "from vllm_kbit import ops\n"
+        "assert not ops.HAS_EXTENSION and not ops.HAS_CUDA_KERNELS\n"
+        "assert not hasattr(torch.ops.kbit, 'linear_plan') and not hasattr(torch.ops.kbit, 'moe_plan')\n"
+        "w = vllm_kbit.KbitLinearWeight.from_kbit(vllm_kbit.quantize(torch.randn(70, 64), 3))\n"
+        "x = torch.randn(5, 64)\n"
+        "assert torch.allclose(vllm_kbit.kbit_linear(x, w), x @ w.dequantize(torch.float32).T, atol=1e-4)\n"
+        "flat = lambda n: [(q.qweight, q.absmax) for q in (vllm_kbit.quantize(torch.randn(n, 32) * 0.1, 3) for _ in range(2))]\n"
+        "(q13, a13), (q2, a2) = moe.stack_runtime(flat(64)), moe.stack_runtime(flat(32))\n"
+        "cb = vllm_kbit.reference.normal_float_codebook(3)\n"
+        "out = moe.kbit_fused_moe(torch.randn(4, 32), torch.tensor([[0], [1], [1], [0]]), torch.ones(4, 1), q13, a13, q2, a2, cb, 32)\n"
+        "assert out.shape == (4, 32) and torch.isfinite(out).all()\n"
+    )
+    env = {**os.environ, "VLLM_KBIT_LOAD_EXTENSION": "0"}
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
 
 
 def test_fused_moe_refuses_bad_input():

@@ -38,7 +38,7 @@ def test_quantize_api_returns_one_object_with_everything():
     assert w.k == 3 and w.shape == (48, 96)
     assert w.qweight.shape == (48, 3, 3) and w.qweight.dtype == torch.int32
     assert w.absmax.shape == (48, 3) and w.absmax.dtype == torch.uint8
-    assert torch.equal(w.codebook, fmt.normal_float_codebook(3))
+    assert torch.equal(w.codebook, fmt.default_codebook(3))
     assert w.bits_per_weight == 3.25
     q, a = fmt.quantize(W, w.codebook, 3)
     assert torch.equal(w.qweight, q) and torch.equal(w.absmax, a)

@@ -42,9 +42,10 @@ def _weights(seed: int, dtype) -> torch.Tensor:
 @pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
 @pytest.mark.parametrize("search", [True, False])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fast_fake_quant_equals_reference(k, search, dtype):
+@pytest.mark.parametrize("codebook", sorted(fmt.CODEBOOKS))
+def test_fast_fake_quant_equals_reference(k, search, dtype, codebook):
     W = _weights(k, dtype)
-    cb = fmt.normal_float_codebook(k)
+    cb = fmt.CODEBOOKS[codebook](k)
     q, a = fmt.quantize(W, cb, k, search)
     expected = fmt.dequantize(q, a, cb, dtype)
     got = real_model.kbit_fake_weight(W, k, cb, search)

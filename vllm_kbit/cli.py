@@ -43,6 +43,14 @@ def _overrides(items: list[str]) -> dict[str, int]:
     return out
 
 
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--calibration-file: cannot read {path}: {e}") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="vllm-kbit", description="k-bit weight quantization tools for vLLM")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -77,6 +85,17 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--device", default="cpu", help="device that quantizes (cpu, cuda, cuda:1, ...)")
     c.add_argument("--max-shard-size", type=_size, default="4GB", help="largest output shard (default 4GB)")
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR (never the input)")
+    c.add_argument(
+        "--gptq",
+        action="store_true",
+        help="error-compensating (GPTQ) rounding on calibration text; loads the model with transformers (slower)",
+    )
+    c.add_argument(
+        "--calibration-file",
+        default=None,
+        metavar="PATH",
+        help="UTF-8 text for --gptq (default: docstrings of Python's standard library)",
+    )
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -86,6 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_kbit.convert import ConvertError, convert
     from vllm_kbit.settings import KbitSettings
 
+    if args.calibration_file and not args.gptq:
+        print("error: --calibration-file needs --gptq (the text calibrates GPTQ rounding)", file=sys.stderr)
+        return 2
     try:
         settings = KbitSettings(
             bits=args.bits,
@@ -101,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
             max_shard_bytes=args.max_shard_size,
             overwrite=args.overwrite,
             progress=not args.quiet,
+            gptq=args.gptq,
+            calibration_text=_read_text(args.calibration_file) if args.calibration_file else None,
         )
     except (ConvertError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

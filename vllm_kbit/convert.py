@@ -20,7 +20,10 @@ Which tensors are quantized: 2-D floating-point ``.weight`` tensors, except
   vLLM plugin applies online); per-expert weights with such a K are an error.
 
 The packed tensors are exactly what online quantization (``--quantization kbit``)
-of the same checkpoint produces when vLLM runs in the checkpoint's dtype.
+of the same checkpoint produces when vLLM runs in the checkpoint's dtype, unless
+``gptq`` is set: then the linear layers that transformers' model of the checkpoint
+runs as ``nn.Linear`` are rounded by GPTQ on calibration text (:mod:`vllm_kbit.gptq`;
+same format, same scale rule, different indices) and the rest as online.
 """
 
 from __future__ import annotations
@@ -177,9 +180,15 @@ def convert(
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     progress: bool = True,
+    gptq: bool = False,
+    calibration_text: str | None = None,
 ) -> ConvertSummary:
     """Writes the kbit checkpoint of ``in_dir`` to ``out_dir``; returns what was done. On failure the
-    output directory is removed if this call created it (emptied otherwise)."""
+    output directory is removed if this call created it (emptied otherwise).
+
+    gptq=True rounds with GPTQ (:mod:`vllm_kbit.gptq`) on ``calibration_text`` (default: the
+    bundled :func:`vllm_kbit.gptq.calibration_text`); the model is loaded once with transformers
+    in the checkpoint's dtype on ``device`` for the calibration forward."""
     if not os.path.isdir(in_dir):
         raise ConvertError(f"kbit convert: input {in_dir} is not a directory")
     config = _read_config(in_dir)
@@ -190,7 +199,8 @@ def convert(
         shutil.rmtree(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     try:
-        return _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, progress)
+        precomputed = _gptq_weights(in_dir, settings, device, calibration_text, progress) if gptq else {}
+        return _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, progress, precomputed)
     except BaseException:
         # A failed conversion leaves nothing behind: the directory it created goes, or, in a directory
         # that existed (empty, or emptied by --overwrite), what it wrote.
@@ -203,7 +213,31 @@ def convert(
         raise
 
 
-def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, progress) -> ConvertSummary:
+def _gptq_weights(in_dir, settings, device, text, progress) -> dict:
+    """{module name: (qweight, absmax)} of the linear layers GPTQ rounds (see :func:`convert`)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_kbit import gptq
+
+    tokenizer = AutoTokenizer.from_pretrained(in_dir)
+    model = AutoModelForCausalLM.from_pretrained(in_dir, dtype="auto").to(device).eval()
+
+    def select(module):
+        W = model.get_submodule(module).weight
+        bits = quantization_decision(f"{module}.weight", tuple(W.shape), W.dtype, settings)
+        return None if bits is None or bits == -1 else (bits, settings.codebook(bits))
+
+    def report(module):
+        if progress:
+            print(f"kbit convert: gptq {module}", flush=True)
+
+    try:
+        return gptq.quantize_model(model, tokenizer, select, text, progress=report)
+    finally:
+        del model
+
+
+def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, progress, precomputed=None) -> ConvertSummary:
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -269,11 +303,14 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
                         summary.left_unquantized.append(name[: -len(".weight")])
                     add(name, t)
                 else:
-                    try:  # the op refuses NaN, Inf and |w| beyond the E4M4 range
-                        qweight, absmax = torch.ops.kbit.quantize(t.contiguous(), codebooks[bits], bits)
-                    except ValueError as e:
-                        raise ConvertError(f"kbit convert: tensor {name}: {e}") from None
                     module = name[: -len(".weight")]
+                    if precomputed and module in precomputed:
+                        qweight, absmax = precomputed.pop(module)
+                    else:
+                        try:  # the op refuses NaN, Inf and |w| beyond the E4M4 range
+                            qweight, absmax = torch.ops.kbit.quantize(t.contiguous(), codebooks[bits], bits)
+                        except ValueError as e:
+                            raise ConvertError(f"kbit convert: tensor {name}: {e}") from None
                     add(f"{module}.qweight", qweight)
                     add(f"{module}.absmax", absmax)
                     summary.quantized += 1

@@ -10,11 +10,12 @@ then contribute nothing. Ids outside the local experts -- negative, >= E without
 CUDA too: the routing kernel drops such slots, so no weight is read for them). They are not
 refused because checking device-side ids would need a host sync on every call.
 
-CPU runs the PyTorch reference below. CUDA with bf16/fp16 activations runs
-``kbit::_fused_moe_cuda`` (csrc/moe_ops.cpp: device-side routing, then by slots per
+CPU runs the PyTorch reference below, with each expert's weights decoded once and kept
+(:func:`vllm_kbit.ops.cpu_decoded`). CUDA with bf16/fp16 activations runs
+``kbit::_fused_moe_cuda`` (csrc/ops/moe_ops.cpp: device-side routing, then by slots per
 expert the grouped kbit GEMV, the grouped dequant + MMA, or dequantize +
-``torch._grouped_mm``);
-fp32 activations on CUDA run the reference. :func:`route_reference` is the
+``torch._grouped_mm``; ``torch.ops.kbit.moe_plan`` says which, and how large the routing's
+workspace is); fp32 activations on CUDA run the reference. :func:`route_reference` is the
 routing those kernels compute, in PyTorch.
 """
 
@@ -27,26 +28,16 @@ import torch
 from vllm_kbit import reference as fmt
 from vllm_kbit import ops
 
-_lib = torch.library.Library("kbit", "FRAGMENT")
-_lib.define(
-    "fused_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_absmax, "
-    "Tensor w2_qweight, Tensor w2_absmax, Tensor codebook, SymInt intermediate_size, Tensor? expert_map, "
-    "bool apply_router_weight_on_input) -> Tensor"
-)
+_lib = torch.library.Library("kbit", "FRAGMENT")  # kbit::fused_moe's schema: vllm_kbit/ops.py
 
 # KBIT_MOE_PATH forces one CUDA path for every call (benchmarks, bisecting a numerical difference):
-# csrc/moe_ops.cpp's path argument, auto by default.
-_MOE_PATHS = {"auto": 0, "gemv": 1, "grouped_mm": 2, "grouped_mma": 3}
-
-
-def _forced_path() -> int:
-    name = os.environ.get("KBIT_MOE_PATH", "auto")
-    if name not in _MOE_PATHS:
-        raise ValueError(f"kbit: KBIT_MOE_PATH={name!r} is not a path; supported: {', '.join(_MOE_PATHS)}")
-    return _MOE_PATHS[name]
-
-
-_MOE_PATH = _forced_path()
+# auto (default), gemv, grouped_mm or grouped_mma; csrc/ops/dispatch.cpp names and checks them.
+_MOE_PATH = 0  # auto
+if ops.HAS_EXTENSION:
+    try:
+        _MOE_PATH = torch.ops.kbit._moe_path_id(os.environ.get("KBIT_MOE_PATH", "auto"))
+    except ValueError as e:
+        raise ValueError(f"kbit: KBIT_MOE_PATH: {e}") from None
 
 
 def check_inputs(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
@@ -113,9 +104,21 @@ def _fused_moe_reference(
     picked = torch.zeros(T, E + 1, dtype=torch.float32, device=x.device)
     picked.scatter_add_(1, torch.where(ids < 0, E, ids), torch.ones_like(topk_weights, dtype=torch.float32))
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+
+    def decode_w13(e):
+        return fmt.dequantize_runtime(w13_qweight[e], w13_absmax[e], codebook, 2 * I, H, x.dtype)
+
+    def decode_w2(e):
+        return fmt.dequantize_runtime(w2_qweight[e], w2_absmax[e], codebook, H, I, x.dtype)
+
+    w13_of, w2_of = decode_w13, decode_w2
+    if ops.cpu_decode_cache_on(w13_qweight):  # every expert decoded once per weight (ops.cpu_decoded)
+        w13_of = ops.cpu_decoded((w13_qweight, w13_absmax, codebook), ("fused_moe", x.dtype, 2 * I, H),
+                                 lambda: tuple(map(decode_w13, range(E)))).__getitem__
+        w2_of = ops.cpu_decoded((w2_qweight, w2_absmax, codebook), ("fused_moe", x.dtype, H, I),
+                                lambda: tuple(map(decode_w2, range(E)))).__getitem__
     for e in range(E):
-        w13 = fmt.dequantize_runtime(w13_qweight[e], w13_absmax[e], codebook, 2 * I, H, x.dtype)
-        w2 = fmt.dequantize_runtime(w2_qweight[e], w2_absmax[e], codebook, H, I, x.dtype)
+        w13, w2 = w13_of(e), w2_of(e)
         if apply_router_weight_on_input:
             xe = (x.float() * combine[:, e : e + 1]).to(x.dtype)
             scale = picked[:, e : e + 1]
@@ -144,8 +147,6 @@ def _fused_moe_cuda(
         )
     check_inputs(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
                  expert_map)
-    if w13_qweight.shape[0] > MAX_LOCAL_EXPERTS:
-        raise ValueError(f"kbit: fused_moe on CUDA supports up to {MAX_LOCAL_EXPERTS} local experts, got {w13_qweight.shape[0]}")
     return torch.ops.kbit._fused_moe_cuda(
         x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, int(intermediate_size),
         expert_map, apply_router_weight_on_input, _MOE_PATH,
@@ -192,20 +193,6 @@ def stack_runtime(flat: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.
     """Per-expert flat (qweight, absmax) pairs -> stacked runtime tensors [E, ...]."""
     rt = [torch.ops.kbit.repack(q.contiguous(), a.contiguous()) for q, a in flat]
     return torch.stack([q for q, _ in rt]), torch.stack([a for _, a in rt])
-
-
-MAX_LOCAL_EXPERTS = 4096  # the CUDA routing kernel's shared-memory counters (csrc/moe_ops.cpp: kMaxLocalExperts)
-CHUNK_ROWS = 4  # most rows of one expert a grouped-GEMV CTA multiplies (csrc/moe.cuh: kMoeChunkRows)
-
-
-def chunk_rows(tokens: int) -> int:
-    """Mirror of csrc moe_chunk_rows: one-row chunks for a single token, else CHUNK_ROWS."""
-    return 1 if tokens == 1 else CHUNK_ROWS
-
-
-def max_chunks(slots: int, experts: int, rows: int) -> int:
-    """Mirror of csrc moe_max_chunks: the most chunks of <= rows rows any routing of `slots` over `experts` can need."""
-    return min(slots, (slots + (rows - 1) * min(experts, slots)) // rows)
 
 
 def route_reference(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num_experts: int):

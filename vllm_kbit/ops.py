@@ -1,15 +1,23 @@
 """``torch.ops.kbit.*``: schemas, CPU (reference) and fake implementations.
 
-The schemas live here; the CUDA extension (``vllm_kbit/_C*.so``, built from
-``csrc/``) only adds CUDA kernels to them with ``TORCH_LIBRARY_IMPL``. Without
+The schemas of every op with a PyTorch reference, and of the C++ variants of those ops, live here
+(``_SCHEMAS``); the CUDA extension (``vllm_kbit/_C*.so``, built from ``csrc/``) only adds kernels
+to them with ``TORCH_LIBRARY_IMPL``. Its C++-only ops (``linear_plan``, ``moe_plan``, the routing
+pieces) are defined in ``csrc/`` and exist only with the extension. Without
 the extension (a CPU-only install) the PyTorch reference also serves CUDA
-tensors, slowly, and :data:`HAS_CUDA_KERNELS` is False.
+tensors, slowly, and :data:`HAS_EXTENSION` and :data:`HAS_CUDA_KERNELS` are False.
+
+On CPU the ops that multiply by a packed weight (``linear``, ``fused_moe``) decode it once and keep
+the decoded tensor (:func:`cpu_decoded`), so a forward costs a plain matmul; ``VLLM_KBIT_CPU_DECODE_CACHE=0``
+turns this off (each call decodes again: less memory, ~100x slower decode steps).
 """
 
 from __future__ import annotations
 
 import glob
 import os
+import weakref
+from typing import Callable
 
 import torch
 
@@ -17,6 +25,8 @@ from vllm_kbit import reference as fmt
 
 _lib = torch.library.Library("kbit", "DEF")
 
+# Every schema of an op with a PyTorch reference, written once. The C++ extension adds kernels to
+# them (TORCH_LIBRARY_IMPL) and defines no schema of its own for these ops or their variants below.
 _SCHEMAS = {
     "quantize": (
         "quantize(Tensor W, Tensor codebook, int k, bool search_scale=True) -> (Tensor qweight, Tensor absmax)"
@@ -32,9 +42,113 @@ _SCHEMAS = {
         "linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, SymInt N, SymInt K, "
         "Tensor? bias) -> Tensor"
     ),
+    "fused_moe": (
+        "fused_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_absmax, "
+        "Tensor w2_qweight, Tensor w2_absmax, Tensor codebook, SymInt intermediate_size, Tensor? expert_map, "
+        "bool apply_router_weight_on_input) -> Tensor"
+    ),
 }
-for _schema in _SCHEMAS.values():
+
+
+def _variant(op: str, name: str, extra_args: str = "", returns: str | None = None) -> str:
+    """The schema of `op` renamed, with extra trailing arguments and/or other returns."""
+    args, ret = _SCHEMAS[op].split(" -> ")
+    return f"{name}({args[len(op) + 1 : -1]}{extra_args}) -> {returns or ret}"
+
+
+# Variants the C++ extension implements: its argument checks on any device (kbit::_check_<op>, for
+# the bad-input tests), one kernel forced (tests, benchmarks), and fused_moe's CUDA composition with
+# a forced path. The extension's C++-only ops (plans, routing pieces) are defined in csrc/.
+_VARIANTS = {
+    **{f"_check_{op}": _variant(op, f"_check_{op}", returns="()")
+       for op in ("quantize", "dequantize", "repack", "dequantize_runtime", "linear")},
+    "_gemv_linear": _variant("linear", "_gemv_linear", ", int splits=0"),
+    "_mma_linear": _variant("linear", "_mma_linear", ", int row_groups=0, int splits=0"),
+    "_wgmma_linear": _variant("linear", "_wgmma_linear", ", bool warp_specialized=False"),
+    "_fused_moe_cuda": _variant("fused_moe", "_fused_moe_cuda", ", int path=0"),  # kbit::_moe_path_id; 0: auto
+}
+for _schema in (*_SCHEMAS.values(), *_VARIANTS.values()):
     _lib.define(_schema)
+
+
+# ----------------------------------------------------------------------------- CPU decode cache
+
+
+def _cache_setting() -> bool:
+    value = os.environ.get("VLLM_KBIT_CPU_DECODE_CACHE", "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"kbit: VLLM_KBIT_CPU_DECODE_CACHE={value!r} is not a setting; supported: 0 (off), 1 (on)")
+    return value == "1"
+
+
+CPU_DECODE_CACHE = _cache_setting()
+# id(packed weight) -> (weak reference to it, {key: (stamp, decoded)}); the weak reference's callback drops
+# the entry when the packed tensor dies. A plain dict: this lookup runs on every CPU forward of every layer.
+_decoded: dict[int, tuple[weakref.ref, dict]] = {}
+
+
+def _entries(owner: torch.Tensor) -> dict:
+    slot = _decoded.get(id(owner))
+    if slot is None or slot[0]() is not owner:
+        def drop(ref, i=id(owner)):
+            if _decoded.get(i, (None,))[0] is ref:
+                del _decoded[i]
+
+        slot = _decoded[id(owner)] = (weakref.ref(owner, drop), {})
+    return slot[1]
+
+
+def _version(t: torch.Tensor) -> int:
+    try:
+        return t._version
+    except RuntimeError:  # inference tensors have no version counter (and no in-place writes outside it)
+        return -1
+
+
+def _stamp(tensors: tuple[torch.Tensor, ...]) -> tuple:
+    """What a decoded weight depends on: the packed tensors themselves, their storage and in-place writes."""
+    return tuple((weakref.ref(t), t.data_ptr(), _version(t)) for t in tensors)
+
+
+def _stamp_matches(stamp: tuple, tensors: tuple[torch.Tensor, ...]) -> bool:
+    return len(stamp) == len(tensors) and all(
+        ref() is t and ptr == t.data_ptr() and v == _version(t) for (ref, ptr, v), t in zip(stamp, tensors)
+    )
+
+
+def cpu_decode_cache_on(t: torch.Tensor) -> bool:
+    """Whether :func:`cpu_decoded` keeps what it decodes for a packed tensor on t's device."""
+    return CPU_DECODE_CACHE and t.is_cpu
+
+
+def cpu_decoded(packed: tuple[torch.Tensor, ...], key: tuple, decode: Callable[[], object]):
+    """``decode()``, computed once per packed weight on CPU and kept while ``packed[0]`` lives.
+
+    ``packed`` holds every tensor the result is decoded from (qweight first: the entry hangs on it);
+    ``key`` tells apart results decoded from the same tensors (output dtype, shape). A packed tensor
+    written in place or swapped for another one is decoded again. The decoded values are exactly
+    ``decode()``'s, so a cached forward equals the reference's bit for bit; the price is the weight's
+    size in the decoded dtype, kept beside the packed tensors. Off (or off CPU): ``decode()`` each call.
+    """
+    owner = packed[0]
+    if not cpu_decode_cache_on(owner):
+        return decode()
+    entries = _entries(owner)
+    hit = entries.get(key)
+    if hit is not None and _stamp_matches(hit[0], packed):
+        return hit[1]
+    value = decode()
+    entries[key] = (_stamp(packed), value)
+    return value
+
+
+def cpu_decode_cache_nbytes() -> int:
+    """Bytes held by the CPU decode cache (decoded weights of packed tensors still alive)."""
+    total = 0
+    for _, entries in list(_decoded.values()):
+        for _, value in entries.values():
+            total += sum(t.nbytes for t in (value if isinstance(value, tuple) else (value,)))
+    return total
 
 
 def _linear_reference(x, qweight_rt, absmax_rt, codebook, N, K, bias):
@@ -48,7 +162,11 @@ def _linear_reference(x, qweight_rt, absmax_rt, codebook, N, K, bias):
     fmt.check_codebook(codebook, qweight_rt.shape[2])
     if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or bias.dtype != x.dtype):
         raise ValueError(f"kbit: bias must be [{N}] of x's dtype {x.dtype}, got {bias.dtype} {list(bias.shape)}")
-    W = fmt.dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.dtype)
+    W = cpu_decoded(
+        (qweight_rt, absmax_rt, codebook),
+        ("linear", x.dtype, N, K),
+        lambda: fmt.dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.dtype),
+    )
     return torch.nn.functional.linear(x, W, bias)
 
 
@@ -70,14 +188,22 @@ _lib.impl("unrepack", fmt.unrepack, "CUDA")
 
 
 def _load_extension() -> bool:
+    """Loads vllm_kbit/_C*.so where it is built and loadable; False leaves the reference serving every op.
+
+    It loads on machines without a GPU too (its plan ops and checks are host C++); there a load
+    failure (no CUDA runtime, or built for another torch) only means no extension. With a GPU it
+    is an error: CUDA tensors would silently run the slow reference. VLLM_KBIT_LOAD_EXTENSION=0
+    skips it (tests of the extension-less package).
+    """
     here = os.path.dirname(__file__)
     candidates = sorted(glob.glob(os.path.join(here, "_C*.so")))
-    if not candidates or not torch.cuda.is_available() and os.environ.get("VLLM_KBIT_LOAD_EXTENSION") != "1":
-        # Loading needs libcudart; on machines without a GPU the reference serves everything.
+    if not candidates or os.environ.get("VLLM_KBIT_LOAD_EXTENSION") == "0":
         return False
     try:
         torch.ops.load_library(candidates[0])
     except OSError as e:
+        if not torch.cuda.is_available():
+            return False
         # Typically undefined torch symbols: the extension was compiled against another torch than this one.
         raise ImportError(
             f"vllm-kbit: cannot load its CUDA extension {candidates[0]} with torch {torch.__version__} ({e}). "
@@ -88,8 +214,13 @@ def _load_extension() -> bool:
     return True
 
 
-HAS_CUDA_KERNELS = _load_extension()
-if not HAS_CUDA_KERNELS:
+# HAS_EXTENSION: the C++ extension is loaded, so its ops exist (CUDA kernels, and on any machine the
+# plans kbit::linear_plan / kbit::moe_plan and the C++ checks). HAS_CUDA_KERNELS: CUDA tensors run
+# the kernels. Nothing outside tests and benchmarks needs the extension's own ops: without it the
+# PyTorch reference serves every public op on every device.
+HAS_EXTENSION = _load_extension()
+HAS_CUDA_KERNELS = HAS_EXTENSION and torch.cuda.is_available()
+if not HAS_EXTENSION:
     for _name in _CUDA_KERNEL_OPS:
         _lib.impl(_name, _REFERENCE[_name], "CUDA")
 
@@ -133,3 +264,7 @@ def _dequantize_runtime_fake(qweight_rt, absmax_rt, codebook, N, K, dtype):
 @torch.library.register_fake("kbit::linear")
 def _linear_fake(x, qweight_rt, absmax_rt, codebook, N, K, bias):
     return x.new_empty(*x.shape[:-1], N)
+
+
+# kbit::fused_moe's implementations live with the MoE code (it uses this module).
+from vllm_kbit import moe as _moe  # noqa: E402,F401

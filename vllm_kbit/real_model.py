@@ -228,7 +228,7 @@ def kbit_fake_weight(W, k: int, codebook=None, search_scale: bool | None = None)
     if search_scale is None:
         search_scale = fmt.DEFAULT_SEARCH_SCALE
     if codebook is None:
-        codebook = fmt.normal_float_codebook(k)
+        codebook = fmt.default_codebook(k)
     fmt.check_weight(W)
     fmt.check_codebook(codebook, k)
     N, K = W.shape
@@ -288,36 +288,55 @@ def kbit_weights(original: dict, settings) -> dict:
     return out
 
 
-def cached_kbit_weights(original: dict, k: int, search_scale: bool = True, model_dir: str | None = None,
-                        verbose: bool = True) -> tuple[dict, bool]:
-    """(kbit-k decoded bf16 weights of every module in ``original``, whether they came from the cache).
+def cached_weights(original: dict, tag: str, compute, model_dir: str | None = None,
+                   verbose: bool = True) -> tuple[dict, bool]:
+    """(``compute()``'s {name: decoded bf16 W} for the modules of ``original``, whether it came from the cache).
 
-    Default codebook; every module at k bits. Cached as safetensors under
-    ``cache_root()/fakequant/<model dir name>/``, keyed by k and the scale rule, so the benchmark,
-    the demo and the tests quantize the model once per setting.
+    Cached as safetensors ``cache_root()/fakequant/<model dir name>/<tag>.safetensors``: the tag
+    must name everything the weights depend on (bits, codebook, scale rule, rounding).
     """
     import time
 
     from safetensors.torch import load_file, save_file
 
-    from vllm_kbit import reference as fmt
-
-    tag = os.path.basename((model_dir or default_dir()).rstrip("/"))
-    path = os.path.join(cache_root(), "fakequant", tag, f"kbit{k}{'' if search_scale else '-absmax'}.safetensors")
+    model_tag = os.path.basename((model_dir or default_dir()).rstrip("/"))
+    path = os.path.join(cache_root(), "fakequant", model_tag, f"{tag}.safetensors")
     if os.path.exists(path):
         cached = load_file(path)
         if set(cached) == set(original):
             return cached, True
     t = time.time()
-    cb = fmt.normal_float_codebook(k)
-    out = {name: kbit_fake_weight(W.contiguous(), k, cb, search_scale) for name, W in original.items()}
+    out = compute()
     os.makedirs(os.path.dirname(path), exist_ok=True)
     save_file({n: w.contiguous() for n, w in out.items()}, path + ".tmp")
     os.replace(path + ".tmp", path)
     if verbose:
-        print(f"real_model: kbit-{k}{'' if search_scale else ' (absmax scales)'} of {len(out)} weights in "
-              f"{time.time() - t:.0f} s, cached at {path}", file=sys.stderr)
+        print(f"real_model: {tag} of {len(out)} weights in {time.time() - t:.0f} s, cached at {path}", file=sys.stderr)
     return out, False
+
+
+def cached_kbit_weights(original: dict, k: int, search_scale: bool = True, model_dir: str | None = None,
+                        verbose: bool = True, codebook: str | None = None) -> tuple[dict, bool]:
+    """(kbit-k decoded bf16 weights of every module in ``original``, whether they came from the cache).
+
+    ``codebook``: a name in ``reference.CODEBOOKS`` (default: the default codebook); every module at
+    k bits; cached by :func:`cached_weights`, keyed by k, the codebook and the scale rule, so the
+    benchmark, the demo and the tests quantize the model once per setting.
+    """
+    from vllm_kbit import reference as fmt
+
+    codebook = codebook or fmt.DEFAULT_CODEBOOK
+
+    def compute():
+        cb = fmt.CODEBOOKS[codebook](k)
+        return {name: kbit_fake_weight(W.contiguous(), k, cb, search_scale) for name, W in original.items()}
+
+    tag = f"kbit{k}{CODEBOOK_TAGS[codebook]}{'' if search_scale else '-absmax'}"
+    return cached_weights(original, tag, compute, model_dir, verbose)
+
+
+# Cache-name part of each codebook ("kbit3" is the normal-float one, as before the default changed).
+CODEBOOK_TAGS = {"normal_float": "", "normal_float_zero": "-nf0"}
 
 
 def kbit_bytes(shape: tuple[int, int], k: int) -> int:

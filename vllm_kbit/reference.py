@@ -15,29 +15,45 @@ by :func:`repack`): tiles of ``TILE_N`` rows x ``TILE_KB`` blocks, see
 
 Every function here runs on any device and is exact: the CUDA kernels must
 reproduce it bit for bit (packed words, scale codes and dequantized values).
+The format's constants (block size, bits, E4M4 bias, scale search, tile) are
+written once, in ``format_constants.h`` beside this file, which the CUDA
+extension includes.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+import os
+import re
 
 import torch
 
-BLOCK_SIZE = 32
-SUPPORTED_BITS = (2, 3, 4, 5)
+
+
+def _read_format_constants() -> dict[str, int]:
+    """The `constexpr int kName = value;` lines of format_constants.h (shared with the CUDA extension)."""
+    path = os.path.join(os.path.dirname(__file__), "format_constants.h")
+    with open(path) as f:
+        found = dict(re.findall(r"^constexpr int (k\w+) = (-?\d+);", f.read(), re.MULTILINE))
+    return {name: int(value) for name, value in found.items()}
+
+
+_FORMAT = _read_format_constants()
+BLOCK_SIZE = _FORMAT["kBlockSize"]
+SUPPORTED_BITS = tuple(range(_FORMAT["kMinBits"], _FORMAT["kMaxBits"] + 1))
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-E4M4_BIAS = 11
-E4M4_MAX = 31.0  # 2**(15 - 11) * (1 + 15/16): the largest scale a block can have
+E4M4_BIAS = _FORMAT["kE4M4Bias"]
+E4M4_MAX = 2.0 ** (15 - E4M4_BIAS) * (1 + 15 / 16)  # code 255 (e = 15, m = 15): the largest scale a block can have
 # Scale search (see block_scales): E4M4 code offsets tried around each block's absmax code,
 # -8..+8 (about x0.7..x1.4). On by default; search_scale=False gives plain absmax scales.
-SCALE_SEARCH_OFFSETS = tuple(d for d in range(-8, 9) if d != 0)
+SCALE_SEARCH_OFFSETS = tuple(d for d in range(-_FORMAT["kScaleSearchRadius"], _FORMAT["kScaleSearchRadius"] + 1) if d)
 DEFAULT_SEARCH_SCALE = True
 
 # Runtime tile: TILE_N rows (output features) by TILE_KB blocks of 32 along K.
-TILE_N = 64
-TILE_KB = 4
+TILE_N = _FORMAT["kTileN"]
+TILE_KB = _FORMAT["kTileKB"]
 
 
 # ----------------------------------------------------------------------------- checks
@@ -142,9 +158,38 @@ def _normal_float_codebook_cpu(k: int) -> torch.Tensor:
 
 
 def normal_float_codebook(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The default codebook: 2**k normal-float levels, ascending, symmetric, max |c| == 1."""
+    """2**k normal-float levels, ascending, symmetric (no zero level), max |c| == 1."""
     check_bits(k)
     return _normal_float_codebook_cpu(k).to(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _normal_float_zero_codebook_cpu(k: int) -> torch.Tensor:
+    # bitsandbytes' NF4 construction at k bits: 2**(k-1) positive and 2**(k-1) - 1 negative normal
+    # quantiles at equally spaced probabilities from 1/2 to `offset` (the middle of the two outer bins
+    # of 2**k - 1 and 2**k levels), plus an exact zero; scaled to max |c| = 1. At k = 4: NF4's values.
+    n = 2**k
+    offset = 0.5 * ((1 - 1 / (2 * (n - 1))) + (1 - 1 / (2 * n)))
+    pos = torch.special.ndtri(torch.linspace(offset, 0.5, n // 2 + 1, dtype=torch.float64)[:-1])
+    neg = -torch.special.ndtri(torch.linspace(offset, 0.5, n // 2, dtype=torch.float64)[:-1])
+    levels = torch.cat([pos, torch.zeros(1, dtype=torch.float64), neg]).sort().values
+    return (levels / levels.abs().max()).float()
+
+
+def normal_float_zero_codebook(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The default codebook: 2**k normal-quantile levels with an exact zero (one more positive level
+    than negative), ascending, max |c| == 1 at both ends."""
+    check_bits(k)
+    return _normal_float_zero_codebook_cpu(k).to(device)
+
+
+# Named codebooks a checkpoint's quantization_config may give; the first is the default.
+CODEBOOKS = {"normal_float_zero": normal_float_zero_codebook, "normal_float": normal_float_codebook}
+DEFAULT_CODEBOOK = "normal_float_zero"
+
+
+def default_codebook(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    return CODEBOOKS[DEFAULT_CODEBOOK](k, device)
 
 
 def codebook_thresholds(codebook: torch.Tensor) -> torch.Tensor:
@@ -315,7 +360,7 @@ def runtime_shapes(N: int, K: int, k: int) -> tuple[tuple[int, ...], tuple[int, 
 
 
 # Runtime index words for k = 2 and 4: each block's k plane words transposed, once at load, into the
-# words the kernels' table lookup reads (csrc/dequant_core.cuh: runtime index words). For k = 4, byte n
+# words the kernels' table lookup reads (csrc/format/dequant_core.cuh: runtime index words). For k = 4, byte n
 # of word w holds the pair (e, e + 1), e = 8n + 2 (w >> 1) + 4 (w & 1), as two 4-bit indices (e low);
 # for k = 2, byte n of word w holds elements 8n + 4w .. +3 as four 2-bit indices (lowest first). k = 3
 # and 5 keep bit planes (their transposed words would not be dense). Each entry is a delta swap

@@ -18,7 +18,9 @@ Where the settings come from
 
 Fields
 ------
-``bits``: 2..5 (default 4). ``codebook``: ``"normal_float"`` (default), a list of
+``bits``: 2..5 (default 4). ``codebook``: ``"normal_float_zero"`` (default: normal quantiles with
+an exact zero), ``"normal_float"`` (symmetric, no zero level: the earlier default, which
+checkpoints converted with it name), a list of
 ``2**bits`` ascending float32 values with max |c| == 1, or a dict ``{"<k>": [...]}``
 per bit width. ``bits_overrides``: ``{regex: bits}``; a module takes the bits of
 the first regex (in order) that ``re.search`` finds in its name. ``modules_to_not_convert``:
@@ -58,7 +60,7 @@ from vllm_kbit import reference as fmt
 
 QUANT_METHOD = "kbit"
 DEFAULT_BITS = 4
-DEFAULT_CODEBOOK = "normal_float"
+DEFAULT_CODEBOOK = fmt.DEFAULT_CODEBOOK
 LM_HEAD = "lm_head"
 DEFAULT_MODULES_TO_NOT_CONVERT = (LM_HEAD, "gate", "shared_expert_gate", "embed_tokens")
 _EXPERT_TENSOR = re.compile(r"^(?P<block>.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")
@@ -129,8 +131,8 @@ class KbitSettings:
 
     def _make_codebook(self, k: int) -> torch.Tensor:
         spec = self.codebook_spec
-        if spec == DEFAULT_CODEBOOK:
-            return fmt.normal_float_codebook(k)
+        if isinstance(spec, str) and spec in fmt.CODEBOOKS:
+            return fmt.CODEBOOKS[spec](k)
         if isinstance(spec, dict):
             if str(k) not in spec:
                 raise ValueError(f"kbit: codebook dict has no entry for {k} bits (keys: {sorted(spec)})")
@@ -140,7 +142,8 @@ class KbitSettings:
                 raise ValueError("kbit: a codebook list serves one bit width; with bits_overrides give {\"<k>\": [...]}")
             values = spec
         else:
-            raise ValueError(f"kbit: codebook must be {DEFAULT_CODEBOOK!r}, a list or a dict, got {spec!r}")
+            names = " or ".join(repr(n) for n in fmt.CODEBOOKS)
+            raise ValueError(f"kbit: codebook must be {names}, a list or a dict, got {spec!r}")
         cb = torch.tensor(values, dtype=torch.float32)
         fmt.check_codebook(cb, k)
         fmt.check_codebook_values(cb)

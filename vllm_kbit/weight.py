@@ -49,7 +49,7 @@ def quantize(
     fmt.check_bits(k)
     fmt.check_weight(W)
     if codebook is None:
-        codebook = fmt.normal_float_codebook(k, W.device)
+        codebook = fmt.default_codebook(k, W.device)
     else:
         fmt.check_codebook(codebook, k)
         fmt.check_codebook_values(codebook)

@@ -319,7 +319,10 @@ async def run_load(base: str, plan: list[Request], phases: list[tuple[int, int]]
         for task in done:
             results.append(task.result())
 
-    connector = aiohttp.TCPConnector(limit=0)  # the phases bound the number of connections
+    # One connection per request, as independent clients have: a pooled keep-alive connection that sat idle
+    # past the server's keep-alive timeout can be closed by the server just as it is reused, and the request
+    # then fails with a connection reset that says nothing about the server. The phases bound the count.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
         requests = iter(plan)
@@ -542,7 +545,8 @@ def main() -> int:
             "concurrency_targets": stats["targets"],
             "prompt_tokens_sent": sum(plan[i].prompt_len for i in range(stats["issued"])),
             "output_tokens_received": sum(r["tokens"] for r in results),
-            "error_examples": [r["error"] for r in results if r["outcome"] == "error"][:MAX_EXAMPLES],
+            "error_examples": [f"{r['error']} (after {r['tokens']} tokens)" for r in results
+                               if r["outcome"] == "error"][:MAX_EXAMPLES],
         })
         if record["errors"]:
             failures.append(f"{record['errors']} requests failed (e.g. {record['error_examples'][0]})")

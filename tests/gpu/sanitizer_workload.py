@@ -37,7 +37,7 @@ def dense(k: int, quick: bool) -> None:
         q, a = random_runtime(None, N, K, k)
         for M in ([1, 9, 33] if quick else [1, 3, 8, 9, 16, 17, 32, 33, 64]):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            p = torch.ops.kbit._mma_config(M, q.shape[0])[0]
+            p = torch.ops.kbit.linear_plan(M, N, K, torch.bfloat16, 9, 132, 1, "mma")[3]  # p: rows / 8 per CTA
             for r in [0, 1, 2 if p == 8 else 4]:
                 out = torch.ops.kbit._mma_linear(x, q, a, cb, N, K, None, r, 0)
                 check(f"mma k={k} M={M} N={N} r={r}", out)
@@ -56,7 +56,8 @@ def grouped(k: int, quick: bool) -> None:
         ids = torch.topk(torch.rand(T, E, device="cuda"), top_k, dim=1).indices.to(torch.int32)
         w = torch.softmax(torch.randn(T, top_k, device="cuda"), -1)
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
-        out = torch.ops.kbit._fused_moe_cuda(x, ids, w, q13, a13, q2, a2, cb, I, None, False, 3)
+        grouped_mma = torch.ops.kbit._moe_path_id("grouped_mma")
+        out = torch.ops.kbit._fused_moe_cuda(x, ids, w, q13, a13, q2, a2, cb, I, None, False, grouped_mma)
         check(f"grouped mma k={k} T={T}", out)
 
 

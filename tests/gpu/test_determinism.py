@@ -32,7 +32,7 @@ def assert_same_bits(outs, what):
 
 @pytest.mark.parametrize("E,top_k,H,I,T", [(8, 2, 256, 128, T) for T in (1, 2, 8, 36, 288, 512)]
                          + [(128, 8, 2048, 768, T) for T in (1, 16, 64, 300)])
-@pytest.mark.parametrize("path", (0, 1, 2, 3))
+@pytest.mark.parametrize("path", ("auto", "gemv", "grouped_mm", "grouped_mma"))
 def test_fused_moe_repeats_bitwise(E, top_k, H, I, T, path):
     gen = torch.Generator().manual_seed(T * 131 + E)
     ex = Experts(E, H, I, 4, gen)
@@ -42,9 +42,9 @@ def test_fused_moe_repeats_bitwise(E, top_k, H, I, T, path):
 
 
 @pytest.mark.parametrize("E,top_k,H,I,T", [(8, 2, 256, 128, 8), (8, 2, 256, 128, 96), (128, 8, 2048, 768, 16)])
-@pytest.mark.parametrize("path", (0, 1, 2, 3))
+@pytest.mark.parametrize("path", ("auto", "gemv", "grouped_mm", "grouped_mma"))
 def test_fused_moe_rows_ignore_the_rest_of_the_batch(E, top_k, H, I, T, path):
-    gen = torch.Generator().manual_seed(T + E + path)
+    gen = torch.Generator().manual_seed(T + E + len(path))
     ex = Experts(E, H, I, 4, gen)
     keep = T // 2
     outs = []
@@ -65,7 +65,7 @@ def test_fused_moe_graph_replays_bitwise(T):
     ex = Experts(8, 256, 128, 4, gen)
     ids, w = random_routing(T, 8, 2, gen, "random")
     x = torch.randn(T, 256, generator=gen).to(torch.bfloat16).cuda()
-    eager = run(x, ids, w, ex, None, False, 0)
+    eager = run(x, ids, w, ex, None, False, "auto")
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = kbit_fused_moe(x, ids, w, *ex.args(), ex.I)

@@ -16,20 +16,16 @@ import torch
 
 import vllm_kbit
 from vllm_kbit import reference as fmt
-from vllm_kbit.linear import (
-    GEMV_MAX_SPLITS,
-    MMA_MAX_SPLITS,
-    KbitLinearWeight,
-    gemv_splits,
-    gemv_tiles,
-    kbit_linear,
-    linear_path,
-    mma_config,
-    mma_splits,
-)
+from vllm_kbit.linear import KbitLinearWeight, kbit_linear
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 gpu = [pytest.mark.gpu, requires_cuda]
+
+def _plan(M, N, K, path="auto"):
+    """torch.ops.kbit.linear_plan on this GPU: (path, splits, max_splits, p, r, m_blocks)."""
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    return torch.ops.kbit.linear_plan(M, N, K, torch.bfloat16, props.major, props.multi_processor_count, 1, path)
+
 
 # The target shapes of docs/architecture.md ("Target shapes"), as (K, N); the MoE gate_up is the
 # fused x2 shape.
@@ -127,7 +123,7 @@ def _mma(x, w, bias=None, row_groups=0, splits=0):
 
 def _built_row_groups(M):
     """The r (16-row groups per warp) the MMA kernel is built with at this M (mma_kernel.cuh: launch_bits)."""
-    return [1, 2 if mma_config(M, 1)[0] == 8 else 4]
+    return [1, 2 if _plan(M, 64, 128, "mma")[3] == 8 else 4]
 
 
 def _random_mma_case(seed):
@@ -138,8 +134,7 @@ def _random_mma_case(seed):
     k = rng.choice(fmt.SUPPORTED_BITS)
     dtype = rng.choice([torch.bfloat16, torch.float16])
     row_groups = rng.choice([0] + _built_row_groups(M))
-    k_tiles = -(-K // 128)
-    splits = rng.choice([0, 0, rng.randint(1, min(MMA_MAX_SPLITS, k_tiles))])
+    splits = rng.choice([0, 0, rng.randint(1, _plan(M, N, K, "mma")[2])])
     return M, N, K, k, dtype, rng.random() < 0.5, row_groups, splits
 
 
@@ -177,10 +172,10 @@ def test_design_shapes_every_m(K, N):
         ref = _reference(x, flat, None)
         for M in LINEAR_MS:
             _poison_cache(M * N * 2 + M * K * 2)
-            _check(kbit_linear(x[:M], w), ref[:M], torch.bfloat16, f"kbit_linear M={M} k={k} ({linear_path(M, N, K)})")
+            _check(kbit_linear(x[:M], w), ref[:M], torch.bfloat16, f"kbit_linear M={M} k={k} ({_plan(M, N, K)[0]})")
         for M in MMA_MS:
             _poison_cache(M * N * 2)
-            _check(_mma(x[:M], w), ref[:M], torch.bfloat16, f"_mma_linear M={M} k={k} config={mma_config(M, w.qweight_rt.shape[0])}")
+            _check(_mma(x[:M], w), ref[:M], torch.bfloat16, f"_mma_linear M={M} k={k} config={_plan(M, N, K, 'mma')[3:]}")
         del w, flat, ref
         torch.cuda.empty_cache()
 
@@ -275,7 +270,7 @@ def test_gemv_every_split_count(N, K):
     x = torch.randn(4, K, generator=gen).to(torch.float16).cuda()
     ref = _reference(x, flat, bias)
     for M in (1, 2, 3, 4):
-        for splits in range(0, min(GEMV_MAX_SPLITS, gemv_tiles(N, K)[1]) + 1):
+        for splits in range(0, _plan(M, N, K, "gemv")[2] + 1):
             _poison_cache(M * N * 2)
             out = torch.ops.kbit._gemv_linear(x[:M], w.qweight_rt, w.absmax_rt, w.codebook, N, K, bias, splits)
             _check(out, ref[:M], torch.float16, f"_gemv_linear M={M} S={splits}")
@@ -339,7 +334,7 @@ def test_from_quantized_weight():
 def test_cuda_graph_capture_and_replay(N, K, Ms):
     hopper = torch.cuda.get_device_capability()[0] == 9
     expected = {"gemv", "mma", "dequant_cublas"} if N == 1000 else {"wgmma", "wgmma_ws", "dequant_cublas"} if hopper else {"dequant_cublas"}
-    assert {linear_path(M, N, K, hopper) for M in Ms} == expected, "the case no longer covers the paths it names"
+    assert {_plan(M, N, K)[0] for M in Ms} == expected, "the case no longer covers the paths it names"
     gen = torch.Generator().manual_seed(3)
     w, flat = _random_weight(N, K, 4, gen)
     bias = torch.randn(N, generator=gen).to(torch.bfloat16).cuda()
@@ -374,69 +369,3 @@ def test_opcheck_cuda(M, with_bias):
     x = torch.randn(M, 160, generator=gen).to(torch.bfloat16).cuda()
     bias = torch.randn(70, generator=gen).to(torch.bfloat16).cuda() if with_bias else None
     torch.library.opcheck(torch.ops.kbit.linear.default, (x, w.qweight_rt, w.absmax_rt, w.codebook, 70, 160, bias))
-
-
-@pytest.mark.gpu
-@requires_cuda
-def test_split_heuristic_cpp_matches_python():
-    if not vllm_kbit.HAS_CUDA_KERNELS:
-        pytest.skip("CUDA extension not built")
-    rng = random.Random(0)
-    cases = [(*gemv_tiles(N, K), sms) for K, N in DESIGN_SHAPES for sms in (114, 132, 148)]
-    cases += [(rng.randint(1, 3000), rng.randint(1, 300), rng.choice([1, 7, 114, 132, 148])) for _ in range(2000)]
-    for n_tiles, k_tiles, sms in cases:
-        assert torch.ops.kbit._gemv_splits(n_tiles, k_tiles, sms) == gemv_splits(n_tiles, k_tiles, sms)
-    for _ in range(3000):
-        args = (rng.randint(1, 600), rng.randint(1, 70), rng.randint(1, 300), rng.choice([1, 7, 114, 132, 148]), rng.randint(1, 9))
-        assert torch.ops.kbit._mma_splits(*args) == mma_splits(*args), args
-    for M in list(range(1, 300)) + [512, 1024, 4096]:
-        for n_tiles in (1, 8, 64, 127, 128, 448):
-            assert tuple(torch.ops.kbit._mma_config(M, n_tiles)) == mma_config(M, n_tiles)
-
-
-# ----------------------------------------------------------------------------- CPU: the split-K heuristic
-
-
-def _assert_no_empty_split(n_tiles, k_tiles, sms):
-    S = gemv_splits(n_tiles, k_tiles, sms)
-    assert 1 <= S <= min(GEMV_MAX_SPLITS, k_tiles)
-    bounds = [s * k_tiles // S for s in range(S + 1)]  # the kernel's partition
-    assert bounds[0] == 0 and bounds[-1] == k_tiles
-    assert all(bounds[s + 1] - bounds[s] >= 1 for s in range(S)), (n_tiles, k_tiles, sms, S)
-
-
-@pytest.mark.parametrize("sms", [114, 132, 148])
-def test_split_heuristic_never_makes_an_empty_split(sms):
-    for K, N in DESIGN_SHAPES:
-        _assert_no_empty_split(*gemv_tiles(N, K), sms)
-    rng = random.Random(sms)
-    for _ in range(5000):
-        _assert_no_empty_split(rng.randint(1, 5000), rng.randint(1, 400), sms)
-    for k_tiles in range(1, 20):  # the smallest K, where splits are tightest
-        for n_tiles in range(1, 300):
-            _assert_no_empty_split(n_tiles, k_tiles, sms)
-
-
-def _assert_no_empty_mma_split(cols, m_blocks, k_tiles, sms, ctas_per_sm):
-    S = mma_splits(cols, m_blocks, k_tiles, sms, ctas_per_sm)
-    assert 1 <= S <= min(MMA_MAX_SPLITS, k_tiles)
-    bounds = [s * k_tiles // S for s in range(S + 1)]  # the kernel's partition
-    assert bounds[0] == 0 and bounds[-1] == k_tiles
-    assert all(bounds[s + 1] - bounds[s] >= 1 for s in range(S)), (cols, m_blocks, k_tiles, sms, ctas_per_sm, S)
-
-
-@pytest.mark.parametrize("sms", [114, 132, 148])
-def test_mma_split_heuristic_never_makes_an_empty_split(sms):
-    for K, N in DESIGN_SHAPES:
-        n_tiles, k_tiles = gemv_tiles(N, K)
-        for M in (1, 5, 8, 16, 32, 64, 128, 256, 1024, 4096):
-            p, r, m_blocks = mma_config(M, n_tiles)
-            for row_groups in (r, 1, 2, 4):
-                for ctas_per_sm in range(1, 9):
-                    _assert_no_empty_mma_split(-(-n_tiles // row_groups), m_blocks, k_tiles, sms, ctas_per_sm)
-    rng = random.Random(sms)
-    for _ in range(5000):
-        _assert_no_empty_mma_split(rng.randint(1, 2000), rng.randint(1, 70), rng.randint(1, 400), sms, rng.randint(1, 8))
-    for k_tiles in range(1, 20):  # the smallest K, where splits are tightest
-        for cols in range(1, 200):
-            _assert_no_empty_mma_split(cols, 1, k_tiles, sms, 1 + cols % 4)

@@ -2,8 +2,8 @@
 paths) against an fp32 reference: dequantized weights, a loop over experts, fp32 matmuls.
 
 Every call runs on an allocator cache poisoned with NaN, so an unwritten output shows up.
-Every path is checked on every random case (path 1 = grouped GEMV, 2 = dequantize +
-torch._grouped_mm, 3 = grouped dequant + MMA, 0 = the automatic choice through torch.ops.kbit.fused_moe).
+Every path is checked on every random case (gemv = grouped GEMV, grouped_mm = dequantize +
+torch._grouped_mm, grouped_mma = grouped dequant + MMA, auto = the choice of torch.ops.kbit.fused_moe).
 """
 
 import functools
@@ -14,10 +14,10 @@ import torch
 import torch.nn.functional as F
 
 from vllm_kbit import reference as fmt
-from vllm_kbit.moe import chunk_rows, kbit_fused_moe, max_chunks, route_reference, stack_runtime
+from vllm_kbit.moe import kbit_fused_moe, route_reference, stack_runtime
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-PATHS = (0, 1, 2, 3)
+PATHS = ("auto", "gemv", "grouped_mm", "grouped_mma")
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 
@@ -81,9 +81,10 @@ def poison_cache(nbytes=64 << 20):
 
 def run(x, ids, weights, ex, expert_map, on_input, path):
     poison_cache()
-    if path == 0:
+    if path == "auto":
         return kbit_fused_moe(x, ids, weights, *ex.args(), ex.I, expert_map, on_input)
-    return torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), ex.I, expert_map, on_input, path)
+    path_id = torch.ops.kbit._moe_path_id(path)
+    return torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), ex.I, expert_map, on_input, path_id)
 
 
 def check(out, ref, dtype, path):
@@ -94,7 +95,7 @@ def check(out, ref, dtype, path):
         return
     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     # The grouped-GEMM and grouped-MMA paths round x, weights, gate_up and h to bf16 (also for fp16 inputs).
-    tol = 5e-3 if (dtype == torch.float16 and path == 1) else 1.5e-2
+    tol = 5e-3 if (dtype == torch.float16 and path == "gemv") else 1.5e-2
     assert err < tol, f"path {path}: relative error {err:.2e} >= {tol}"
     scale = ref.abs() + ref.pow(2).mean(-1, keepdim=True).sqrt()
     assert ((out.float() - ref).abs() <= 8 * tol * scale).all(), f"path {path}: elementwise error too large"
@@ -217,8 +218,9 @@ def test_routing_matches_reference(seed):
     expert_map = None
     if rng.random() < 0.4:
         expert_map = torch.randint(-1, E, (E,), generator=gen, dtype=torch.int32).cuda()
-    R = rng.choice([chunk_rows(T), chunk_rows(T), 4, 8, 16, 64])  # GEMV and grouped-MMA chunk heights
-    G = max_chunks(T * top_k, E, R)
+    gemv_rows = torch.ops.kbit.moe_plan(T, top_k, E, 4, "gemv")[1]
+    R = rng.choice([gemv_rows, gemv_rows, 4, 8, 16, 64])  # GEMV and grouped-MMA chunk heights
+    G = torch.ops.kbit._moe_max_chunks(T * top_k, E, R)
     offsets, pos, slot_of, chunks, num_chunks = torch.ops.kbit._moe_route(ids, expert_map, E, R, G)
     ref_offsets, ref_pos, local = route_reference(ids, expert_map, E)
     S = T * top_k
@@ -253,13 +255,13 @@ def test_grouped_single_projection(rows, M):
     E, N, K, k = 8, 320, 512, 4
     ex = Experts(E, K, N // 2, k, gen)  # w13 is [2I, H] = [N, K]
     ids = torch.arange(E, dtype=torch.int32).repeat_interleave(M).view(-1, 1).cuda()
-    offsets, pos, slot_of, chunks, num_chunks = torch.ops.kbit._moe_route(ids, None, E, rows, max_chunks(E * M, E, rows))
+    offsets, pos, slot_of, chunks, num_chunks = torch.ops.kbit._moe_route(ids, None, E, rows, torch.ops.kbit._moe_max_chunks(E * M, E, rows))
     A = torch.randn(E * M, K, generator=gen).to(torch.bfloat16).cuda()
     ref = torch.einsum("emk,enk->emn", A.float().view(E, M, K), ex.W13).reshape(E * M, N)
     for splits in (0, 1, 2, 3, 4) if rows <= 4 else (0,):  # the GEMV's K split count forced (K=512: 4 k-tiles)
         poison_cache()
         C = torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, splits)
-        check(C, ref, torch.bfloat16, 1)
+        check(C, ref, torch.bfloat16, "gemv")
     with pytest.raises(RuntimeError, match="splits"):  # 5 > the 4 k-tiles; the MMA takes no forced count
         torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows,
                                            5 if rows <= 4 else 1)
@@ -274,14 +276,15 @@ def test_cuda_graph_capture_and_replay():
     ex = Experts(E, H, I, 4, gen)
     expert_map = None
     # one-row chunks, 4-row chunks, grouped-GEMM path (200 * 4 / 16 > 8 slots per expert), grouped MMA
-    for T, path in ((1, 0), (8, 0), (200, 0), (40, 3)):
+    for T, path in ((1, "auto"), (8, "auto"), (200, "auto"), (40, "grouped_mma")):
         ids, weights = random_routing(T, E, 4, gen, "random")
         x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
 
         def forward():
-            if path == 0:
+            if path == "auto":
                 return kbit_fused_moe(x, ids, weights, *ex.args(), I, expert_map)
-            return torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, expert_map, False, path)
+            path_id = torch.ops.kbit._moe_path_id(path)
+            return torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, expert_map, False, path_id)
 
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())

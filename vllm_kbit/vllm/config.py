@@ -4,7 +4,7 @@ How vLLM reaches it:
 
 * ``--quantization kbit`` on a bf16/fp16 checkpoint whose config.json has no
   ``quantization_config``: vLLM builds ``KbitConfig()`` (defaults: 4 bits,
-  normal-float codebook, default ``modules_to_not_convert``) and the weights are
+  normal-float-with-zero codebook, default ``modules_to_not_convert``) and the weights are
   quantized while loading.
 * ``--hf-overrides '{"quantization_config": {"quant_method": "kbit", "bits": 3, ...}}'``
   puts the settings into the model config; vLLM calls :meth:`KbitConfig.from_config`

@@ -1,0 +1,156 @@
+// kbit GEMV for M = 1..4: C[M, N] = A[M, K] @ dequant(W)^T (+ bias).
+//
+// Work split. A CTA of kWarps warps owns one runtime n-tile (64 output rows) and one K split
+// (a contiguous range of 128-wide k-tiles); its warps take the split's k-tiles round robin.
+// Lane l owns rows l and l + 32 of the tile, so one warp-wide 16-byte load of bit-plane b
+// reads 512 contiguous bytes (format.repack puts the 64 rows of a plane next to each other).
+// A warp widens its k-tile's activations to fp32 once into shared memory; every value a lane
+// reads back serves two weight rows, and every dequantized weight serves all M activation rows.
+// The splits of one n-tile form a thread-block cluster and are summed through distributed
+// shared memory: no workspace, no counters, nothing to zero, deterministic order.
+//
+// Dequantization per block of 32 elements: the k plane words are regrouped into index words
+// whose 4-bit (k <= 4) or 8-bit (k = 5) fields each hold one element's index (bit b of field s
+// of word r = bit F*s + r of plane b), then each index picks its codebook value from a register
+// with one shuffle, the value is multiplied into all M activation rows, and the block's E4M4
+// scale is applied once to the block's fp32 partial sum instead of once per element.
+//
+// The tile/dequant core (k-tile loop, block dot product, warp and cluster sums) is
+// gemv_core.cuh, shared with the grouped MoE GEMV (moe_gemv.cuh).
+#include "gemv.cuh"
+#include "gemv_core.cuh"
+
+#include <algorithm>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+
+#include "check.h"
+#include "launch_utils.cuh"
+
+namespace kbit {
+namespace {
+
+using namespace gemv_core;
+
+// ----------------------------------------------------------------------------- kernel
+
+// Grid: n_tiles * splits CTAs in clusters of `splits` (CTA = n-tile * splits + split). qweight and
+// absmax are the runtime layout viewed as 16-byte plane vectors and 4-code words.
+template <typename T, int BITS, int M>
+__global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A, const uint4* __restrict__ qweight,
+                                                        const uint32_t* __restrict__ absmax,
+                                                        const float* __restrict__ codebook, const T* __restrict__ bias,
+                                                        T* __restrict__ C, int N, int K, int k_tiles, int splits) {
+  __shared__ float4 a_stage[kWarps][M * kTileKB * kBlockSize / 4];  // per warp: its k-tile's activations, fp32
+  __shared__ float warp_sums[kWarps][M][kTileN];
+  __shared__ float cta_sums[M * kTileN];
+
+  // The warp index through a shuffle from lane 0: provably warp-uniform to the compiler, so the
+  // k-tile loop below counts as convergent and its shuffles need no divergence handling.
+  const int warp = __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
+  const int n_tile = blockIdx.x / splits, split = blockIdx.x % splits;
+  const int kt_begin = split * k_tiles / splits, kt_end = (split + 1) * k_tiles / splits;
+
+  float acc[kRowsPerLane][M];
+  accumulate<T, BITS, M>(
+      qweight, absmax, codebook, static_cast<int64_t>(n_tile) * k_tiles, kt_begin, kt_end, K, warp, lane,
+      a_stage[warp],
+      [&](int m, int e) { return __ldg(reinterpret_cast<const uint2*>(A + static_cast<int64_t>(m) * K + e)); },
+      [&](int, uint2 raw) {
+        const float2 lo = Act<T>::widen(raw.x), hi = Act<T>::widen(raw.y);
+        return make_float4(lo.x, lo.y, hi.x, hi.y);
+      },
+      [] {
+        pdl_wait();               // first weight tile in flight; A is the previous kernel's output, C written below
+        pdl_launch_dependents();  // the main loop only streams: the next kernel may start its weight prologue
+      },
+      acc);
+  reduce_and_store<M>(acc, &warp_sums[0][0][0], cta_sums, warp, lane, split, splits, [&](int m, int r, float v) {
+    const int n = n_tile * kTileN + r;
+    if (n < N) {
+      if (bias != nullptr) v += Act<T>::to_float(bias[n]);
+      C[static_cast<int64_t>(m) * N + n] = Act<T>::narrow(v);
+    }
+  });
+}
+
+template <typename T, int BITS, int M>
+void launch_typed(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                  const at::Tensor& codebook, const T* bias, int N, int K, at::Tensor& C, int splits) {
+  const int n_tiles = static_cast<int>(qweight_rt.size(0)), k_tiles = static_cast<int>(qweight_rt.size(1));
+
+  launch_kernel(gemv_kernel<T, BITS, M>, dim3(static_cast<unsigned>(n_tiles * splits)), dim3(kThreads), 0,
+                at::cuda::getCurrentCUDAStream(), splits, reinterpret_cast<const T*>(A.data_ptr()),
+                reinterpret_cast<const uint4*>(qweight_rt.data_ptr()),
+                reinterpret_cast<const uint32_t*>(absmax_rt.data_ptr()), codebook.data_ptr<float>(), bias,
+                reinterpret_cast<T*>(C.data_ptr()), N, K, k_tiles, splits);
+}
+
+template <typename T, int BITS>
+void launch_bits(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, const T* bias,
+                 int N, int K, at::Tensor& C, int splits) {
+  switch (A.size(0)) {
+    case 1: return launch_typed<T, BITS, 1>(A, q, a, cb, bias, N, K, C, splits);
+    case 2: return launch_typed<T, BITS, 2>(A, q, a, cb, bias, N, K, C, splits);
+    case 3: return launch_typed<T, BITS, 3>(A, q, a, cb, bias, N, K, C, splits);
+    case 4: return launch_typed<T, BITS, 4>(A, q, a, cb, bias, N, K, C, splits);
+    default: KBIT_CHECK(false, "kbit gemv: M=", A.size(0), " is outside 1..", kGemvMaxM);
+  }
+}
+
+template <typename T>
+void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb,
+                  const std::optional<at::Tensor>& bias, int N, int K, at::Tensor& C, int splits) {
+  const T* bias_ptr = bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
+  with_bits(q.size(2), "kbit gemv", [&](auto bits) {
+    launch_bits<T, decltype(bits)::value>(A, q, a, cb, bias_ptr, N, K, C, splits);
+  });
+}
+
+}  // namespace
+
+int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
+  // Cost model: k-tile slots the busiest SM spends (its CTAs times the slowest warp's k-tiles
+  // times the warps), slowed down when fewer than kStreamingWarps warps per SM have loads in flight. Cost = num / den; the smallest wins, ties to fewer splits.
+  constexpr int64_t kResidentCtas = 8;      // CTAs of kThreads one SM holds at once (registers)
+  constexpr int64_t kStreamingWarps = 16;   // warps per SM that keep enough bytes in flight
+  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(kGemvMaxSplits, k_tiles));
+  int best = 1;
+  int64_t best_num = -1, best_den = 1;
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    const int64_t per_sm = (n_tiles * s + num_sms - 1) / num_sms;   // CTAs on the busiest SM
+    const int64_t tiles = (k_tiles + s - 1) / s;                        // k-tiles of the largest split
+    const int64_t warp_iters = (tiles + kWarps - 1) / kWarps;           // its slowest warp's k-tiles
+    const int64_t active = std::min<int64_t>(kWarps, tiles);
+    const int64_t streaming = std::min(std::min(per_sm, kResidentCtas) * active, kStreamingWarps);
+    const int64_t num = per_sm * warp_iters * kWarps * kStreamingWarps, den = streaming;
+    if (best_num < 0 || num * best_den < best_num * den) {
+      best = static_cast<int>(s);
+      best_num = num;
+      best_den = den;
+    }
+  }
+  return best;
+}
+
+void launch_gemv(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                 const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
+                 at::Tensor& C, int64_t splits) {
+  const int64_t n_tiles = qweight_rt.size(0), k_tiles = qweight_rt.size(1);
+  KBIT_CHECK(N <= INT32_MAX && K <= INT32_MAX && n_tiles * k_tiles <= INT32_MAX, "kbit gemv: weight too large");
+  const int64_t max_splits = std::min<int64_t>(kGemvMaxSplits, k_tiles);
+  KBIT_CHECK(splits >= 0 && splits <= max_splits, "kbit gemv: splits=", splits, " outside 0 (heuristic) .. ",
+              max_splits);
+  const int s = static_cast<int>(
+      splits > 0 ? splits : gemv_splits(n_tiles, k_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount));
+  if (A.scalar_type() == at::kBFloat16) {
+    launch_dtype<__nv_bfloat16>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C, s);
+  } else {
+    KBIT_CHECK(A.scalar_type() == at::kHalf, "kbit gemv: activations must be bf16 or fp16");
+    launch_dtype<__half>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C, s);
+  }
+}
+
+}  // namespace kbit

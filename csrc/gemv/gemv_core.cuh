@@ -1,0 +1,275 @@
+// The GEMV tile/dequant core shared by the dense GEMV (gemv.cu) and the grouped MoE GEMV
+// (moe_gemv.cu): how a warp streams runtime tiles, dequantizes a block and multiplies it into
+// up to 4 activation rows, and how the warps and the split-K cluster of one n-tile are summed.
+// The schedulers (which n-tile, which K split, which activation rows) live in the kernels.
+// The block dequantization steps themselves are dequant_core.cuh (shared with mma_*.cuh).
+#pragma once
+
+#include "dequant_core.cuh"
+#include "kbit_format.cuh"
+
+#include <cooperative_groups.h>
+
+namespace kbit {
+namespace gemv_core {
+
+constexpr int kWarps = 4;                // warps per CTA, all on the same n-tile
+constexpr int kThreads = 32 * kWarps;
+constexpr int kRowsPerLane = kTileN / 32;  // lane l owns rows l and l + 32 of the n-tile
+
+// ----------------------------------------------------------------------------- activations
+
+// Widening of two packed activations to fp32 (exact) and the final rounding of an output.
+template <typename T>
+struct Act;
+
+template <>
+struct Act<__nv_bfloat16> {
+  // A bf16 is the high half of its fp32: one shift or one mask per element.
+  __device__ static __forceinline__ float2 widen(uint32_t w) {
+    return make_float2(__uint_as_float(w << 16), __uint_as_float(w & 0xFFFF0000u));
+  }
+  __device__ static __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+  __device__ static __forceinline__ __nv_bfloat16 narrow(float v) { return __float2bfloat16_rn(v); }
+};
+
+template <>
+struct Act<__half> {
+  __device__ static __forceinline__ float2 widen(uint32_t w) { return __half22float2(bits_as<__half2>(w)); }
+  __device__ static __forceinline__ float to_float(__half v) { return __half2float(v); }
+  __device__ static __forceinline__ __half narrow(float v) { return __float2half_rn(v); }
+};
+
+// ----------------------------------------------------------------------------- loads
+
+// Weights are read exactly once: keep them out of L1, which holds the activations every warp re-reads.
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t load_stream(const uint32_t* p) {
+  uint32_t v;
+  asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
+  return v;
+}
+
+// Word j of a 16-byte vector; j is a compile-time constant after unrolling, so this is a register pick.
+__device__ __forceinline__ uint32_t word(const uint4& v, int j) {
+  return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
+}
+
+// Adds one block (32 elements along K) of this lane's two rows times all M activation rows.
+// Activations come as fp32 from the warp's staging buffer, 4 per 16-byte shared load (one
+// address for the whole warp: a broadcast); each codebook value feeds M fused multiply-adds
+// into two alternating partial sums (ILP), and the block scale multiplies the partial sum once.
+template <int BITS, int M, int J>
+__device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, float codebook_reg,
+                                          const uint4 (&planes)[kRowsPerLane][BITS],
+                                          const uint32_t (&codes)[kRowsPerLane], float (&acc)[kRowsPerLane][M]) {
+  constexpr int F = Fields<BITS>::kBits;
+  uint32_t q[kRowsPerLane][F];
+#pragma unroll
+  for (int row = 0; row < kRowsPerLane; ++row) {
+    uint32_t plane[BITS];
+#pragma unroll
+    for (int b = 0; b < BITS; ++b) plane[b] = word(planes[row][b], J);
+    gather_indices<BITS>(plane, q[row]);
+  }
+  float part[kRowsPerLane][M][2];
+#pragma unroll
+  for (int row = 0; row < kRowsPerLane; ++row)
+#pragma unroll
+    for (int m = 0; m < M; ++m) part[row][m][0] = part[row][m][1] = 0.f;
+
+#pragma unroll
+  for (int c = 0; c < kBlockSize / 8; ++c) {
+    float a[M][8];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float4 lo = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c];
+      const float4 hi = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c + 1];
+      a[m][0] = lo.x, a[m][1] = lo.y, a[m][2] = lo.z, a[m][3] = lo.w;
+      a[m][4] = hi.x, a[m][5] = hi.y, a[m][6] = hi.z, a[m][7] = hi.w;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int row = 0; row < kRowsPerLane; ++row) {
+        const float v = lookup<BITS>(codebook_reg, q[row], 8 * c + i);
+#pragma unroll
+        for (int m = 0; m < M; ++m) part[row][m][i & 1] = fmaf(v, a[m][i], part[row][m][i & 1]);
+      }
+    }
+  }
+#pragma unroll
+  for (int row = 0; row < kRowsPerLane; ++row) {
+    const float scale = decode_scale(codes[row], J);
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[row][m] = fmaf(scale, part[row][m][0] + part[row][m][1], acc[row][m]);
+  }
+}
+
+// This lane's share of runtime tile `tile`: bit-plane vectors and scale codes of rows lane and
+// lane + 32. Plane b of the tile's 64 rows is 64 consecutive 16-byte vectors (format.repack).
+template <int BITS>
+__device__ __forceinline__ void load_tile(const uint4* __restrict__ qweight, const uint32_t* __restrict__ absmax,
+                                          int64_t tile, int lane, uint4 (&planes)[kRowsPerLane][BITS],
+                                          uint32_t (&codes)[kRowsPerLane]) {
+#pragma unroll
+  for (int row = 0; row < kRowsPerLane; ++row) {
+#pragma unroll
+    for (int b = 0; b < BITS; ++b) planes[row][b] = load_stream(qweight + (tile * BITS + b) * kTileN + lane + 32 * row);
+    codes[row] = load_stream(absmax + tile * kTileN + lane + 32 * row);
+  }
+}
+
+// ----------------------------------------------------------------------------- the k-tile loop
+
+// Accumulates this warp's share of k-tiles [kt_begin, kt_end) of row band `band` (n-tile *
+// k_tiles) into acc: the warp takes k-tiles kt_begin + warp, + kWarps, ... Activations come in
+// two steps so their loads can be issued early: `fetch(m, e)` loads activation row m's elements
+// e..e+3 in whatever raw form the caller keeps (called for e < K only; a zero-initialized raw
+// value must widen to zeros), `widen(m, raw)` turns that into fp32. a_stage is the warp's own
+// staging buffer of M * 32 float4. `ready()` runs once in every thread, after the first weight
+// tile's loads are issued and before any activation load (the dense GEMV's PDL wait).
+template <typename T, int BITS, int M, typename Fetch, typename Widen, typename Ready>
+__device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, const uint32_t* __restrict__ absmax,
+                                           const float* __restrict__ codebook, int64_t band, int kt_begin, int kt_end,
+                                           int K, int warp, int lane, float4* __restrict__ a_stage, Fetch&& fetch,
+                                           Widen&& widen, Ready&& ready, float (&acc)[kRowsPerLane][M]) {
+  using Raw = decltype(fetch(0, 0));
+  const float codebook_reg = __ldg(codebook + (lane & ((1 << BITS) - 1)));
+#pragma unroll
+  for (int row = 0; row < kRowsPerLane; ++row)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[row][m] = 0.f;
+
+  // Lane l fetches elements 4l..4l+3 of every activation row of k-tile kt. Elements past K (the
+  // last k-tile's padding blocks, whose scales are 0) stay zero, so padding adds exactly nothing.
+  const auto fetch_tile = [&](Raw (&raw)[M], int kt) {
+    const int e = kt * kTileKB * kBlockSize + 4 * lane;
+#pragma unroll
+    for (int m = 0; m < M; ++m) raw[m] = e < K ? fetch(m, e) : Raw{};
+  };
+  // Software pipeline over this warp's k-tiles, two register buffers used in turn: the next
+  // tile's weight loads (and for M <= 2 its activation loads) are issued before the current tile
+  // is dequantized, so every warp keeps 2k+2 weight requests in flight while it computes
+  // (without it a warp alternates between waiting on memory and computing). Prefetching the
+  // activations too saves a load latency per tile (measured 5-20% at M=1, k=2 and 5); at M=4
+  // its registers cost more than it saves (the 4-row grouped GEMV went from 168 to 249+
+  // registers and 10% slower). Unrolled by two so the buffers swap roles without register copies.
+  constexpr bool kPrefetchActivations = M <= 2;
+  const auto process = [&](const uint4 (&pl)[kRowsPerLane][BITS], const uint32_t (&cd)[kRowsPerLane],
+                           Raw (&raw)[M], int kt) {
+    if constexpr (!kPrefetchActivations) fetch_tile(raw, kt);
+    // The tile's 128 x M activations, widened to fp32 once per warp instead of once per lane.
+    __syncwarp();  // every lane is done reading the previous tile's activations
+#pragma unroll
+    for (int m = 0; m < M; ++m) a_stage[m * 32 + lane] = widen(m, raw[m]);
+    __syncwarp();
+    dot_block<BITS, M, 0>(a_stage, codebook_reg, pl, cd, acc);
+    dot_block<BITS, M, 1>(a_stage, codebook_reg, pl, cd, acc);
+    dot_block<BITS, M, 2>(a_stage, codebook_reg, pl, cd, acc);
+    dot_block<BITS, M, 3>(a_stage, codebook_reg, pl, cd, acc);
+  };
+  uint4 planes0[kRowsPerLane][BITS], planes1[kRowsPerLane][BITS];
+  uint32_t codes0[kRowsPerLane], codes1[kRowsPerLane];
+  Raw raw0[M], raw1[M];
+  int kt = kt_begin + warp;
+  if (kt < kt_end) load_tile<BITS>(qweight, absmax, band + kt, lane, planes0, codes0);
+  ready();
+  if constexpr (kPrefetchActivations) {
+    if (kt < kt_end) fetch_tile(raw0, kt);
+  }
+  while (kt < kt_end) {
+    if (kt + kWarps < kt_end) {
+      load_tile<BITS>(qweight, absmax, band + kt + kWarps, lane, planes1, codes1);
+      if constexpr (kPrefetchActivations) fetch_tile(raw1, kt + kWarps);
+    }
+    process(planes0, codes0, raw0, kt);
+    kt += kWarps;
+    if (kt >= kt_end) break;
+    if (kt + kWarps < kt_end) {
+      load_tile<BITS>(qweight, absmax, band + kt + kWarps, lane, planes0, codes0);
+      if constexpr (kPrefetchActivations) fetch_tile(raw0, kt + kWarps);
+    }
+    process(planes1, codes1, raw1, kt);
+    kt += kWarps;
+  }
+}
+
+// ----------------------------------------------------------------------------- reduction
+
+// One cluster barrier phase without memory ordering on this thread's side (arrive.relaxed).
+__device__ __forceinline__ void cluster_arrive_relaxed_and_wait() {
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n\tbarrier.cluster.wait.aligned;" ::: "memory");
+}
+
+// Sums acc over the CTA's warps and then over the `splits` CTAs of its cluster (split-K
+// partners of one n-tile), and calls store(m, r, value) for every activation row m and tile row
+// r on split 0. warp_sums is [kWarps][M][kTileN] and cta_sums [M * kTileN] in shared memory.
+// Output i = m * 64 + r is finished by thread i % kThreads in a fixed order (warps, then
+// splits), so results are deterministic; every CTA of the cluster must call this.
+template <int M, typename Store>
+__device__ __forceinline__ void reduce_and_store(const float (&acc)[kRowsPerLane][M], float* __restrict__ warp_sums,
+                                                 float* __restrict__ cta_sums, int warp, int lane, int split,
+                                                 int splits, Store&& store) {
+#pragma unroll
+  for (int row = 0; row < kRowsPerLane; ++row)
+#pragma unroll
+    for (int m = 0; m < M; ++m) warp_sums[(warp * M + m) * kTileN + lane + 32 * row] = acc[row][m];
+  __syncthreads();
+
+  constexpr int kOutputs = M * kTileN;
+  constexpr int kPerThread = (kOutputs + kThreads - 1) / kThreads;
+  float total[kPerThread];
+#pragma unroll
+  for (int t = 0; t < kPerThread; ++t) {
+    const int i = threadIdx.x + t * kThreads;
+    total[t] = 0.f;
+    if (i < kOutputs) {
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) total[t] += warp_sums[w * kOutputs + i];
+    }
+  }
+  if (splits > 1) {
+    // Split 0 of the cluster adds the other splits' sums from their shared memory; the second
+    // cluster barrier keeps every CTA (and so its shared memory) alive until those reads are done.
+    // Only split 0 has memory operations to order before that barrier (its remote reads), so the
+    // other splits arrive without the release fence a full cluster.sync() would cost them.
+    namespace cg = cooperative_groups;
+    cg::cluster_group cluster = cg::this_cluster();
+#pragma unroll
+    for (int t = 0; t < kPerThread; ++t) {
+      const int i = threadIdx.x + t * kThreads;
+      if (i < kOutputs) cta_sums[i] = total[t];
+    }
+    cluster.sync();
+    if (split == 0) {
+      for (int s = 1; s < splits; ++s) {
+        const float* remote = cluster.map_shared_rank(cta_sums, s);
+#pragma unroll
+        for (int t = 0; t < kPerThread; ++t) {
+          const int i = threadIdx.x + t * kThreads;
+          if (i < kOutputs) total[t] += remote[i];
+        }
+      }
+      cluster.sync();
+    } else {
+      cluster_arrive_relaxed_and_wait();
+    }
+  }
+  if (split != 0) return;
+#pragma unroll
+  for (int t = 0; t < kPerThread; ++t) {
+    const int i = threadIdx.x + t * kThreads;
+    if (i < kOutputs) store(i / kTileN, i % kTileN, total[t]);
+  }
+}
+
+}  // namespace gemv_core
+}  // namespace kbit

@@ -1,0 +1,190 @@
+// Grouped kbit GEMV for routed experts: every (expert, chunk of <= 4 rows) of one projection in
+// one launch, on the dense GEMV's tile/dequant core (gemv_core.cuh). The launcher is in
+// moe_gemv.cu; the down stage is instantiated in moe_gemv_down.cu so the two compile in parallel.
+//
+// Scheduler. The grid is max_chunks x n_tiles x splits CTAs, sized from the shapes alone
+// (moe_max_chunks bounds the chunks any routing can need); a CTA reads its chunk {expert,
+// first row, rows} from the routing output and leaves at once if the routing made fewer
+// chunks, so experts without tokens cost neither bandwidth nor more than an empty CTA. The
+// splits of one (chunk, n-tile) are a thread-block cluster summed through distributed shared
+// memory exactly like the dense GEMV. Rows of an expert beyond 4 become further chunks, which
+// re-read the expert's tiles (mostly from L2, the chunks of an expert run side by side).
+#pragma once
+
+#include "moe.cuh"
+#include "gemv.cuh"
+#include "gemv_core.cuh"
+
+#include <type_traits>
+
+#include <ATen/cuda/CUDAContext.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/util/Exception.h>
+
+#include "check.h"
+#include "launch_utils.cuh"
+
+namespace kbit {
+namespace moe_gemv {
+
+using namespace gemv_core;
+
+static_assert(kMoeChunkRows == kGemvMaxM, "a chunk is one GEMV's worth of activation rows");
+
+struct MoeGemvParams {
+  const void* A;              // x [T, K] (kGather) or the gate_up output [S, 2K] (kSiluMul)
+  const int* slot_of;         // [S] slot of permuted row p; null: row p of A is row p
+  const float* slot_weight;   // [S] router weights by slot, applied to the input; may be null
+  int top_k;
+  const int4* chunks;         // {expert, first row, rows, 0}
+  const int* num_chunks;      // valid chunks (device)
+  const uint4* qweight;       // stacked runtime planes of all experts
+  const uint32_t* absmax;     // stacked runtime scale codes, 4 per word
+  int64_t expert_vectors;     // 16-byte plane vectors per expert
+  int64_t expert_code_words;  // scale-code words per expert
+  const float* codebook;
+  void* C;                    // [S, N]
+  int N, K, n_tiles, k_tiles, splits;
+};
+
+// Output element types: the activations' dtype for gate_up, fp32 for down (the combine sums it).
+template <typename O>
+struct Out {
+  __device__ static __forceinline__ O narrow(float v) { return Act<O>::narrow(v); }
+};
+template <>
+struct Out<float> {
+  __device__ static __forceinline__ float narrow(float v) { return v; }
+};
+
+// SiLU in fp32 (the reference computes it from the same rounded gate value).
+__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
+
+// One chunk of M rows on one (n-tile, split). Row sources are resolved once per CTA (M pointers
+// and weights in registers), so staging a k-tile is plain loads.
+template <typename T, typename O, int BITS, MoeStage STAGE, int M>
+__device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, int row0, int n_tile, int split,
+                                          float4* a_stage, float* warp_sums, float* cta_sums) {
+  const int warp = __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
+  const T* src[M];
+  float scale[M];
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const int row = row0 + m;
+    scale[m] = 1.f;
+    if constexpr (STAGE == MoeStage::kGather) {
+      const int slot = p.slot_of != nullptr ? __ldg(p.slot_of + row) : row;
+      const int src_row = p.slot_of != nullptr ? slot / p.top_k : row;
+      src[m] = static_cast<const T*>(p.A) + static_cast<int64_t>(src_row) * p.K;
+      if (p.slot_weight != nullptr) scale[m] = __ldg(p.slot_weight + slot);
+    } else {
+      src[m] = static_cast<const T*>(p.A) + static_cast<int64_t>(row) * 2 * p.K;
+    }
+  }
+  const bool weighted = STAGE == MoeStage::kGather && p.slot_weight != nullptr;
+  // Raw activations: 4 elements (kGather), or 4 gate and 4 up elements (kSiluMul).
+  const auto fetch = [&](int m, int e) {
+    uint4 raw = {};
+    const uint2 x = __ldg(reinterpret_cast<const uint2*>(src[m] + e));
+    raw.x = x.x, raw.y = x.y;
+    if constexpr (STAGE == MoeStage::kSiluMul) {
+      const uint2 up = __ldg(reinterpret_cast<const uint2*>(src[m] + p.K + e));
+      raw.z = up.x, raw.w = up.y;
+    }
+    return raw;
+  };
+  const auto widen = [&](int m, uint4 raw) {
+    float2 lo = Act<T>::widen(raw.x), hi = Act<T>::widen(raw.y);
+    if constexpr (STAGE == MoeStage::kSiluMul) {
+      const float2 ulo = Act<T>::widen(raw.z), uhi = Act<T>::widen(raw.w);
+      return make_float4(silu(lo.x) * ulo.x, silu(lo.y) * ulo.y, silu(hi.x) * uhi.x, silu(hi.y) * uhi.y);
+    } else {
+      if (weighted) {  // the reference rounds x * w to the activations' dtype before the matmul
+        const auto r = [&](float v) { return Act<T>::to_float(Act<T>::narrow(v * scale[m])); };
+        lo = make_float2(r(lo.x), r(lo.y));
+        hi = make_float2(r(hi.x), r(hi.y));
+      }
+      return make_float4(lo.x, lo.y, hi.x, hi.y);
+    }
+  };
+  const int kt_begin = split * p.k_tiles / p.splits, kt_end = (split + 1) * p.k_tiles / p.splits;
+  float acc[kRowsPerLane][M];
+  accumulate<T, BITS, M>(p.qweight + expert * p.expert_vectors, p.absmax + expert * p.expert_code_words, p.codebook,
+                         static_cast<int64_t>(n_tile) * p.k_tiles, kt_begin, kt_end, p.K, warp, lane,
+                         a_stage + warp * kGemvMaxM * 32, fetch, widen, [] {}, acc);  // PDL wait at kernel entry
+  reduce_and_store<M>(acc, warp_sums, cta_sums, warp, lane, split, p.splits, [&](int m, int r, float v) {
+    const int n = n_tile * kTileN + r;
+    if (n < p.N) static_cast<O*>(p.C)[static_cast<int64_t>(row0 + m) * p.N + n] = Out<O>::narrow(v);
+  });
+}
+
+// Grid: max_chunks * n_tiles * splits CTAs, clusters of `splits` (CTA = (chunk * n_tiles +
+// n-tile) * splits + split). All CTAs of a cluster share the chunk, so they leave together.
+template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS>
+__global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constant__ MoeGemvParams p) {
+  __shared__ float4 a_stage[kWarps * kGemvMaxM * 32];
+  __shared__ float warp_sums[kWarps * kGemvMaxM * kTileN];
+  __shared__ float cta_sums[kGemvMaxM * kTileN];
+  // The expert of this CTA comes from the routing kernel, so nothing useful precedes the wait.
+  pdl_wait();                // chunks/num_chunks and A come from earlier kernels; C may be memory they still read
+  pdl_launch_dependents();   // the rest only streams weights: the next kernel may start its prologue
+  const int per_chunk = p.n_tiles * p.splits;
+  const int chunk = blockIdx.x / per_chunk;
+  // Both loads in flight at once (chunk < max_chunks, so its entry exists even when unused): one
+  // memory round trip before the CTA knows its expert instead of two.
+  const int valid_chunks = __ldg(p.num_chunks);
+  const int4 c = __ldg(p.chunks + chunk);
+  if (chunk >= valid_chunks) return;
+  const int n_tile = (blockIdx.x % per_chunk) / p.splits, split = blockIdx.x % p.splits;
+  // Through a shuffle from lane 0, so the compiler sees the row count as warp-uniform and the
+  // shuffles inside the core stay plain (see gemv.cu).
+  const int rows = __shfl_sync(0xFFFFFFFFu, c.z, 0);
+  if constexpr (MAX_ROWS == 1) {
+    run_chunk<T, O, BITS, STAGE, 1>(p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums);
+  } else {
+    switch (rows) {
+      case 1: return run_chunk<T, O, BITS, STAGE, 1>(p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums);
+      case 2: return run_chunk<T, O, BITS, STAGE, 2>(p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums);
+      case 3: return run_chunk<T, O, BITS, STAGE, 3>(p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums);
+      default: return run_chunk<T, O, BITS, STAGE, 4>(p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums);
+    }
+  }
+}
+
+template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS>
+void launch_typed(const MoeGemvParams& p, int max_chunks) {
+  launch_kernel(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS>,
+                dim3(static_cast<unsigned>(static_cast<int64_t>(max_chunks) * p.n_tiles * p.splits)), dim3(kThreads), 0,
+                at::cuda::getCurrentCUDAStream(), p.splits, p);
+}
+
+template <typename T, typename O, MoeStage STAGE, int MAX_ROWS>
+void launch_bits(int bits, const MoeGemvParams& p, int max_chunks) {
+  switch (bits) {
+    case 2: return launch_typed<T, O, 2, STAGE, MAX_ROWS>(p, max_chunks);
+    case 3: return launch_typed<T, O, 3, STAGE, MAX_ROWS>(p, max_chunks);
+    case 4: return launch_typed<T, O, 4, STAGE, MAX_ROWS>(p, max_chunks);
+    case 5: return launch_typed<T, O, 5, STAGE, MAX_ROWS>(p, max_chunks);
+    default: KBIT_CHECK(false, "kbit moe gemv: k=", bits, " is not supported");
+  }
+}
+
+// One stage for both activation dtypes and both chunk sizes (1 row: T = 1, registers of a
+// one-row GEMV; up to 4 rows otherwise). Instantiated once per stage, in its own file.
+template <MoeStage STAGE>
+void launch_moe_gemv_stage(bool bf16, int bits, int chunk_rows, const MoeGemvParams& p, int max_chunks) {
+  using O16 = std::conditional_t<STAGE == MoeStage::kGather, __nv_bfloat16, float>;
+  using O16h = std::conditional_t<STAGE == MoeStage::kGather, __half, float>;
+  if (bf16) {
+    if (chunk_rows == 1) return launch_bits<__nv_bfloat16, O16, STAGE, 1>(bits, p, max_chunks);
+    return launch_bits<__nv_bfloat16, O16, STAGE, kMoeChunkRows>(bits, p, max_chunks);
+  }
+  if (chunk_rows == 1) return launch_bits<__half, O16h, STAGE, 1>(bits, p, max_chunks);
+  return launch_bits<__half, O16h, STAGE, kMoeChunkRows>(bits, p, max_chunks);
+}
+
+
+extern template void launch_moe_gemv_stage<MoeStage::kSiluMul>(bool, int, int, const MoeGemvParams&, int);
+
+}  // namespace moe_gemv
+}  // namespace kbit

@@ -1,0 +1,161 @@
+// kbit::linear on CUDA: out[..., N] = x[..., K] @ dequant(W)^T (+ bias), W in the runtime layout.
+//
+// The path by M (rows of x) and the weight's size is dispatch.cpp's linear_path: GEMV (gemv.cu),
+// fused dequant + MMA (mma.cu), fused dequant + wgmma (wgmma.cu, wgmma_ws.cu), dequantize + cuBLAS.
+// Everything here is metadata work: no host sync, and every allocation's size follows from the
+// shapes alone, so calls are capturable in CUDA graphs.
+#include "dispatch.h"
+#include "gemv.cuh"
+#include "mma.cuh"
+#include "wgmma.cuh"
+
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+
+#include <ATen/ATen.h>
+#include <ATen/cuda/CUDAContext.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include "check.h"
+#include "checks.h"
+
+namespace kbit {
+namespace {
+
+// The op's checks (checks.cpp) plus the CUDA-only ones: every tensor on x's GPU.
+void check_inputs(const at::Tensor& x, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, int64_t N,
+                  int64_t K, const std::optional<at::Tensor>& bias) {
+  check_linear(x, q, a, cb, N, K, bias);
+  check_cuda(x, "x");
+  check_device(q, x, "runtime qweight", "x");
+  check_device(a, x, "runtime absmax", "x");
+  check_device(cb, x, "codebook", "x");
+  if (bias.has_value()) check_device(*bias, x, "bias", "x");
+}
+
+at::Tensor dequantize_runtime(const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, int64_t N, int64_t K,
+                              at::ScalarType dtype) {
+  // Through the dispatcher: whichever CUDA kernel is registered for kbit::dequantize_runtime.
+  static const auto op = c10::Dispatcher::singleton()
+                              .findSchemaOrThrow("kbit::dequantize_runtime", "")
+                              .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt,
+                                                c10::SymInt, at::ScalarType)>();
+  return op.call(q, a, cb, c10::SymInt(N), c10::SymInt(K), dtype);
+}
+
+// x as a contiguous, 16-byte aligned [M, K] matrix (the kernels read 16-byte vectors).
+at::Tensor as_matrix(const at::Tensor& x, int64_t M, int64_t K) {
+  at::Tensor A = x.reshape({M, K}).contiguous();
+  if (reinterpret_cast<uintptr_t>(A.data_ptr()) % 16 != 0) A = A.clone();
+  return A;
+}
+
+std::optional<at::Tensor> contiguous_bias(const std::optional<at::Tensor>& bias) {
+  if (!bias.has_value()) return std::nullopt;
+  return bias->contiguous();
+}
+
+at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                       const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
+  check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
+  const c10::DeviceGuard guard(x.device());
+  std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
+  out_shape.back() = N;
+  const int64_t M = x.numel() / K;
+  if (M == 0) return at::empty(out_shape, x.options());
+
+  const LinearPath path = linear_path(M, N, K, x.scalar_type(), at::cuda::getCurrentDeviceProperties()->major);
+  if (path == LinearPath::kDequantCublas) {
+    const at::Tensor W = dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.scalar_type());
+    return at::linear(x, W, bias);
+  }
+  KBIT_CHECK(N <= INT32_MAX && K <= INT32_MAX && M <= INT32_MAX, "kbit linear: weight or x too large for int32 sizes");
+  const at::Tensor A = as_matrix(x, M, K);
+  at::Tensor C = at::empty({M, N}, x.options());
+  if (path == LinearPath::kGemv) {
+    launch_gemv(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+  } else if (path == LinearPath::kMma) {
+    launch_mma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+  } else if (path == LinearPath::kWgmma) {
+    launch_wgmma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+  } else {
+    launch_wgmma_ws(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+  }
+  return C.view(out_shape);
+}
+
+// x of a test op that forces one kernel, as the contiguous [M, K] matrix the kernels read: the
+// dense op's checks, plus 16-bit x, at least one row and int32 sizes. The caller holds the device guard.
+at::Tensor forced_kernel_input(const char* op, const at::Tensor& x, const at::Tensor& qweight_rt,
+                               const at::Tensor& absmax_rt, const at::Tensor& codebook, int64_t N, int64_t K,
+                               const std::optional<at::Tensor>& bias) {
+  check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
+  KBIT_CHECK(x.scalar_type() != at::kFloat, op, ": x must be bf16 or fp16");
+  const int64_t M = x.numel() / K;
+  KBIT_CHECK(M > 0 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX, op,
+              ": x has no rows or sizes exceed int32");
+  return as_matrix(x, M, K);
+}
+
+// The MMA kernel at any M >= 1 with a forced tile shape / split count (0: heuristic), for tests and
+// benchmarks; kbit::linear is the entry point.
+at::Tensor mma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                           const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
+                           int64_t row_groups, int64_t splits) {
+  const c10::DeviceGuard guard(x.device());
+  const at::Tensor A = forced_kernel_input("kbit _mma_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias);
+  const int64_t M = A.size(0);
+  const int p = mma_config(M, qweight_rt.size(0)).p;
+  KBIT_CHECK(row_groups == 0 || mma_built(p, static_cast<int>(row_groups)), "kbit _mma_linear: row_groups=", row_groups,
+              " is not built for M=", M, "; supported: 0 (heuristic), 1, ", p == kMmaMaxRowTiles ? 2 : 4);
+  const int64_t max_splits = std::min<int64_t>(kMmaMaxSplits, qweight_rt.size(1));
+  KBIT_CHECK(splits >= 0 && splits <= max_splits, "kbit _mma_linear: splits=", splits, " outside 0 (heuristic) .. ",
+              max_splits);
+  at::Tensor C = at::empty({M, N}, x.options());
+  launch_mma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, row_groups, splits);
+  return C;
+}
+
+// The GEMV at M = 1..4 with a forced K split count (0: heuristic), for tests and benchmarks.
+at::Tensor gemv_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                            const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
+                            int64_t splits) {
+  const c10::DeviceGuard guard(x.device());
+  const at::Tensor A = forced_kernel_input("kbit _gemv_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias);
+  const int64_t M = A.size(0);
+  KBIT_CHECK(M <= kGemvMaxM, "kbit _gemv_linear: x has ", M, " rows; supported: 1..", kGemvMaxM);
+  at::Tensor C = at::empty({M, N}, x.options());
+  launch_gemv(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, splits);
+  return C;
+}
+
+// The fused dequant + wgmma kernels at any M >= 1 (Hopper), for tests and benchmarks: the
+// register-fragment one (warp_specialized = false) or the warp-specialized one.
+at::Tensor wgmma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                             const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
+                             bool warp_specialized) {
+  const c10::DeviceGuard guard(x.device());
+  const at::Tensor A = forced_kernel_input("kbit _wgmma_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias);
+  KBIT_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9, "kbit _wgmma_linear: needs a Hopper (sm_90) GPU");
+  at::Tensor C = at::empty({A.size(0), N}, x.options());
+  if (warp_specialized) {
+    launch_wgmma_ws(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+  } else {
+    launch_wgmma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+  }
+  return C;
+}
+
+}  // namespace
+}  // namespace kbit
+
+// Schemas: vllm_kbit/ops.py (the forced-kernel ops are kbit::linear's with their extra arguments).
+TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
+  m.impl("linear", &kbit::linear_cuda);
+  m.impl("_mma_linear", &kbit::mma_linear_cuda);
+  m.impl("_gemv_linear", &kbit::gemv_linear_cuda);
+  m.impl("_wgmma_linear", &kbit::wgmma_linear_cuda);
+}

@@ -1,0 +1,232 @@
+// Routed experts on CUDA: kbit::_fused_moe_cuda (what vllm_kbit.moe registers as the CUDA
+// kbit::fused_moe for 16-bit activations) and the routing / grouped-GEMV pieces as ops for
+// tests and benchmarks. Plain C++ (like linear.cpp): input checks, allocations, launchers.
+//
+// Three paths, picked from shapes alone (no host sync, every allocation sized by T * top_k or E):
+//   GEMV         route -> grouped GEMV gate_up (gathers x rows) -> grouped GEMV down (SiLU * up
+//                while staging, fp32 out) -> combine. Reads only the experts that got tokens.
+//   grouped MMA  route (chunks of 8p rows) -> gather x (bf16) -> grouped dequant + MMA gate_up ->
+//                SiLU * up -> grouped dequant + MMA down -> combine. Reads only the experts that
+//                got tokens, each weight tile once per chunk of up to 64 rows (the GEMV: per 4).
+//   grouped mm   route -> gather x (bf16) -> dequantize all experts to bf16 -> torch._grouped_mm ->
+//                SiLU * up -> dequantize -> torch._grouped_mm -> combine.
+// dispatch.cpp's moe_plan picks the path and sizes the routing. The last two run fp16 inputs in bf16.
+#include "dispatch.h"
+#include "mma.cuh"
+#include "moe.cuh"
+
+#include <ATen/ATen.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <c10/core/DeviceGuard.h>
+#include <torch/library.h>
+
+#include "check.h"
+#include "format_constants.h"
+
+namespace kbit {
+namespace {
+
+struct Routing {
+  at::Tensor offsets, pos, slot_of, chunks, num_chunks;
+};
+
+Routing route(const at::Tensor& ids, const std::optional<at::Tensor>& expert_map, int64_t E, int64_t chunk_rows,
+              int64_t max_chunks) {
+  const auto i32 = ids.options().dtype(at::kInt);
+  const int64_t S = ids.numel();
+  Routing r{at::empty({E + 1}, i32), at::empty({S}, i32), at::empty({S}, i32), at::empty({max_chunks, 4}, i32),
+            at::empty({1}, i32)};
+  launch_moe_route(ids, expert_map, E, chunk_rows, r.offsets, r.pos, r.slot_of, r.chunks, r.num_chunks);
+  return r;
+}
+
+std::optional<at::Tensor> int32_map(const std::optional<at::Tensor>& expert_map, const at::Tensor& x) {
+  if (!expert_map.has_value()) return std::nullopt;
+  KBIT_CHECK(expert_map->dim() == 1 && !at::isFloatingType(expert_map->scalar_type()) &&
+                  expert_map->device() == x.device(),
+              "kbit fused_moe: expert_map must be a 1-D integer tensor on ", x.device(), ", got ",
+              expert_map->scalar_type(), " ", expert_map->sizes(), " on ", expert_map->device());
+  return expert_map->to(at::kInt).contiguous();
+}
+
+// Checks one stacked runtime weight [E, ceil(N/64), ceil(K/128), k, 64, 4] (+ absmax); returns k.
+int64_t check_stacked(const at::Tensor& q, const at::Tensor& a, int64_t E, int64_t N, int64_t K, const char* what) {
+  const int64_t nt = (N + kTileN - 1) / kTileN, kt = (K / kBlockSize + kTileKB - 1) / kTileKB;
+  KBIT_CHECK(q.scalar_type() == at::kInt && q.dim() == 6 && q.size(0) == E && q.size(1) == nt && q.size(2) == kt &&
+                  q.size(3) >= kMinBits && q.size(3) <= kMaxBits && q.size(4) == kTileN && q.size(5) == kTileKB,
+              "kbit fused_moe: ", what, "_qweight must be int32 [", E, ", ", nt, ", ", kt, ", k, ", kTileN, ", ", kTileKB,
+              "] (k in ", kMinBits, "..", kMaxBits, ") for [", N, ", ", K, "] experts, got ", q.scalar_type(), " ",
+              q.sizes());
+  KBIT_CHECK(a.scalar_type() == at::kByte && a.dim() == 5 && a.size(0) == E && a.size(1) == nt && a.size(2) == kt &&
+                  a.size(3) == kTileN && a.size(4) == kTileKB,
+              "kbit fused_moe: ", what, "_absmax must be uint8 [", E, ", ", nt, ", ", kt, ", ", kTileN, ", ", kTileKB,
+              "], got ", a.scalar_type(), " ", a.sizes());
+  KBIT_CHECK(q.is_contiguous() && a.is_contiguous(), "kbit fused_moe: ", what, " tensors must be contiguous");
+  return q.size(3);
+}
+
+// All E experts of a stacked runtime weight as bf16 [E, N, K]: the stack is the runtime layout
+// of one [E * n_tiles * 64, K] weight, so one dequantize launch covers it.
+at::Tensor dequantize_stacked(const at::Tensor& q, const at::Tensor& a, const at::Tensor& codebook, int64_t N,
+                              int64_t K) {
+  static const auto op = c10::Dispatcher::singleton()
+                             .findSchemaOrThrow("kbit::dequantize_runtime", "")
+                             .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, c10::SymInt,
+                                               c10::SymInt, at::ScalarType)>();
+  const int64_t E = q.size(0), rows = q.size(0) * q.size(1);
+  const at::Tensor W = op.call(q.view({rows, q.size(2), q.size(3), kTileN, kTileKB}), a.view({rows, a.size(2), kTileN, kTileKB}),
+                               codebook, c10::SymInt(rows * kTileN), c10::SymInt(K), at::kBFloat16);
+  return W.view({E, q.size(1) * kTileN, K}).narrow(1, 0, N);
+}
+
+at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                          const at::Tensor& w13_qweight, const at::Tensor& w13_absmax, const at::Tensor& w2_qweight,
+                          const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
+                          const std::optional<at::Tensor>& expert_map, bool on_input, int64_t path_id) {
+  KBIT_CHECK(x.is_cuda() && x.dim() == 2, "kbit fused_moe: x must be a 2-D CUDA tensor [T, H], got ", x.sizes(),
+              " on ", x.device());
+  KBIT_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "kbit fused_moe: x has dtype ",
+              x.scalar_type(), "; the CUDA kernels support bfloat16 and float16");
+  const int64_t T = x.size(0), H = x.size(1);
+  KBIT_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T && topk_weights.sizes() == topk_ids.sizes() &&
+                  !at::isFloatingType(topk_ids.scalar_type()),
+              "kbit fused_moe: topk_ids (integer) and topk_weights must both be [T=", T, ", top_k], got ",
+              topk_ids.sizes(), " and ", topk_weights.sizes());
+  KBIT_CHECK_TYPE(at::isFloatingType(topk_weights.scalar_type()), "kbit: fused_moe topk_weights must be a float tensor, got ",
+                  topk_weights.scalar_type());
+  KBIT_CHECK(H > 0 && H % kBlockSize == 0 && I > 0 && I % kBlockSize == 0, "kbit fused_moe: hidden size ", H,
+              " and intermediate size ", I, " must be positive multiples of ", kBlockSize);
+  const int64_t E = w13_qweight.dim() == 6 ? w13_qweight.size(0) : 0, top_k = topk_ids.size(1);
+  KBIT_CHECK_VALUE(E >= 1 && E <= kMaxLocalExperts, "kbit fused_moe: w13_qweight must be [E, ...] with 1 <= E <= ",
+              kMaxLocalExperts, " local experts, got ", w13_qweight.sizes());
+  const int64_t k = check_stacked(w13_qweight, w13_absmax, E, 2 * I, H, "w13");
+  KBIT_CHECK(check_stacked(w2_qweight, w2_absmax, E, H, I, "w2") == k, "kbit fused_moe: w13 and w2 have different k");
+  KBIT_CHECK(codebook.scalar_type() == at::kFloat && codebook.dim() == 1 && codebook.numel() == (int64_t{1} << k) &&
+                  codebook.is_contiguous(),
+              "kbit fused_moe: codebook must be float32 [", int64_t{1} << k, "]");
+  for (const at::Tensor* t : {&topk_ids, &topk_weights, &w13_qweight, &w13_absmax, &w2_qweight, &w2_absmax, &codebook}) {
+    KBIT_CHECK(t->device() == x.device(), "kbit fused_moe: all tensors must be on ", x.device(), ", one is on ",
+                t->device());
+  }
+  const MoePlan plan = moe_plan(T, top_k, E, k, moe_path_from_id(path_id));
+  const c10::DeviceGuard guard(x.device());
+  at::Tensor out = at::empty({T, H}, x.options());
+  if (T == 0 || top_k == 0) return out.zero_();
+
+  at::Tensor xc = x.contiguous();
+  if (reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 != 0) xc = xc.clone();  // 8- and 16-byte vector loads
+  const at::Tensor ids = topk_ids.to(at::kInt).contiguous().view({-1});
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous().view({-1});
+  const std::optional<at::Tensor> map = int32_map(expert_map, x);
+  const int64_t S = ids.numel();
+  const std::optional<at::Tensor> input_weights = on_input ? std::optional<at::Tensor>(weights) : std::nullopt;
+  const std::optional<at::Tensor> output_weights = on_input ? std::nullopt : std::optional<at::Tensor>(weights);
+  const int64_t rows = plan.chunk_rows, max_chunks = plan.max_chunks;
+
+  if (plan.path == MoePath::kGemv) {
+    const Routing r = route(ids, map, E, rows, max_chunks);
+    at::Tensor h13 = at::empty({S, 2 * I}, x.options());
+    launch_moe_gemv(MoeStage::kGather, xc, r.slot_of, input_weights, top_k, r.chunks, r.num_chunks, w13_qweight,
+                    w13_absmax, codebook, 2 * I, H, rows, h13);
+    at::Tensor y = at::empty({S, H}, x.options().dtype(at::kFloat));
+    launch_moe_gemv(MoeStage::kSiluMul, h13, std::nullopt, std::nullopt, top_k, r.chunks, r.num_chunks, w2_qweight,
+                    w2_absmax, codebook, H, I, rows, y);
+    launch_moe_combine(y, r.pos, output_weights, top_k, out);
+    return out;
+  }
+  if (plan.path == MoePath::kGroupedMma) {
+    KBIT_CHECK(max_chunks <= kMmaMaxGridRows, "kbit fused_moe: ", S, " slots need up to ", max_chunks,
+                " chunks of ", rows, " rows; the grouped MMA launches at most ", kMmaMaxGridRows);
+    const Routing r = route(ids, map, E, rows, max_chunks);
+    at::Tensor xp = at::empty({S, H}, x.options().dtype(at::kBFloat16));
+    launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp);
+    at::Tensor g = at::empty({S, 2 * I}, xp.options());
+    launch_mma_grouped(xp, r.chunks, r.num_chunks, w13_qweight, w13_absmax, codebook, 2 * I, H, rows, g);
+    at::Tensor h = at::empty({S, I}, xp.options());
+    launch_moe_silu_mul(g, h);  // rows past the chunks are garbage in g and h and never read again
+    at::Tensor y = at::empty({S, H}, xp.options());
+    launch_mma_grouped(h, r.chunks, r.num_chunks, w2_qweight, w2_absmax, codebook, H, I, rows, y);
+    launch_moe_combine(y, r.pos, output_weights, top_k, out);
+    return out;
+  }
+  const Routing r = route(ids, map, E, rows, max_chunks);
+  const at::Tensor offs = r.offsets.narrow(0, 1, E);  // end row of each expert's group
+  at::Tensor xp = at::empty({S, H}, x.options().dtype(at::kBFloat16));
+  launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp);
+  const at::Tensor g = at::_grouped_mm(xp, dequantize_stacked(w13_qweight, w13_absmax, codebook, 2 * I, H).transpose(1, 2), offs);
+  at::Tensor h = at::empty({S, I}, xp.options());
+  launch_moe_silu_mul(g, h);
+  const at::Tensor y = at::_grouped_mm(h, dequantize_stacked(w2_qweight, w2_absmax, codebook, H, I).transpose(1, 2), offs);
+  launch_moe_combine(y, r.pos, output_weights, top_k, out);
+  return out;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_op(
+    const at::Tensor& topk_ids, const std::optional<at::Tensor>& expert_map, int64_t num_experts, int64_t chunk_rows,
+    int64_t max_chunks) {
+  KBIT_CHECK(topk_ids.is_cuda() && !at::isFloatingType(topk_ids.scalar_type()),
+              "kbit _moe_route: topk_ids must be an integer CUDA tensor");
+  KBIT_CHECK(max_chunks >= 0 && chunk_rows >= 1 && chunk_rows <= kMoeMaxChunkRows && num_experts >= 1 &&
+                  num_experts <= kMaxLocalExperts,
+              "kbit _moe_route: needs max_chunks >= 0, chunk_rows in 1..", kMoeMaxChunkRows, " and 1..",
+              kMaxLocalExperts, " experts");
+  const c10::DeviceGuard guard(topk_ids.device());
+  const Routing r = route(topk_ids.to(at::kInt).contiguous().view({-1}), int32_map(expert_map, topk_ids), num_experts,
+                          chunk_rows, max_chunks);
+  return {r.offsets, r.pos, r.slot_of, r.chunks, r.num_chunks};
+}
+
+// One grouped projection on rows that are already grouped by expert (chunks from _moe_route):
+// C[p] = A[p] @ dequant(W_e)^T; rows outside the chunks are left unwritten. The chunk height picks
+// the kernel: 1 or 4 rows the grouped GEMV, 8/16/32/64 the grouped MMA. splits forces the GEMV's K
+// split count (0: heuristic).
+at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
+                               const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook,
+                               int64_t N, int64_t K, int64_t chunk_rows, int64_t splits) {
+  KBIT_CHECK(A.is_cuda() && A.dim() == 2 && A.size(1) == K && A.is_contiguous() &&
+                  (A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf),
+              "kbit _moe_grouped_linear: A must be contiguous bf16/fp16 [rows, K=", K, "], got ", A.sizes());
+  KBIT_CHECK(K % kBlockSize == 0, "kbit _moe_grouped_linear: K must be a multiple of ", kBlockSize);
+  KBIT_CHECK(chunks.scalar_type() == at::kInt && chunks.dim() == 2 && chunks.size(1) == 4 && chunks.is_contiguous() &&
+                  num_chunks.scalar_type() == at::kInt && num_chunks.numel() == 1,
+              "kbit _moe_grouped_linear: chunks/num_chunks as _moe_route returns them");
+  const int64_t k = check_stacked(qweight, absmax, qweight.size(0), N, K, "w");
+  KBIT_CHECK(codebook.scalar_type() == at::kFloat && codebook.numel() == (int64_t{1} << k) && codebook.is_contiguous(),
+              "kbit _moe_grouped_linear: codebook must be float32 [", int64_t{1} << k, "]");
+  const c10::DeviceGuard guard(A.device());
+  at::Tensor C = at::empty({A.size(0), N}, A.options());
+  const bool mma = chunk_rows == 8 || chunk_rows == 16 || chunk_rows == 32 || chunk_rows == 64;
+  KBIT_CHECK(chunk_rows == 1 || chunk_rows == kMoeChunkRows || mma, "kbit _moe_grouped_linear: chunk_rows must be 1 or ",
+              kMoeChunkRows, " (GEMV) or 8, 16, 32, 64 (MMA), as given to _moe_route");
+  KBIT_CHECK(chunks.size(0) <= kMmaMaxGridRows, "kbit _moe_grouped_linear: at most ", kMmaMaxGridRows, " chunks");
+  KBIT_CHECK(!mma || A.scalar_type() == at::kBFloat16, "kbit _moe_grouped_linear: the grouped MMA takes bf16 A");
+  KBIT_CHECK(!mma || splits == 0, "kbit _moe_grouped_linear: splits applies to the GEMV (chunk_rows 1 or ",
+              kMoeChunkRows, ")");
+  if (mma) {
+    launch_mma_grouped(A, chunks, num_chunks, qweight, absmax, codebook, N, K, chunk_rows, C);
+  } else {
+    launch_moe_gemv(MoeStage::kGather, A, std::nullopt, std::nullopt, 1, chunks, num_chunks, qweight, absmax, codebook,
+                    N, K, chunk_rows, C, splits);
+  }
+  return C;
+}
+
+}  // namespace
+}  // namespace kbit
+
+// The routing pieces as ops (C++ only); _fused_moe_cuda's schema is kbit::fused_moe's plus the path
+// (vllm_kbit/ops.py).
+TORCH_LIBRARY_FRAGMENT(kbit, m) {
+  m.def(
+      "_moe_route(Tensor topk_ids, Tensor? expert_map, int num_experts, int chunk_rows, int max_chunks) -> "
+      "(Tensor offsets, Tensor pos, Tensor slot_of, Tensor chunks, Tensor num_chunks)");
+  m.def(
+      "_moe_grouped_linear(Tensor A, Tensor chunks, Tensor num_chunks, Tensor qweight, Tensor absmax, Tensor codebook, "
+      "int N, int K, int chunk_rows, int splits=0) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
+  m.impl("_fused_moe_cuda", &kbit::fused_moe_cuda);
+  m.impl("_moe_route", &kbit::moe_route_op);
+  m.impl("_moe_grouped_linear", &kbit::moe_grouped_linear_op);
+}

@@ -1,0 +1,90 @@
+"""Dispatch through the ops that expose it (csrc/ops/dispatch.cpp): kbit::linear_plan, and the split-K
+heuristics and routing bound behind the plans. Host C++ only, so this runs on CPU wherever the
+extension is built; tests/test_fused_moe_op.py covers kbit::moe_plan."""
+
+import functools
+import random
+
+import pytest
+import torch
+
+from vllm_kbit import ops
+from vllm_kbit.linear import gemv_tiles
+
+pytestmark = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="the C++ extension is not built or not loadable")
+
+# The target shapes of docs/architecture.md, as (K, N) (tests/gpu/test_linear_cuda.py runs them on a GPU).
+from gpu.test_linear_cuda import DESIGN_SHAPES  # noqa: E402
+
+
+def plan(M, N, K, dtype=torch.bfloat16, sm_major=9, num_sms=132, ctas_per_sm=1, path="auto"):
+    return torch.ops.kbit.linear_plan(M, N, K, dtype, sm_major, num_sms, ctas_per_sm, path)
+
+
+def test_linear_plan_paths_on_both_sides_of_each_bound():
+    big, small = (14336, 4096), (8192, 4096)  # big: >= 10240 rows (register-fragment wgmma); small: 2^25 elements
+    assert [plan(M, *big)[0] for M in (1, 2, 3, 64, 65, 128, 129, 512, 513)] == [
+        "gemv", "gemv", "mma", "mma", "wgmma", "wgmma", "wgmma_ws", "wgmma_ws", "dequant_cublas"]
+    assert [plan(M, *small)[0] for M in (65, 128, 129, 512)] == ["dequant_cublas", "dequant_cublas", "wgmma_ws", "wgmma_ws"]
+    assert plan(129, 8192, 4064)[0] == "dequant_cublas"  # under 2^25 elements
+    assert plan(100, 10240, 2048)[0] == "wgmma" and plan(100, 10240, 2016)[0] == "dequant_cublas"
+    assert {plan(M, *big, sm_major=8)[0] for M in (65, 128, 129, 512)} == {"dequant_cublas"}  # wgmma: Hopper only
+    assert {plan(M, *big, dtype=torch.float16)[0] for M in (1, 3, 100)} == {"gemv", "mma", "wgmma"}
+    assert {plan(M, *big, dtype=torch.float32)[0] for M in (1, 3, 100)} == {"dequant_cublas"}
+
+
+def test_linear_plan_fields():
+    path, splits, max_splits, p, r, m_blocks = plan(1, 4096, 2048)
+    assert path == "gemv" and 1 < max_splits <= gemv_tiles(4096, 2048)[1] and (p, r, m_blocks) == (0, 0, 0)
+    assert splits == torch.ops.kbit._gemv_splits(*gemv_tiles(4096, 2048), 132)
+    for M, (want_p, want_blocks) in {1: (1, 1), 8: (1, 1), 9: (2, 1), 17: (4, 1), 33: (8, 1), 64: (8, 1)}.items():
+        path, splits, max_splits, p, r, m_blocks = plan(M, 14336, 4096, ctas_per_sm=3, path="mma")
+        assert (path, p, m_blocks) == ("mma", want_p, want_blocks)
+        assert r == (1 if p < 4 else 4 if p == 4 else 2)  # wide warps on this 224-tile weight from p = 4
+        n_tiles, k_tiles = gemv_tiles(14336, 4096)
+        assert splits == torch.ops.kbit._mma_splits(-(-n_tiles // r), m_blocks, k_tiles, 132, 3)
+    assert plan(200, 14336, 2048, path="mma")[3:] == (8, 2, 4)  # 4 CTA rows of 64
+    assert plan(40, 64 * 127, 2048, path="mma")[4] == 1  # under 128 n-tiles: narrow warps
+    assert plan(600, 14336, 4096)[1:] == (1, 1, 0, 0, 0)
+    with pytest.raises(ValueError, match="is not one of auto, gemv, mma, wgmma, wgmma_ws, dequant_cublas"):
+        plan(1, 64, 128, path="fastest")
+    with pytest.raises(ValueError, match="multiple of 32"):
+        plan(1, 64, 100)
+
+
+@functools.lru_cache(maxsize=None)
+def _max_splits(path, k_tiles):
+    """The most K splits the kernel takes over k_tiles k-tiles (a cluster's size, at most k_tiles)."""
+    return plan(1, 64, 128 * k_tiles, path=path)[2]
+
+
+def _assert_no_empty_split(S, k_tiles, path, what):
+    assert 1 <= S <= _max_splits(path, k_tiles) <= k_tiles, what
+    bounds = [s * k_tiles // S for s in range(S + 1)]  # the kernels' partition
+    assert bounds[0] == 0 and bounds[-1] == k_tiles
+    assert all(bounds[s + 1] - bounds[s] >= 1 for s in range(S)), what
+
+
+@pytest.mark.parametrize("sms", [114, 132, 148])
+def test_gemv_split_heuristic_never_makes_an_empty_split(sms):
+    cases = [(*gemv_tiles(N, K), sms) for K, N in DESIGN_SHAPES]
+    rng = random.Random(sms)
+    cases += [(rng.randint(1, 5000), rng.randint(1, 400), sms) for _ in range(5000)]
+    cases += [(n_tiles, k_tiles, sms) for k_tiles in range(1, 20) for n_tiles in range(1, 300)]  # tightest: small K
+    for n_tiles, k_tiles, sms in cases:
+        _assert_no_empty_split(torch.ops.kbit._gemv_splits(n_tiles, k_tiles, sms), k_tiles, "gemv", (n_tiles, k_tiles, sms))
+
+
+@pytest.mark.parametrize("sms", [114, 132, 148])
+def test_mma_split_heuristic_never_makes_an_empty_split(sms):
+    cases = []
+    for K, N in DESIGN_SHAPES:
+        n_tiles, k_tiles = gemv_tiles(N, K)
+        for M in (1, 5, 8, 16, 32, 64, 128, 256, 1024, 4096):
+            _, _, _, p, r, m_blocks = plan(M, N, K, path="mma")
+            cases += [(-(-n_tiles // rg), m_blocks, k_tiles, sms, c) for rg in (r, 1, 2, 4) for c in range(1, 9)]
+    rng = random.Random(sms)
+    cases += [(rng.randint(1, 2000), rng.randint(1, 70), rng.randint(1, 400), sms, rng.randint(1, 8)) for _ in range(5000)]
+    cases += [(cols, 1, k_tiles, sms, 1 + cols % 4) for k_tiles in range(1, 20) for cols in range(1, 200)]
+    for args in cases:
+        _assert_no_empty_split(torch.ops.kbit._mma_splits(*args), args[2], "mma", args)

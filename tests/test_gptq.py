@@ -1,0 +1,117 @@
+"""GPTQ rounding into the kbit format (vllm_kbit.gptq): a valid kbit weight, equal to the reference's
+round-to-nearest when there is nothing to compensate, and a smaller layer output error than
+round-to-nearest on correlated inputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_kbit import gptq
+from vllm_kbit import reference as fmt
+
+
+def _correlated_inputs(n: int, K: int, seed: int) -> torch.Tensor:
+    """Inputs with strongly correlated features and a few large channels, as in a transformer."""
+    g = torch.Generator().manual_seed(seed)
+    mix = torch.randn(K, K, generator=g) / K**0.5 + torch.eye(K)
+    X = torch.randn(n, K, generator=g) @ mix
+    X[:, :4] *= 8
+    return X
+
+
+@pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
+@pytest.mark.parametrize("search", [True, False])
+def test_identity_hessian_is_round_to_nearest(k, search):
+    """H = I: no error is propagated, so every index, and every scale, is the reference's."""
+    W = (torch.randn(80, 256, generator=torch.Generator().manual_seed(k)) * 0.02).to(torch.bfloat16)
+    cb = fmt.normal_float_codebook(k)
+    got = gptq.gptq_quantize(W, torch.eye(256), cb, k, search)
+    want = fmt.quantize(W, cb, k, search)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
+def test_gptq_reduces_layer_output_error(k):
+    K, N = 256, 96
+    W = (torch.randn(N, K, generator=torch.Generator().manual_seed(50 + k)) * 0.02).to(torch.bfloat16)
+    X = _correlated_inputs(2048, K, 60 + k)
+    cb = fmt.normal_float_codebook(k)
+    q, a = gptq.gptq_quantize(W, X.T @ X, cb, k)
+    assert q.shape == (N, K // 32, k) and q.dtype == torch.int32 and a.shape == (N, K // 32) and a.dtype == torch.uint8
+    gptq_W = fmt.dequantize(q, a, cb, torch.float32)
+    rtn_W = fmt.dequantize(*fmt.quantize(W, cb, k), cb, torch.float32)
+    ref = X @ W.float().T
+
+    def out_err(D):
+        return (X @ D.T - ref).square().sum().item()
+
+    # GPTQ trades weight error for output error: its output error is clearly below RTN's.
+    assert out_err(gptq_W) < 0.8 * out_err(rtn_W)
+    assert (gptq_W - W.float()).square().sum() > (rtn_W - W.float()).square().sum()
+
+
+def test_gptq_quantize_refuses_a_wrong_hessian():
+    W = torch.randn(8, 64)
+    with pytest.raises(ValueError, match=r"H has shape \[32, 32\], weight \[8, 64\] needs \[64, 64\]"):
+        gptq.gptq_quantize(W, torch.eye(32), fmt.normal_float_codebook(4), 4)
+
+
+def test_calibration_text_is_not_the_perplexity_text():
+    from vllm_kbit import real_model
+
+    text = gptq.calibration_text()
+    assert len(text) > 100_000 and text == gptq.calibration_text()
+    ppl_text, _ = real_model.bundled_text()
+    assert text[:2000] not in ppl_text and ppl_text[:2000] not in text
+
+
+def test_convert_with_gptq_writes_the_same_layout_with_other_indices(tmp_path):
+    """`convert(gptq=True)` on a tiny dense model: same tensors, shapes and config as plain convert, the
+    linear weights rounded differently, and the first layer's q_proj output on the calibration text
+    closer to bf16's than round-to-nearest's."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_kbit import tiny_models
+    from vllm_kbit.convert import convert
+    from vllm_kbit.settings import KbitSettings
+
+    src = tiny_models.build("qwen3", str(tmp_path / "src"), hidden=128, layers=1)
+    settings = KbitSettings(bits=3)
+    text = gptq.calibration_text()[:20000]
+    rtn_dir, gptq_dir = str(tmp_path / "rtn"), str(tmp_path / "gptq")
+    convert(src, rtn_dir, settings, progress=False)
+    convert(src, gptq_dir, settings, progress=False, gptq=True, calibration_text=text)
+    rtn = load_file(f"{rtn_dir}/model-00001-of-00001.safetensors")
+    got = load_file(f"{gptq_dir}/model-00001-of-00001.safetensors")
+    assert {n: (t.shape, t.dtype) for n, t in rtn.items()} == {n: (t.shape, t.dtype) for n, t in got.items()}
+    assert open(f"{rtn_dir}/config.json").read() == open(f"{gptq_dir}/config.json").read()
+    qnames = [n for n in rtn if n.endswith(".qweight")]
+    assert len(qnames) == 7 and all(not torch.equal(rtn[n], got[n]) for n in qnames)
+
+    model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(src)
+    ids = tok(text, return_tensors="pt").input_ids[:, :512]
+    captured = {}
+    layer = model.model.layers[0]
+    h = layer.self_attn.q_proj.register_forward_pre_hook(lambda m, a: captured.setdefault("x", a[0]))
+    with torch.no_grad():
+        model.model(input_ids=ids)
+    h.remove()
+    x, W = captured["x"][0], layer.self_attn.q_proj.weight
+    cb = settings.codebook(3)
+    p = "model.layers.0.self_attn.q_proj"
+
+    def out_err(t):
+        D = fmt.dequantize(t[f"{p}.qweight"], t[f"{p}.absmax"], cb, torch.float32)
+        return (x @ (D - W).T).square().sum().item()
+
+    assert out_err(got) < 0.9 * out_err(rtn)
+
+
+def test_cli_calibration_file_needs_gptq(tmp_path, capsys):
+    from vllm_kbit import cli
+
+    assert cli.main(["convert", str(tmp_path / "in"), str(tmp_path / "out"), "--calibration-file", "x.txt"]) == 2
+    assert "--calibration-file needs --gptq" in capsys.readouterr().err

@@ -1,0 +1,16 @@
+// The kbit format's constants, written once. The CUDA extension includes this header and
+// vllm_kbit/reference.py reads it at import (it parses the `constexpr int kName = value;` lines
+// below, so keep each one on one line with an integer literal).
+#pragma once
+
+namespace kbit {
+
+constexpr int kBlockSize = 32;      // weights per quantization block (one E4M4 scale each)
+constexpr int kMinBits = 2;         // supported bits per weight k: kMinBits..kMaxBits
+constexpr int kMaxBits = 5;
+constexpr int kE4M4Bias = 11;       // E4M4 scale byte (e, m): 2^(e - bias) * (1 + m/16); e = 0: m * 2^(1 - bias - 4)
+constexpr int kScaleSearchRadius = 8;  // scale search: codes absmax-8 .. absmax+8 around each block's absmax code
+constexpr int kTileN = 64;          // runtime tile: kTileN rows (output features) ...
+constexpr int kTileKB = 4;          // ... by kTileKB blocks along K
+
+}  // namespace kbit
