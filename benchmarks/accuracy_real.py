@@ -16,6 +16,11 @@ NF4 with an fp32 absmax per 64 weights (bitsandbytes' layout, no double quantiza
 kbit-3 / kbit-4 with plain absmax scales, and a uniform 4-bit grid per 32 weights with a float
 minimum (Q4_1's own layout), which reproduces the reference up to its bf16 rounding.
 
+``quantize_lm_head`` (off by default): the model's head is tied to its embedding, which vLLM's kbit
+plugin leaves bf16; the methods "... + lm_head kbit-k" measure what a k-bit head costs here by fake
+quantization of the head alone (a separate copy of the embedding table: the lookup stays bf16).
+Their bits/weight and model MB count the decoder linears only, as the other rows.
+
 Measures, per method: perplexity on the first ``--tokens`` tokens of Python's documentation
 topics (``pydoc_data.topics``, shipped with CPython) in independent windows of ``--window``
 tokens; top-1 agreement (the share of positions whose argmax equals bf16's); weight SQNR over
@@ -252,7 +257,27 @@ def methods(original: dict, model_dir: str, which: set[str] | None, levers: bool
     for name, family, control, make in specs:
         if which and name not in which:
             continue
-        yield name, family, control, make
+        yield name, family, control, make, None
+    # The head at k bits (fake-quantized copy of the tied embedding), on a bf16 or a kbit-4 body.
+    for body, head_k in (("bf16", 4), ("kbit-4", 4), ("kbit-4", 5)):
+        name = f"{body} + lm_head kbit-{head_k}"
+        if which and name not in which:
+            continue
+        if body == "bf16":
+            make = lambda: (dict(original), uniform(16.0))  # noqa: E731
+        else:
+            make = lambda: (kbit_cached(original, 4, True, model_dir), uniform(4.25))  # noqa: E731
+        yield name, "kbit head", False, make, head_k
+
+
+def set_head(model, head_k: int | None) -> None:
+    """head_k bits: the output head becomes a kbit-decoded copy of the (tied) embedding; None: tied again."""
+    emb = model.get_input_embeddings()
+    if head_k is None:
+        model.lm_head.weight = emb.weight
+        return
+    W = emb.weight.detach().to(torch.bfloat16).contiguous()
+    model.lm_head.weight = torch.nn.Parameter(real_model.kbit_fake_weight(W, head_k).to(emb.weight.dtype), requires_grad=False)
 
 
 # ----------------------------------------------------------------------------- measurement
@@ -327,7 +352,8 @@ def markdown(meta: dict, records: list[dict], tok) -> str:
         f"  ({meta['predicted']} predicted positions).",
         "- fake quantization: every decoder linear (q/k/v/o, gate/up/down: "
         f"{meta['quantized_params'] / 1e6:.1f}M of {meta['total_params'] / 1e6:.1f}M parameters) quantized and",
-        "  decoded to bf16; embedding (tied lm_head) and norms bf16; forward in float32.",
+        "  decoded to bf16; embedding (tied lm_head) and norms bf16; forward in float32. Rows \"+ lm_head kbit-k\":",
+        "  the head is a kbit-k decoded copy of the embedding (the lookup stays bf16).",
         "- bits/weight: of the quantized linears, scales included (kbit k + 0.25: E4M4 per 32; int-RTN",
         "  k + 0.25: fp16 scale and zero per 128; NF4 4.5: fp32 absmax per 64; Q4_1 layout 5.0: fp16 scale and min per 32). Model",
         "  size: those linears at that rate plus the rest in bf16.",
@@ -369,7 +395,7 @@ def plot(records: list[dict], path: pathlib.Path) -> bool:
         return False
     ref = next(r for r in records if r["method"] == "bf16")
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
-    markers = {"kbit": "o", "kbit mixed": "D", "int-RTN g128": "s", "NF4 bs64": "^", "control": "x"}
+    markers = {"kbit": "o", "kbit mixed": "D", "kbit head": "P", "int-RTN g128": "s", "NF4 bs64": "^", "control": "x"}
     for r in records:
         if r["method"] == "bf16":
             continue
@@ -421,10 +447,11 @@ def main(argv: list[str] | None = None) -> None:
 
     which = set(args.methods) | {"bf16"} if args.methods else None
     records, ref_top1 = [], None
-    for name, family, control, make in methods(original, model_dir, which, args.levers):
+    for name, family, control, make, head_k in methods(original, model_dir, which, args.levers):
         t = time.time()
         weights, bits = make()
         real_model.set_weights(model, weights)
+        set_head(model, head_k)
         nll, top1 = evaluate_text(model, ids, args.window)
         if ref_top1 is None:
             ref_top1 = top1
@@ -448,6 +475,7 @@ def main(argv: list[str] | None = None) -> None:
             flush=True,
         )
     real_model.set_weights(model, original)
+    set_head(model, None)
 
     date = datetime.date.today().isoformat()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=pathlib.Path(__file__).parent).stdout.strip()

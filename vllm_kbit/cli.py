@@ -1,7 +1,7 @@
 """``vllm-kbit``: command-line tools.
 
     vllm-kbit convert IN_DIR OUT_DIR --bits 4 [--bits-overrides experts=3 self_attn=5]
-        [--modules-to-not-convert lm_head gate] [--device cpu|cuda] [--max-shard-size 4GB] [--overwrite]
+        [--modules-to-not-convert lm_head gate] [--quantize-lm-head] [--device cpu|cuda] [--max-shard-size 4GB] [--overwrite]
 """
 
 from __future__ import annotations
@@ -76,6 +76,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="NAME",
         help="modules left in bf16 (replaces the default: lm_head, router gates, embeddings)",
     )
+    c.add_argument(
+        "--quantize-lm-head",
+        action="store_true",
+        help="quantize the output head too (at the bits of lm_head: --bits, or --bits-overrides lm_head=K); "
+        "a head tied to the embedding stays bf16",
+    )
     c.add_argument("--device", default="cpu", help="device that quantizes (cpu, cuda, cuda:1, ...)")
     c.add_argument("--max-shard-size", type=_size, default="4GB", help="largest output shard (default 4GB)")
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR (never the input)")
@@ -107,6 +113,7 @@ def main(argv: list[str] | None = None) -> int:
             bits=args.bits,
             bits_overrides=_overrides(args.bits_overrides),
             modules_to_not_convert=args.modules_to_not_convert,
+            quantize_lm_head=args.quantize_lm_head,
         )
         summary = convert(
             args.in_dir,

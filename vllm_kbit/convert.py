@@ -11,7 +11,9 @@ copied.
 
 Which tensors are quantized: 2-D floating-point ``.weight`` tensors, except
 
-* embeddings and output heads (names with a component in :data:`NEVER_QUANTIZED`),
+* embeddings and output heads (names with a component in :data:`NEVER_QUANTIZED`); with
+  ``quantize_lm_head`` the ``lm_head`` is quantized unless the config ties it to the embedding
+  (then it stays bf16 with a note in the summary, as the vLLM plugin does online),
 * modules matched by ``modules_to_not_convert`` (per-expert tensors are matched
   as their ``<block>.experts`` module, see :mod:`vllm_kbit.settings`),
 * linear weights whose K is not a multiple of 32 (left in bf16, the same rule the
@@ -35,7 +37,7 @@ import torch
 
 from vllm_kbit import reference as fmt
 from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
-from vllm_kbit.settings import KbitSettings, module_key
+from vllm_kbit.settings import LM_HEAD, KbitSettings, module_key
 
 NEVER_QUANTIZED = ("embed_tokens", "lm_head", "wte", "wpe", "embeddings", "embed_positions")
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".pkl", ".msgpack", ".h5")
@@ -56,6 +58,7 @@ class ConvertSummary:
     quantized_input_bytes: int = 0
     quantized_output_bytes: int = 0
     left_unquantized: list[str] = field(default_factory=list)
+    tied_lm_head: bool = False  # quantize_lm_head asked for, but the head is tied to the embedding
     shards: list[str] = field(default_factory=list)
 
     def format(self) -> str:
@@ -73,6 +76,8 @@ class ConvertSummary:
             )
         if self.left_unquantized:
             lines.append(f"left unquantized (K not a multiple of 32): {', '.join(self.left_unquantized)}")
+        if self.tied_lm_head:
+            lines.append("lm_head left bf16: tied to the input embedding (quantize_lm_head applies to untied heads)")
         return "\n".join(lines)
 
 
@@ -124,15 +129,35 @@ def _check_output(in_dir: str, out_dir: str, overwrite: bool) -> None:
         raise ConvertError(f"kbit convert: output {out_dir} is not empty (pass --overwrite to replace its contents)")
 
 
-def quantization_decision(name: str, tensor_shape: tuple, dtype: torch.dtype, settings: KbitSettings) -> int | None:
+def tied_word_embeddings(config: dict) -> bool:
+    """Whether a Hugging Face config.json ties the output head to the input embedding (text config first,
+    as vLLM's models read it; a config without the key gets its transformers class default)."""
+    for cfg in (config.get("text_config"), config):
+        if isinstance(cfg, dict) and "tie_word_embeddings" in cfg:
+            return bool(cfg["tie_word_embeddings"])
+    try:
+        from transformers import AutoConfig
+
+        return bool(getattr(AutoConfig.for_model(config["model_type"]), "tie_word_embeddings", True))
+    except (ImportError, KeyError, ValueError):
+        return True  # transformers' PretrainedConfig default
+
+
+def quantization_decision(
+    name: str, tensor_shape: tuple, dtype: torch.dtype, settings: KbitSettings, tied_lm_head: bool = False
+) -> int | None:
     """Bits to quantize checkpoint tensor ``name`` with, or None to copy it unchanged.
 
+    ``tied_lm_head``: the config ties lm_head to the embedding (it then stays bf16 under quantize_lm_head).
     Raises for per-expert weights whose K the format cannot hold.
     """
     if not name.endswith(".weight") or len(tensor_shape) != 2 or not dtype.is_floating_point:
         return None
     module = name[: -len(".weight")]
-    if any(f".{c}." in f".{module}." for c in NEVER_QUANTIZED):
+    head = module.rpartition(".")[2] == LM_HEAD
+    if head and not (settings.quantize_lm_head and not tied_lm_head):
+        return None
+    if not head and any(f".{c}." in f".{module}." for c in NEVER_QUANTIZED):
         return None
     key = module_key(module)
     if settings.is_skipped(key):
@@ -218,6 +243,7 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
     from tqdm import tqdm
 
     settings = KbitSettings.from_dict({**settings.to_dict(), "prequantized": True})
+    tied_head = settings.quantize_lm_head and tied_word_embeddings(config)
     codebooks = {k: settings.codebook(k).to(device) for k in settings.bit_widths}
 
     def open_shard(name):
@@ -231,7 +257,7 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
         with open_shard(name) as f:
             total += len(list(f.keys()))
 
-    summary = ConvertSummary()
+    summary = ConvertSummary(tied_lm_head=tied_head)
     pending: dict[str, torch.Tensor] = {}
     pending_bytes = 0
     weight_map: dict[str, str] = {}
@@ -266,7 +292,7 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
                     shape, dtype = tuple(sl.get_shape()), _DTYPES.get(sl.get_dtype())
                     if dtype is None:
                         raise ConvertError(f"kbit convert: tensor {name} in {file_name} has unsupported dtype {sl.get_dtype()}")
-                    bits = quantization_decision(name, shape, dtype, settings)
+                    bits = quantization_decision(name, shape, dtype, settings, tied_head)
                     t = f.get_tensor(name)
                 except SafetensorError as e:
                     raise ConvertError(f"kbit convert: cannot read tensor {name} from {file_name}: {e}") from None

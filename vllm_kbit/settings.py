@@ -27,7 +27,11 @@ the first regex (in order) that ``re.search`` finds in its name. ``modules_to_no
 module names left in bf16; an entry matches whole dotted components of a name
 (``"gate"`` matches ``model.layers.0.mlp.gate``, not ``gate_proj``). Default:
 :data:`DEFAULT_MODULES_TO_NOT_CONVERT` (router gates and lm_head); a given list
-replaces it.
+replaces it. ``quantize_lm_head``: ``true`` quantizes the output head (``lm_head``) too, at
+``bits_for("lm_head")`` (``bits``, or a ``bits_overrides`` entry matching ``lm_head``); default
+``false``. It takes ``lm_head`` out of the default ``modules_to_not_convert`` (a given list that
+names ``lm_head`` contradicts it and is refused). A head tied to the input embedding stays bf16
+with a warning: the embedding lookup reads the same tensor and stays bf16.
 
 Names are checkpoint (Hugging Face) module names. A fused vLLM layer (qkv_proj,
 gate_up_proj) is looked up through its shards (q_proj, k_proj, v_proj, ...); all
@@ -40,8 +44,9 @@ Rules for layers the format cannot hold
   (bf16), with a warning naming it; ``vllm-kbit convert`` applies the same rule.
 * Routed experts whose hidden or intermediate size is not a multiple of 32 are
   refused with an error naming the layer (add it to ``modules_to_not_convert``).
-* Embeddings and lm_head are never quantized (vLLM runs them as embeddings);
-  layers other than linear and FusedMoE are left to vLLM unchanged.
+* Embeddings are never quantized (the lookup stays bf16); lm_head only with ``quantize_lm_head``
+  and only when it is not tied to the embedding; layers other than linear, lm_head and FusedMoE are
+  left to vLLM unchanged.
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ from vllm_kbit import reference as fmt
 QUANT_METHOD = "kbit"
 DEFAULT_BITS = 4
 DEFAULT_CODEBOOK = fmt.DEFAULT_CODEBOOK
-DEFAULT_MODULES_TO_NOT_CONVERT = ("lm_head", "gate", "shared_expert_gate", "embed_tokens")
+LM_HEAD = "lm_head"
+DEFAULT_MODULES_TO_NOT_CONVERT = (LM_HEAD, "gate", "shared_expert_gate", "embed_tokens")
 _EXPERT_TENSOR = re.compile(r"^(?P<block>.*\.experts)\.\d+\.(gate_proj|up_proj|down_proj|w1|w2|w3)$")
 _KNOWN_KEYS = {
     "quant_method",
@@ -66,6 +72,7 @@ _KNOWN_KEYS = {
     "bits_overrides",
     "modules_to_not_convert",
     "prequantized",
+    "quantize_lm_head",
 }
 
 
@@ -90,6 +97,7 @@ class KbitSettings:
         bits_overrides: dict[str, int] | None = None,
         modules_to_not_convert: list[str] | tuple[str, ...] | None = None,
         prequantized: bool = False,
+        quantize_lm_head: bool = False,
     ) -> None:
         _check_bits(bits, "bits")
         self.bits = bits
@@ -100,11 +108,20 @@ class KbitSettings:
                 re.compile(pattern)
             except re.error as e:
                 raise ValueError(f"kbit: bits_overrides key {pattern!r} is not a valid regex: {e}") from None
+        if not isinstance(quantize_lm_head, bool):
+            raise ValueError(f"kbit: quantize_lm_head must be true or false, got {quantize_lm_head!r}")
+        self.quantize_lm_head = quantize_lm_head
         if modules_to_not_convert is None:
             modules_to_not_convert = DEFAULT_MODULES_TO_NOT_CONVERT
+            if quantize_lm_head:
+                modules_to_not_convert = tuple(m for m in modules_to_not_convert if m != LM_HEAD)
         if isinstance(modules_to_not_convert, str) or not all(isinstance(m, str) for m in modules_to_not_convert):
             raise ValueError(f"kbit: modules_to_not_convert must be a list of names, got {modules_to_not_convert!r}")
         self.modules_to_not_convert = list(modules_to_not_convert)
+        if quantize_lm_head and self.is_skipped(LM_HEAD):
+            raise ValueError(
+                "kbit: quantize_lm_head is true but modules_to_not_convert lists lm_head; remove one of the two"
+            )
         self.codebook_spec = DEFAULT_CODEBOOK if codebook is None else codebook
         self.bit_widths = sorted({bits, *self.bits_overrides.values()})
         self._codebooks = {k: self._make_codebook(k) for k in self.bit_widths}
@@ -170,6 +187,7 @@ class KbitSettings:
             bits_overrides=overrides,
             modules_to_not_convert=config.get("modules_to_not_convert"),
             prequantized=config.get("prequantized", False),
+            quantize_lm_head=config.get("quantize_lm_head", False),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -183,6 +201,8 @@ class KbitSettings:
         }
         if self.bits_overrides:
             out["bits_overrides"] = dict(self.bits_overrides)
+        if self.quantize_lm_head:
+            out["quantize_lm_head"] = True
         return out
 
 

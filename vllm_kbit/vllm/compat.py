@@ -16,7 +16,8 @@ renames something is handled here, in one place. What differs between the suppor
   methods keep the base class's defaults for the attributes later releases added
   (``supports_pre_processed_weights``, ``requires_device_loading``).
 
-Everything else the package needs (``LinearMethodBase``, ``FusedMoEMethodBase``,
+Everything else the package needs (``LinearMethodBase``, ``FusedMoEMethodBase``, ``ParallelLMHead``,
+``get_current_vllm_config``,
 ``register_quantization_config``, the layerwise online-loading helpers, the ``vllm.general_plugins``
 entry point) has kept its name and place across these releases.
 """
@@ -28,6 +29,7 @@ import re
 from typing import Any
 
 import vllm
+from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, RoutedExperts
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
@@ -44,6 +46,7 @@ from vllm.model_executor.layers.quantization import (
     register_quantization_config,
 )
 from vllm.model_executor.layers.quantization.base_config import QuantizationConfig, QuantizeMethodBase
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
 from vllm.model_executor.model_loader.reload.layerwise import initialize_online_processing
 from vllm.model_executor.parameter import ModelWeightParameter
 from vllm.model_executor.utils import replace_parameter, set_weight_attrs
@@ -58,6 +61,7 @@ __all__ = [
     "LinearMethodBase",
     "ModelWeightParameter",
     "MoEActivation",
+    "ParallelLMHead",
     "QUANTIZATION_METHODS",
     "QuantizationConfig",
     "QuantizeMethodBase",
@@ -66,6 +70,7 @@ __all__ = [
     "UnquantizedLinearMethod",
     "cpu_select_experts",
     "current_platform",
+    "get_current_vllm_config",
     "get_quantization_config",
     "init_logger",
     "initialize_online_processing",

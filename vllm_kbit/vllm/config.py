@@ -16,6 +16,11 @@ How vLLM reaches it:
 
 The fields and per-module rules are documented in :mod:`vllm_kbit.settings`.
 
+``quantize_lm_head`` (off by default) gives the model's ``ParallelLMHead`` the kbit linear method: vLLM's
+LogitsProcessor computes the logits with ``lm_head.quant_method.apply`` (as for GPTQ's ``lm_head``
+flag), so the head reads k-bit bytes through ``torch.ops.kbit.linear``. A head tied to the input
+embedding stays bf16 with a warning (:func:`tied_word_embeddings`).
+
 The CUDA kernels are built for Hopper (sm_90a) only: :func:`check_gpu` refuses any other GPU when
 the config is created, with a one-line error naming the GPU and its compute capability.
 """
@@ -28,12 +33,14 @@ import torch
 
 from vllm_kbit.vllm.compat import (
     LinearBase,
+    ParallelLMHead,
     QuantizationConfig,
     QuantizeMethodBase,
     RoutedExperts,
     UnquantizedFusedMoEMethod,
     UnquantizedLinearMethod,
     current_platform,
+    get_current_vllm_config,
     init_logger,
 )
 
@@ -62,6 +69,24 @@ def check_gpu() -> None:
         f"kbit: the GPU {current_platform.get_device_name()} has compute capability {cap.major}.{cap.minor}; "
         "the kbit CUDA kernels need an NVIDIA Hopper GPU (sm_90, e.g. H100 or H200)"
     )
+
+
+def tied_word_embeddings() -> bool:
+    """Whether the model being built ties its output head to the input embedding.
+
+    A tied head is the embedding table itself: vLLM's model classes share that tensor (``tie_weights``,
+    assigning ``lm_head.weight``, or using ``embed_tokens`` as the head) and skip the checkpoint's
+    ``lm_head.*`` tensors, and the embedding lookup stays bf16. A k-bit head would be a second copy
+    loaded from the embedding, which each model class ties differently; kbit leaves tied heads bf16.
+    Read from the model config vLLM is building the model with (text config first, as the models do).
+    """
+    model_config = get_current_vllm_config().model_config
+    if model_config is None:
+        return False
+    for cfg in (getattr(model_config, "hf_text_config", None), getattr(model_config, "hf_config", None)):
+        if cfg is not None and hasattr(cfg, "tie_word_embeddings"):
+            return bool(cfg.tie_word_embeddings)
+    return False
 
 
 class KbitConfig(QuantizationConfig):
@@ -124,7 +149,34 @@ class KbitConfig(QuantizationConfig):
             )
         return bits.pop()
 
+    def _lm_head_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        """The kbit linear method for the output head under ``quantize_lm_head``; None keeps vLLM's bf16 head."""
+        if not self.settings.quantize_lm_head:
+            return None
+        bits = self._resolve(prefix)
+        if bits is None:
+            return None
+        if tied_word_embeddings():
+            logger.warning(
+                "kbit: quantize_lm_head: %s is tied to the input embedding and stays bf16 "
+                "(the embedding lookup reads the same tensor)",
+                prefix,
+            )
+            return None
+        if layer.embedding_dim % fmt.BLOCK_SIZE != 0:
+            logger.warning(
+                "kbit: quantize_lm_head: %s has K=%d, not a multiple of %d: left unquantized",
+                prefix,
+                layer.embedding_dim,
+                fmt.BLOCK_SIZE,
+            )
+            return None
+        cls = KbitLinearMethod if self.settings.prequantized else KbitOnlineLinearMethod
+        return cls(prefix, bits, self.settings.codebook(bits))
+
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
+        if isinstance(layer, ParallelLMHead):
+            return self._lm_head_method(layer, prefix)
         if isinstance(layer, LinearBase):
             bits = self._resolve(prefix)
             if bits is None:

@@ -12,7 +12,7 @@ import torch
 
 
 def layer_summary(model: torch.nn.Module) -> dict:
-    """Per linear / MoE layer: its quant method, bits (kbit layers), parameter dtypes and shapes, and for
+    """Per linear / MoE / embedding layer (embed_tokens, lm_head): its quant method, bits (kbit layers), parameter dtypes and shapes, and for
     kbit layers a sha256 of the runtime tensors (equal hashes = bit-identical packed weights).
 
     Layers are keyed by their checkpoint prefix: vLLM 0.26 keeps a MoE block's experts in a
@@ -22,7 +22,7 @@ def layer_summary(model: torch.nn.Module) -> dict:
     for name, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         kind = type(method).__name__ if method is not None else ""
-        if "Linear" not in kind and "MoE" not in kind:
+        if "Linear" not in kind and "MoE" not in kind and "Embedding" not in kind:
             continue
         params = dict(module.named_parameters(recurse=False))
         name = getattr(module, "layer_name", name) if "MoE" in kind else name

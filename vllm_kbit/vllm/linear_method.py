@@ -1,4 +1,6 @@
-"""kbit linear methods for every vLLM ``LinearBase`` (column, row, merged column, QKV, replicated).
+"""kbit linear methods for every vLLM ``LinearBase`` (column, row, merged column, QKV, replicated) and for
+``ParallelLMHead`` (``quantize_lm_head``: vLLM's LogitsProcessor calls ``quant_method.apply`` on the head,
+whose vocab-parallel loader shards N like a column-parallel layer's).
 
 * :class:`KbitLinearMethod` loads a pre-quantized checkpoint: ``qweight`` int32
   ``[N, K/32, k]`` and ``absmax`` uint8 ``[N, K/32]`` as vLLM ``ModelWeightParameter``
@@ -66,14 +68,16 @@ class _KbitLinearBase(LinearMethodBase):
         self.bits = bits
         self.codebook = codebook
 
-    def _check_partition(self, layer: torch.nn.Module, input_size_per_partition: int) -> None:
+    def _check_partition(self, layer: torch.nn.Module, input_size_per_partition: int, input_size: int) -> None:
         if input_size_per_partition % fmt.BLOCK_SIZE != 0:
             raise ValueError(
                 f"kbit: layer {self.prefix!r} has {input_size_per_partition} input features per tensor-parallel "
-                f"rank (K={layer.input_size}), not a multiple of {fmt.BLOCK_SIZE}; use a smaller tensor-parallel size "
+                f"rank (K={input_size}), not a multiple of {fmt.BLOCK_SIZE}; use a smaller tensor-parallel size "
                 "or add the layer to modules_to_not_convert"
             )
         layer.kbit_bits = self.bits
+        # The full K (LinearBase has it as input_size; ParallelLMHead, as embedding_dim, is sharded along N only).
+        layer.kbit_input_size = input_size
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         N, K = layer.kbit_shape
@@ -94,7 +98,7 @@ class KbitLinearMethod(_KbitLinearBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ):
-        self._check_partition(layer, input_size_per_partition)
+        self._check_partition(layer, input_size_per_partition, input_size)
         N = sum(output_partition_sizes)
         KB = input_size_per_partition // fmt.BLOCK_SIZE
         loader = extra_weight_attrs["weight_loader"]
@@ -117,7 +121,7 @@ class KbitLinearMethod(_KbitLinearBase):
     def _load(self, layer, name, loader, param, loaded_weight, loaded_shard_id=None, *args, **kwargs):
         """Checks a checkpoint tensor before vLLM's (sharding) loader copies it in."""
         want_dtype, want_dim = (torch.int32, 3) if name == "qweight" else (torch.uint8, 2)
-        KB = layer.input_size // fmt.BLOCK_SIZE
+        KB = layer.kbit_input_size // fmt.BLOCK_SIZE
         if (
             loaded_weight.dtype != want_dtype
             or loaded_weight.dim() != want_dim
@@ -128,7 +132,7 @@ class KbitLinearMethod(_KbitLinearBase):
             raise ValueError(
                 f"kbit: checkpoint tensor {self.prefix}.{name} (shard {loaded_shard_id}) is "
                 f"{loaded_weight.dtype} {list(loaded_weight.shape)}, expected {want_dtype} {want} "
-                f"for a {self.bits}-bit layer with K={layer.input_size}: corrupted or mismatched checkpoint"
+                f"for a {self.bits}-bit layer with K={layer.kbit_input_size}: corrupted or mismatched checkpoint"
             )
         try:
             loader(param, loaded_weight, loaded_shard_id, *args, **kwargs) if loaded_shard_id is not None else loader(
@@ -184,7 +188,7 @@ class KbitOnlineLinearMethod(_KbitLinearBase):
         params_dtype: torch.dtype,
         **extra_weight_attrs,
     ):
-        self._check_partition(layer, input_size_per_partition)
+        self._check_partition(layer, input_size_per_partition, input_size)
         weight = ModelWeightParameter(
             data=torch.empty(sum(output_partition_sizes), input_size_per_partition, device="meta", dtype=params_dtype),
             input_dim=1,
