@@ -55,8 +55,10 @@ SHAPES = [
     ("glm_rt_down", 1536, 2048),
     ("llama8b_gate_up", 4096, 14336),
     ("llama70b_gate_up", 8192, 28672),
+    ("qwen3_lm_head", 2048, 151936),  # quantize_lm_head: the output head of Qwen3-30B-A3B
 ]
 QWEN3_BLOCK = ("qkv", "kv", "o", "gate_up", "down")
+OPTIONAL_SHAPES = ("qwen3_lm_head",)  # only with --shapes
 GOAL_SHAPES = ("llama8b_gate_up", "llama70b_gate_up")  # >= 8 MB packed at k=4
 GOAL_M = (1, 16, 64, 256, 1024)
 M_ALL = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)  # k = 4
@@ -177,7 +179,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     ap.add_argument("--commit", default=os.environ.get("KBIT_COMMIT", "unknown"))
-    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES))
+    ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES if s[0] not in OPTIONAL_SHAPES))
     ap.add_argument("--bits", default="2,3,4,5")
     ap.add_argument("--regimes", default="hot,cold")
     ap.add_argument("--short", action="store_true",

@@ -19,6 +19,7 @@
 #include <c10/util/Exception.h>
 
 #include "check.h"
+#include "cp_async.cuh"
 
 namespace kbit {
 namespace {
@@ -33,16 +34,6 @@ constexpr int kThreads = 32 * kWarps<T>;
 // fits, 128 for k=5 (31 thresholds) and fp32 (32 input words).
 template <typename T, int K>
 constexpr int kMinBlocks = sizeof(T) == 4 ? 4 : (K == 5 ? 2 : 4);
-
-// 16-byte asynchronous global -> shared copy (L2 only: every byte is read once).
-__device__ __forceinline__ void cp_async16(uint4* smem, const uint4* gmem) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(static_cast<uint32_t>(__cvta_generic_to_shared(smem))),
-               "l"(gmem)
-               : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-// Waits until at most one committed group (the prefetch just issued) is still in flight.
-__device__ __forceinline__ void cp_async_wait_prior() { asm volatile("cp.async.wait_group 1;\n" ::: "memory"); }
 
 // Shared-memory slot of 16-byte chunk c of the block owned by `lane`: XOR-swizzled so that
 // a warp reading chunk c of its 32 blocks (64 or 128 bytes apart) hits 32 distinct banks.
@@ -161,7 +152,10 @@ __global__ void __launch_bounds__(kThreads<T>, kMinBlocks<T, K>)
     for (int i = 0; i < kChunks; ++i) {
       const int c = i * 32 + lane;
       const int64_t g = group * kGroupChunks + c;
-      if (g < n_chunks) cp_async16(&buf[warp][s][chunk_slot<kChunks>(c / kChunks, c % kChunks)], src + g);
+      // L2 only (cp.async.cg): every byte is read once.
+      if (g < n_chunks)
+        cp_async16(static_cast<uint32_t>(__cvta_generic_to_shared(&buf[warp][s][chunk_slot<kChunks>(c / kChunks, c % kChunks)])),
+                   src + g, true);
     }
     cp_async_commit();
   };
@@ -171,7 +165,7 @@ __global__ void __launch_bounds__(kThreads<T>, kMinBlocks<T, K>)
   prefetch(group, 0);
   for (int s = 0; group * 32 < n_blocks; group += warp_stride, s ^= 1) {
     prefetch(group + warp_stride, s ^ 1);
-    cp_async_wait_prior();
+    cp_async_wait<1>();  // the group just prefetched may stay in flight
     __syncwarp();  // every lane's copies of this group are complete and visible
     const int64_t blk = group * 32 + lane;
     if (blk < n_blocks) {

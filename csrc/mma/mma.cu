@@ -81,13 +81,7 @@ mma_detail::MmaLaunch launch_fields(const at::Tensor& A, const at::Tensor& qweig
 }
 
 void launch_k(const mma_detail::MmaLaunch& L, int64_t k, bool bf16) {
-  switch (k) {
-    case 2: return mma_detail::launch_mma_k<2>(L, bf16);
-    case 3: return mma_detail::launch_mma_k<3>(L, bf16);
-    case 4: return mma_detail::launch_mma_k<4>(L, bf16);
-    case 5: return mma_detail::launch_mma_k<5>(L, bf16);
-    default: KBIT_CHECK(false, "kbit mma: k=", k, " is not supported");
-  }
+  with_bits(k, "kbit mma", [&](auto bits) { mma_detail::launch_mma_k<decltype(bits)::value>(L, bf16); });
 }
 
 }  // namespace

@@ -160,13 +160,7 @@ void launch_typed(const MoeGemvParams& p, int max_chunks) {
 
 template <typename T, typename O, MoeStage STAGE, int MAX_ROWS>
 void launch_bits(int bits, const MoeGemvParams& p, int max_chunks) {
-  switch (bits) {
-    case 2: return launch_typed<T, O, 2, STAGE, MAX_ROWS>(p, max_chunks);
-    case 3: return launch_typed<T, O, 3, STAGE, MAX_ROWS>(p, max_chunks);
-    case 4: return launch_typed<T, O, 4, STAGE, MAX_ROWS>(p, max_chunks);
-    case 5: return launch_typed<T, O, 5, STAGE, MAX_ROWS>(p, max_chunks);
-    default: KBIT_CHECK(false, "kbit moe gemv: k=", bits, " is not supported");
-  }
+  with_bits(bits, "kbit moe gemv", [&](auto k) { launch_typed<T, O, decltype(k)::value, STAGE, MAX_ROWS>(p, max_chunks); });
 }
 
 // One stage for both activation dtypes and both chunk sizes (1 row: T = 1, registers of a
