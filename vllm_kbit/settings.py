@@ -144,9 +144,17 @@ class KbitSettings:
         else:
             names = " or ".join(repr(n) for n in fmt.CODEBOOKS)
             raise ValueError(f"kbit: codebook must be {names}, a list or a dict, got {spec!r}")
-        cb = torch.tensor(values, dtype=torch.float32)
-        fmt.check_codebook(cb, k)
-        fmt.check_codebook_values(cb)
+        # Errors name the entry that is wrong: codebook["3"] of a per-bit-width dict, or the codebook list.
+        label = f"codebook[{str(k)!r}]" if isinstance(spec, dict) else "codebook"
+        try:
+            cb = torch.tensor(values, dtype=torch.float32)
+        except (TypeError, ValueError, RuntimeError):
+            raise ValueError(f"kbit: {label} must be a list of {2**k} numbers, got {values!r}") from None
+        try:
+            fmt.check_codebook(cb, k)
+            fmt.check_codebook_values(cb)
+        except (TypeError, ValueError) as e:
+            raise ValueError(str(e).replace("kbit: codebook", f"kbit: {label}", 1)) from None
         return cb
 
     def codebook(self, k: int) -> torch.Tensor:

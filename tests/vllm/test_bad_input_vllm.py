@@ -190,7 +190,8 @@ def test_corrupted_qweight_dtype_is_refused(converted_qwen3_moe, tmp_path):
     bad = _corrupt(converted_qwen3_moe, str(tmp_path / "bad"), edit)
     proc = run_engine(bad, str(tmp_path / "run"), check=False)
     assert proc.returncode != 0
-    assert "checkpoint tensor model.layers.0.self_attn.qkv_proj.qweight (shard q) is torch.int64" in proc.stdout + proc.stderr
+    shard = _shard_of(bad, "model.layers.0.self_attn.q_proj.qweight")
+    assert f"checkpoint tensor model.layers.0.self_attn.q_proj.qweight in {shard} is torch.int64" in proc.stdout + proc.stderr
 
 
 def test_missing_absmax_is_refused(converted_qwen3_moe, tmp_path):
@@ -201,9 +202,88 @@ def test_missing_absmax_is_refused(converted_qwen3_moe, tmp_path):
     bad = _corrupt(converted_qwen3_moe, str(tmp_path / "bad"), edit)
     proc = run_engine(bad, str(tmp_path / "run"), check=False)
     assert proc.returncode != 0
-    assert "checkpoint has 15 of the 16 absmax tensors of w13 for MoE layer 'model.layers.0.mlp.experts'" in proc.stdout + proc.stderr or (
-        "checkpoint has no absmax for layer 'model.layers.1.self_attn.qkv_proj'" in proc.stdout + proc.stderr
+    # Whichever layer vLLM finishes first fails the load; the tensor's qweight names the file it belongs in.
+    moe_q, linear_q = "model.layers.0.mlp.experts.5.up_proj.qweight", "model.layers.1.self_attn.k_proj.qweight"
+    assert (
+        f"checkpoint has no model.layers.0.mlp.experts.5.up_proj.absmax (MoE layer 'model.layers.0.mlp.experts'; "
+        f"{moe_q} is in {_shard_of(bad, moe_q)})" in proc.stdout + proc.stderr
+    ) or (
+        f"checkpoint has no model.layers.1.self_attn.k_proj.absmax (layer 'model.layers.1.self_attn.qkv_proj'; "
+        f"{linear_q} is in {_shard_of(bad, linear_q)})" in proc.stdout + proc.stderr
     )
+
+
+def _shard_of(checkpoint: str, key: str) -> str:
+    index = json.load(open(os.path.join(checkpoint, "model.safetensors.index.json")))
+    return index["weight_map"][key]
+
+
+def test_truncated_shard_fails_the_engine_naming_the_file(converted_qwen3_moe, tmp_path):
+    bad = str(tmp_path / "bad")
+    shutil.copytree(converted_qwen3_moe, bad)
+    shard = _shard_of(bad, "model.layers.1.self_attn.o_proj.qweight")
+    path = os.path.join(bad, shard)
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) // 2)
+    proc = run_engine(bad, str(tmp_path / "run"), check=False)
+    assert proc.returncode != 0
+    log = proc.stdout + proc.stderr
+    line = next(x for x in log.splitlines() if "kbit: checkpoint shard" in x)
+    assert f"kbit: checkpoint shard {path} ({os.path.getsize(path)} bytes) cannot be read" in line
+    assert "expected a complete safetensors file" in line
+
+
+def test_wrong_codebook_in_config_json_fails_the_engine_naming_the_entry(converted_qwen3_moe, tmp_path):
+    bad = str(tmp_path / "bad")
+    shutil.copytree(converted_qwen3_moe, bad)
+    config = json.load(open(os.path.join(bad, "config.json")))
+    config["quantization_config"]["codebook"] = {"4": [-1.0, -0.5, 0.0, 0.5, 1.0]}
+    json.dump(config, open(os.path.join(bad, "config.json"), "w"))
+    proc = run_engine(bad, str(tmp_path / "run"), check=False)
+    assert proc.returncode != 0
+    assert ("kbit: codebook['4'] has 5 entries but k=4 needs 16 (quantization_config in the model's config.json "
+            "or --hf-overrides)") in proc.stdout + proc.stderr
+
+
+def test_config_json_errors_name_the_entry_and_where_it_comes_from():
+    from vllm_kbit.vllm.config import KbitConfig
+
+    where = "(quantization_config in the model's config.json or --hf-overrides)"
+    cases = [
+        ({"bits": 9}, "kbit: bits=9 is not supported; bits must be one of (2, 3, 4, 5) "),
+        ({"bits": 4, "bits_overrides": {"experts": 3}, "codebook": {"4": "normal_float_zero"}},
+         "kbit: codebook dict has no entry for 3 bits (keys: ['4']) "),
+        ({"bits": 3, "codebook": {"3": [-1, 0, 1]}}, "kbit: codebook['3'] has 3 entries but k=3 needs 8 "),
+        ({"bits": 2, "codebook": ["a", "b", "c", "d"]}, "kbit: codebook must be a list of 4 numbers, got ['a', 'b', 'c', 'd'] "),
+    ]
+    for config, message in cases:
+        with pytest.raises(ValueError) as e:
+            KbitConfig.from_config({"quant_method": "kbit", "prequantized": True, **config})
+        assert str(e.value) == message + where
+
+
+def test_checkpoint_files_find_the_shard_of_a_tensor(tiny, converted_qwen3_moe, tmp_path):
+    from vllm_kbit.vllm.checkpoint import CheckpointFiles
+
+    sharded = str(tmp_path / "sharded")
+    convert(tiny["qwen3"], sharded, KbitSettings(), max_shard_bytes=1 << 16, progress=False)
+    weight_map = json.load(open(os.path.join(sharded, "model.safetensors.index.json")))["weight_map"]
+    assert len(set(weight_map.values())) > 1
+    assert all(CheckpointFiles(sharded).file_of(k) == f for k, f in weight_map.items())
+
+    files = CheckpointFiles(converted_qwen3_moe)
+    files.check_shards()
+    key = "model.layers.1.mlp.experts.3.down_proj.qweight"
+    shard = _shard_of(converted_qwen3_moe, key)
+    assert files.where(key) == f"{key} in {shard}"
+    assert files.file_of("model.language_model.layers.1.mlp.experts.3.down_proj.qweight") == shard  # remapped prefix
+    assert files.file_of("model.layers.7.mlp.experts.3.down_proj.qweight") is None  # never another layer's
+    assert CheckpointFiles("org/some-hub-model").where(key) == key  # not a local directory: the name alone
+    # Without an index, the shards' headers are read.
+    single = tmp_path / "single"
+    shutil.copytree(converted_qwen3_moe, single)
+    os.remove(single / "model.safetensors.index.json")
+    assert CheckpointFiles(str(single)).file_of(key) == shard
 
 
 # ----------------------------------------------------------------------------- convert

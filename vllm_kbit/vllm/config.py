@@ -23,6 +23,10 @@ embedding stays bf16 with a warning (:func:`tied_word_embeddings`).
 
 The CUDA kernels are built for Hopper (sm_90a) only: :func:`check_gpu` refuses any other GPU when
 the config is created, with a one-line error naming the GPU and its compute capability.
+
+Before loading, :meth:`KbitConfig.maybe_update_config` checks the safetensors shards of a local checkpoint
+(a truncated one fails naming the file); load errors of a pre-quantized checkpoint name the tensor and
+its file (:mod:`vllm_kbit.vllm.checkpoint`).
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from vllm_kbit.vllm.compat import (
 
 from vllm_kbit import reference as fmt
 from vllm_kbit.settings import QUANT_METHOD, KbitSettings
+from vllm_kbit.vllm.checkpoint import CheckpointFiles
 from vllm_kbit.vllm.linear_method import KbitLinearMethod, KbitOnlineLinearMethod
 from vllm_kbit.vllm.moe_method import KbitMoEMethod, KbitOnlineMoEMethod
 
@@ -96,6 +101,7 @@ class KbitConfig(QuantizationConfig):
         super().__init__()
         check_gpu()  # vLLM builds the config (from_config or KbitConfig()) before its capability check
         self.settings = settings if settings is not None else KbitSettings()
+        self.checkpoint = CheckpointFiles()  # set by maybe_update_config; names files in load errors
 
     def __repr__(self) -> str:
         return f"KbitConfig({self.settings.to_dict()})"
@@ -118,7 +124,19 @@ class KbitConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> "KbitConfig":
-        return cls(KbitSettings.from_dict(config))
+        # vLLM passes only the dict, not where it came from; the message says where to look.
+        try:
+            settings = KbitSettings.from_dict(config)
+        except ValueError as e:
+            raise ValueError(f"{e} (quantization_config in the model's config.json or --hf-overrides)") from None
+        return cls(settings)
+
+    def maybe_update_config(self, model_name: str, hf_config: Any = None, revision: str | None = None,
+                            **kwargs) -> None:
+        """vLLM passes the model's path before loading: remember the checkpoint's files and check that every
+        safetensors shard of a local checkpoint is complete (headers only)."""
+        self.checkpoint = CheckpointFiles(model_name)
+        self.checkpoint.check_shards()
 
     # ------------------------------------------------------------------ per-layer decisions
 
@@ -189,12 +207,16 @@ class KbitConfig(QuantizationConfig):
                     fmt.BLOCK_SIZE,
                 )
                 return UnquantizedLinearMethod()
-            cls = KbitLinearMethod if self.settings.prequantized else KbitOnlineLinearMethod
-            return cls(prefix, bits, self.settings.codebook(bits))
+            if self.settings.prequantized:
+                return KbitLinearMethod(
+                    prefix, bits, self.settings.codebook(bits), self._shard_names(prefix), self.checkpoint
+                )
+            return KbitOnlineLinearMethod(prefix, bits, self.settings.codebook(bits))
         if isinstance(layer, RoutedExperts):
             bits = self._resolve(prefix)
             if bits is None:
                 return UnquantizedFusedMoEMethod(layer.moe_config)
-            cls = KbitMoEMethod if self.settings.prequantized else KbitOnlineMoEMethod
-            return cls(layer, prefix, bits, self.settings.codebook(bits))
+            if self.settings.prequantized:
+                return KbitMoEMethod(layer, prefix, bits, self.settings.codebook(bits), self.checkpoint)
+            return KbitOnlineMoEMethod(layer, prefix, bits, self.settings.codebook(bits))
         return None

@@ -25,6 +25,7 @@ import torch
 
 from vllm_kbit import reference as fmt
 from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+from vllm_kbit.vllm.checkpoint import CheckpointFiles
 from vllm_kbit.vllm.compat import (
     LinearMethodBase,
     ModelWeightParameter,
@@ -86,7 +87,24 @@ class _KbitLinearBase(LinearMethodBase):
 
 @register_weight_loader_v2_supported_method
 class KbitLinearMethod(_KbitLinearBase):
-    """Pre-quantized kbit checkpoint: packed parameters, repacked to the runtime layout after loading."""
+    """Pre-quantized kbit checkpoint: packed parameters, repacked to the runtime layout after loading.
+
+    ``shard_names``: the checkpoint modules behind the layer (q_proj, k_proj, v_proj for qkv_proj), in the
+    order of vLLM's shard ids; with ``checkpoint`` they name the tensor and its file in load errors."""
+
+    def __init__(self, prefix: str, bits: int, codebook: torch.Tensor, shard_names: list[str] | None = None,
+                 checkpoint: CheckpointFiles | None = None):
+        super().__init__(prefix, bits, codebook)
+        self.shard_names = shard_names or [prefix]
+        self.checkpoint = checkpoint or CheckpointFiles()
+
+    def _tensor_name(self, name: str, shard_id) -> str:
+        """The checkpoint name of the tensor behind vLLM's (layer, shard id)."""
+        if isinstance(shard_id, str) and shard_id in ("q", "k", "v") and len(self.shard_names) == 3:
+            shard_id = "qkv".index(shard_id)
+        if isinstance(shard_id, int) and 0 <= shard_id < len(self.shard_names):
+            return f"{self.shard_names[shard_id]}.{name}"
+        return f"{self.prefix}.{name}"
 
     def create_weights(
         self,
@@ -130,7 +148,7 @@ class KbitLinearMethod(_KbitLinearBase):
         ):
             want = f"[N, {KB}, {self.bits}]" if name == "qweight" else f"[N, {KB}]"
             raise ValueError(
-                f"kbit: checkpoint tensor {self.prefix}.{name} (shard {loaded_shard_id}) is "
+                f"kbit: checkpoint tensor {self.checkpoint.where(self._tensor_name(name, loaded_shard_id))} is "
                 f"{loaded_weight.dtype} {list(loaded_weight.shape)}, expected {want_dtype} {want} "
                 f"for a {self.bits}-bit layer with K={layer.kbit_input_size}: corrupted or mismatched checkpoint"
             )
@@ -140,7 +158,7 @@ class KbitLinearMethod(_KbitLinearBase):
             )
         except AssertionError:
             raise ValueError(
-                f"kbit: checkpoint tensor {self.prefix}.{name} (shard {loaded_shard_id}) of shape "
+                f"kbit: checkpoint tensor {self.checkpoint.where(self._tensor_name(name, loaded_shard_id))} of shape "
                 f"{list(loaded_weight.shape)} does not fit the layer's parameter {list(param.shape)}: "
                 "corrupted or mismatched checkpoint"
             ) from None
@@ -152,9 +170,13 @@ class KbitLinearMethod(_KbitLinearBase):
         expected = _expected_shards(layer)
         for name, loaded in layer.kbit_loaded_shards.items():
             if None not in loaded and not expected <= loaded:
-                missing = sorted(map(str, expected - loaded))
+                missing = [self._tensor_name(name, s) for s in sorted(expected - loaded, key=str)]
+                # The missing tensor is in no file; the file of its layer's other tensor says where it belongs.
+                sibling = missing[0].removesuffix(name) + ("absmax" if name == "qweight" else "qweight")
+                file = self.checkpoint.file_of(sibling)
+                beside = f"; {sibling} is in {file}" if file else ""
                 raise ValueError(
-                    f"kbit: checkpoint has no {name} for layer {self.prefix!r} (missing shards: {missing}); "
+                    f"kbit: checkpoint has no {', '.join(missing)} (layer {self.prefix!r}{beside}); "
                     "the pre-quantized checkpoint is incomplete"
                 )
         install_runtime_weights(layer, self.prefix, layer.qweight.data, layer.absmax.data, self.codebook)

@@ -26,6 +26,7 @@ import torch
 
 from vllm_kbit import reference as fmt
 from vllm_kbit.moe import kbit_fused_moe, stack_runtime
+from vllm_kbit.vllm.checkpoint import CheckpointFiles
 from vllm_kbit.vllm.compat import (
     FusedMoEMethodBase,
     MoEActivation,
@@ -150,7 +151,20 @@ class _KbitMoEBase(FusedMoEMethodBase):
 
 
 class KbitMoEMethod(_KbitMoEBase):
-    """Pre-quantized kbit experts."""
+    """Pre-quantized kbit experts; ``checkpoint`` names the files of tensors in load errors."""
+
+    def __init__(self, layer: torch.nn.Module, prefix: str, bits: int, codebook: torch.Tensor,
+                 checkpoint: CheckpointFiles | None = None):
+        super().__init__(layer, prefix, bits, codebook)
+        self.checkpoint = checkpoint or CheckpointFiles()
+
+    def _tensor_name(self, layer: torch.nn.Module, expert_id: int, shard_id: str, kind: str) -> str:
+        """The checkpoint name of one expert's tensor (``...experts.5.up_proj.absmax``), from vLLM's expert mapping."""
+        base = self.prefix.removesuffix("experts")
+        for _, weight_name, e, s in layer.get_expert_mapping():
+            if e == expert_id and s == shard_id:
+                return f"{base}{weight_name}{kind}"
+        return f"{self.prefix} expert {expert_id} {shard_id} {kind}"
 
     def create_weights(
         self,
@@ -194,8 +208,9 @@ class KbitMoEMethod(_KbitMoEBase):
             or (is_q and loaded_weight.shape[2] != self.bits)
         ):
             want = f"[N, {K // 32}, {self.bits}]" if is_q else f"[N, {K // 32}]"
+            tensor = self._tensor_name(layer, expert_id, shard_id, name.split("_", 1)[1])
             raise ValueError(
-                f"kbit: checkpoint tensor {self.prefix} expert {expert_id} {shard_id} {name.split('_', 1)[1]} is "
+                f"kbit: checkpoint tensor {self.checkpoint.where(tensor)} is "
                 f"{loaded_weight.dtype} {list(loaded_weight.shape)}, expected {want_dtype} {want}: "
                 "corrupted or mismatched checkpoint"
             )
@@ -206,8 +221,9 @@ class KbitMoEMethod(_KbitMoEBase):
                 weight_name.replace("absmax", "absmax_weight"), shard_id, expert_id, return_success=True,
             )
         except RuntimeError as e:
+            tensor = self._tensor_name(layer, expert_id, shard_id, name.split("_", 1)[1])
             raise ValueError(
-                f"kbit: checkpoint tensor for {self.prefix} expert {expert_id} {shard_id} of shape "
+                f"kbit: checkpoint tensor {self.checkpoint.where(tensor)} of shape "
                 f"{list(loaded_weight.shape)} does not fit {name} {list(param.shape)}: {e}"
             ) from None
         if ok:
@@ -221,6 +237,20 @@ class KbitMoEMethod(_KbitMoEBase):
         for name, loaded in layer.kbit_loaded.items():
             want = E * (2 if name.startswith("w13") else 1)
             if len(loaded) != want:
+                # Experts whose other tensor (qweight vs absmax) arrived: name the first missing one and its file.
+                group, kind = name.split("_", 1)
+                other = f"{group}_{'absmax' if kind == 'qweight' else 'qweight'}"
+                missing = sorted(layer.kbit_loaded[other] - loaded)
+                if missing:
+                    tensor = self._tensor_name(layer, *missing[0], kind)
+                    sibling = tensor.removesuffix(kind) + other.split("_", 1)[1]
+                    file = self.checkpoint.file_of(sibling)
+                    beside = f"; {sibling} is in {file}" if file else ""
+                    more = f" and {len(missing) - 1} more {kind} tensors" if len(missing) > 1 else ""
+                    raise ValueError(
+                        f"kbit: checkpoint has no {tensor}{more} (MoE layer {self.prefix!r}{beside}); "
+                        "the pre-quantized checkpoint is incomplete"
+                    )
                 raise ValueError(
                     f"kbit: checkpoint has {len(loaded)} of the {want} {name.split('_', 1)[1]} tensors of "
                     f"{name.split('_')[0]} for MoE layer {self.prefix!r}: incomplete pre-quantized checkpoint"
