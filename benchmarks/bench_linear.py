@@ -429,9 +429,16 @@ def plot(records, path) -> None:
 
     lin = [r for r in records if r["op"] == "kbit_linear" and r["dtype"] == "bfloat16" and r["regime"] == "cold"]
     by = {(r["shape"], r["M"], r["k"]): r for r in lin}
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
-    for ax, title, shapes in ((axes[0], "llama70b_gate_up 8192x28672", ("llama70b_gate_up",)),
-                              (axes[1], "Qwen3 block TOTAL (5 dense shapes)", QWEN3_BLOCK)):
+    measured = {r["shape"] for r in lin}
+    panels = [(t, shapes) for t, shapes in (("llama70b_gate_up 8192x28672", ("llama70b_gate_up",)),
+                                            ("Qwen3 block TOTAL (5 dense shapes)", QWEN3_BLOCK))
+              if measured.issuperset(shapes)]
+    # A run of other shapes (--shapes): one panel per shape measured.
+    panels = panels or [(name, (name,)) for name, _, _ in SHAPES if name in measured]
+    if not panels:
+        return
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels), 4.5), squeeze=False)
+    for ax, (title, shapes) in zip(axes[0], panels):
         for k in sorted({r["k"] for r in lin}):
             Ms = sorted(M for M in {r["M"] for r in lin if r["k"] == k} if all((s, M, k) in by for s in shapes))
             sp = [sum(by[(s, M, k)]["baseline_us"] for s in shapes) / sum(by[(s, M, k)]["us"] for s in shapes) for M in Ms]
