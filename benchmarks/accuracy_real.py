@@ -363,7 +363,7 @@ def markdown(meta: dict, records: list[dict], tok) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in records:
-        name = r["method"] + (" (control)" if r["control"] else "")
+        name = r["method"].replace("|", "\\|") + (" (control)" if r["control"] else "")  # "|w|" inside a table cell
         lines.append(
             f"| {name} | {r['bits_per_weight']:.2f} | {r['model_bytes'] / 1e6:.1f} | {r['perplexity']:.3f} | "
             f"{100 * (r['perplexity'] / ref['perplexity'] - 1):+.1f}% | {100 * r['top1_agreement']:.1f}% | "
@@ -379,7 +379,7 @@ def markdown(meta: dict, records: list[dict], tok) -> str:
             ids = r["generations"][i]
             same = common_prefix(ids, ref["generations"][i])
             text = tok.decode(ids, skip_special_tokens=True).replace("\n", " \\n ").replace("|", "\\|")
-            lines.append(f"| {r['method']} [{same}] | {text} |")
+            lines.append(f"| {r['method'].replace('|', chr(92) + '|')} [{same}] | {text} |")
         lines.append("")
     return "\n".join(lines)
 
