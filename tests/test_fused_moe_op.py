@@ -121,6 +121,42 @@ def test_max_chunks_bounds_every_routing():
 
 
 @requires_extension
+def test_expected_chunks_matches_random_routings():
+    """kbit::_moe_expected_chunks (what the grouped MMA plans its K splits for) is the mean chunk count of
+    random top-k routings within 6%, and never above the workspace bound."""
+    g = torch.Generator().manual_seed(1)
+    for E, top_k, T, rows in ((128, 8, 4, 8), (128, 8, 16, 8), (128, 8, 64, 8), (128, 8, 128, 16), (128, 8, 256, 16),
+                              (64, 6, 512, 16), (128, 8, 2048, 64), (128, 8, 8192, 64), (16, 2, 3, 8)):
+        S = T * top_k
+        need = []
+        for _ in range(40):
+            ids = torch.topk(torch.rand(T, E, generator=g), top_k, dim=1).indices.flatten()
+            counts = torch.bincount(ids, minlength=E)
+            need.append(int(((counts + rows - 1) // rows).sum()))
+        mean = sum(need) / len(need)
+        got = torch.ops.kbit._moe_expected_chunks(S, E, rows)
+        assert abs(got - mean) <= 0.06 * mean + 1, (E, top_k, T, rows, got, mean)
+        assert 1 <= got <= torch.ops.kbit._moe_max_chunks(S, E, rows)
+    assert torch.ops.kbit._moe_expected_chunks(0, 128, 8) == 0
+
+
+@requires_extension
+def test_grouped_split_cost_keeps_full_grids_unsplit():
+    """Grouped launches weigh a further K split 16x the dense kernel's: a routed projection that fills the GPU
+    (Qwen3-30B-A3B's down projection at 64 tokens: 8 CTA columns x 128 expected of at most 176 chunks, 6
+    k-tiles, 3 CTAs per SM) stays unsplit, where the dense weighting over the worst case split it 3 ways; one
+    that leaves most SMs idle (4 tokens, 30 chunks) still splits."""
+    cost = torch.ops.kbit._mma_split_cost
+    assert cost(True) > cost(False) == 1
+    expected = torch.ops.kbit._moe_expected_chunks(512, 128, 8)
+    assert 120 <= expected <= 135 and torch.ops.kbit._moe_max_chunks(512, 128, 8) == 176
+    assert torch.ops.kbit._mma_splits(8, 176, 6, 132, 3, cost(False)) == 3
+    assert torch.ops.kbit._mma_splits(8, expected, 6, 132, 3, cost(True)) == 1
+    assert torch.ops.kbit._mma_splits(8, 176, 6, 132, 3, cost(True)) == 1
+    assert torch.ops.kbit._mma_splits(6, 30, 16, 132, 3, cost(True)) > 1
+
+
+@requires_extension
 def test_moe_plan_paths_and_workspace():
     """kbit::moe_plan: few slots over many experts take the GEMV, up to 128 slots per expert the grouped
     MMA (chunk height from the average rows of a busy expert and k), beyond that grouped mm (no chunks);

@@ -1,6 +1,7 @@
 // kbit fused dequant + MMA: tile shape, split-K heuristic and the launcher (kernel in mma_kernel.cuh).
 #include "mma.cuh"
 #include "mma_kernel.cuh"
+#include "moe.cuh"
 
 #include <algorithm>
 
@@ -36,10 +37,12 @@ int mma_grouped_r(int p, int64_t n_tiles) {
 
 bool mma_built(int p, int r) { return r == 1 || r == (p == kMmaMaxRowTiles ? 2 : 4); }
 
-int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm) {
+int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm,
+               int64_t split_cost) {
   // Cost of S splits in quarter k-tiles x ctas_per_sm: the busiest SM's CTA k-tiles shared by its
   // ctas_per_sm slots, but never less than one CTA's own k-tiles (latency), plus a fixed cost per CTA
-  // (pipeline fill, epilogue) growing with the cluster reduction. Smallest wins, ties to fewer splits.
+  // (pipeline fill, epilogue) growing with the cluster reduction (split_cost per split). Smallest wins, ties
+  // to fewer splits.
   const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(kMmaMaxSplits, k_tiles));
   const int64_t slots = std::max<int64_t>(1, ctas_per_sm);
   int best = 1;
@@ -47,7 +50,7 @@ int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms,
   for (int64_t s = 1; s <= max_splits; ++s) {
     const int64_t per_sm = (cols * m_blocks * s + num_sms - 1) / num_sms;  // CTAs on the busiest SM
     const int64_t tiles = (k_tiles + s - 1) / s;                            // k-tiles of the largest split
-    const int64_t cost = 4 * std::max(per_sm * tiles, slots * tiles) + slots * (4 + s);
+    const int64_t cost = 4 * std::max(per_sm * tiles, slots * tiles) + slots * (4 + split_cost * s);
     if (best_cost < 0 || cost < best_cost) {
       best = static_cast<int>(s);
       best_cost = cost;
@@ -77,6 +80,7 @@ mma_detail::MmaLaunch launch_fields(const at::Tensor& A, const at::Tensor& qweig
   L.device = A.get_device();
   L.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   L.stream = at::cuda::getCurrentCUDAStream();
+  L.split_cost = kMmaSplitCostDense;
   return L;
 }
 
@@ -100,13 +104,18 @@ void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Ten
 
 void launch_mma_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
                         const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook, int64_t N,
-                        int64_t K, int64_t chunk_rows, at::Tensor& C) {
+                        int64_t K, int64_t chunk_rows, at::Tensor& C, int64_t row_groups, int64_t splits) {
   if (chunks.size(0) == 0) return;
   const int64_t n_tiles = qweight.size(1);
   mma_detail::MmaLaunch L = launch_fields(A, qweight, absmax, codebook, N, K, n_tiles, qweight.size(2), C);
   L.config = mma_config(chunk_rows, n_tiles, 1);  // 8p == chunk_rows: one CTA row covers a chunk
-  L.config.r = mma_grouped_r(L.config.p, n_tiles);
+  L.config.r = row_groups > 0 ? static_cast<int>(row_groups) : mma_grouped_r(L.config.p, n_tiles);
+  L.splits = static_cast<int>(splits);
   L.config.m_blocks = static_cast<int>(chunks.size(0));
+  // The grid holds the worst case's chunks (moe_max_chunks); the split count is planned for the
+  // chunks a typical routing fills, since CTA rows past the device-side count leave at once.
+  L.plan_m_blocks = moe_expected_chunks(A.size(0), qweight.size(0), chunk_rows);
+  L.split_cost = kMmaSplitCostGrouped;
   L.chunks = chunks.data_ptr<int>();
   L.num_chunks = num_chunks.data_ptr<int>();
   L.expert_qbytes = qweight.stride(0) * static_cast<int64_t>(sizeof(int32_t));

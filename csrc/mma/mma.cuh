@@ -36,10 +36,20 @@ int mma_grouped_r(int p, int64_t n_tiles);
 bool mma_built(int p, int r);
 
 // K splits (CTAs of one cluster per CTA column) for cols x m_blocks CTA tiles over k_tiles, on num_sms
-// SMs holding ctas_per_sm CTAs each. Always in [1, min(kMmaMaxSplits, k_tiles)], so with the balanced
+// SMs holding ctas_per_sm CTAs each; split_cost weighs each further split's fixed cost (pipeline fill,
+// cluster reduction) per CTA slot. Always in [1, min(kMmaMaxSplits, k_tiles)], so with the balanced
 // partition [s*k_tiles/S, (s+1)*k_tiles/S) every split owns at least one k-tile.
 // kbit::_mma_splits exposes it for the property tests (dispatch.cpp).
-int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm);
+int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm,
+               int64_t split_cost = 1);
+
+// split_cost of the two launch kinds. Grouped (routed-expert) CTAs are short (an expert's K) and every
+// further split repeats the table fill and pipeline fill of a whole 64r-row tile and adds a cluster
+// reduction of it, so splits cost far more there than the dense kernel's model assumes; both values
+// measured with benchmarks/sweep_splits.py and benchmarks/sweep_moe_grid.py (docs/decisions.md,
+// "Grouped MMA grid").
+constexpr int kMmaSplitCostDense = 1;
+constexpr int kMmaSplitCostGrouped = 16;
 
 // A [M, K] (bf16/fp16, contiguous, 16-byte aligned) -> C [M, N] of A's dtype. row_groups / splits
 // force the tile shape / split count (0: heuristic), for tests and benchmarks; the caller
@@ -53,9 +63,10 @@ void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Ten
 // valid, as the MoE routing writes them); W: stacked runtime tensors [E, n_tiles, k_tiles, k, 64, 4] /
 // [E, n_tiles, k_tiles, 64, 4]. chunk_rows is 8, 16, 32 or 64 (one CTA row per chunk); A is
 // contiguous bf16 [rows, K], C [rows, N] bf16; rows outside the chunks are not written.
+// row_groups / splits: 0 takes the rule (mma_grouped_r, mma_splits); sweeps force them.
 // The caller validates (moe_ops.cpp), including max_chunks <= kMmaMaxGridRows.
 void launch_mma_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
                         const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook, int64_t N,
-                        int64_t K, int64_t chunk_rows, at::Tensor& C);
+                        int64_t K, int64_t chunk_rows, at::Tensor& C, int64_t row_groups = 0, int64_t splits = 0);
 
 }  // namespace kbit

@@ -450,6 +450,8 @@ struct MmaLaunch {
   void* C;
   int M, N, K, n_tiles, k_tiles;
   MmaConfig config;  // grouped: m_blocks = the chunk list's length
+  int64_t plan_m_blocks;  // the CTA rows the split count is planned for (0: config.m_blocks)
+  int64_t split_cost;     // mma_splits' weight of a further split
   int splits;  // 0: heuristic
   const int* chunks;  // grouped only (else nullptr): int32 [m_blocks, 4], see MmaParams
   const int* num_chunks;
@@ -476,7 +478,8 @@ void launch_instance(const MmaLaunch& L) {
     prepared[device].store(ctas_per_sm, std::memory_order_relaxed);
   }
   const int cols = (L.n_tiles + R - 1) / R;
-  const int splits = L.splits > 0 ? L.splits : mma_splits(cols, L.config.m_blocks, L.k_tiles, L.num_sms, ctas_per_sm);
+  const int64_t plan_rows = L.plan_m_blocks > 0 ? L.plan_m_blocks : L.config.m_blocks;
+  const int splits = L.splits > 0 ? L.splits : mma_splits(cols, plan_rows, L.k_tiles, L.num_sms, ctas_per_sm, L.split_cost);
   KBIT_CHECK(splits >= 1 && splits <= std::min(kMmaMaxSplits, L.k_tiles), "kbit mma: splits=", splits,
               " outside 1..", std::min(kMmaMaxSplits, L.k_tiles));
   const MmaParams<T> prm{static_cast<const T*>(L.A), static_cast<const uint8_t*>(L.qweight),

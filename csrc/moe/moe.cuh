@@ -39,6 +39,11 @@ inline int64_t moe_mma_chunk_rows(int64_t slots, int64_t experts, int bits) {
 // need: sum_e ceil(c_e / R) <= (S + (R - 1) * min(E, S)) / R, and never more than S.
 int64_t moe_max_chunks(int64_t slots, int64_t experts, int64_t chunk_rows);
 
+// The chunks a typical routing needs: each expert's count of S slots taken as Poisson(S / E), the
+// expected sum_e ceil(c_e / R) = E * sum_j P(c > jR), rounded up and at most moe_max_chunks. Sizes the
+// grouped MMA's split count (the grid itself is sized for moe_max_chunks).
+int64_t moe_expected_chunks(int64_t slots, int64_t experts, int64_t chunk_rows);
+
 // topk_ids int32 [S] (global ids), expert_map int32 [global experts] or none -> offsets int32
 // [E + 1], pos int32 [S], slot_of int32 [S] (-1 past offsets[E]), and when chunks has rows:
 // chunks int32 [max_chunks, 4] = {expert, first row, rows <= chunk_rows, 0} (the first

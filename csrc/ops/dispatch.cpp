@@ -161,9 +161,12 @@ int64_t gemv_splits_op(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
   return gemv_splits(n_tiles, k_tiles, num_sms);
 }
 
-int64_t mma_splits_op(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm) {
-  return mma_splits(cols, m_blocks, k_tiles, num_sms, ctas_per_sm);
+int64_t mma_splits_op(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm,
+                      int64_t split_cost) {
+  return mma_splits(cols, m_blocks, k_tiles, num_sms, ctas_per_sm, split_cost);
 }
+
+int64_t mma_split_cost_op(bool grouped) { return grouped ? kMmaSplitCostGrouped : kMmaSplitCostDense; }
 
 }  // namespace
 }  // namespace kbit
@@ -179,6 +182,9 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
         &kbit::moe_plan_op);
   m.def("_moe_path_id(str path) -> int", &kbit::moe_path_id_op);
   m.def("_gemv_splits(int n_tiles, int k_tiles, int num_sms) -> int", &kbit::gemv_splits_op);
-  m.def("_mma_splits(int cols, int m_blocks, int k_tiles, int num_sms, int ctas_per_sm) -> int", &kbit::mma_splits_op);
+  m.def("_mma_splits(int cols, int m_blocks, int k_tiles, int num_sms, int ctas_per_sm, int split_cost=1) -> int",
+        &kbit::mma_splits_op);
+  m.def("_mma_split_cost(bool grouped) -> int", &kbit::mma_split_cost_op);
   m.def("_moe_max_chunks(int slots, int experts, int chunk_rows) -> int", &kbit::moe_max_chunks);
+  m.def("_moe_expected_chunks(int slots, int experts, int chunk_rows) -> int", &kbit::moe_expected_chunks);
 }

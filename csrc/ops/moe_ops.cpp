@@ -178,11 +178,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route
 
 // One grouped projection on rows that are already grouped by expert (chunks from _moe_route):
 // C[p] = A[p] @ dequant(W_e)^T; rows outside the chunks are left unwritten. The chunk height picks
-// the kernel: 1 or 4 rows the grouped GEMV, 8/16/32/64 the grouped MMA. splits forces the GEMV's K
-// split count (0: heuristic).
+// the kernel: 1 or 4 rows the grouped GEMV, 8/16/32/64 the grouped MMA. splits forces the K split
+// count (GEMV: CTAs per row block; MMA: cluster size), row_groups the MMA's row groups per warp (0:
+// the rules, for sweeps against them).
 at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
                                const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook,
-                               int64_t N, int64_t K, int64_t chunk_rows, int64_t splits) {
+                               int64_t N, int64_t K, int64_t chunk_rows, int64_t splits, int64_t row_groups) {
   KBIT_CHECK(A.is_cuda() && A.dim() == 2 && A.size(1) == K && A.is_contiguous() &&
                   (A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf),
               "kbit _moe_grouped_linear: A must be contiguous bf16/fp16 [rows, K=", K, "], got ", A.sizes());
@@ -200,10 +201,15 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
               kMoeChunkRows, " (GEMV) or 8, 16, 32, 64 (MMA), as given to _moe_route");
   KBIT_CHECK(chunks.size(0) <= kMmaMaxGridRows, "kbit _moe_grouped_linear: at most ", kMmaMaxGridRows, " chunks");
   KBIT_CHECK(!mma || A.scalar_type() == at::kBFloat16, "kbit _moe_grouped_linear: the grouped MMA takes bf16 A");
-  KBIT_CHECK(!mma || splits == 0, "kbit _moe_grouped_linear: splits applies to the GEMV (chunk_rows 1 or ",
-              kMoeChunkRows, ")");
+  const int64_t k_tiles = qweight.size(2);
+  KBIT_CHECK(!mma || (splits >= 0 && splits <= std::min<int64_t>(kMmaMaxSplits, k_tiles)),
+              "kbit _moe_grouped_linear: splits=", splits, " outside 0 (rule) .. ", std::min<int64_t>(kMmaMaxSplits, k_tiles),
+              " for the grouped MMA");
+  KBIT_CHECK(row_groups == 0 || (mma && mma_built(mma_config(chunk_rows, 1, 1).p, static_cast<int>(row_groups))),
+              "kbit _moe_grouped_linear: row_groups=", row_groups, " is not a built grouped MMA shape for chunk_rows=",
+              chunk_rows, " (0: the rule)");
   if (mma) {
-    launch_mma_grouped(A, chunks, num_chunks, qweight, absmax, codebook, N, K, chunk_rows, C);
+    launch_mma_grouped(A, chunks, num_chunks, qweight, absmax, codebook, N, K, chunk_rows, C, row_groups, splits);
   } else {
     launch_moe_gemv(MoeStage::kGather, A, std::nullopt, std::nullopt, 1, chunks, num_chunks, qweight, absmax, codebook,
                     N, K, chunk_rows, C, splits);
@@ -222,7 +228,7 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
       "(Tensor offsets, Tensor pos, Tensor slot_of, Tensor chunks, Tensor num_chunks)");
   m.def(
       "_moe_grouped_linear(Tensor A, Tensor chunks, Tensor num_chunks, Tensor qweight, Tensor absmax, Tensor codebook, "
-      "int N, int K, int chunk_rows, int splits=0) -> Tensor");
+      "int N, int K, int chunk_rows, int splits=0, int row_groups=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kbit, CUDA, m) {

@@ -248,7 +248,8 @@ def test_routing_matches_reference(seed):
 def test_grouped_single_projection(rows, M):
     """_moe_grouped_linear on rows already grouped by expert (the single-GEMM benchmark's op): the
     grouped GEMV for 1- and 4-row chunks (at every K split count), the grouped MMA for 8..64 (several
-    chunks per expert at M=130); a split count the kernel cannot take is refused."""
+    chunks per expert at M=130) at forced K splits and row groups per warp; a split count the kernel
+    cannot take is refused."""
     if rows == 1 and M != 1:
         pytest.skip("one-row chunks are for one token per expert")
     gen = torch.Generator().manual_seed(M)
@@ -258,13 +259,18 @@ def test_grouped_single_projection(rows, M):
     offsets, pos, slot_of, chunks, num_chunks = torch.ops.kbit._moe_route(ids, None, E, rows, torch.ops.kbit._moe_max_chunks(E * M, E, rows))
     A = torch.randn(E * M, K, generator=gen).to(torch.bfloat16).cuda()
     ref = torch.einsum("emk,enk->emn", A.float().view(E, M, K), ex.W13).reshape(E * M, N)
-    for splits in (0, 1, 2, 3, 4) if rows <= 4 else (0,):  # the GEMV's K split count forced (K=512: 4 k-tiles)
+    wide = 2 if rows == 64 else 4  # the MMA's built row groups per warp besides 1
+    # K split count forced (K=512: 4 k-tiles); for the MMA with the row groups per warp (0: the rules)
+    cases = [(s, 0) for s in (0, 1, 2, 3, 4)] if rows <= 4 else [(0, 0), (1, 1), (2, wide), (3, 1), (4, wide), (0, 1)]
+    for splits, row_groups in cases:
         poison_cache()
-        C = torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, splits)
-        check(C, ref, torch.bfloat16, "gemv")
-    with pytest.raises(RuntimeError, match="splits"):  # 5 > the 4 k-tiles; the MMA takes no forced count
-        torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows,
-                                           5 if rows <= 4 else 1)
+        C = torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, splits,
+                                               row_groups)
+        check(C, ref, torch.bfloat16, "gemv" if rows <= 4 else "mma")
+    with pytest.raises(RuntimeError, match="splits"):  # 5 > the 4 k-tiles
+        torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, 5)
+    with pytest.raises(RuntimeError, match="row_groups"):  # 3 row groups per warp: no such instance
+        torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, 0, 3)
 
 
 # ----------------------------------------------------------------------------- CUDA graphs
