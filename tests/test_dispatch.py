@@ -42,7 +42,7 @@ def test_linear_plan_fields():
         assert (path, p, m_blocks) == ("mma", want_p, want_blocks)
         assert r == (1 if p < 4 else 4 if p == 4 else 2)  # wide warps on this 224-tile weight from p = 4
         n_tiles, k_tiles = gemv_tiles(14336, 4096)
-        assert splits == torch.ops.kbit._mma_splits(-(-n_tiles // r), m_blocks, k_tiles, 132, 3)
+        assert splits == torch.ops.kbit._mma_splits(-(-n_tiles // r), m_blocks, k_tiles, 132, 3, torch.ops.kbit._mma_split_cost(False))
     assert plan(200, 14336, 2048, path="mma")[3:] == (8, 2, 4)  # 4 CTA rows of 64
     assert plan(40, 64 * 127, 2048, path="mma")[4] == 1  # under 128 n-tiles: narrow warps
     assert plan(600, 14336, 4096)[1:] == (1, 1, 0, 0, 0)

@@ -144,13 +144,13 @@ def test_expected_chunks_matches_random_routings():
 def test_grouped_split_cost_keeps_full_grids_unsplit():
     """Grouped launches weigh a further K split 16x the dense kernel's: a routed projection that fills the GPU
     (Qwen3-30B-A3B's down projection at 64 tokens: 8 CTA columns x 128 expected of at most 176 chunks, 6
-    k-tiles, 3 CTAs per SM) stays unsplit, where the dense weighting over the worst case split it 3 ways; one
+    k-tiles, 3 CTAs per SM) stays unsplit, where the dense kernel's former weighting over the worst case split it 3 ways; one
     that leaves most SMs idle (4 tokens, 30 chunks) still splits."""
     cost = torch.ops.kbit._mma_split_cost
-    assert cost(True) > cost(False) == 1
+    assert cost(True) > cost(False) >= 1
     expected = torch.ops.kbit._moe_expected_chunks(512, 128, 8)
     assert 120 <= expected <= 135 and torch.ops.kbit._moe_max_chunks(512, 128, 8) == 176
-    assert torch.ops.kbit._mma_splits(8, 176, 6, 132, 3, cost(False)) == 3
+    assert torch.ops.kbit._mma_splits(8, 176, 6, 132, 3, 1) == 3  # the weighting grouped launches had
     assert torch.ops.kbit._mma_splits(8, expected, 6, 132, 3, cost(True)) == 1
     assert torch.ops.kbit._mma_splits(8, 176, 6, 132, 3, cost(True)) == 1
     assert torch.ops.kbit._mma_splits(6, 30, 16, 132, 3, cost(True)) > 1

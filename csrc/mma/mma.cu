@@ -38,7 +38,7 @@ int mma_grouped_r(int p, int64_t n_tiles) {
 bool mma_built(int p, int r) { return r == 1 || r == (p == kMmaMaxRowTiles ? 2 : 4); }
 
 int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm,
-               int64_t split_cost) {
+               int64_t split_cost, const int64_t* cluster_ctas) {
   // Cost of S splits in quarter k-tiles x ctas_per_sm: the busiest SM's CTA k-tiles shared by its
   // ctas_per_sm slots, but never less than one CTA's own k-tiles (latency), plus a fixed cost per CTA
   // (pipeline fill, epilogue) growing with the cluster reduction (split_cost per split). Smallest wins, ties
@@ -48,9 +48,15 @@ int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms,
   int best = 1;
   int64_t best_cost = -1;
   for (int64_t s = 1; s <= max_splits; ++s) {
-    const int64_t per_sm = (cols * m_blocks * s + num_sms - 1) / num_sms;  // CTAs on the busiest SM
-    const int64_t tiles = (k_tiles + s - 1) / s;                            // k-tiles of the largest split
-    const int64_t cost = 4 * std::max(per_sm * tiles, slots * tiles) + slots * (4 + split_cost * s);
+    const int64_t ctas = cols * m_blocks * s;
+    const int64_t per_sm = (ctas + num_sms - 1) / num_sms;  // CTAs on the busiest SM
+    const int64_t tiles = (k_tiles + s - 1) / s;            // k-tiles of the largest split
+    // With the cluster capacity known, a grid past it runs whole further waves of `slots` CTAs per SM:
+    // fewer clusters of s CTAs fit at once than the per-CTA occupancy says (a cluster's CTAs share a GPC).
+    const int64_t busy = cluster_ctas != nullptr && cluster_ctas[s] > 0
+                             ? std::max(per_sm, slots * ((ctas + cluster_ctas[s] - 1) / cluster_ctas[s]))
+                             : std::max(per_sm, slots);
+    const int64_t cost = 4 * busy * tiles + slots * (4 + split_cost * s);
     if (best_cost < 0 || cost < best_cost) {
       best = static_cast<int>(s);
       best_cost = cost;

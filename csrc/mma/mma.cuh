@@ -37,18 +37,20 @@ bool mma_built(int p, int r);
 
 // K splits (CTAs of one cluster per CTA column) for cols x m_blocks CTA tiles over k_tiles, on num_sms
 // SMs holding ctas_per_sm CTAs each; split_cost weighs each further split's fixed cost (pipeline fill,
-// cluster reduction) per CTA slot. Always in [1, min(kMmaMaxSplits, k_tiles)], so with the balanced
-// partition [s*k_tiles/S, (s+1)*k_tiles/S) every split owns at least one k-tile.
+// cluster reduction) per CTA slot. cluster_ctas, when given, holds for every split count s in
+// 1..kMmaMaxSplits the CTAs that fit on the GPU at once in clusters of s (cudaOccupancyMaxActiveClusters
+// x s; index 0 unused): a grid past it runs a further wave. Always in [1, min(kMmaMaxSplits, k_tiles)],
+// so with the balanced partition [s*k_tiles/S, (s+1)*k_tiles/S) every split owns at least one k-tile.
 // kbit::_mma_splits exposes it for the property tests (dispatch.cpp).
 int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm,
-               int64_t split_cost = 1);
+               int64_t split_cost = 1, const int64_t* cluster_ctas = nullptr);
 
 // split_cost of the two launch kinds. Grouped (routed-expert) CTAs are short (an expert's K) and every
 // further split repeats the table fill and pipeline fill of a whole 64r-row tile and adds a cluster
 // reduction of it, so splits cost far more there than the dense kernel's model assumes; both values
 // measured with benchmarks/sweep_splits.py and benchmarks/sweep_moe_grid.py (docs/decisions.md,
 // "Grouped MMA grid").
-constexpr int kMmaSplitCostDense = 1;
+constexpr int kMmaSplitCostDense = 2;
 constexpr int kMmaSplitCostGrouped = 16;
 
 // A [M, K] (bf16/fp16, contiguous, 16-byte aligned) -> C [M, N] of A's dtype. row_groups / splits

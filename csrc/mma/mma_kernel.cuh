@@ -461,13 +461,37 @@ struct MmaLaunch {
   cudaStream_t stream;
 };
 
+// CTAs of `kernel` the GPU holds at once in clusters of s along x (0 if the driver cannot say).
+template <typename Kernel>
+int64_t cluster_capacity(Kernel kernel, int s, int smem_bytes) {
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(s);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.gridDim = dim3(static_cast<unsigned>(s * 64), 1, 1);
+  config.blockDim = dim3(kThreads, 1, 1);
+  config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+  config.attrs = attr;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();  // leaves no sticky error behind; the split rule falls back to occupancy
+    return 0;
+  }
+  return static_cast<int64_t>(clusters) * s;
+}
+
 template <typename T, int BITS, int P, int R, bool kGrouped = false>
 void launch_instance(const MmaLaunch& L) {
   using S = Shape<BITS, P, R>;
   const auto kernel = mma_kernel<T, BITS, P, R, kGrouped>;
   // Once per instance and device (the opt-in is per device): the shared-memory opt-in above 48 KB,
-  // and how many CTAs an SM holds (0 = not prepared yet; preparing twice is harmless).
+  // how many CTAs an SM holds (0 = not prepared yet; preparing twice is harmless) and how many CTAs
+  // the GPU holds at once in clusters of each split count.
   static std::atomic<int> prepared[kMaxDevices] = {};
+  static std::atomic<int64_t> cluster_ctas[kMaxDevices][kMmaMaxSplits + 1] = {};
   const int device = L.device;
   KBIT_CHECK(device >= 0 && device < kMaxDevices, "kbit mma: device index ", device, " >= ", kMaxDevices);
   int ctas_per_sm = prepared[device].load(std::memory_order_relaxed);
@@ -475,11 +499,18 @@ void launch_instance(const MmaLaunch& L) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, kThreads, S::kSmemBytes));
     ctas_per_sm = std::max(ctas_per_sm, 1);
+    for (int s = 1; s <= kMmaMaxSplits; ++s) cluster_ctas[device][s].store(cluster_capacity(kernel, s, S::kSmemBytes));
     prepared[device].store(ctas_per_sm, std::memory_order_relaxed);
   }
   const int cols = (L.n_tiles + R - 1) / R;
+  // Dense grids are exact, so their waves count; a grouped grid's live CTAs are an expectation
+  // (plan_m_blocks), for which the per-CTA model without waves fits the measurements.
+  int64_t capacity[kMmaMaxSplits + 1] = {};
+  for (int s = 1; s <= kMmaMaxSplits; ++s) capacity[s] = cluster_ctas[device][s].load(std::memory_order_relaxed);
   const int64_t plan_rows = L.plan_m_blocks > 0 ? L.plan_m_blocks : L.config.m_blocks;
-  const int splits = L.splits > 0 ? L.splits : mma_splits(cols, plan_rows, L.k_tiles, L.num_sms, ctas_per_sm, L.split_cost);
+  const int splits = L.splits > 0 ? L.splits
+                                  : mma_splits(cols, plan_rows, L.k_tiles, L.num_sms, ctas_per_sm, L.split_cost,
+                                               L.chunks == nullptr ? capacity : nullptr);
   KBIT_CHECK(splits >= 1 && splits <= std::min(kMmaMaxSplits, L.k_tiles), "kbit mma: splits=", splits,
               " outside 1..", std::min(kMmaMaxSplits, L.k_tiles));
   const MmaParams<T> prm{static_cast<const T*>(L.A), static_cast<const uint8_t*>(L.qweight),

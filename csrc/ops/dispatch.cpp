@@ -96,7 +96,9 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
     plan.r = c.r;
     plan.m_blocks = c.m_blocks;
     plan.max_splits = std::min<int64_t>(kMmaMaxSplits, k_tiles);
-    plan.splits = mma_splits((n_tiles + c.r - 1) / c.r, c.m_blocks, k_tiles, num_sms, ctas_per_sm);
+    // Off the GPU the cluster capacities are unknown: the per-CTA occupancy estimate (a launch on the GPU
+    // also counts the waves its clusters take, mma_kernel.cuh: launch_instance).
+    plan.splits = mma_splits((n_tiles + c.r - 1) / c.r, c.m_blocks, k_tiles, num_sms, ctas_per_sm, kMmaSplitCostDense);
   }
   return plan;
 }
