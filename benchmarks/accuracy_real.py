@@ -161,10 +161,11 @@ def lever_fake_weight(W: torch.Tensor, k: int, cb: torch.Tensor, rule: str) -> t
     return best.view(N, K).to(W.dtype)
 
 
-def gptq_weights(original: dict, model_dir: str, k: int, codebook: str | None = None) -> dict:
-    """kbit-k (the default or the named codebook, default scale rule) rounded by GPTQ on the default calibration text
+def gptq_weights(original: dict, model_dir: str, k: int, codebook: str | None = None, **options) -> dict:
+    """kbit-k (the default or the named codebook) rounded by GPTQ on the default calibration text
     (``vllm_kbit.gptq``: standard-library docstrings, not the perplexity text), sequentially, on a
-    fresh float32 copy of the model."""
+    fresh float32 copy of the model; ``options`` (act_order, scale_rule, damp, n_tokens) go to
+    ``gptq.quantize_model``, whose defaults are those of ``vllm-kbit convert --gptq``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_kbit import gptq
@@ -172,7 +173,7 @@ def gptq_weights(original: dict, model_dir: str, k: int, codebook: str | None = 
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     cb = fmt.CODEBOOKS[codebook or fmt.DEFAULT_CODEBOOK](k)
-    packed = gptq.quantize_model(model, AutoTokenizer.from_pretrained(model_dir), lambda n: (k, cb) if n in original else None)
+    packed = gptq.quantize_model(model, AutoTokenizer.from_pretrained(model_dir), lambda n: (k, cb) if n in original else None, **options)
     return {n: fmt.dequantize(q, a, cb, torch.bfloat16) for n, (q, a) in packed.items()}
 
 
@@ -200,11 +201,43 @@ def lever_specs(original: dict, model_dir: str, bits=(3, 4, 5)):
             (f"kbit-{k} fitted codebook", "lever: codebook", False, cached(k, "fitted", every(k, lambda k=k: fitted_codebook(original, k), "mse"))),
             (f"kbit-{k} |w|-weighted scale", "lever: scale", False, cached(k, "nf0-wmse1", every(k, nf, "wmse1"))),
             (f"kbit-{k} scale >= absmax", "lever: scale", False, cached(k, "nf0-up", every(k, nf, "up"))),
-            (f"kbit-{k} GPTQ (calibrated)", "lever: GPTQ", False, cached(k, "nf0-gptq", lambda k=k: gptq_weights(original, model_dir, k))),
-            (f"kbit-{k} normal_float GPTQ (calibrated)", "lever: GPTQ", False,
-             cached(k, "gptq", lambda k=k: gptq_weights(original, model_dir, k, "normal_float"))),
+            (f"kbit-{k} normal_float GPTQ natural order (calibrated)", "lever: GPTQ", False,
+             cached(k, "gptq", lambda k=k: gptq_weights(original, model_dir, k, "normal_float", **GPTQ_NATURAL))),
         ]
+        for label, options in gptq_variants():
+            specs.append((f"kbit-{k} GPTQ{label} (calibrated)", "lever: GPTQ", False,
+                          cached(k, gptq_tag(options), lambda k=k, o=options: gptq_weights(original, model_dir, k, **o))))
     return specs
+
+
+# GPTQ as first implemented: natural column order, the reference's block-error scale rule, 4096 tokens.
+GPTQ_NATURAL = {"act_order": False, "scale_rule": "mse", "n_tokens": 4096}
+
+
+def gptq_variants() -> list[tuple[str, dict]]:
+    """(name suffix, quantize_model options) of the GPTQ rows; "" is ``vllm-kbit convert --gptq``'s defaults."""
+    from vllm_kbit import gptq
+
+    default = {"act_order": gptq.DEFAULT_ACT_ORDER, "scale_rule": gptq.DEFAULT_SCALE_RULE}
+    return [
+        ("", default),
+        (" natural order, 4096 tokens", GPTQ_NATURAL),
+        (" act-order, 4096 tokens", {"act_order": True, "scale_rule": "mse", "n_tokens": 4096}),
+        (" act-order + H-diagonal scale, 4096 tokens", {"act_order": True, "scale_rule": "hdiag", "n_tokens": 4096}),
+        (" act-order + GPTQ-weighted scale, 4096 tokens", {"act_order": True, "scale_rule": "gptq", "n_tokens": 4096}),
+    ]
+
+
+def gptq_tag(options: dict) -> str:
+    """Fake-quant cache tag of default-codebook GPTQ weights: every option that shapes them, defaults
+    filled in, plus the thread count (the float rounding of the calibration matmuls depends on it, and
+    GPTQ's sequential choices amplify it)."""
+    from vllm_kbit import gptq
+
+    o = {"act_order": gptq.DEFAULT_ACT_ORDER, "scale_rule": gptq.DEFAULT_SCALE_RULE, "damp": gptq.DEFAULT_DAMP,
+         "n_tokens": gptq.DEFAULT_CALIBRATION_TOKENS, **options}
+    order = "act" if o["act_order"] else "natural"
+    return f"nf0-gptq-{order}-{o['scale_rule']}-d{o['damp']}-t{o['n_tokens']}-threads{torch.get_num_threads()}"
 
 
 # ----------------------------------------------------------------------------- methods

@@ -11,24 +11,97 @@ from vllm_kbit import gptq
 from vllm_kbit import reference as fmt
 
 
-def _correlated_inputs(n: int, K: int, seed: int) -> torch.Tensor:
-    """Inputs with strongly correlated features and a few large channels, as in a transformer."""
+def _correlated_inputs(n: int, K: int, seed: int, scattered: bool = False) -> torch.Tensor:
+    """Inputs with strongly correlated features and a few large channels, as in a transformer: the
+    first 4, or (``scattered``) 8 at random positions."""
     g = torch.Generator().manual_seed(seed)
     mix = torch.randn(K, K, generator=g) / K**0.5 + torch.eye(K)
     X = torch.randn(n, K, generator=g) @ mix
-    X[:, :4] *= 8
+    X[:, torch.randperm(K, generator=g)[:8] if scattered else slice(0, 4)] *= 8
     return X
 
 
 @pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
 @pytest.mark.parametrize("search", [True, False])
-def test_identity_hessian_is_round_to_nearest(k, search):
-    """H = I: no error is propagated, so every index, and every scale, is the reference's."""
+@pytest.mark.parametrize("options", [{"act_order": False, "scale_rule": "mse"}, {}], ids=["natural-mse", "defaults"])
+def test_identity_hessian_is_round_to_nearest(k, search, options):
+    """H = I: no error is propagated (and every column weighs the same), so every index, and every
+    scale, is the reference's."""
     W = (torch.randn(80, 256, generator=torch.Generator().manual_seed(k)) * 0.02).to(torch.bfloat16)
     cb = fmt.normal_float_codebook(k)
-    got = gptq.gptq_quantize(W, torch.eye(256), cb, k, search)
+    got = gptq.gptq_quantize(W, torch.eye(256), cb, k, search, **options)
     want = fmt.quantize(W, cb, k, search)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_uncorrelated_inputs_are_round_to_nearest_in_either_order(k, act_order):
+    """Diagonal H with distinct entries: act-order visits the columns (and decides the blocks' scales)
+    in a scattered order across lazy batches, and still nothing is propagated, so it is the reference's
+    round-to-nearest bit for bit."""
+    g = torch.Generator().manual_seed(10 + k)
+    W = (torch.randn(48, 512, generator=g) * 0.02).to(torch.bfloat16)
+    H = torch.diag(torch.rand(512, generator=g) + 0.1)
+    cb = fmt.default_codebook(k)
+    got = gptq.gptq_quantize(W, H, cb, k, act_order=act_order, scale_rule="mse")
+    want = fmt.quantize(W, cb, k)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
+def test_act_order_lowers_output_error_on_scattered_large_inputs(k):
+    """Large input channels at random positions: rounding them first, while most columns are still open
+    to absorb their error, beats rounding them where they fall."""
+    K, N = 512, 64
+    W = (torch.randn(N, K, generator=torch.Generator().manual_seed(70 + k)) * 0.02).to(torch.bfloat16)
+    X = _correlated_inputs(2048, K, 80 + k, scattered=True)
+    H, cb, ref = X.T @ X, fmt.default_codebook(k), X @ W.float().T
+
+    def out_err(act_order):
+        q, a = gptq.gptq_quantize(W, H, cb, k, act_order=act_order, scale_rule="mse")
+        return (X @ fmt.dequantize(q, a, cb, torch.float32).T - ref).square().sum().item()
+
+    assert out_err(True) < 0.9 * out_err(False)
+
+
+@pytest.mark.parametrize("k", [3, 4])
+def test_act_order_does_not_depend_on_the_lazy_batch(k):
+    """A block whose first column in act-order lies past the lazy batch gets its scale from the pending
+    updates applied on the fly: the same scales, and the same indices up to float rounding, as with one
+    batch holding every column."""
+    K, N = 512, 64
+    W = (torch.randn(N, K, generator=torch.Generator().manual_seed(90 + k)) * 0.02).to(torch.bfloat16)
+    X = _correlated_inputs(2048, K, 100 + k, scattered=True)
+    cb = fmt.default_codebook(k)
+    (q32, a32), (qall, aall) = (gptq.gptq_quantize(W, X.T @ X, cb, k, act_order=True, lazy_cols=n) for n in (32, K))
+    assert torch.equal(a32, aall)
+    assert (fmt.unpack_bitplanes(q32) != fmt.unpack_bitplanes(qall)).float().mean() <= 0.005
+
+
+@pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
+@pytest.mark.parametrize("rule", ["hdiag", "gptq"])
+def test_weighted_scale_rules_minimize_output_error_of_uncorrelated_inputs(k, rule):
+    """Diagonal H: a column's output error is H[i, i] x its squared weight error, which both weighted rules
+    minimize block by block over the reference's candidates; so every row's output error is at most
+    round-to-nearest's, and below it in total."""
+    g = torch.Generator().manual_seed(110 + k)
+    W = (torch.randn(64, 256, generator=g) * 0.02).to(torch.bfloat16)
+    d = torch.rand(256, generator=g).pow(4) * 100 + 0.01  # input energies spread over four decades
+    cb = fmt.default_codebook(k)
+    got = fmt.dequantize(*gptq.gptq_quantize(W, torch.diag(d), cb, k, scale_rule=rule), cb, torch.float32)
+    rtn = fmt.dequantize(*fmt.quantize(W, cb, k), cb, torch.float32)
+
+    def row_err(D):
+        return ((D - W.float()).square() * d).sum(-1)
+
+    assert (row_err(got) <= row_err(rtn) * (1 + 1e-5)).all()
+    assert row_err(got).sum() < 0.99 * row_err(rtn).sum()
+
+
+def test_gptq_quantize_refuses_an_unknown_scale_rule():
+    with pytest.raises(ValueError, match="scale_rule='max'"):
+        gptq.gptq_quantize(torch.randn(8, 64), torch.eye(64), fmt.normal_float_codebook(4), 4, scale_rule="max")
 
 
 @pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)

@@ -23,7 +23,7 @@ The packed tensors are exactly what online quantization (``--quantization kbit``
 of the same checkpoint produces when vLLM runs in the checkpoint's dtype, unless
 ``gptq`` is set: then the linear layers that transformers' model of the checkpoint
 runs as ``nn.Linear`` are rounded by GPTQ on calibration text (:mod:`vllm_kbit.gptq`;
-same format, same scale rule, different indices) and the rest as online.
+same format and scale candidates, different indices and scale choices) and the rest as online.
 """
 
 from __future__ import annotations
