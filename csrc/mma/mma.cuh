@@ -49,7 +49,7 @@ int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms,
 // further split repeats the table fill and pipeline fill of a whole 64r-row tile and adds a cluster
 // reduction of it, so splits cost far more there than the dense kernel's model assumes; both values
 // measured with benchmarks/sweep_splits.py and benchmarks/sweep_moe_grid.py (docs/decisions.md,
-// "Grouped MMA grid").
+// "Grouped MMA grid" and "Dense MMA split count by cluster waves").
 constexpr int kMmaSplitCostDense = 2;
 constexpr int kMmaSplitCostGrouped = 16;
 
