@@ -368,6 +368,11 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
+def table_cell(text: str) -> str:
+    """text escaped for a markdown table cell ("|w|-weighted scale" holds pipes)."""
+    return text.replace("|", "\\|")
+
+
 def markdown(meta: dict, records: list[dict], tok) -> str:
     ref = next(r for r in records if r["method"] == "bf16")
     lines = [
@@ -396,7 +401,7 @@ def markdown(meta: dict, records: list[dict], tok) -> str:
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in records:
-        name = r["method"].replace("|", "\\|") + (" (control)" if r["control"] else "")  # "|w|" inside a table cell
+        name = table_cell(r["method"]) + (" (control)" if r["control"] else "")
         lines.append(
             f"| {name} | {r['bits_per_weight']:.2f} | {r['model_bytes'] / 1e6:.1f} | {r['perplexity']:.3f} | "
             f"{100 * (r['perplexity'] / ref['perplexity'] - 1):+.1f}% | {100 * r['top1_agreement']:.1f}% | "
@@ -411,8 +416,8 @@ def markdown(meta: dict, records: list[dict], tok) -> str:
         for r in records:
             ids = r["generations"][i]
             same = common_prefix(ids, ref["generations"][i])
-            text = tok.decode(ids, skip_special_tokens=True).replace("\n", " \\n ").replace("|", "\\|")
-            lines.append(f"| {r['method'].replace('|', chr(92) + '|')} [{same}] | {text} |")
+            text = table_cell(tok.decode(ids, skip_special_tokens=True).replace("\n", " \\n "))
+            lines.append(f"| {table_cell(r['method'])} [{same}] | {text} |")
         lines.append("")
     return "\n".join(lines)
 

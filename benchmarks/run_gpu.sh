@@ -17,14 +17,14 @@
 # BENCH_ARGS (extra arguments for every benchmark), KBIT_COMMIT (the commit to record; default git's HEAD).
 source "$(dirname "$0")/gpu_common.sh"
 
-OUT_DIR=benchmarks/results
+RESULTS_DIR=benchmarks/results
 RUN_TESTS=1
 RUN_BENCH=1
 benches=()
 while [ $# -gt 0 ]; do
   case $1 in
-    --out) OUT_DIR=${2:?--out needs a folder}; shift 2 ;;
-    --out=*) OUT_DIR=${1#--out=}; shift ;;
+    --out) RESULTS_DIR=${2:?--out needs a folder}; shift 2 ;;
+    --out=*) RESULTS_DIR=${1#--out=}; shift ;;
     --no-tests) RUN_TESTS=0; shift ;;
     --no-bench) RUN_BENCH=0; shift ;;
     -h|--help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
@@ -50,12 +50,12 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 ensure_extension || exit 1
 "$PYTHON" -c "import sys, torch, vllm_kbit; print('torch', torch.__version__, '| kbit CUDA kernels:', vllm_kbit.HAS_CUDA_KERNELS); sys.exit(0 if vllm_kbit.HAS_CUDA_KERNELS else 1)" ||
   { echo "run_gpu.sh: vllm_kbit/_C*.so did not load on this GPU" >&2; exit 1; }
-mkdir -p "$OUT_DIR"
-echo "commit $KBIT_COMMIT; results in $OUT_DIR"
+mkdir -p "$RESULTS_DIR"
+echo "commit $KBIT_COMMIT; results in $RESULTS_DIR"
 
 status=0
 if [ "$RUN_TESTS" = 1 ]; then
-  log="$OUT_DIR/gpu_tests_$(gpu_name)_$(date -u +%Y-%m-%d).log"
+  log="$RESULTS_DIR/gpu_tests_$(gpu_name)_$(date -u +%Y-%m-%d).log"
   echo "== pytest -m gpu ${TESTS:-tests/gpu} (log: $log)"
   # shellcheck disable=SC2086
   { echo "# pytest -m gpu ${TESTS:-tests/gpu} ${PYTEST_ARGS:-} at commit $KBIT_COMMIT"
@@ -64,9 +64,9 @@ if [ "$RUN_TESTS" = 1 ]; then
 fi
 if [ "$RUN_BENCH" = 1 ]; then
   for bench in "${benches[@]}"; do
-    echo "== $bench --out $OUT_DIR ${BENCH_ARGS:-}"
+    echo "== $bench --out $RESULTS_DIR ${BENCH_ARGS:-}"
     # shellcheck disable=SC2086
-    "$PYTHON" "$bench" --out "$OUT_DIR" ${BENCH_ARGS:-} || status=1
+    "$PYTHON" "$bench" --out "$RESULTS_DIR" ${BENCH_ARGS:-} || status=1
   done
 fi
 exit $status

@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # On a machine with 2 GPUs and this repository: tensor and expert parallel in two phases, each under its own
-# time limit, writing logs and results into OUT_DIR. The second phase runs even if the first fails.
+# time limit, writing logs and results into RESULTS_DIR. The second phase runs even if the first fails.
 #
-#   bash benchmarks/run_tp2.sh OUT_DIR [--no-tests] [--no-bench]
+#   bash benchmarks/run_tp2.sh RESULTS_DIR [--no-tests] [--no-bench]
 #
 # 1. Tests: `pytest -m gpu tests/vllm/test_gpu_e2e.py -k test_gpu_parallel_matches_tp1` in one process: the
 #    tiny qwen3_moe and glm4_moe, online kbit-4 and a converted mixed-bits checkpoint (routed experts 3 bits,
 #    attention 5), at TP=2 and at TP=2 with expert parallel, each against TP=1 (12 engines, 4 of them the
-#    TP=1 references, KBIT_E2E_ENGINES at a time). Log: OUT_DIR/tp2_tests.log.
+#    TP=1 references, KBIT_E2E_ENGINES at a time). Log: RESULTS_DIR/tp2_tests.log.
 # 2. Serving benchmark at TP=2: benchmarks/serve/run.sh --tp 2 (Qwen3-30B-A3B shape, dummy weights,
-#    1024 in / 256 out). Results: OUT_DIR/serve_tp2_<gpu>_<date>.{jsonl,md,png}, the servers' log beside them,
-#    the harness's output in OUT_DIR/serve_tp2.log. Running the script again with the same OUT_DIR (on the
+#    1024 in / 256 out). Results: RESULTS_DIR/serve_tp2_<gpu>_<date>.{jsonl,md,png}, the servers' log beside them,
+#    the harness's output in RESULTS_DIR/serve_tp2.log. Running the script again with the same RESULTS_DIR (on the
 #    same day and commit) skips the benchmark steps already measured there, so a run cut short by its time
 #    limit can be finished by a second one (e.g. with --no-tests).
 #
@@ -33,7 +33,7 @@ for arg in "$@"; do
     *) [ -z "$OUT_ARG" ] || { echo "run_tp2.sh: one output folder only" >&2; exit 2; }; OUT_ARG=$arg ;;
   esac
 done
-[ -n "$OUT_ARG" ] || { echo "usage: bash benchmarks/run_tp2.sh OUT_DIR [--no-tests] [--no-bench]" >&2; exit 2; }
+[ -n "$OUT_ARG" ] || { echo "usage: bash benchmarks/run_tp2.sh RESULTS_DIR [--no-tests] [--no-bench]" >&2; exit 2; }
 mkdir -p "$OUT_ARG" || exit 1
 OUT=$(cd "$OUT_ARG" && pwd)  # absolute: gpu_common.sh changes to the repository root
 source "$(dirname "$0")/gpu_common.sh"

@@ -42,6 +42,25 @@ def routing(T: int, E: int, top_k: int) -> torch.Tensor:
     return torch.topk(torch.randn(T, E, device="cuda"), top_k, dim=1).indices.to(torch.int32).flatten()
 
 
+def run_meta(commit: str | None) -> tuple[str, int, str, str]:
+    """(GPU name, L2 bytes, commit (given, else git's HEAD), UTC date) of a sweep; seeds torch."""
+    torch.manual_seed(0)
+    commit = commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                      text=True).stdout.strip()
+    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    return torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).L2_cache_size, commit, date
+
+
+def expert_copies(layer: str, k: int, l2: int) -> tuple[torch.Tensor, list]:
+    """The layer's k-bit codebook and enough copies of random stacked experts (w13 qweight, absmax, w2
+    qweight, absmax) that cycling through them reads past 4x the L2 (COLD)."""
+    E, _, H, I = LAYERS[layer]
+    expert_bytes = kbit_bytes(2 * I, H, k) + kbit_bytes(H, I, k)
+    n_copies = max(2, math.ceil(4 * l2 / (E * expert_bytes)) + 1)
+    return fmt.normal_float_codebook(k, "cuda"), [(*random_stacked(E, 2 * I, H, k), *random_stacked(E, H, I, k))
+                                                   for _ in range(n_copies)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="benchmarks/results")
@@ -49,20 +68,13 @@ def main() -> None:
     ap.add_argument("--bits", default="2,3,4,5")
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    gpu = torch.cuda.get_device_name()
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True).stdout.strip()
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    gpu, l2, commit, date = run_meta(args.commit)
     records = []
     for layer in args.layers.split(","):
         E, top_k, H, I = LAYERS[layer]
         for k in (int(b) for b in args.bits.split(",")):
-            cb = fmt.normal_float_codebook(k, "cuda")
-            expert_bytes = kbit_bytes(2 * I, H, k) + kbit_bytes(H, I, k)
-            n_copies = max(2, math.ceil(4 * l2 / (E * expert_bytes)) + 1)
-            W = [(*random_stacked(E, 2 * I, H, k), *random_stacked(E, H, I, k)) for _ in range(n_copies)]
+            cb, W = expert_copies(layer, k, l2)
+            n_copies = len(W)
             for T in TS:
                 S = T * top_k
                 a1 = torch.randn(S, H, device="cuda", dtype=torch.bfloat16)

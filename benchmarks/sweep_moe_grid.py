@@ -15,12 +15,9 @@ Writes DIR/sweep_moe_grid_<gpu>_<date>.{md,json}.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import math
 import os
 import statistics
-import subprocess
 import sys
 
 import torch
@@ -29,9 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vllm_kbit  # noqa: E402,F401  (loads the extension)
 from bench_linear import graph_time_us  # noqa: E402
-from bench_moe import kbit_bytes, random_stacked  # noqa: E402
-from sweep_moe_chunk_rows import LAYERS, routing  # noqa: E402
-from vllm_kbit import reference as fmt  # noqa: E402
+from sweep_moe_chunk_rows import LAYERS, expert_copies, routing, run_meta  # noqa: E402
 
 TS = (4, 16, 32, 64, 128, 256)
 SPLITS = (0, 1, 2, 3, 4)  # 0: the rule
@@ -46,20 +41,13 @@ def main() -> None:
     ap.add_argument("--tokens", default=",".join(map(str, TS)))
     ap.add_argument("--commit", default=None)
     args = ap.parse_args()
-    torch.manual_seed(0)
-    gpu = torch.cuda.get_device_name()
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
-    commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                                           text=True).stdout.strip()
-    date = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    gpu, l2, commit, date = run_meta(args.commit)
     records = []
     for layer in args.layers.split(","):
         E, top_k, H, I = LAYERS[layer]
         for k in (int(b) for b in args.bits.split(",")):
-            cb = fmt.normal_float_codebook(k, "cuda")
-            expert_bytes = kbit_bytes(2 * I, H, k) + kbit_bytes(H, I, k)
-            n_copies = max(2, math.ceil(4 * l2 / (E * expert_bytes)) + 1)
-            W = [(*random_stacked(E, 2 * I, H, k), *random_stacked(E, H, I, k)) for _ in range(n_copies)]
+            cb, W = expert_copies(layer, k, l2)
+            n_copies = len(W)
             for T in (int(t) for t in args.tokens.split(",")):
                 S = T * top_k
                 _, rows, G = torch.ops.kbit.moe_plan(T, top_k, E, k, "grouped_mma")

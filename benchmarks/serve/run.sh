@@ -17,23 +17,23 @@
 # install then only adds the package metadata and entry point (it is shown no CUDA toolkit, so it compiles
 # nothing). Without a GPU (vLLM's CPU build) the PyTorch reference ops serve kbit: a check of the harness.
 source "$(dirname "$0")/../gpu_common.sh"
-OUT_DIR=benchmarks/results
+RESULTS_DIR=benchmarks/results
 args=()
 while [ $# -gt 0 ]; do
   case $1 in
-    --out) OUT_DIR=${2:?--out needs a folder}; shift 2 ;;
-    --out=*) OUT_DIR=${1#--out=}; shift ;;
+    --out) RESULTS_DIR=${2:?--out needs a folder}; shift 2 ;;
+    --out=*) RESULTS_DIR=${1#--out=}; shift ;;
     *) args+=("$1"); shift ;;
   esac
 done
-mkdir -p "$OUT_DIR"
+mkdir -p "$RESULTS_DIR"
 # vLLM's torch.compile cache (vLLM's default place unless set); each GPU test gets a folder of its own in it.
 export VLLM_CACHE_ROOT=${VLLM_CACHE_ROOT:-${XDG_CACHE_HOME:-$HOME/.cache}/vllm}
 PY=$PYTHON
 DEADLINE=${DEADLINE:-86400}  # default: no practical limit
 left() { echo $((DEADLINE - SECONDS)); }
 GPU=$(gpu_name)
-TESTS_LOG="$OUT_DIR/e2e_gpu_${GPU:-cpu}_$(date -u +%Y-%m-%d)_tests.log"
+TESTS_LOG="$RESULTS_DIR/e2e_gpu_${GPU:-cpu}_$(date -u +%Y-%m-%d)_tests.log"
 
 plugin_ok() {  # this checkout's vllm_kbit is what the interpreter imports, with the vllm.general_plugins entry point
   "$PY" - "$PWD" <<'PY'
@@ -95,14 +95,14 @@ main() {
     cat "$TESTS_LOG"
   fi
   if [ "${BENCH:-1}" = 1 ]; then
-    echo "== bench_serve.py --out $OUT_DIR $* ($(left) s left)"
-    "$PY" benchmarks/serve/bench_serve.py --deadline "$(( $(left) - 10 ))" --out "$OUT_DIR" "$@" || status=1
+    echo "== bench_serve.py --out $RESULTS_DIR $* ($(left) s left)"
+    "$PY" benchmarks/serve/bench_serve.py --deadline "$(( $(left) - 10 ))" --out "$RESULTS_DIR" "$@" || status=1
   fi
   for m in ${PROFILE//,/ }; do
     echo "== profile_decode.py --method $m ($(left) s left)"
     [ "$(left)" -gt 150 ] || { echo "skipped: too little time left"; continue; }
     # shellcheck disable=SC2086
-    timeout "$(( $(left) - 10 ))" "$PY" benchmarks/serve/profile_decode.py --method "$m" --out "$OUT_DIR" $PROFILE_ARGS || status=1
+    timeout "$(( $(left) - 10 ))" "$PY" benchmarks/serve/profile_decode.py --method "$m" --out "$RESULTS_DIR" $PROFILE_ARGS || status=1
   done
   return $status
 }

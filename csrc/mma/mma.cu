@@ -86,7 +86,6 @@ mma_detail::MmaLaunch launch_fields(const at::Tensor& A, const at::Tensor& qweig
   L.device = A.get_device();
   L.num_sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
   L.stream = at::cuda::getCurrentCUDAStream();
-  L.split_cost = kMmaSplitCostDense;
   return L;
 }
 
@@ -121,7 +120,6 @@ void launch_mma_grouped(const at::Tensor& A, const at::Tensor& chunks, const at:
   // The grid holds the worst case's chunks (moe_max_chunks); the split count is planned for the
   // chunks a typical routing fills, since CTA rows past the device-side count leave at once.
   L.plan_m_blocks = moe_expected_chunks(A.size(0), qweight.size(0), chunk_rows);
-  L.split_cost = kMmaSplitCostGrouped;
   L.chunks = chunks.data_ptr<int>();
   L.num_chunks = num_chunks.data_ptr<int>();
   L.expert_qbytes = qweight.stride(0) * static_cast<int64_t>(sizeof(int32_t));

@@ -43,7 +43,7 @@ bool mma_built(int p, int r);
 // so with the balanced partition [s*k_tiles/S, (s+1)*k_tiles/S) every split owns at least one k-tile.
 // kbit::_mma_splits exposes it for the property tests (dispatch.cpp).
 int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm,
-               int64_t split_cost = 1, const int64_t* cluster_ctas = nullptr);
+               int64_t split_cost, const int64_t* cluster_ctas = nullptr);
 
 // split_cost of the two launch kinds. Grouped (routed-expert) CTAs are short (an expert's K) and every
 // further split repeats the table fill and pipeline fill of a whole 64r-row tile and adds a cluster

@@ -450,8 +450,7 @@ struct MmaLaunch {
   void* C;
   int M, N, K, n_tiles, k_tiles;
   MmaConfig config;  // grouped: m_blocks = the chunk list's length
-  int64_t plan_m_blocks;  // the CTA rows the split count is planned for (0: config.m_blocks)
-  int64_t split_cost;     // mma_splits' weight of a further split
+  int64_t plan_m_blocks;  // grouped only: the CTA rows the split count is planned for
   int splits;  // 0: heuristic
   const int* chunks;  // grouped only (else nullptr): int32 [m_blocks, 4], see MmaParams
   const int* num_chunks;
@@ -489,7 +488,7 @@ void launch_instance(const MmaLaunch& L) {
   const auto kernel = mma_kernel<T, BITS, P, R, kGrouped>;
   // Once per instance and device (the opt-in is per device): the shared-memory opt-in above 48 KB,
   // how many CTAs an SM holds (0 = not prepared yet; preparing twice is harmless) and how many CTAs
-  // the GPU holds at once in clusters of each split count.
+  // the GPU holds at once in clusters of each split count (dense instances, whose split rule counts waves).
   static std::atomic<int> prepared[kMaxDevices] = {};
   static std::atomic<int64_t> cluster_ctas[kMaxDevices][kMmaMaxSplits + 1] = {};
   const int device = L.device;
@@ -499,18 +498,22 @@ void launch_instance(const MmaLaunch& L) {
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, kThreads, S::kSmemBytes));
     ctas_per_sm = std::max(ctas_per_sm, 1);
-    for (int s = 1; s <= kMmaMaxSplits; ++s) cluster_ctas[device][s].store(cluster_capacity(kernel, s, S::kSmemBytes));
+    if constexpr (!kGrouped) {
+      for (int s = 1; s <= kMmaMaxSplits; ++s) cluster_ctas[device][s].store(cluster_capacity(kernel, s, S::kSmemBytes));
+    }
     prepared[device].store(ctas_per_sm, std::memory_order_relaxed);
   }
   const int cols = (L.n_tiles + R - 1) / R;
   // Dense grids are exact, so their waves count; a grouped grid's live CTAs are an expectation
   // (plan_m_blocks), for which the per-CTA model without waves fits the measurements.
-  int64_t capacity[kMmaMaxSplits + 1] = {};
-  for (int s = 1; s <= kMmaMaxSplits; ++s) capacity[s] = cluster_ctas[device][s].load(std::memory_order_relaxed);
-  const int64_t plan_rows = L.plan_m_blocks > 0 ? L.plan_m_blocks : L.config.m_blocks;
-  const int splits = L.splits > 0 ? L.splits
-                                  : mma_splits(cols, plan_rows, L.k_tiles, L.num_sms, ctas_per_sm, L.split_cost,
-                                               L.chunks == nullptr ? capacity : nullptr);
+  int splits = L.splits;
+  if (splits == 0 && kGrouped) {  // L.plan_m_blocks: moe_expected_chunks (launch_mma_grouped)
+    splits = mma_splits(cols, L.plan_m_blocks, L.k_tiles, L.num_sms, ctas_per_sm, kMmaSplitCostGrouped);
+  } else if (splits == 0) {
+    int64_t capacity[kMmaMaxSplits + 1] = {};
+    for (int s = 1; s <= kMmaMaxSplits; ++s) capacity[s] = cluster_ctas[device][s].load(std::memory_order_relaxed);
+    splits = mma_splits(cols, L.config.m_blocks, L.k_tiles, L.num_sms, ctas_per_sm, kMmaSplitCostDense, capacity);
+  }
   KBIT_CHECK(splits >= 1 && splits <= std::min(kMmaMaxSplits, L.k_tiles), "kbit mma: splits=", splits,
               " outside 1..", std::min(kMmaMaxSplits, L.k_tiles));
   const MmaParams<T> prm{static_cast<const T*>(L.A), static_cast<const uint8_t*>(L.qweight),
