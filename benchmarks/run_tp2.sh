@@ -21,7 +21,7 @@
 #   PROMPTS_PER_C [2]     prompts per bench = max(8, PROMPTS_PER_C x concurrency)
 #   PYTHON (default .venv/bin/python, else python3), KBIT_COMMIT (the commit to record; default git's HEAD)
 set -u
-OUT_ARG=""
+RESULTS_ARG=""
 RUN_TESTS=1
 RUN_BENCH=1
 for arg in "$@"; do
@@ -30,12 +30,12 @@ for arg in "$@"; do
     --no-bench) RUN_BENCH=0 ;;
     -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "run_tp2.sh: unknown option $arg (see --help)" >&2; exit 2 ;;
-    *) [ -z "$OUT_ARG" ] || { echo "run_tp2.sh: one output folder only" >&2; exit 2; }; OUT_ARG=$arg ;;
+    *) [ -z "$RESULTS_ARG" ] || { echo "run_tp2.sh: one output folder only" >&2; exit 2; }; RESULTS_ARG=$arg ;;
   esac
 done
-[ -n "$OUT_ARG" ] || { echo "usage: bash benchmarks/run_tp2.sh RESULTS_DIR [--no-tests] [--no-bench]" >&2; exit 2; }
-mkdir -p "$OUT_ARG" || exit 1
-OUT=$(cd "$OUT_ARG" && pwd)  # absolute: gpu_common.sh changes to the repository root
+[ -n "$RESULTS_ARG" ] || { echo "usage: bash benchmarks/run_tp2.sh RESULTS_DIR [--no-tests] [--no-bench]" >&2; exit 2; }
+mkdir -p "$RESULTS_ARG" || exit 1
+RESULTS_DIR=$(cd "$RESULTS_ARG" && pwd)  # absolute: gpu_common.sh changes to the repository root
 source "$(dirname "$0")/gpu_common.sh"
 
 TESTS_TIMEOUT=${TESTS_TIMEOUT:-360}
@@ -47,18 +47,18 @@ PROMPTS_PER_C=${PROMPTS_PER_C:-2}
 export KBIT_E2E_ENGINES=${KBIT_E2E_ENGINES:-6}
 stamp() { date -u +%H:%M:%S; }
 
-echo "== $(stamp) commit $KBIT_COMMIT; output in $OUT"
+echo "== $(stamp) commit $KBIT_COMMIT; output in $RESULTS_DIR"
 nvidia-smi --query-gpu=index,name,driver_version,memory.total --format=csv,noheader ||
   { echo "run_tp2.sh: needs CUDA GPUs (nvidia-smi failed)" >&2; exit 1; }
 GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())" 2>/dev/null || echo 0)
 [ "${GPUS:-0}" -ge 2 ] || { echo "run_tp2.sh: torch sees ${GPUS:-0} GPU(s), needs 2 (CUDA_VISIBLE_DEVICES=${CUDA_VISIBLE_DEVICES:-unset})" >&2; exit 1; }
 # The CUDA extension (built if missing) and this package installed in $PYTHON with its vLLM plugin entry
 # point: serve/run.sh with neither tests nor benchmark does exactly that set-up.
-TESTS=0 BENCH=0 bash benchmarks/serve/run.sh --out "$OUT" || { echo "run_tp2.sh: set-up failed" >&2; exit 1; }
+TESTS=0 BENCH=0 bash benchmarks/serve/run.sh --out "$RESULTS_DIR" || { echo "run_tp2.sh: set-up failed" >&2; exit 1; }
 
 status=0
 if [ "$RUN_TESTS" = 1 ]; then
-  log="$OUT/tp2_tests.log"
+  log="$RESULTS_DIR/tp2_tests.log"
   echo "== $(stamp) phase 1: TP=2 / TP=2+EP vs TP=1 end-to-end tests (limit ${TESTS_TIMEOUT} s, $KBIT_E2E_ENGINES engines at a time; log: $log)"
   # timeout signals its whole process group: pytest, the engine processes and their vLLM workers.
   # TORCHINDUCTOR_COMPILE_THREADS: the engines compiling at once share the CPU cores.
@@ -77,13 +77,13 @@ if [ "$RUN_BENCH" = 1 ]; then
   # Nothing of phase 1 should still hold GPU memory; listed so the log shows it if something does.
   nvidia-smi --query-compute-apps=pid,process_name,used_memory --format=csv,noheader 2>/dev/null | sed 's/^/GPU process still running: /'
   stem="serve_tp2_$(gpu_name)_$(date -u +%F)"
-  log="$OUT/serve_tp2.log"
-  echo "== $(stamp) phase 2: serving benchmark at TP=2, $METHODS, $SETTING, c = $CONCURRENCY, $PROMPTS_PER_C prompts per concurrency (limit ${BENCH_TIMEOUT} s; results: $OUT/$stem.md)"
+  log="$RESULTS_DIR/serve_tp2.log"
+  echo "== $(stamp) phase 2: serving benchmark at TP=2, $METHODS, $SETTING, c = $CONCURRENCY, $PROMPTS_PER_C prompts per concurrency (limit ${BENCH_TIMEOUT} s; results: $RESULTS_DIR/$stem.md)"
   # run.sh's DEADLINE makes bench_serve.py skip what would not fit; timeout is the hard stop behind it.
-  DEADLINE=$BENCH_TIMEOUT timeout -k 60 $((BENCH_TIMEOUT + 30)) bash benchmarks/serve/run.sh --out "$OUT" --tp 2 \
+  DEADLINE=$BENCH_TIMEOUT timeout -k 60 $((BENCH_TIMEOUT + 30)) bash benchmarks/serve/run.sh --out "$RESULTS_DIR" --tp 2 \
     --methods "$METHODS" --settings "$SETTING:$PROMPTS_PER_C" --concurrency "$CONCURRENCY" \
-    --tag "$stem" --skip-done "$OUT/$stem.jsonl" 2>&1 | tee "$log" || status=1
-  [ -f "$OUT/$stem.md" ] && cat "$OUT/$stem.md"
+    --tag "$stem" --skip-done "$RESULTS_DIR/$stem.jsonl" 2>&1 | tee "$log" || status=1
+  [ -f "$RESULTS_DIR/$stem.md" ] && cat "$RESULTS_DIR/$stem.md"
   echo "== $(stamp) phase 2 done"
 fi
 exit $status

@@ -51,6 +51,17 @@ def run_meta(commit: str | None) -> tuple[str, int, str, str]:
     return torch.cuda.get_device_name(), torch.cuda.get_device_properties(0).L2_cache_size, commit, date
 
 
+def save_records(out: str, name: str, gpu: str, date: str, commit: str, records: list) -> tuple[str, str]:
+    """Writes <out>/<name>_<gpu>_<date>.json ({gpu, date, commit, command, records}); returns (path stem,
+    the command line that ran)."""
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, f"{name}_{gpu.replace(' ', '_')}_{date}")
+    command = f"python benchmarks/{name}.py " + " ".join(sys.argv[1:])
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(gpu=gpu, date=date, commit=commit, command=command, records=records), f, indent=1)
+    return stem, command
+
+
 def expert_copies(layer: str, k: int, l2: int) -> tuple[torch.Tensor, list]:
     """The layer's k-bit codebook and enough copies of random stacked experts (w13 qweight, absmax, w2
     qweight, absmax) that cycling through them reads past 4x the L2 (COLD)."""
@@ -98,11 +109,7 @@ def main() -> None:
                     print(json.dumps(rec), flush=True)
             del W
             torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"sweep_moe_chunk_rows_{gpu.replace(' ', '_')}_{date}")
-    command = "python benchmarks/sweep_moe_chunk_rows.py " + " ".join(sys.argv[1:])
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(gpu=gpu, date=date, commit=commit, command=command, records=records), f, indent=1)
+    stem, command = save_records(args.out, "sweep_moe_chunk_rows", gpu, date, commit, records)
     lines = [f"# Grouped MoE MMA chunk height: {gpu}, {date}, commit {commit}", "",
              f"`{command}`. gate_up + down grouped projections (no routing, gather, activation or combine), "
              "COLD, CUDA-graph replay, µs; chunks = mean chunks per call; best height in bold.", ""]

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vllm_kbit  # noqa: E402,F401  (loads the extension)
 from bench_linear import graph_time_us  # noqa: E402
-from sweep_moe_chunk_rows import LAYERS, expert_copies, routing, run_meta  # noqa: E402
+from sweep_moe_chunk_rows import LAYERS, expert_copies, routing, run_meta, save_records  # noqa: E402
 
 TS = (4, 16, 32, 64, 128, 256)
 SPLITS = (0, 1, 2, 3, 4)  # 0: the rule
@@ -72,11 +72,7 @@ def main() -> None:
                             print(json.dumps(rec), flush=True)
             del W
             torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"sweep_moe_grid_{gpu.replace(' ', '_')}_{date}")
-    command = "python benchmarks/sweep_moe_grid.py " + " ".join(sys.argv[1:])
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(gpu=gpu, date=date, commit=commit, command=command, records=records), f, indent=1)
+    stem, command = save_records(args.out, "sweep_moe_grid", gpu, date, commit, records)
     lines = [f"# Grouped MoE MMA grid (K splits s, row groups per warp r): {gpu}, {date}, commit {commit}", "",
              f"`{command}`. One grouped projection, COLD, CUDA-graph replay, µs; `rule` = the launcher's own "
              "choice; best in bold.", ""]

@@ -11,6 +11,7 @@ import json
 import re
 import sys
 
+from vllm_kbit import gptq
 from vllm_kbit import reference as fmt
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*$", re.IGNORECASE)
@@ -88,8 +89,8 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument(
         "--gptq",
         action="store_true",
-        help="error-compensating (GPTQ) rounding on calibration text (act-order, 16384 tokens); loads the model "
-        "with transformers (slower)",
+        help=f"error-compensating (GPTQ) rounding on calibration text ({'act-order, ' if gptq.DEFAULT_ACT_ORDER else ''}"
+        f"{gptq.DEFAULT_CALIBRATION_TOKENS} tokens); loads the model with transformers (slower)",
     )
     c.add_argument(
         "--calibration-file",

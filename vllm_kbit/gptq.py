@@ -129,7 +129,7 @@ def gptq_quantize(
                 cols = pos[blk * fmt.BLOCK_SIZE : (blk + 1) * fmt.BLOCK_SIZE]
                 block = _current_columns(Wf, Wb, Eb, Hinv, cols, c0, c1)
                 weight = None if col_weight is None else col_weight[blk * fmt.BLOCK_SIZE : (blk + 1) * fmt.BLOCK_SIZE]
-                codes[:, blk] = _block_scale(block, cb, search_scale, weight)
+                codes[:, blk] = fmt.block_scales(block, cb, search_scale, weight)[:, 0]
                 scales[blk] = fmt.e4m4_decode(codes[:, blk])
                 products[blk] = thresholds.unsqueeze(0) * scales[blk].unsqueeze(-1)  # fp32(t_i * s), as the reference
             w = Wb[:, j]
@@ -176,26 +176,6 @@ def _current_columns(Wf, Wb, Eb, Hinv, cols, c0, c1) -> torch.Tensor:
         return Wb[:, cols - c0]
     later = Wf[:, cols.clamp_min(c1)] - Eb @ Hinv[c0:c1, cols.clamp_min(c1)]
     return torch.where(inside.unsqueeze(0), Wb[:, (cols - c0).clamp_max(c1 - c0 - 1)], later)
-
-
-def _block_scale(block: torch.Tensor, cb: torch.Tensor, search: bool, col_weight: torch.Tensor | None) -> torch.Tensor:
-    """E4M4 code [N] of one block [N, 32] by the reference's rule (``reference.block_scales``: the absmax
-    code and its search offsets, the first smallest block error wins), all candidates at once; with
-    ``col_weight`` [32] the same candidates by column-weighted squared error instead."""
-    absmax = fmt.block_absmax_codes(block)[:, 0]
-    if not search:
-        return absmax
-    offsets = torch.tensor((0, *fmt.SCALE_SEARCH_OFFSETS), device=block.device)
-    codes = (absmax.int().unsqueeze(0) + offsets.unsqueeze(1)).clamp(0, 255).to(torch.uint8)  # [C, N]
-    s = fmt.e4m4_decode(codes).unsqueeze(-1)  # [C, N, 1]
-    w = block.float().expand(codes.shape[0], *block.shape)
-    idx = fmt.choose_indices(w.reshape(-1, fmt.BLOCK_SIZE), s.reshape(-1, 1), cb).view(w.shape)
-    values = cb[idx.long()] * s
-    if col_weight is None:
-        err = fmt.block_squared_error(w, values)
-    else:
-        err = ((w - values).square() * col_weight).sum(-1)
-    return codes.gather(0, err.argmin(0, keepdim=True))[0]  # argmin: the first of equal errors, as the reference
 
 
 def _linear_inputs_hessian(x: torch.Tensor) -> torch.Tensor:

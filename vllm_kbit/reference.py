@@ -293,7 +293,9 @@ def block_squared_error(w: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
     return e[..., 0] + e[..., 1]
 
 
-def block_scales(W: torch.Tensor, codebook: torch.Tensor, search: bool) -> torch.Tensor:
+def block_scales(
+    W: torch.Tensor, codebook: torch.Tensor, search: bool, col_weight: torch.Tensor | None = None
+) -> torch.Tensor:
     """E4M4 scale code per block [N, K/32].
 
     Without search: the absmax code. With search: the absmax code and its neighbours
@@ -301,7 +303,8 @@ def block_scales(W: torch.Tensor, codebook: torch.Tensor, search: bool) -> torch
     the one with the smallest block squared error wins (strictly smaller: ties keep the
     earlier candidate, so the absmax code wins every tie). A smaller scale clips the
     largest element for finer steps elsewhere; a larger one moves the block's big values
-    next to the codebook's outer levels.
+    next to the codebook's outer levels. ``col_weight`` [K] (GPTQ's scale rules,
+    :mod:`vllm_kbit.gptq`) weighs each column's squared error instead of the plain block error.
     """
     absmax_code = block_absmax_codes(W)
     if not search:
@@ -314,7 +317,10 @@ def block_scales(W: torch.Tensor, codebook: torch.Tensor, search: bool) -> torch
         code = (absmax_code.int() + offset).clamp(0, 255).to(torch.uint8)
         scale = e4m4_decode(code)
         values = cb[choose_indices(W, scale, cb).long()] * scale.unsqueeze(-1)
-        err = block_squared_error(w, values)
+        if col_weight is None:
+            err = block_squared_error(w, values)
+        else:
+            err = ((w - values).square() * col_weight.view(K // BLOCK_SIZE, BLOCK_SIZE)).sum(-1)
         if best_err is None:
             best_err = err
             continue
