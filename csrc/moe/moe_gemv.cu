@@ -2,6 +2,9 @@
 #include "moe_gemv.cuh"
 #include "check.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 namespace kbit {
 namespace moe_gemv {
 template void launch_moe_gemv_stage<MoeStage::kGather>(bool, int, int, const MoeGemvParams&, int);
@@ -51,6 +54,15 @@ void launch_stage(MoeStage stage, bool bf16, int64_t bits, int64_t chunk_rows, c
   }
 }
 
+// KBIT_MOE_GEMV_SPLITS="G,D" forces the direct GEMV's K splits of gate_up (G) and down (D), for
+// benchmarks/sweep_moe_gemv_splits.py; unset or 0: the heuristic. Read at every launch (host only).
+int64_t forced_direct_splits(MoeStage stage) {
+  const char* env = std::getenv("KBIT_MOE_GEMV_SPLITS");
+  int gate_up = 0, down = 0;
+  if (env != nullptr) std::sscanf(env, "%d,%d", &gate_up, &down);
+  return stage == MoeStage::kGather ? gate_up : down;
+}
+
 }  // namespace
 
 void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at::Tensor>& slot_of,
@@ -77,7 +89,7 @@ void launch_moe_gemv_direct(MoeStage stage, const at::Tensor& A, const at::Tenso
   if (S == 0) return;
   KBIT_CHECK(topk_ids.scalar_type() == at::kInt && arrivals.scalar_type() == at::kInt && top_k >= 1 && S % top_k == 0,
               "kbit moe gemv direct: int32 topk_ids and arrivals, and top_k dividing the slots");
-  moe_gemv::MoeGemvParams p = common_params(A, top_k, qweight, absmax, codebook, N, K, C, S, 0);
+  moe_gemv::MoeGemvParams p = common_params(A, top_k, qweight, absmax, codebook, N, K, C, S, forced_direct_splits(stage));
   p.slot_weight = slot_weight.has_value() ? slot_weight->data_ptr<float>() : nullptr;
   p.ids = topk_ids.data_ptr<int>();
   p.expert_map = expert_map.has_value() ? expert_map->data_ptr<int>() : nullptr;
