@@ -13,8 +13,8 @@ refused because checking device-side ids would need a host sync on every call.
 CPU runs the PyTorch reference below, with each expert's weights decoded once and kept
 (:func:`vllm_kbit.ops.cpu_decoded`). CUDA with bf16/fp16 activations runs
 ``kbit::_fused_moe_cuda`` (csrc/ops/moe_ops.cpp: device-side routing, then by slots per
-expert the grouped kbit GEMV, the grouped dequant + MMA, or dequantize +
-``torch._grouped_mm``; one token skips the routing and combines in the down projection;
+expert the direct kbit GEMV (few slots: no routing, the combine in the down projection), the
+grouped dequant + MMA, or dequantize + ``torch._grouped_mm``;
 ``torch.ops.kbit.moe_plan`` says which, and how large the routing's workspace is); fp32
 activations on CUDA run the reference. :func:`route_reference` is the
 routing those kernels compute, in PyTorch.
