@@ -158,15 +158,18 @@ def test_grouped_split_cost_keeps_full_grids_unsplit():
 
 @requires_extension
 def test_moe_plan_paths_and_workspace():
-    """kbit::moe_plan: few slots over many experts take the GEMV, up to 128 slots per expert the grouped
+    """kbit::moe_plan: few slots over many experts take the direct GEMV, up to 256 slots per expert the grouped
     MMA (chunk height from the average rows of a busy expert and k), beyond that grouped mm (no chunks);
     the workspace always bounds the chunks; forced paths and bad names."""
     def plan(tokens, top_k, experts, *path, bits=4):
         return torch.ops.kbit.moe_plan(tokens, top_k, experts, bits, *path)
 
-    assert plan(1, 8, 128) == ("gemv", 1, 8)
-    path, rows, chunks = plan(2, 8, 128)
-    assert path == "gemv" and rows > 1 and chunks == torch.ops.kbit._moe_max_chunks(16, 128, rows)
+    # Few slots: the direct GEMV (no routing, one CTA row per slot); forced, the routed GEMV's chunks.
+    assert plan(1, 8, 128) == ("gemv_direct", 1, 8) and plan(1, 8, 128, "gemv") == ("gemv", 1, 8)
+    assert plan(2, 8, 128) == ("gemv_direct", 1, 16) and plan(8, 2, 128) == ("gemv_direct", 1, 16)
+    assert plan(5, 8, 128, "gemv_direct") == ("gemv_direct", 1, 40)  # forced: one CTA row per slot at any T
+    path, rows, chunks = plan(2, 8, 128, "gemv")
+    assert rows > 1 and chunks == torch.ops.kbit._moe_max_chunks(16, 128, rows)
     assert plan(3, 8, 128)[0] == "grouped_mma"  # 24 slots: past the GEMV's
     assert plan(1, 8, 8)[0] == "grouped_mma"  # 8 slots on 8 experts: most experts would hold a row
     # Chunk height by average rows per busy expert (8T / 128 here) and k: 8 up to 4 rows (k = 2: up to 8),
@@ -179,17 +182,18 @@ def test_moe_plan_paths_and_workspace():
             path, got_rows, chunks = plan(T, 8, 128, bits=bits)
             assert (path, got_rows) == ("grouped_mma", rows), (bits, T)
             assert chunks == torch.ops.kbit._moe_max_chunks(8 * T, 128, rows) <= 8 * T
-    assert plan(128 * 128 // 8, 8, 128)[0] == "grouped_mma" and plan(128 * 128 // 8 + 1, 8, 128)[:3:2] == ("grouped_mm", 0)
+    assert plan(256 * 128 // 8, 8, 128)[0] == "grouped_mma" and plan(256 * 128 // 8 + 1, 8, 128)[:3:2] == ("grouped_mm", 0)
     assert plan(1, 8, 128, "grouped_mm")[0] == "grouped_mm" and plan(5000, 8, 128, "gemv")[0] == "gemv"
     assert plan(0, 8, 128)[2] == 0
-    with pytest.raises(ValueError, match="is not one of auto, gemv, grouped_mm, grouped_mma"):
+    with pytest.raises(ValueError, match="is not one of auto, gemv, grouped_mm, grouped_mma, gemv_direct"):
         plan(1, 1, 1, "fastest")
     with pytest.raises(ValueError, match="local experts"):
         plan(1, 1, 5000)
     with pytest.raises(ValueError, match="k=6 is not supported; supported: 2..5"):
         plan(1, 1, 8, bits=6)
-    assert [torch.ops.kbit._moe_path_id(name) for name in ("auto", "gemv", "grouped_mm", "grouped_mma")] == [0, 1, 2, 3]
-    with pytest.raises(ValueError, match="is not one of auto, gemv, grouped_mm, grouped_mma"):
+    names = ("auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct")
+    assert [torch.ops.kbit._moe_path_id(name) for name in names] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="is not one of auto, gemv, grouped_mm, grouped_mma, gemv_direct"):
         torch.ops.kbit._moe_path_id("fastest")
 
 

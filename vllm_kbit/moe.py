@@ -13,9 +13,10 @@ refused because checking device-side ids would need a host sync on every call.
 CPU runs the PyTorch reference below, with each expert's weights decoded once and kept
 (:func:`vllm_kbit.ops.cpu_decoded`). CUDA with bf16/fp16 activations runs
 ``kbit::_fused_moe_cuda`` (csrc/ops/moe_ops.cpp: device-side routing, then by slots per
-expert the grouped kbit GEMV, the grouped dequant + MMA, or dequantize +
-``torch._grouped_mm``; ``torch.ops.kbit.moe_plan`` says which, and how large the routing's
-workspace is); fp32 activations on CUDA run the reference. :func:`route_reference` is the
+expert the direct kbit GEMV (few slots: no routing, the combine in the down projection), the
+grouped dequant + MMA, or dequantize + ``torch._grouped_mm``;
+``torch.ops.kbit.moe_plan`` says which, and how large the routing's workspace is); fp32
+activations on CUDA run the reference. :func:`route_reference` is the
 routing those kernels compute, in PyTorch.
 """
 
@@ -31,7 +32,7 @@ from vllm_kbit import ops
 _lib = torch.library.Library("kbit", "FRAGMENT")  # kbit::fused_moe's schema: vllm_kbit/ops.py
 
 # KBIT_MOE_PATH forces one CUDA path for every call (benchmarks, bisecting a numerical difference):
-# auto (default), gemv, grouped_mm or grouped_mma; csrc/ops/dispatch.cpp names and checks them.
+# auto (default), gemv, grouped_mm, grouped_mma or gemv_direct; csrc/ops/dispatch.cpp names and checks them.
 _MOE_PATH = 0  # auto
 if ops.HAS_EXTENSION:
     try:

@@ -112,10 +112,15 @@ void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
 }  // namespace
 
 int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
-  // Cost model: k-tile slots the busiest SM spends (its CTAs times the slowest warp's k-tiles
-  // times the warps), slowed down when fewer than kStreamingWarps warps per SM have loads in flight. Cost = num / den; the smallest wins, ties to fewer splits.
+  // Cost model: k-tile slots the busiest SM spends (its CTAs times the slowest warp's k-tiles plus
+  // kCtaOverhead, times the warps), slowed down when fewer than kStreamingWarps warps per SM have loads
+  // in flight. The overhead is what a CTA costs beyond its tiles: its first tile's load, which nothing
+  // hides, and the split-K reduction; without it the model split few-row MoE GEMVs 4-8 ways where 1-2
+  // run up to 25% faster (benchmarks/sweep_moe_gemv_splits.py). Cost = num / den; the smallest wins,
+  // ties to fewer splits.
   constexpr int64_t kResidentCtas = 8;      // CTAs of kThreads one SM holds at once (registers)
   constexpr int64_t kStreamingWarps = 16;   // warps per SM that keep enough bytes in flight
+  constexpr int64_t kCtaOverhead = 1;       // k-tile slots per CTA beyond its own k-tiles
   const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(kGemvMaxSplits, k_tiles));
   int best = 1;
   int64_t best_num = -1, best_den = 1;
@@ -125,7 +130,7 @@ int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
     const int64_t warp_iters = (tiles + kWarps - 1) / kWarps;           // its slowest warp's k-tiles
     const int64_t active = std::min<int64_t>(kWarps, tiles);
     const int64_t streaming = std::min(std::min(per_sm, kResidentCtas) * active, kStreamingWarps);
-    const int64_t num = per_sm * warp_iters * kWarps * kStreamingWarps, den = streaming;
+    const int64_t num = per_sm * (warp_iters + kCtaOverhead) * kWarps * kStreamingWarps, den = streaming;
     if (best_num < 0 || num * best_den < best_num * den) {
       best = static_cast<int>(s);
       best_num = num;

@@ -67,6 +67,19 @@ void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at
                      const at::Tensor& codebook, int64_t N, int64_t K, int64_t chunk_rows, at::Tensor& C,
                      int64_t splits = 0);
 
+// The grouped GEMV without routing: chunk s is slot s, one row, its expert topk_ids[s] through expert_map
+// (slots whose expert is not local are skipped). kGather: C[s] = x[s / top_k] (times slot_weight[s] if
+// given) @ dequant(W_e)^T, and the launch zeroes `arrivals` (int32, one counter per token and n-tile of
+// the down projection that follows). kSiluMul: C[s] (fp32 [S, N], a workspace) = silu * up of row s of A
+// @ dequant(W_e)^T; the last of a token's top_k CTAs of an n-tile to finish sums their rows of C into
+// out[t] = sum_j w_s C[s], s = t * top_k + j, w = slot_weight (1 without), j in order as in
+// launch_moe_combine, in out's dtype (A's). Every element of out is written.
+void launch_moe_gemv_direct(MoeStage stage, const at::Tensor& A, const at::Tensor& topk_ids,
+                            const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& slot_weight,
+                            int64_t top_k, const at::Tensor& qweight, const at::Tensor& absmax,
+                            const at::Tensor& codebook, int64_t N, int64_t K, at::Tensor& C, at::Tensor& arrivals,
+                            at::Tensor* out = nullptr);
+
 // xp[p] = bf16(x[slot_of[p] / top_k] * (slot_weight or 1)), zero rows where slot_of[p] < 0.
 void launch_moe_gather(const at::Tensor& x, const at::Tensor& slot_of, const std::optional<at::Tensor>& slot_weight,
                        int64_t top_k, at::Tensor& xp);

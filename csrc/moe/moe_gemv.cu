@@ -2,29 +2,29 @@
 #include "moe_gemv.cuh"
 #include "check.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 namespace kbit {
 namespace moe_gemv {
 template void launch_moe_gemv_stage<MoeStage::kGather>(bool, int, int, const MoeGemvParams&, int);
 }  // namespace moe_gemv
 
-void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at::Tensor>& slot_of,
-                     const std::optional<at::Tensor>& slot_weight, int64_t top_k, const at::Tensor& chunks,
-                     const at::Tensor& num_chunks, const at::Tensor& qweight, const at::Tensor& absmax,
-                     const at::Tensor& codebook, int64_t N, int64_t K, int64_t chunk_rows, at::Tensor& C,
-                     int64_t splits) {
-  using namespace moe_gemv;
-  const int64_t max_chunks = chunks.size(0);
-  if (max_chunks == 0) return;
-  const int64_t n_tiles = qweight.size(1), k_tiles = qweight.size(2), bits = qweight.size(3);
-  KBIT_CHECK(max_chunks * n_tiles * kGemvMaxSplits <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX,
+namespace {
+
+// The fields both modes share: weights, codebook, output, shape and the K split count (the dense
+// GEMV's rule for `rows` CTA rows of n-tiles side by side, or as forced).
+moe_gemv::MoeGemvParams common_params(const at::Tensor& A, int64_t top_k, const at::Tensor& qweight,
+                                      const at::Tensor& absmax, const at::Tensor& codebook, int64_t N, int64_t K,
+                                      at::Tensor& C, int64_t rows, int64_t splits) {
+  const int64_t n_tiles = qweight.size(1), k_tiles = qweight.size(2);
+  KBIT_CHECK(rows * n_tiles * kGemvMaxSplits <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX,
               "kbit moe gemv: problem too large");
-  MoeGemvParams p;
+  KBIT_CHECK(A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf,
+              "kbit moe gemv: activations must be bf16 or fp16");
+  moe_gemv::MoeGemvParams p{};
   p.A = A.data_ptr();
-  p.slot_of = slot_of.has_value() ? slot_of->data_ptr<int>() : nullptr;
-  p.slot_weight = slot_weight.has_value() ? slot_weight->data_ptr<float>() : nullptr;
   p.top_k = static_cast<int>(top_k);
-  p.chunks = reinterpret_cast<const int4*>(chunks.data_ptr<int>());
-  p.num_chunks = num_chunks.data_ptr<int>();
   p.qweight = reinterpret_cast<const uint4*>(qweight.data_ptr());
   p.absmax = reinterpret_cast<const uint32_t*>(absmax.data_ptr());
   p.expert_vectors = qweight[0].numel() / 4;
@@ -35,22 +35,79 @@ void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at
   p.K = static_cast<int>(K);
   p.n_tiles = static_cast<int>(n_tiles);
   p.k_tiles = static_cast<int>(k_tiles);
-  // Split K as the dense GEMV would for all chunks' n-tiles side by side (or as forced, for benchmarks).
   KBIT_CHECK(splits >= 0 && splits <= std::min<int64_t>(kGemvMaxSplits, k_tiles), "kbit moe gemv: splits=", splits,
               " outside 0 (heuristic) .. ", std::min<int64_t>(kGemvMaxSplits, k_tiles));
   p.splits = splits > 0 ? static_cast<int>(splits)
-                        : gemv_splits(max_chunks * n_tiles, k_tiles,
-                                      at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
-  KBIT_CHECK(A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf,
-              "kbit moe gemv: activations must be bf16 or fp16");
-  const bool bf16 = A.scalar_type() == at::kBFloat16;
+                        : gemv_splits(rows * n_tiles, k_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  return p;
+}
+
+void launch_stage(MoeStage stage, bool bf16, int64_t bits, int64_t chunk_rows, const moe_gemv::MoeGemvParams& p,
+                  int64_t rows) {
+  using namespace moe_gemv;
   if (stage == MoeStage::kGather) {
     launch_moe_gemv_stage<MoeStage::kGather>(bf16, static_cast<int>(bits), static_cast<int>(chunk_rows), p,
-                                            static_cast<int>(max_chunks));
+                                            static_cast<int>(rows));
   } else {
     launch_moe_gemv_stage<MoeStage::kSiluMul>(bf16, static_cast<int>(bits), static_cast<int>(chunk_rows), p,
-                                             static_cast<int>(max_chunks));
+                                             static_cast<int>(rows));
   }
+}
+
+// KBIT_MOE_GEMV_SPLITS="G,D" forces the direct GEMV's K splits of gate_up (G) and down (D), for
+// benchmarks/sweep_moe_gemv_splits.py; unset or 0: the heuristic. Read at every launch (host only).
+int64_t forced_direct_splits(MoeStage stage) {
+  const char* env = std::getenv("KBIT_MOE_GEMV_SPLITS");
+  int gate_up = 0, down = 0;
+  if (env != nullptr) std::sscanf(env, "%d,%d", &gate_up, &down);
+  return stage == MoeStage::kGather ? gate_up : down;
+}
+
+}  // namespace
+
+void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at::Tensor>& slot_of,
+                     const std::optional<at::Tensor>& slot_weight, int64_t top_k, const at::Tensor& chunks,
+                     const at::Tensor& num_chunks, const at::Tensor& qweight, const at::Tensor& absmax,
+                     const at::Tensor& codebook, int64_t N, int64_t K, int64_t chunk_rows, at::Tensor& C,
+                     int64_t splits) {
+  const int64_t max_chunks = chunks.size(0);
+  if (max_chunks == 0) return;
+  moe_gemv::MoeGemvParams p = common_params(A, top_k, qweight, absmax, codebook, N, K, C, max_chunks, splits);
+  p.slot_of = slot_of.has_value() ? slot_of->data_ptr<int>() : nullptr;
+  p.slot_weight = slot_weight.has_value() ? slot_weight->data_ptr<float>() : nullptr;
+  p.chunks = reinterpret_cast<const int4*>(chunks.data_ptr<int>());
+  p.num_chunks = num_chunks.data_ptr<int>();
+  launch_stage(stage, A.scalar_type() == at::kBFloat16, qweight.size(3), chunk_rows, p, max_chunks);
+}
+
+void launch_moe_gemv_direct(MoeStage stage, const at::Tensor& A, const at::Tensor& topk_ids,
+                            const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& slot_weight,
+                            int64_t top_k, const at::Tensor& qweight, const at::Tensor& absmax,
+                            const at::Tensor& codebook, int64_t N, int64_t K, at::Tensor& C, at::Tensor& arrivals,
+                            at::Tensor* out) {
+  const int64_t S = topk_ids.numel();
+  if (S == 0) return;
+  KBIT_CHECK(topk_ids.scalar_type() == at::kInt && arrivals.scalar_type() == at::kInt && top_k >= 1 && S % top_k == 0,
+              "kbit moe gemv direct: int32 topk_ids and arrivals, and top_k dividing the slots");
+  moe_gemv::MoeGemvParams p = common_params(A, top_k, qweight, absmax, codebook, N, K, C, S, forced_direct_splits(stage));
+  p.slot_weight = slot_weight.has_value() ? slot_weight->data_ptr<float>() : nullptr;
+  p.ids = topk_ids.data_ptr<int>();
+  p.expert_map = expert_map.has_value() ? expert_map->data_ptr<int>() : nullptr;
+  p.map_len = expert_map.has_value() ? static_cast<int>(expert_map->numel()) : 0;
+  p.num_experts = static_cast<int>(qweight.size(0));
+  p.arrivals = arrivals.data_ptr<int>();
+  if (stage == MoeStage::kGather) {
+    p.zero_arrivals = static_cast<int>(arrivals.numel());
+  } else {
+    // The counters hold one per token and n-tile of this projection; the combine's weights are slot_weight.
+    KBIT_CHECK(out != nullptr && arrivals.numel() == S / top_k * p.n_tiles && C.scalar_type() == at::kFloat &&
+                    out->scalar_type() == A.scalar_type(),
+                "kbit moe gemv direct: the down stage needs fp32 C, out in A's dtype and T x n_tiles arrivals");
+    p.combine_weight = p.slot_weight;
+    p.slot_weight = nullptr;
+    p.out = out->data_ptr();
+  }
+  launch_stage(stage, A.scalar_type() == at::kBFloat16, qweight.size(3), 1, p, S);
 }
 
 }  // namespace kbit

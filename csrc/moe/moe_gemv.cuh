@@ -9,8 +9,14 @@
 // splits of one (chunk, n-tile) are a thread-block cluster summed through distributed shared
 // memory exactly like the dense GEMV. Rows of an expert beyond 4 become further chunks, which
 // re-read the expert's tiles (mostly from L2, the chunks of an expert run side by side).
+//
+// Direct mode (no chunk list): CTA row s is slot s, one row, its expert read from topk_ids. One token's
+// slots name distinct experts, so nothing is grouped and no routing kernel runs; the down stage then
+// also does the weighted combine: each CTA parks its fp32 rows, and the last of a token's top_k CTAs
+// of an n-tile to arrive (an atomic counter per token and n-tile) sums them in slot order.
 #pragma once
 
+#include "local_expert.cuh"
 #include "moe.cuh"
 #include "gemv.cuh"
 #include "gemv_core.cuh"
@@ -45,6 +51,14 @@ struct MoeGemvParams {
   const float* codebook;
   void* C;                    // [S, N]
   int N, K, n_tiles, k_tiles, splits;
+  // Direct mode only (chunks == nullptr): chunk s is slot s, expert local_expert(ids[s]).
+  const int* ids;             // [S] global expert ids
+  const int* expert_map;      // [map_len] global -> local id, -1 elsewhere; may be null
+  int map_len, num_experts;
+  int* arrivals;              // [T, n_tiles of the down projection]: CTAs done per token and n-tile
+  int zero_arrivals;          // kGather: counters this launch zeroes for the down stage after it
+  const float* combine_weight;  // kSiluMul: [S] router weights of the combine, null: all 1
+  void* out;                  // kSiluMul: [T, N] in the activations' dtype; null: no combine
 };
 
 // Output element types: the activations' dtype for gate_up, fp32 for down (the combine sums it).
@@ -73,8 +87,9 @@ __device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, in
     const int row = row0 + m;
     scale[m] = 1.f;
     if constexpr (STAGE == MoeStage::kGather) {
+      // Without slot_of the row is the slot: direct mode (top_k > 1), or rows already gathered (top_k = 1).
       const int slot = p.slot_of != nullptr ? __ldg(p.slot_of + row) : row;
-      const int src_row = p.slot_of != nullptr ? slot / p.top_k : row;
+      const int src_row = slot / p.top_k;
       src[m] = static_cast<const T*>(p.A) + static_cast<int64_t>(src_row) * p.K;
       if (p.slot_weight != nullptr) scale[m] = __ldg(p.slot_weight + slot);
     } else {
@@ -118,6 +133,50 @@ __device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, in
   });
 }
 
+// Direct down stage: after this CTA stored its rows of slot s's fp32 output, counts it done for
+// (token, n-tile); the last of the token's top_k CTAs sums their rows into out, j in order with the
+// same fmaf chain as launch_moe_combine, so the result is the routed path's bit for bit. Slots
+// without a local expert count too and add nothing. Called by split 0 of a cluster only (it stored).
+template <typename T>
+__device__ __forceinline__ void combine_if_last(const MoeGemvParams& p, int slot, int n_tile) {
+  __shared__ int is_last;
+  __threadfence();  // this CTA's stores of C are visible device-wide before it counts as done
+  __syncthreads();
+  const int t = slot / p.top_k;
+  if (threadIdx.x == 0) is_last = atomicAdd(p.arrivals + t * p.n_tiles + n_tile, 1) == p.top_k - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();  // the other CTAs' stores, fenced before their arrivals, are seen below (L2 reads)
+  const float* y = static_cast<const float*>(p.C);
+  for (int r = threadIdx.x; r < kTileN; r += kThreads) {
+    const int n = n_tile * kTileN + r;
+    if (n >= p.N) break;
+    float acc = 0.f;
+    for (int j = 0; j < p.top_k; ++j) {
+      const int s = t * p.top_k + j;
+      if (local_expert(__ldg(p.ids + s), p.expert_map, p.map_len, p.num_experts) < 0) continue;
+      const float w = p.combine_weight != nullptr ? __ldg(p.combine_weight + s) : 1.f;
+      acc = fmaf(w, __ldcg(y + static_cast<int64_t>(s) * p.N + n), acc);
+    }
+    static_cast<T*>(p.out)[static_cast<int64_t>(t) * p.N + n] = Act<T>::narrow(acc);
+  }
+}
+
+// Direct mode (no chunk list): CTA row s is slot s with one row. kGather's first CTA also zeroes the
+// down stage's arrival counters (that stage starts after this grid completes: its PDL wait).
+template <typename T, typename O, int BITS, MoeStage STAGE>
+__device__ __forceinline__ void run_direct(const MoeGemvParams& p, int slot, int n_tile, int split, float4* a_stage,
+                                           float* warp_sums, float* cta_sums) {
+  if (STAGE == MoeStage::kGather && blockIdx.x == 0) {
+    for (int i = threadIdx.x; i < p.zero_arrivals; i += kThreads) p.arrivals[i] = 0;
+  }
+  const int expert = local_expert(__ldg(p.ids + slot), p.expert_map, p.map_len, p.num_experts);
+  if (expert >= 0) run_chunk<T, O, BITS, STAGE, 1>(p, expert, slot, n_tile, split, a_stage, warp_sums, cta_sums);
+  if constexpr (STAGE == MoeStage::kSiluMul) {
+    if (p.out != nullptr && split == 0) combine_if_last<T>(p, slot, n_tile);
+  }
+}
+
 // Grid: max_chunks * n_tiles * splits CTAs, clusters of `splits` (CTA = (chunk * n_tiles +
 // n-tile) * splits + split). All CTAs of a cluster share the chunk, so they leave together.
 template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS>
@@ -130,6 +189,13 @@ __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constan
   pdl_launch_dependents();   // the rest only streams weights: the next kernel may start its prologue
   const int per_chunk = p.n_tiles * p.splits;
   const int chunk = blockIdx.x / per_chunk;
+  if (p.chunks == nullptr) {
+    if constexpr (MAX_ROWS == 1) {
+      run_direct<T, O, BITS, STAGE>(p, chunk, (blockIdx.x % per_chunk) / p.splits, blockIdx.x % p.splits, a_stage,
+                                    warp_sums, cta_sums);
+    }
+    return;
+  }
   // Both loads in flight at once (chunk < max_chunks, so its entry exists even when unused): one
   // memory round trip before the CTA knows its expert instead of two.
   const int valid_chunks = __ldg(p.num_chunks);

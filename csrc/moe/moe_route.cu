@@ -6,6 +6,7 @@
 // then every slot gets its row. The order of slots inside an expert depends on atomic order;
 // nothing downstream does: each row is computed on its own and the combine reads rows by slot.
 #include "moe.cuh"
+#include "local_expert.cuh"
 
 #include "dispatch.h"  // kMaxLocalExperts
 
@@ -28,12 +29,6 @@ constexpr int kRouteThreads = 1024;
 constexpr int kRouteMaxExperts = kMaxLocalExperts;  // 2 ints per expert of shared memory (32 KiB)
 constexpr int kEltThreads = 256;        // elementwise kernels: 4 elements per thread
 constexpr int kEltPerBlock = 4 * kEltThreads;
-
-// Local expert of a global id, -1 when it is on another rank or out of range.
-__device__ __forceinline__ int local_expert(int id, const int* expert_map, int map_len, int E) {
-  if (expert_map != nullptr) id = (id >= 0 && id < map_len) ? __ldg(expert_map + id) : -1;
-  return (id >= 0 && id < E) ? id : -1;
-}
 
 __device__ __forceinline__ int2 add2(int2 a, int2 b) { return make_int2(a.x + b.x, a.y + b.y); }
 

@@ -34,14 +34,16 @@ constexpr int64_t kWgmmaMinK = 2048;
 constexpr int64_t kWgmmaWsMinWeight = int64_t{1} << 25;
 
 // MoE path by slots. The GEMV wins only while few experts are touched (its per-byte cost is higher,
-// its latency lower); it streams each expert once per 4 rows, so it also needs most experts to hold
-// no row or one. Past kMmaMaxSlotsPerExpert rows per expert, grouped mm (dequantize + cuBLAS) wins.
-// docs/decisions.md, "Three paths, picked by slots per expert".
+// its latency lower), and it runs direct: one CTA row per slot, its expert read from topk_ids, no
+// routing kernel, the combine folded into the down projection (two launches instead of four; slots
+// that share an expert re-read it, which at <= 16 slots costs less than the routing it saves). Past
+// kMmaMaxSlotsPerExpert rows per expert, grouped mm (dequantize + cuBLAS) wins. docs/decisions.md,
+// "Three paths, picked by slots per expert" and "Few slots: two launches".
 constexpr int64_t kGemvMaxSlots = 16;
-constexpr int64_t kMmaMaxSlotsPerExpert = 128;
+constexpr int64_t kMmaMaxSlotsPerExpert = 256;
 
 constexpr const char* kLinearPathNames[] = {"gemv", "mma", "wgmma", "wgmma_ws", "dequant_cublas"};
-constexpr const char* kMoePathNames[] = {"auto", "gemv", "grouped_mm", "grouped_mma"};
+constexpr const char* kMoePathNames[] = {"auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct"};
 
 template <size_t N>
 std::string joined(const char* const (&names)[N]) {
@@ -127,10 +129,11 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, M
                    kMinBits, "..", kMaxBits);
   const int64_t S = tokens * top_k;
   if (path == MoePath::kAuto) {
-    path = S <= kGemvMaxSlots && 2 * S <= experts ? MoePath::kGemv
+    path = S <= kGemvMaxSlots && 2 * S <= experts ? MoePath::kGemvDirect
            : S <= kMmaMaxSlotsPerExpert * experts ? MoePath::kGroupedMma
                                                   : MoePath::kGroupedMm;
   }
+  if (path == MoePath::kGemvDirect) return {path, 1, S};  // CTA row s multiplies slot s's row
   if (path == MoePath::kGemv) {
     const int64_t rows = moe_chunk_rows(tokens);
     return {path, rows, moe_max_chunks(S, experts, rows)};

@@ -40,12 +40,14 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
 
 // ----------------------------------------------------------------------------- routed experts (MoE)
 
-enum class MoePath : int64_t { kAuto = 0, kGemv = 1, kGroupedMm = 2, kGroupedMma = 3 };
+// kGemvDirect: the grouped GEMV without routing (one chunk per slot) and with the combine folded into
+// the down projection: two launches in all (moe_ops.cpp).
+enum class MoePath : int64_t { kAuto = 0, kGemv = 1, kGroupedMm = 2, kGroupedMma = 3, kGemvDirect = 4 };
 
 constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memory counters (2 ints each)
 
 const char* moe_path_name(MoePath path);
-// "auto", "gemv", "grouped_mm" or "grouped_mma"; anything else raises a one-line ValueError.
+// "auto", "gemv", "grouped_mm", "grouped_mma" or "gemv_direct"; anything else raises a one-line ValueError.
 MoePath moe_path_from_name(const std::string& name);
 // The path of an id kbit::_moe_path_id returned (kernels take ids: a `str` argument of a C++ kernel
 // brings libstdc++ stream code into the extension through torch's argument unboxing).
@@ -54,7 +56,8 @@ MoePath moe_path_from_id(int64_t id);
 struct MoePlan {
   MoePath path;          // never kAuto
   int64_t chunk_rows;    // rows of one expert one CTA multiplies (the routing's chunk height)
-  int64_t max_chunks;    // chunk rows the routing allocates (its workspace), bounded by slots
+  int64_t max_chunks;    // chunk rows the routing allocates (its workspace), bounded by slots; gemv_direct:
+                         // the CTA rows of its grid, one per slot (no routing)
 };
 
 // The plan of kbit::fused_moe for T tokens with top_k picks each over E local experts of k-bit

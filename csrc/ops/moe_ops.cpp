@@ -2,7 +2,11 @@
 // kbit::fused_moe for 16-bit activations) and the routing / grouped-GEMV pieces as ops for
 // tests and benchmarks. Plain C++ (like linear.cpp): input checks, allocations, launchers.
 //
-// Three paths, picked from shapes alone (no host sync, every allocation sized by T * top_k or E):
+// Four paths, picked from shapes alone (no host sync, every allocation sized by T * top_k or E):
+//   GEMV direct  grouped GEMV gate_up, one CTA row per slot (its expert read from topk_ids, x's row
+//                read in place) -> grouped GEMV down (SiLU * up while staging) whose last CTA per
+//                token and n-tile does the combine. Two launches; for one token, whose slots never
+//                share an expert.
 //   GEMV         route -> grouped GEMV gate_up (gathers x rows) -> grouped GEMV down (SiLU * up
 //                while staging, fp32 out) -> combine. Reads only the experts that got tokens.
 //   grouped MMA  route (chunks of 8p rows) -> gather x (bf16) -> grouped dequant + MMA gate_up ->
@@ -123,6 +127,16 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
   const std::optional<at::Tensor> output_weights = on_input ? std::nullopt : std::optional<at::Tensor>(weights);
   const int64_t rows = plan.chunk_rows, max_chunks = plan.max_chunks;
 
+  if (plan.path == MoePath::kGemvDirect) {
+    at::Tensor h13 = at::empty({S, 2 * I}, x.options());
+    at::Tensor arrivals = at::empty({T, w2_qweight.size(1)}, ids.options());  // zeroed by the gate_up launch
+    launch_moe_gemv_direct(MoeStage::kGather, xc, ids, map, input_weights, top_k, w13_qweight, w13_absmax, codebook,
+                           2 * I, H, h13, arrivals);
+    at::Tensor y = at::empty({S, H}, x.options().dtype(at::kFloat));
+    launch_moe_gemv_direct(MoeStage::kSiluMul, h13, ids, map, output_weights, top_k, w2_qweight, w2_absmax, codebook,
+                           H, I, y, arrivals, &out);
+    return out;
+  }
   if (plan.path == MoePath::kGemv) {
     const Routing r = route(ids, map, E, rows, max_chunks);
     at::Tensor h13 = at::empty({S, 2 * I}, x.options());

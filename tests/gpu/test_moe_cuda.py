@@ -2,8 +2,9 @@
 paths) against an fp32 reference: dequantized weights, a loop over experts, fp32 matmuls.
 
 Every call runs on an allocator cache poisoned with NaN, so an unwritten output shows up.
-Every path is checked on every random case (gemv = grouped GEMV, grouped_mm = dequantize +
-torch._grouped_mm, grouped_mma = grouped dequant + MMA, auto = the choice of torch.ops.kbit.fused_moe).
+Every path is checked on every random case (gemv = grouped GEMV, gemv_direct = grouped GEMV without
+routing and with the combine in the down projection, grouped_mm = dequantize + torch._grouped_mm,
+grouped_mma = grouped dequant + MMA, auto = the choice of torch.ops.kbit.fused_moe).
 """
 
 import functools
@@ -17,7 +18,7 @@ from vllm_kbit import reference as fmt
 from vllm_kbit.moe import kbit_fused_moe, route_reference, stack_runtime
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-PATHS = ("auto", "gemv", "grouped_mm", "grouped_mma")
+PATHS = ("auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct")
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 
@@ -95,7 +96,7 @@ def check(out, ref, dtype, path):
         return
     err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
     # The grouped-GEMM and grouped-MMA paths round x, weights, gate_up and h to bf16 (also for fp16 inputs).
-    tol = 5e-3 if (dtype == torch.float16 and path == "gemv") else 1.5e-2
+    tol = 5e-3 if (dtype == torch.float16 and path in ("gemv", "gemv_direct")) else 1.5e-2
     assert err < tol, f"path {path}: relative error {err:.2e} >= {tol}"
     scale = ref.abs() + ref.pow(2).mean(-1, keepdim=True).sqrt()
     assert ((out.float() - ref).abs() <= 8 * tol * scale).all(), f"path {path}: elementwise error too large"
@@ -158,6 +159,30 @@ def test_design_shape_qwen3_30b(T):
     ref = reference(x, ids, weights, ex, None, False)
     for path in PATHS:
         check(run(x, ids.long(), weights, ex, None, False, path), ref, torch.bfloat16, path)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [2, 4])
+def test_one_token_direct_gemv_is_the_routed_gemv_bit_for_bit(k, dtype):
+    """One token: the direct GEMV (no routing, the combine done by the last CTA of each token and n-tile)
+    gives exactly the routed GEMV + combine kernel's bits: the same one-row GEMV per slot, the same split
+    count and the same slot-order fmaf chain. Also with some picks on another rank and with the router
+    weights applied to the input."""
+    gen = torch.Generator().manual_seed(k)
+    E, H, I, top_k = 64, 512, 256, 8
+    ex = Experts(E, H, I, k, gen)
+    expert_map = torch.full((2 * E,), -1, dtype=torch.int32)
+    expert_map[torch.randperm(2 * E, generator=gen)[:E]] = torch.arange(E, dtype=torch.int32)
+    for case in range(6):
+        on_input, mapped = case % 2 == 1, case >= 2
+        E_global = 2 * E if mapped else E
+        ids, weights = random_routing(1, E_global, top_k, gen, "random")
+        x = torch.randn(1, H, generator=gen).to(dtype).cuda()
+        emap = expert_map.cuda() if mapped else None
+        assert torch.ops.kbit.moe_plan(1, top_k, E, k)[0] == "gemv_direct"
+        direct = run(x, ids, weights, ex, emap, on_input, "auto")
+        routed = run(x, ids, weights, ex, emap, on_input, "gemv")
+        assert torch.isfinite(direct).all() and torch.equal(direct.view(torch.int16), routed.view(torch.int16)), case
 
 
 def test_every_slot_on_another_rank_gives_zeros():
@@ -281,8 +306,9 @@ def test_cuda_graph_capture_and_replay():
     E, H, I = 16, 256, 96
     ex = Experts(E, H, I, 4, gen)
     expert_map = None
-    # one-row chunks, 4-row chunks, grouped-GEMM path (200 * 4 / 16 > 8 slots per expert), grouped MMA
-    for T, path in ((1, "auto"), (8, "auto"), (200, "auto"), (40, "grouped_mma")):
+    # direct GEMV (one token), 4-row chunks, grouped-GEMM path (200 * 4 / 16 > 8 slots per expert), grouped
+    # MMA, the direct GEMV's combine counters over several tokens
+    for T, path in ((1, "auto"), (8, "auto"), (200, "auto"), (40, "grouped_mma"), (5, "gemv_direct")):
         ids, weights = random_routing(T, E, 4, gen, "random")
         x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
 

@@ -19,6 +19,17 @@ from kbit_e2e import MIXED, ONLINE, TEXT_PROMPTS, run_engine, settings_of
 from vllm_kbit import tiny_models
 
 
+@pytest.fixture(scope="session", autouse=True)
+def kbit_plugin_installed():
+    """vLLM finds the ``kbit`` quantization through this package's ``vllm.general_plugins`` entry point,
+    which only an install writes (PYTHONPATH alone gives engines that reject ``quantization="kbit"``)."""
+    import importlib.metadata as md
+
+    if not any(e.name == "kbit" for e in md.entry_points(group="vllm.general_plugins")):
+        pytest.fail("vllm_kbit is not installed in this interpreter, so vLLM cannot find the kbit plugin: "
+                    "pip install -e . (make env does it)", pytrace=False)
+
+
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
     """Builds the tiny bf16 checkpoints once: {"qwen3_moe": dir, "glm4_moe": dir, "qwen3": dir}."""
