@@ -62,6 +62,23 @@ def save_records(out: str, name: str, gpu: str, date: str, commit: str, records:
     return stem, command
 
 
+def emit(records: list, rec: dict) -> None:
+    """Keeps one measurement and prints it as a JSON line (progress of a long sweep)."""
+    records.append(rec)
+    print(json.dumps(rec), flush=True)
+
+
+def us_cell(us: float, best: float) -> str:
+    """A table cell of µs, bold where it is the row's best."""
+    return f"**{us:.1f}**" if us == best else f"{us:.1f}"
+
+
+def write_md(stem: str, lines: list) -> None:
+    with open(stem + ".md", "w") as f:
+        f.write("\n".join(lines))
+    print("wrote", stem + ".md")
+
+
 def expert_copies(layer: str, k: int, l2: int) -> tuple[torch.Tensor, list]:
     """The layer's k-bit codebook and enough copies of random stacked experts (w13 qweight, absmax, w2
     qweight, absmax) that cycling through them reads past 4x the L2 (COLD)."""
@@ -105,8 +122,7 @@ def main() -> None:
                     us = graph_time_us(fns, min_calls=20 if T <= 256 else 8, replays=10)
                     rec = dict(layer=layer, k=k, T=T, rows=rows, us=round(us, 2), chunks=chunks,
                                rows_per_expert=S / E)
-                    records.append(rec)
-                    print(json.dumps(rec), flush=True)
+                    emit(records, rec)
             del W
             torch.cuda.empty_cache()
     stem, command = save_records(args.out, "sweep_moe_chunk_rows", gpu, date, commit, records)
@@ -122,13 +138,11 @@ def main() -> None:
                 if not rs:
                     continue
                 best = min(r["us"] for r in rs)
-                cells = [(f"**{r['us']:.1f}**" if r["us"] == best else f"{r['us']:.1f}") + f" ({r['chunks']:.0f})"
+                cells = [us_cell(r["us"], best) + f" ({r['chunks']:.0f})"
                          for r in rs]
                 lines.append(f"| {k} | {T} | {rs[0]['rows_per_expert']:.0f} | " + " | ".join(cells) + " |")
         lines.append("")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines))
-    print("wrote", stem + ".md")
+    write_md(stem, lines)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ Writes DIR/sweep_moe_gemv_splits_<gpu>_<date>.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 
@@ -24,20 +23,15 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vllm_kbit  # noqa: E402,F401  (loads the extension)
+from bench_kernels import routing  # noqa: E402
 from bench_linear import graph_time_us  # noqa: E402
-from sweep_moe_chunk_rows import LAYERS, expert_copies, run_meta, save_records  # noqa: E402
+from sweep_moe_chunk_rows import LAYERS, emit, expert_copies, run_meta, save_records, us_cell, write_md  # noqa: E402
 
 from vllm_kbit.moe import kbit_fused_moe  # noqa: E402
 
 TS = (1, 2)
 SPLITS = (1, 2, 3, 4, 6, 8)
 ROUTINGS = 4
-TILE = 64, 128  # rows of an n-tile, elements of a k-tile (gemv_core.cuh)
-
-
-def routing(T: int, E: int, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    vals, ids = torch.topk(torch.randn(T, E, device="cuda"), top_k, dim=1)
-    return ids.to(torch.int32), torch.softmax(vals, dim=-1)
 
 
 def main() -> None:
@@ -52,9 +46,10 @@ def main() -> None:
     records = []
     for layer in args.layers.split(","):
         E, top_k, H, I = LAYERS[layer]
-        tiles = {"gate_up": (-(-2 * I // TILE[0]), -(-H // TILE[1])), "down": (-(-H // TILE[0]), -(-I // TILE[1]))}
         for k in (int(b) for b in args.bits.split(",")):
             cb, W = expert_copies(layer, k, l2)
+            # (n-tiles, k-tiles) of each projection: dims 1 and 2 of its stacked runtime qweight
+            tiles = {"gate_up": tuple(W[0][0].shape[1:3]), "down": tuple(W[0][2].shape[1:3])}
             for T in TS:
                 S = T * top_k
                 x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
@@ -69,8 +64,7 @@ def main() -> None:
                     us = graph_time_us(fns, min_calls=40, replays=10)
                     rec = dict(layer=layer, k=k, T=T, stage=stage, splits=g or d, auto_gate_up=auto["gate_up"],
                                auto_down=auto["down"], us=round(us, 2))
-                    records.append(rec)
-                    print(json.dumps(rec), flush=True)
+                    emit(records, rec)
                 os.environ.pop("KBIT_MOE_GEMV_SPLITS")
             del W
             torch.cuda.empty_cache()
@@ -89,13 +83,11 @@ def main() -> None:
                     cells = {r["splits"]: r["us"] for r in rs if r["stage"] == stage}
                     best = min(cells.values())
                     mark = base[f"auto_{stage}"]
-                    row = [(f"**{cells[s]:.1f}**" if cells[s] == best else f"{cells[s]:.1f}") +
-                           (" (auto)" if s == mark else "") if s in cells else "-" for s in SPLITS]
+                    row = [us_cell(cells[s], best) + (" (auto)" if s == mark else "") if s in cells else "-"
+                           for s in SPLITS]
                     lines.append(f"| {k} | {T} | {base['us']:.1f} | {stage} | " + " | ".join(row) + " |")
         lines.append("")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines))
-    print("wrote", stem + ".md")
+    write_md(stem, lines)
 
 
 if __name__ == "__main__":

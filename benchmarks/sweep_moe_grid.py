@@ -15,7 +15,6 @@ Writes DIR/sweep_moe_grid_<gpu>_<date>.{md,json}.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -26,7 +25,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import vllm_kbit  # noqa: E402,F401  (loads the extension)
 from bench_linear import graph_time_us  # noqa: E402
-from sweep_moe_chunk_rows import LAYERS, expert_copies, routing, run_meta, save_records  # noqa: E402
+from sweep_moe_chunk_rows import (LAYERS, emit, expert_copies, routing, run_meta, save_records, us_cell,  # noqa: E402
+                                  write_md)
 
 TS = (4, 16, 32, 64, 128, 256)
 SPLITS = (0, 1, 2, 3, 4)  # 0: the rule
@@ -68,8 +68,7 @@ def main() -> None:
                             us = graph_time_us(fns, min_calls=20, replays=10)
                             rec = dict(layer=layer, k=k, T=T, proj=proj, rows=rows, r=r, splits=s, us=round(us, 2),
                                        chunks=chunks)
-                            records.append(rec)
-                            print(json.dumps(rec), flush=True)
+                            emit(records, rec)
             del W
             torch.cuda.empty_cache()
     stem, command = save_records(args.out, "sweep_moe_grid", gpu, date, commit, records)
@@ -85,13 +84,11 @@ def main() -> None:
         for key in sorted({(r["k"], r["T"], r["proj"]) for r in rs_l}):
             rs = [r for r in rs_l if (r["k"], r["T"], r["proj"]) == key]
             best = min(r["us"] for r in rs)
-            cell = {(r["r"], r["splits"]): (f"**{r['us']:.1f}**" if r["us"] == best else f"{r['us']:.1f}") for r in rs}
+            cell = {(r["r"], r["splits"]): us_cell(r["us"], best) for r in rs}
             lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {rs[0]['rows']} | {rs[0]['chunks']:.0f} | "
                          f"{cell.get((0, 0), '-')} | " + " | ".join(cell.get(c, "-") for c in cols) + " |")
         lines.append("")
-    with open(stem + ".md", "w") as f:
-        f.write("\n".join(lines))
-    print("wrote", stem + ".md")
+    write_md(stem, lines)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,11 @@
 // memory exactly like the dense GEMV. Rows of an expert beyond 4 become further chunks, which
 // re-read the expert's tiles (mostly from L2, the chunks of an expert run side by side).
 //
-// Direct mode (no chunk list): CTA row s is slot s, one row, its expert read from topk_ids. One token's
-// slots name distinct experts, so nothing is grouped and no routing kernel runs; the down stage then
-// also does the weighted combine: each CTA parks its fp32 rows, and the last of a token's top_k CTAs
-// of an n-tile to arrive (an atomic counter per token and n-tile) sums them in slot order.
+// Direct mode (no chunk list): CTA row s is slot s, one row, its expert read from topk_ids. Nothing is
+// grouped (at few slots, re-reading a shared expert costs less than routing) and no routing kernel
+// runs; the down stage then also does the weighted combine: each CTA parks its fp32 rows, and the
+// last of a token's top_k CTAs of an n-tile to arrive (an atomic counter per token and n-tile) sums
+// them in slot order.
 #pragma once
 
 #include "local_expert.cuh"

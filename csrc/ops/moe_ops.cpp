@@ -5,10 +5,10 @@
 // Four paths, picked from shapes alone (no host sync, every allocation sized by T * top_k or E):
 //   GEMV direct  grouped GEMV gate_up, one CTA row per slot (its expert read from topk_ids, x's row
 //                read in place) -> grouped GEMV down (SiLU * up while staging) whose last CTA per
-//                token and n-tile does the combine. Two launches; for one token, whose slots never
-//                share an expert.
+//                token and n-tile does the combine. Two launches; auto at few slots (slots that share
+//                an expert read it again).
 //   GEMV         route -> grouped GEMV gate_up (gathers x rows) -> grouped GEMV down (SiLU * up
-//                while staging, fp32 out) -> combine. Reads only the experts that got tokens.
+//                while staging, fp32 out) -> combine. Reads each expert once per 4 rows; only when forced.
 //   grouped MMA  route (chunks of 8p rows) -> gather x (bf16) -> grouped dequant + MMA gate_up ->
 //                SiLU * up -> grouped dequant + MMA down -> combine. Reads only the experts that
 //                got tokens, each weight tile once per chunk of up to 64 rows (the GEMV: per 4).

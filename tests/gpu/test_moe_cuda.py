@@ -306,9 +306,9 @@ def test_cuda_graph_capture_and_replay():
     E, H, I = 16, 256, 96
     ex = Experts(E, H, I, 4, gen)
     expert_map = None
-    # direct GEMV (one token), 4-row chunks, grouped-GEMM path (200 * 4 / 16 > 8 slots per expert), grouped
-    # MMA, the direct GEMV's combine counters over several tokens
-    for T, path in ((1, "auto"), (8, "auto"), (200, "auto"), (40, "grouped_mma"), (5, "gemv_direct")):
+    # auto at one token (the direct GEMV), the routed GEMV's 4-row chunks, grouped mm, grouped MMA, the
+    # direct GEMV's combine counters over several tokens (each path named: auto picks by slots per expert)
+    for T, path in ((1, "auto"), (8, "gemv"), (200, "grouped_mm"), (40, "grouped_mma"), (5, "gemv_direct")):
         ids, weights = random_routing(T, E, 4, gen, "random")
         x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
 
