@@ -109,7 +109,8 @@ void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Ten
 
 void launch_mma_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
                         const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook, int64_t N,
-                        int64_t K, int64_t chunk_rows, at::Tensor& C, int64_t row_groups, int64_t splits) {
+                        int64_t K, int64_t chunk_rows, at::Tensor& C, int64_t row_groups, int64_t splits,
+                        bool chunks_early) {
   if (chunks.size(0) == 0) return;
   const int64_t n_tiles = qweight.size(1);
   mma_detail::MmaLaunch L = launch_fields(A, qweight, absmax, codebook, N, K, n_tiles, qweight.size(2), C);
@@ -124,6 +125,7 @@ void launch_mma_grouped(const at::Tensor& A, const at::Tensor& chunks, const at:
   L.num_chunks = num_chunks.data_ptr<int>();
   L.expert_qbytes = qweight.stride(0) * static_cast<int64_t>(sizeof(int32_t));
   L.expert_abytes = absmax.stride(0);
+  L.chunks_early = chunks_early;
   launch_k(L, qweight.size(3), A.scalar_type() == at::kBFloat16);
 }
 

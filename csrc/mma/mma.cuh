@@ -66,9 +66,12 @@ void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Ten
 // [E, n_tiles, k_tiles, 64, 4]. chunk_rows is 8, 16, 32 or 64 (one CTA row per chunk); A is
 // contiguous bf16 [rows, K], C [rows, N] bf16; rows outside the chunks are not written.
 // row_groups / splits: 0 takes the rule (mma_grouped_r, mma_splits); sweeps force them.
+// chunks_early: the chunk list was written at least two launches before this one (not by the kernel
+// right before it), so the weight prologue overlaps the previous kernel's tail (MmaParams).
 // The caller validates (moe_ops.cpp), including max_chunks <= kMmaMaxGridRows.
 void launch_mma_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
                         const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook, int64_t N,
-                        int64_t K, int64_t chunk_rows, at::Tensor& C, int64_t row_groups = 0, int64_t splits = 0);
+                        int64_t K, int64_t chunk_rows, at::Tensor& C, int64_t row_groups = 0, int64_t splits = 0,
+                        bool chunks_early = false);
 
 }  // namespace kbit

@@ -111,6 +111,10 @@ struct MmaParams {
   const int4* chunks;
   const int* num_chunks;
   int64_t expert_qbytes, expert_abytes;
+  // The chunk list was written at least two launches back (fused_moe: the routing, then the gather or
+  // the gate_up chain), so it is complete once this grid runs, and the weight prologue may read it and
+  // copy the expert's first tiles before the PDL wait, as the dense launch does.
+  bool chunks_early;
 };
 
 // ----------------------------------------------------------------------------- element types
@@ -179,10 +183,15 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   __builtin_assume(tid < kThreads);  // folds the chunk bounds below to compile time
   const int col = blockIdx.x / splits, y = blockIdx.y;
   // Grouped: CTA rows past the device-side chunk count hold no rows (a whole cluster shares its y).
+  // With chunks_early the chunk is read from L2 (ld.cg: written by an earlier grid, never cached
+  // here), and the wait comes after the weight prologue below.
+  const bool weights_early = !kGrouped || prm.chunks_early;
   if constexpr (kGrouped) {
-    pdl_wait();               // the chunk (and so the expert's weights) comes from the routing kernel
-    pdl_launch_dependents();  // the rest is this CTA's own pipeline: the next kernel may start its prologue
-    if (y >= __ldg(prm.num_chunks)) return;
+    if (!weights_early) {
+      pdl_wait();               // the chunk (and so the expert's weights) comes from the routing kernel
+      pdl_launch_dependents();  // the rest is this CTA's own pipeline: the next kernel may start its prologue
+    }
+    if (y >= __ldcg(prm.num_chunks)) return;  // writes nothing, so it may leave before the wait
   }
   // Rows [m0, m_end) of A and C, and the weight they multiply: the CTA row's block of 8P rows, or
   // its chunk's rows and expert.
@@ -190,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   const uint8_t* qweight = prm.qweight;
   const uint8_t* absmax = prm.absmax;
   if constexpr (kGrouped) {
-    const int4 chunk = prm.chunks[y];
+    const int4 chunk = __ldcg(prm.chunks + y);
     m0 = chunk.y;
     m_end = chunk.y + chunk.z;
     qweight += chunk.x * prm.expert_qbytes;
@@ -357,16 +366,17 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
 
   // Multistage pipeline: k-tile it + kStages - 1 is copied while k-tile it is computed. The copy
   // into a stage is issued after the barrier that follows every warp's last read of it.
-  if constexpr (kGrouped) {
+  if (!weights_early) {
 #pragma unroll
     for (int s = 0; s < S::kStages - 1; ++s) {
       if (s < nkt) load_stage(s);
       cp_async_commit();
     }
   } else {
-    // Dense: the first stages' weight tiles are copied before the PDL wait (weights are immutable),
-    // their activations after it. The weight copies join the first commit group, so the loop's
-    // cp_async_wait for k-tile 0 also covers the weights of the stages after it (issued together).
+    // Dense, and grouped with chunks_early: the first stages' weight tiles are copied before the PDL
+    // wait (weights are immutable), their activations after it. The weight copies join the first
+    // commit group, so the loop's cp_async_wait for k-tile 0 also covers the weights of the stages
+    // after it (issued together).
 #pragma unroll
     for (int s = 0; s < S::kStages - 1; ++s) {
       if (s < nkt) load_weights(s);
@@ -381,7 +391,9 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
     }
   }
   // The table is written while the first stages are in flight; the loop's first barrier publishes it.
-  if constexpr (kLut && kGrouped) lut_fill<T, BITS>(smem, prm.codebook, tid, kThreads);
+  if constexpr (kLut && kGrouped) {
+    if (!weights_early) lut_fill<T, BITS>(smem, prm.codebook, tid, kThreads);
+  }
   for (int it = 0; it < nkt; ++it) {
     cp_async_wait<S::kStages - 2>();
     __syncthreads();
@@ -455,6 +467,7 @@ struct MmaLaunch {
   const int* chunks;  // grouped only (else nullptr): int32 [m_blocks, 4], see MmaParams
   const int* num_chunks;
   int64_t expert_qbytes, expert_abytes;
+  bool chunks_early;  // grouped only: see MmaParams
   int device;
   int num_sms;
   cudaStream_t stream;
@@ -519,7 +532,8 @@ void launch_instance(const MmaLaunch& L) {
   const MmaParams<T> prm{static_cast<const T*>(L.A), static_cast<const uint8_t*>(L.qweight),
                          static_cast<const uint8_t*>(L.absmax), L.codebook, static_cast<const T*>(L.bias),
                          static_cast<T*>(L.C), L.M, L.N, L.K, L.n_tiles, L.k_tiles, splits,
-                         reinterpret_cast<const int4*>(L.chunks), L.num_chunks, L.expert_qbytes, L.expert_abytes};
+                         reinterpret_cast<const int4*>(L.chunks), L.num_chunks, L.expert_qbytes, L.expert_abytes,
+                         L.chunks_early};
   launch_kernel(kernel, dim3(static_cast<unsigned>(cols * splits), static_cast<unsigned>(L.config.m_blocks)),
                 dim3(kThreads), S::kSmemBytes, L.stream, splits, prm);
 }

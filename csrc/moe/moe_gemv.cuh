@@ -76,10 +76,11 @@ struct Out<float> {
 __device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
 // One chunk of M rows on one (n-tile, split). Row sources are resolved once per CTA (M pointers
-// and weights in registers), so staging a k-tile is plain loads.
-template <typename T, typename O, int BITS, MoeStage STAGE, int M>
+// and weights in registers), so staging a k-tile is plain loads. ready() runs after the first weight
+// tile is requested and before any activation load (the direct down stage's PDL wait).
+template <typename T, typename O, int BITS, MoeStage STAGE, int M, typename Ready>
 __device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, int row0, int n_tile, int split,
-                                          float4* a_stage, float* warp_sums, float* cta_sums) {
+                                          float4* a_stage, float* warp_sums, float* cta_sums, Ready&& ready) {
   const int warp = __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x) / 32, 0), lane = threadIdx.x % 32;
   const T* src[M];
   float scale[M];
@@ -127,7 +128,7 @@ __device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, in
   float acc[kRowsPerLane][M];
   accumulate<T, BITS, M>(p.qweight + expert * p.expert_vectors, p.absmax + expert * p.expert_code_words, p.codebook,
                          static_cast<int64_t>(n_tile) * p.k_tiles, kt_begin, kt_end, p.K, warp, lane,
-                         a_stage + warp * kGemvMaxM * 32, fetch, widen, [] {}, acc);  // PDL wait at kernel entry
+                         a_stage + warp * kGemvMaxM * 32, fetch, widen, ready, acc);
   reduce_and_store<M>(acc, warp_sums, cta_sums, warp, lane, split, p.splits, [&](int m, int r, float v) {
     const int n = n_tile * kTileN + r;
     if (n < p.N) static_cast<O*>(p.C)[static_cast<int64_t>(row0 + m) * p.N + n] = Out<O>::narrow(v);
@@ -163,18 +164,35 @@ __device__ __forceinline__ void combine_if_last(const MoeGemvParams& p, int slot
   }
 }
 
+// Both PDL steps of a grid whose wait comes later than its entry.
+__device__ __forceinline__ void pdl_wait_and_release() {
+  pdl_wait();                // A (gate_up's output) and the arrival counters come from the previous grid
+  pdl_launch_dependents();   // the rest only streams weights: the next kernel may start its prologue
+}
+
 // Direct mode (no chunk list): CTA row s is slot s with one row. kGather's first CTA also zeroes the
 // down stage's arrival counters (that stage starts after this grid completes: its PDL wait).
+// The down stage (kSiluMul) enters before that wait: its expert comes from topk_ids, which the grid
+// before gate_up wrote (complete once any gate_up CTA passed its wait, so read from L2 with ld.cg),
+// and weights never change, so its first weight tile is in flight while gate_up finishes; the wait
+// comes before the activations are read and anything is written.
 template <typename T, typename O, int BITS, MoeStage STAGE>
 __device__ __forceinline__ void run_direct(const MoeGemvParams& p, int slot, int n_tile, int split, float4* a_stage,
                                            float* warp_sums, float* cta_sums) {
   if (STAGE == MoeStage::kGather && blockIdx.x == 0) {
     for (int i = threadIdx.x; i < p.zero_arrivals; i += kThreads) p.arrivals[i] = 0;
   }
-  const int expert = local_expert(__ldg(p.ids + slot), p.expert_map, p.map_len, p.num_experts);
-  if (expert >= 0) run_chunk<T, O, BITS, STAGE, 1>(p, expert, slot, n_tile, split, a_stage, warp_sums, cta_sums);
+  const int expert = local_expert(__ldcg(p.ids + slot), p.expert_map, p.map_len, p.num_experts);
   if constexpr (STAGE == MoeStage::kSiluMul) {
+    if (expert >= 0) {
+      run_chunk<T, O, BITS, STAGE, 1>(p, expert, slot, n_tile, split, a_stage, warp_sums, cta_sums,
+                                      pdl_wait_and_release);
+    } else {
+      pdl_wait_and_release();
+    }
     if (p.out != nullptr && split == 0) combine_if_last<T>(p, slot, n_tile);
+  } else {
+    if (expert >= 0) run_chunk<T, O, BITS, STAGE, 1>(p, expert, slot, n_tile, split, a_stage, warp_sums, cta_sums, [] {});
   }
 }
 
@@ -185,9 +203,12 @@ __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constan
   __shared__ float4 a_stage[kWarps * kGemvMaxM * 32];
   __shared__ float warp_sums[kWarps * kGemvMaxM * kTileN];
   __shared__ float cta_sums[kGemvMaxM * kTileN];
-  // The expert of this CTA comes from the routing kernel, so nothing useful precedes the wait.
-  pdl_wait();                // chunks/num_chunks and A come from earlier kernels; C may be memory they still read
-  pdl_launch_dependents();   // the rest only streams weights: the next kernel may start its prologue
+  // The expert of this CTA comes from the routing kernel, so nothing useful precedes the wait; the
+  // direct down stage waits later (run_direct).
+  if (STAGE == MoeStage::kGather || p.chunks != nullptr) {
+    pdl_wait();                // chunks/num_chunks and A come from earlier kernels; C may be memory they still read
+    pdl_launch_dependents();   // the rest only streams weights: the next kernel may start its prologue
+  }
   const int per_chunk = p.n_tiles * p.splits;
   const int chunk = blockIdx.x / per_chunk;
   if (p.chunks == nullptr) {
@@ -207,13 +228,13 @@ __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constan
   // shuffles inside the core stay plain (see gemv.cu).
   const int rows = __shfl_sync(0xFFFFFFFFu, c.z, 0);
   if constexpr (MAX_ROWS == 1) {
-    run_chunk<T, O, BITS, STAGE, 1>(p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums);
+    run_chunk<T, O, BITS, STAGE, 1>(p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums, [] {});
   } else {
     switch (rows) {
-      case 1: return run_chunk<T, O, BITS, STAGE, 1>(p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums);
-      case 2: return run_chunk<T, O, BITS, STAGE, 2>(p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums);
-      case 3: return run_chunk<T, O, BITS, STAGE, 3>(p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums);
-      default: return run_chunk<T, O, BITS, STAGE, 4>(p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums);
+      case 1: return run_chunk<T, O, BITS, STAGE, 1>(p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums, [] {});
+      case 2: return run_chunk<T, O, BITS, STAGE, 2>(p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums, [] {});
+      case 3: return run_chunk<T, O, BITS, STAGE, 3>(p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums, [] {});
+      default: return run_chunk<T, O, BITS, STAGE, 4>(p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums, [] {});
     }
   }
 }

@@ -155,11 +155,12 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     at::Tensor xp = at::empty({S, H}, x.options().dtype(at::kBFloat16));
     launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp);
     at::Tensor g = at::empty({S, 2 * I}, xp.options());
-    launch_mma_grouped(xp, r.chunks, r.num_chunks, w13_qweight, w13_absmax, codebook, 2 * I, H, rows, g);
+    // The routing ran before the gather (and before gate_up for down): both MMAs prefetch weights early.
+    launch_mma_grouped(xp, r.chunks, r.num_chunks, w13_qweight, w13_absmax, codebook, 2 * I, H, rows, g, 0, 0, true);
     at::Tensor h = at::empty({S, I}, xp.options());
     launch_moe_silu_mul(g, h);  // rows past the chunks are garbage in g and h and never read again
     at::Tensor y = at::empty({S, H}, xp.options());
-    launch_mma_grouped(h, r.chunks, r.num_chunks, w2_qweight, w2_absmax, codebook, H, I, rows, y);
+    launch_mma_grouped(h, r.chunks, r.num_chunks, w2_qweight, w2_absmax, codebook, H, I, rows, y, 0, 0, true);
     launch_moe_combine(y, r.pos, output_weights, top_k, out);
     return out;
   }

@@ -17,9 +17,12 @@ import sys
 import pytest
 import torch
 
-# (tokens, MoE path: 1 = grouped GEMV, 3 = grouped MMA, k of the experts). T = 1 and 2 run the dense
-# GEMV, 4..64 the dense MMA; T = 1 is the MoE GEMV path, 4 and 64 the grouped MMA (8- and 16-row chunks).
-CASES = [(1, 1, 4), (1, 1, 5), (2, 1, 2), (4, 3, 4), (4, 3, 5), (16, 3, 3), (64, 3, 4), (64, 3, 5), (64, 1, 4)]
+# (tokens, MoE path: 1 = routed grouped GEMV, 3 = grouped MMA, 4 = direct GEMV, k of the experts). T = 1
+# and 2 run the dense GEMV, 4..64 the dense MMA. The direct GEMV's down stage and both grouped MMAs
+# request their first weight tiles before the PDL wait (their experts come from inputs written two
+# launches back), so they are here at every k they are built for.
+CASES = [(1, 1, 4), (1, 1, 5), (2, 1, 2), (1, 4, 4), (1, 4, 5), (2, 4, 2), (2, 4, 3), (4, 3, 4), (4, 3, 5),
+         (16, 3, 3), (16, 3, 2), (64, 3, 4), (64, 3, 5), (64, 1, 4)]
 E, TOP_K, H, I = 64, 8, 1024, 512
 REPLAYS = 3
 
