@@ -2,6 +2,7 @@
 
 import json
 import os
+import random
 import sys
 import time
 
@@ -29,7 +30,23 @@ def test_qwen3_30b_a3b_directory_has_the_design_shape_and_no_weights(tmp_path):
     assert c.vocab_size == 151936 and not c.tie_word_embeddings and c.mlp_only_layers == []
     assert getattr(c, "quantization_config", None) is None
     tok = AutoTokenizer.from_pretrained(d)
-    assert tok.decode(tok.encode("héllo")) == "héllo"
+    assert tok.vocab_size == c.vocab_size and tok.eos_token_id == c.eos_token_id == c.vocab_size - 1
+
+
+def test_tokenizer_decodes_every_id_the_model_can_emit_at_once():
+    """The server's incremental detokenizer must emit each generated token as text; with a token that decodes to
+    no complete character it decodes the whole prompt again at every step (host time x prompt length x batch)."""
+    import tokenizers
+
+    tok = model_dir.text_tokenizer()
+    g = random.Random(0)
+    prompt = [g.randrange(94) for _ in range(512)]
+    text = tok.decode(prompt)
+    assert len(text) == 512 and text.isascii() and text.isprintable() and tok.encode(text) == prompt
+    stream = tokenizers.decoders.DecodeStream(ids=prompt, skip_special_tokens=True)
+    for i in [94, 95 + 94 * 94, model_dir.EOS_TOKEN_ID - 1] + [g.randrange(model_dir.EOS_TOKEN_ID) for _ in range(200)]:
+        piece = stream.step(tok._tokenizer, i)
+        assert piece == tok.decode([i]) and 1 <= len(piece) <= 3 and piece.isprintable(), (i, piece)
 
 
 def test_gptq_directory_quantizes_attention_and_experts(tmp_path):

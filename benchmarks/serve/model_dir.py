@@ -1,11 +1,17 @@
-"""Weightless model directories for serving benchmarks: config.json + byte tokenizer, served with --load-format dummy.
+"""Weightless model directories for serving benchmarks: config.json + a text tokenizer, served with --load-format dummy.
 
 vLLM's dummy loader never reads a weight file (``DummyModelLoader.download_model`` is a no-op and every
 parameter is filled with uniform(-1e-3, 1e-3)), so a directory with only config.json, the tokenizer and
-generation_config.json is a complete model for throughput measurements. The tokenizer is the byte-level
-one of :mod:`vllm_kbit.tiny_models` (256 byte tokens + ``<|endoftext|>``): ``vllm bench serve``'s random
+generation_config.json is a complete model for throughput measurements. ``vllm bench serve``'s random
 dataset samples token ids below the tokenizer's vocab size, decodes and re-encodes them, and the server
 counts completion tokens itself, so a small tokenizer with a large model vocabulary is fine.
+
+The tokenizer (:func:`text_tokenizer`) has the model's vocabulary size and every token is printable ASCII, as
+with a real model's tokenizer every id the model can emit decodes to text. A small tokenizer (the tests'
+256 byte tokens) would decode every id the dummy model emits above its vocabulary, or any random byte
+prompt, to no complete character; the server's incremental detokenizer (tokenizers' ``DecodeStream``) then
+decodes the whole prompt again at every generated token: host work per step that grows with prompt length x
+batch and leaves the GPU idle (docs/decisions.md, "Serving harness: a tokenizer that decodes every id").
 
 GPTQ: a ``quantization_config`` in config.json (``quant_method: gptq``, 4 bits, group 128, desc_act false,
 sym true) makes vLLM 0.26 pick its Marlin kernels. ``modules_in_block_to_quantize`` is written explicitly:
@@ -15,9 +21,13 @@ files, and leaves attention in bf16 (routed experts are quantized either way).
 
 from __future__ import annotations
 
+import itertools
 import os
 
-from vllm_kbit.tiny_models import EOS_TOKEN_ID, _byte_tokenizer
+from vllm_kbit.tiny_models import EOS_TOKEN
+
+VOCAB_SIZE = 151936  # Qwen3's vocabulary: the model's and the tokenizer's
+EOS_TOKEN_ID = VOCAB_SIZE - 1
 
 # Qwen3-30B-A3B (docs/architecture.md, "Target shapes"); the fields not listed are transformers' Qwen3MoeConfig defaults.
 SHAPES = {
@@ -31,7 +41,7 @@ SHAPES = {
         num_attention_heads=32,
         num_key_value_heads=4,
         head_dim=128,
-        vocab_size=151936,
+        vocab_size=VOCAB_SIZE,
         max_position_embeddings=40960,
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
@@ -47,7 +57,7 @@ SHAPES = {
         num_attention_heads=4,
         num_key_value_heads=2,
         head_dim=32,
-        vocab_size=151936,
+        vocab_size=VOCAB_SIZE,
         max_position_embeddings=4096,
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
@@ -88,13 +98,31 @@ def model_config(shape: str, quantization_config: dict | None = None):
     )
 
 
+def text_tokenizer():
+    """BPE tokenizer with the model's vocabulary size in which every token is printable ASCII: ids
+    0..93 are the characters "!".."~" (all that encoding produces: no merges), the others strings of two or
+    three of them, the last id ``<|endoftext|>``. Any id decodes to text, so the server's incremental
+    detokenizer emits every generated token at once, as it does with a real tokenizer and text."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    chars = [chr(c) for c in range(0x21, 0x7F)]  # the printable ASCII characters but space
+    words = itertools.chain(chars, map("".join, itertools.product(chars, repeat=2)),
+                            map("".join, itertools.product(chars, repeat=3)))
+    vocab = dict(zip(words, range(EOS_TOKEN_ID)))
+    vocab[EOS_TOKEN] = EOS_TOKEN_ID
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.decoder = decoders.Fuse()  # tokens are text: concatenate them
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
+
+
 def write(shape: str, out_dir: str, quantization_config: dict | None = None) -> str:
-    """Writes config.json, the byte tokenizer and generation_config.json (no weights) to out_dir; returns out_dir."""
+    """Writes config.json, the text tokenizer and generation_config.json (no weights) to out_dir; returns out_dir."""
     from transformers import GenerationConfig
 
     os.makedirs(out_dir, exist_ok=True)
     model_config(shape, quantization_config).save_pretrained(out_dir)
-    _byte_tokenizer().save_pretrained(out_dir)
+    text_tokenizer().save_pretrained(out_dir)
     GenerationConfig(bos_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID).save_pretrained(
         out_dir
     )

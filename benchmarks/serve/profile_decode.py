@@ -142,7 +142,7 @@ def main() -> None:
     steps = args.decode_steps
     parts = []
     for batch in parse_concurrency(args.batches):
-        prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, 256, (args.input_len,), generator=gen).tolist())
+        prompts = [TokensPrompt(prompt_token_ids=torch.randint(0, model_dir.EOS_TOKEN_ID, (args.input_len,), generator=gen).tolist())
                    for _ in range(batch)]
         short, long = (SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0) for n in (1, 1 + steps))
 
