@@ -252,3 +252,17 @@ def test_gpu_monitor_summarizes_clocks_power_and_power_cap_samples(tmp_path, mon
         time.sleep(1.5)
         assert gpu._proc.poll() is not None
     assert 5 <= gpu.summary["gpu_samples"] <= 30
+
+
+def test_decode_profile_counts_overlapping_kernels_once_in_the_busy_time(monkeypatch):
+    """Under programmatic dependent launch a kernel's span overlaps the one before it: the GPU-busy share is the
+    union of kernel intervals, not the sum of their spans (which can pass 100% of the step)."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "1")  # restored after the test; the import sets it to 0
+    import profile_decode
+
+    assert profile_decode.union_length([(0.0, 10.0), (5.0, 15.0), (6.0, 7.0), (20.0, 25.0)]) == 20.0
+    assert profile_decode.union_length([]) == 0.0
+    kernels = {"kbit::mma_kernel": (60.0, 2.0), "kbit::moe_silu_mul_kernel": (50.0, 1.0)}  # spans summing past the step
+    text = profile_decode.section("kbit-4", 16, 1024, 16, 100.0, kernels, True, 5, gpu_busy_us=80.0)
+    assert "100 µs wall; GPU busy 80 µs (80% of the step); kernel times summed 110 µs" in text
+    assert "| kbit | 110.0 | 100.0 |" in text

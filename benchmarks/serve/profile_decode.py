@@ -5,8 +5,11 @@ reach of the profiler) on the same weightless model and method settings as bench
 defaults (torch.compile + CUDA graphs; CUPTI still records the kernels a graph replays). For each batch
 size B it profiles generate(max_tokens=1) (prefill + the first token) and generate(max_tokens=1+S) on the
 same B prompts, and subtracts: a kernel's time and launch count per decode step are (second - first) / S.
-The step's wall time comes the same way from unprofiled runs (median of 3), so "GPU busy" is the share of
-a decode step the kernels cover; the rest is launch and host overhead.
+The step's wall time comes the same way from unprofiled runs (median of 3). "GPU busy" is the time at least
+one kernel or copy runs (the union of their intervals, by the same subtraction), as a share of the step's
+wall time; the rest is launch and host overhead. Per-kernel times are each kernel's own span: under
+programmatic dependent launch a kernel starts while the one before it still runs and waits for it, so
+their sum can exceed the busy time.
 
     python3 benchmarks/serve/profile_decode.py --method kbit-4 [--batches 1,16] [--out DIR]
 
@@ -69,6 +72,24 @@ def op_times(prof, device: bool) -> dict[str, list[float]]:
     return out
 
 
+def busy_us(prof) -> float:
+    """µs during which at least one GPU kernel or copy ran: the union of their intervals."""
+    from torch.autograd import DeviceType
+
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return union_length(spans)
+
+
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total length covered by the sorted (start, end) intervals, overlaps counted once."""
+    total, end = 0.0, float("-inf")
+    for s, e in spans:
+        if e > end:
+            total += e - max(s, end)
+            end = e
+    return total
+
+
 def per_step(short: dict, long: dict, steps: int) -> dict[str, tuple[float, float]]:
     """name -> (µs, count) per decode step, from the runs without and with `steps` decode steps."""
     out = {}
@@ -81,14 +102,21 @@ def per_step(short: dict, long: dict, steps: int) -> dict[str, tuple[float, floa
 
 
 def section(method: str, batch: int, input_len: int, steps: int, wall_us: float, kernels: dict, device: bool,
-            top: int) -> str:
+            top: int, gpu_busy_us: float | None = None) -> str:
+    """One batch's markdown: the step's wall and busy time, then kernel time by category and by kernel.
+    gpu_busy_us: the per-step union of kernel intervals (None without a GPU)."""
     busy = sum(us for us, _ in kernels.values())
-    what = "GPU kernels" if device else "CPU operators (self time)"
+    if device:
+        head = f"Decode step: {wall_us:.0f} µs wall; GPU busy {gpu_busy_us:.0f} µs" + (
+            f" ({100 * gpu_busy_us / wall_us:.0f}% of the step)" if wall_us > 0 else "") + (
+            f"; kernel times summed {busy:.0f} µs (overlapping kernels count twice)."
+        )
+    else:
+        head = f"Decode step: {wall_us:.0f} µs wall; CPU operators (self time): {busy:.0f} µs."
     lines = [
         f"### {method}, batch {batch} ({input_len}-token prompts, {steps} decode steps)",
         "",
-        f"Decode step: {wall_us:.0f} µs wall; {what}: {busy:.0f} µs"
-        + (f" ({100 * busy / wall_us:.0f}% GPU busy)" if device and wall_us > 0 else "") + ".",
+        head,
         "",
         "| category | µs / step | % of kernel time |",
         "| --- | ---: | ---: |",
@@ -156,13 +184,15 @@ def main() -> None:
 
         llm.generate(prompts, long, use_tqdm=False)  # warm-up
         wall_us = (wall(long) - wall(short)) / steps * 1e6
-        traces = []
+        traces, busy = [], []
         for params in (short, long):
             with profile(activities=activities) as prof:
                 llm.generate(prompts, params, use_tqdm=False)
             traces.append(op_times(prof, device))
+            busy.append(busy_us(prof) if device else 0.0)
         kernels = per_step(traces[0], traces[1], steps)
-        parts.append(section(args.method, batch, args.input_len, steps, wall_us, kernels, device, args.top))
+        gpu_busy = (busy[1] - busy[0]) / steps if device else None
+        parts.append(section(args.method, batch, args.input_len, steps, wall_us, kernels, device, args.top, gpu_busy))
         print(parts[-1], flush=True)
 
     gpu = gpu_name()
