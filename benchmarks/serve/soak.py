@@ -27,7 +27,7 @@ max_tokens token ids streamed and the usage numbers (prompt and completion token
 when the client closed it on purpose; anything else is an error (HTTP status, exception, short or long
 output), and the first few are listed in the result.
 
-Why token-id prompts: their length in tokens is exact for any tokenizer (the byte tokenizer of the dummy
+Why token-id prompts: their length in tokens is exact for any tokenizer (the tokenizer of the dummy
 directories and a real model's alike). Why prefix caching is off by default: a cached prefix computes the
 prompt in another order than a fresh prefill, which can flip a near-tied greedy choice (dummy weights are
 nearly tied everywhere); the before/after comparison is meant to catch corrupted state, not that.
