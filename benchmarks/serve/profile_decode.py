@@ -107,10 +107,9 @@ def section(method: str, batch: int, input_len: int, steps: int, wall_us: float,
     gpu_busy_us: the per-step union of kernel intervals (None without a GPU)."""
     busy = sum(us for us, _ in kernels.values())
     if device:
-        head = f"Decode step: {wall_us:.0f} µs wall; GPU busy {gpu_busy_us:.0f} µs" + (
-            f" ({100 * gpu_busy_us / wall_us:.0f}% of the step)" if wall_us > 0 else "") + (
-            f"; kernel times summed {busy:.0f} µs (overlapping kernels count twice)."
-        )
+        share = f" ({100 * gpu_busy_us / wall_us:.0f}% of the step)" if wall_us > 0 else ""
+        head = (f"Decode step: {wall_us:.0f} µs wall; GPU busy {gpu_busy_us:.0f} µs{share}; "
+                f"kernel times summed {busy:.0f} µs (overlapping kernels count twice).")
     else:
         head = f"Decode step: {wall_us:.0f} µs wall; CPU operators (self time): {busy:.0f} µs."
     lines = [
@@ -189,7 +188,8 @@ def main() -> None:
             with profile(activities=activities) as prof:
                 llm.generate(prompts, params, use_tqdm=False)
             traces.append(op_times(prof, device))
-            busy.append(busy_us(prof) if device else 0.0)
+            if device:
+                busy.append(busy_us(prof))
         kernels = per_step(traces[0], traces[1], steps)
         gpu_busy = (busy[1] - busy[0]) / steps if device else None
         parts.append(section(args.method, batch, args.input_len, steps, wall_us, kernels, device, args.top, gpu_busy))
