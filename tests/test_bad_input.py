@@ -20,6 +20,7 @@ import vllm_kbit.moe  # noqa: F401  (registers kbit::fused_moe)
 from vllm_kbit import reference as fmt
 
 from bad_input_cases import CASES, ROUTING_CASES, run_case, run_routing_case
+from child_env import child_env
 
 _CASES_FILE = os.path.join(os.path.dirname(__file__), "bad_input_cases.py")
 _EXTENSION = glob.glob(os.path.join(os.path.dirname(vllm_kbit.__file__), "_C*.so"))
@@ -38,7 +39,7 @@ def test_cpu_routing_ids_outside_the_local_experts_contribute_zero(case_id):
 @pytest.mark.skipif(not _EXTENSION, reason="the CUDA extension is not built")
 def test_cpp_checks_raise_what_the_reference_raises():
     """The C++ checks the CUDA ops run first, on the table's CPU tensors; a crash fails the test."""
-    env = {**os.environ, "VLLM_KBIT_LOAD_EXTENSION": "1"}
+    env = child_env(VLLM_KBIT_LOAD_EXTENSION="1")
     probe = subprocess.run(
         [sys.executable, "-c", "import torch, vllm_kbit.ops as o; assert o.HAS_EXTENSION; torch.ops.kbit._check_repack"],
         env=env, capture_output=True, text=True,

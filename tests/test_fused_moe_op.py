@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -12,6 +11,8 @@ import torch
 import vllm_kbit
 from vllm_kbit import ops
 from vllm_kbit.moe import kbit_fused_moe, route_reference, stack_runtime
+
+from child_env import child_env
 
 requires_extension = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="the C++ extension is not built or not loadable")
 
@@ -214,7 +215,7 @@ def test_without_extension_the_reference_needs_no_plan():
         "out = moe.kbit_fused_moe(torch.randn(4, 32), torch.tensor([[0], [1], [1], [0]]), torch.ones(4, 1), q13, a13, q2, a2, cb, 32)\n"
         "assert out.shape == (4, 32) and torch.isfinite(out).all()\n"
     )
-    env = {**os.environ, "VLLM_KBIT_LOAD_EXTENSION": "0"}
+    env = child_env(VLLM_KBIT_LOAD_EXTENSION="0")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
 

@@ -14,6 +14,8 @@
 #   bash tests/gpu/run_reliability.sh benchmarks/results/reliability_H100
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+# The steps run tests/*.py as scripts: they import this checkout's vllm_kbit, installed or not.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${1:-reliability-logs}
 mkdir -p "$OUT"
 PY=${PYTHON:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}

@@ -10,6 +10,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from bad_input_cases import CASES, ROUTING_CASES  # noqa: E402
+from child_env import child_env  # noqa: E402
 
 _CASES_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bad_input_cases.py")
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -17,7 +18,8 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 def _run(case_id):
     run = subprocess.run(
-        [sys.executable, _CASES_FILE, "--device", "cuda", case_id], capture_output=True, text=True, timeout=300
+        [sys.executable, _CASES_FILE, "--device", "cuda", case_id], env=child_env(), capture_output=True, text=True,
+        timeout=300,
     )
     output = (run.stdout + run.stderr)[-4000:]
     assert run.returncode >= 0, f"{case_id}: the process died of signal {-run.returncode}: {output}"

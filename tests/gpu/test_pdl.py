@@ -17,6 +17,9 @@ import sys
 import pytest
 import torch
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from child_env import child_env  # noqa: E402
+
 # (tokens, MoE path: 1 = routed grouped GEMV, 3 = grouped MMA, 4 = direct GEMV, k of the experts). T = 1
 # and 2 run the dense GEMV, 4..64 the dense MMA. The direct GEMV's down stage and both grouped MMAs
 # request their first weight tiles before the PDL wait (their experts come from inputs written two
@@ -82,7 +85,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _run(pdl, out_path):
-    env = dict(os.environ, KBIT_PDL=pdl)
+    env = child_env(KBIT_PDL=pdl)
     run = subprocess.run([sys.executable, os.path.abspath(__file__), str(out_path)], env=env, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, f"KBIT_PDL={pdl} worker failed: {(run.stdout + run.stderr)[-4000:]}"
@@ -102,7 +105,7 @@ def test_pdl_outputs_equal_no_pdl(tmp_path):
 
 def test_pdl_switch_refuses_other_values():
     run = subprocess.run([sys.executable, "-c", "import torch, vllm_kbit; torch.ops.kbit._pdl_enabled()"],
-                         env=dict(os.environ, KBIT_PDL="yes"), capture_output=True, text=True, timeout=300)
+                         env=child_env(KBIT_PDL="yes"), capture_output=True, text=True, timeout=300)
     assert run.returncode != 0 and "KBIT_PDL=yes is not supported" in run.stderr, run.stderr[-2000:]
 
 
