@@ -6,13 +6,18 @@ installed copy.
 """
 
 import os
+import site
 
 import vllm_kbit
 
+# The folder the test imported vllm_kbit from: a checkout (editable install or none) or site-packages.
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(vllm_kbit.__file__)))
+
 
 def child_env(**overrides: str) -> dict[str, str]:
-    """os.environ plus `overrides`, with the folder holding the imported vllm_kbit first on PYTHONPATH."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(vllm_kbit.__file__)))
+    """os.environ plus `overrides`; a checkout's folder goes first on PYTHONPATH (site-packages is on
+    every child's path already, and put on PYTHONPATH it would shadow the standard library)."""
     env = {**os.environ, **overrides}
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
+    if _ROOT not in site.getsitepackages():
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH", "")) if p)
     return env
