@@ -28,6 +28,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/util/Exception.h>
 
+#include "activation.cuh"
 #include "check.h"
 #include "launch_utils.cuh"
 
@@ -71,9 +72,6 @@ template <>
 struct Out<float> {
   __device__ static __forceinline__ float narrow(float v) { return v; }
 };
-
-// SiLU in fp32 (the reference computes it from the same rounded gate value).
-__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
 // One chunk of M rows on one (n-tile, split). Row sources are resolved once per CTA (M pointers
 // and weights in registers), so staging a k-tile is plain loads. ready() runs after the first weight

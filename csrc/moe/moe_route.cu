@@ -19,6 +19,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "activation.cuh"
 #include "check.h"
 #include "launch_utils.cuh"
 
@@ -179,8 +180,6 @@ __global__ void __launch_bounds__(kEltThreads)
   }
   Vec4<__nv_bfloat16>::store(xp + static_cast<int64_t>(p) * H + h, v);
 }
-
-__device__ __forceinline__ float silu(float g) { return g / (1.f + __expf(-g)); }
 
 // Grid (S, I / kEltPerBlock).
 __global__ void __launch_bounds__(kEltThreads)

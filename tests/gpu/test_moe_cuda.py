@@ -298,6 +298,37 @@ def test_grouped_single_projection(rows, M):
         torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, 0, 3)
 
 
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+@pytest.mark.parametrize("rows", [8, 16, 32, 64])
+@pytest.mark.parametrize("M", [3, 37, 130])
+def test_grouped_gate_up_silu_mul_epilogue(k, rows, M):
+    """The grouped MMA's SiLU * up epilogue (what fused_moe runs for gate_up when I is a multiple of 64)
+    against fp32 silu(A W_gate^T) * (A W_up^T), at every K split count and built row-group count:
+    I = 64 (one gate tile, its up partner the next) and I = 192 (three, so a 4-group CTA's second gate
+    tile is past the end at the last column). Shapes it cannot take are refused by name."""
+    gen = torch.Generator().manual_seed(1000 * k + M)
+    E, K = 8, 512
+    for I in (64, 192):
+        ex = Experts(E, K, I, k, gen)
+        ids = torch.arange(E, dtype=torch.int32).repeat_interleave(M).view(-1, 1).cuda()
+        _, _, _, chunks, num_chunks = torch.ops.kbit._moe_route(ids, None, E, rows,
+                                                                 torch.ops.kbit._moe_max_chunks(E * M, E, rows))
+        A = torch.randn(E * M, K, generator=gen).to(torch.bfloat16).cuda()
+        gu = torch.einsum("emk,enk->emn", A.float().view(E, M, K), ex.W13).reshape(E * M, 2 * I)
+        ref = F.silu(gu[:, :I]) * gu[:, I:]
+        wide = 2 if rows == 64 else 4
+        for splits, row_groups in ((0, 0), (1, 2), (2, wide), (3, 2), (4, wide)):
+            poison_cache()
+            C = torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, 2 * I, K, rows,
+                                                   splits, row_groups, True)
+            assert C.shape == (E * M, I)
+            check(C, ref, torch.bfloat16, "mma")
+    with pytest.raises(RuntimeError, match="silu_mul"):  # I = 96: gate and up tiles do not pair up
+        torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, 192, K, rows, 0, 0, True)
+    with pytest.raises(RuntimeError, match="row_groups"):  # one row group cannot hold a gate and an up group
+        torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, 2 * I, K, rows, 0, 1, True)
+
+
 # ----------------------------------------------------------------------------- CUDA graphs
 
 
