@@ -323,8 +323,9 @@ def test_grouped_gate_up_silu_mul_epilogue(k, rows, M):
                                                    splits, row_groups, True)
             assert C.shape == (E * M, I)
             check(C, ref, torch.bfloat16, "mma")
-    with pytest.raises(RuntimeError, match="silu_mul"):  # I = 96: gate and up tiles do not pair up
-        torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, 192, K, rows, 0, 0, True)
+    ex96 = Experts(E, K, 96, k, gen)  # I = 96: gate and up tiles do not pair up
+    with pytest.raises(RuntimeError, match="silu_mul"):
+        torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex96.q13, ex96.a13, ex.codebook, 192, K, rows, 0, 0, True)
     with pytest.raises(RuntimeError, match="row_groups"):  # one row group cannot hold a gate and an up group
         torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, 2 * I, K, rows, 0, 1, True)
 
