@@ -4,10 +4,9 @@ At a few dozen tokens a routed-expert projection is a few hundred CTAs, about on
 so how each call is cut into CTAs (row groups per warp r: 64 or 256 weight rows per CTA; K splits s:
 CTAs per column summed through a cluster) decides how full the last wave is. This sweep times the
 gate_up and the down projection (torch.ops.kbit._moe_grouped_linear, at the chunk height
-moe_mma_chunk_rows picks) separately at every s in --splits and r in {narrow, wide}, beside the rules'
+moe_mma_chunk_rows picks) separately at every s in --splits and r in {1, wide}, beside the rules'
 choice (s = 0, r = 0), COLD (weight copies rotated past 4x the L2), CUDA-graph replay, with the random
-top-k routing of bench_kernels.py. gate_up runs as fused_moe runs it: with the SiLU * up epilogue
-where I is a multiple of 64, whose row groups pair gate and up rows (narrow r = 2).
+top-k routing of bench_kernels.py.
 
     python benchmarks/sweep_moe_grid.py --out DIR [--layers qwen3_30b_moe,glm45_air_moe] [--bits 2,3,4,5]
         [--tokens 4,16,64] [--splits 1,2,3,4]
@@ -59,31 +58,26 @@ def main() -> None:
                 routes = [torch.ops.kbit._moe_route(i, None, E, rows, G) for i in ids]
                 chunks = statistics.mean(int(r[4][0]) for r in routes)
                 wide = 2 if rows == 64 else 4
-                glu = I % 64 == 0  # fused_moe's gate_up has the SiLU * up epilogue
                 for proj, (N, K, wi) in {"gate_up": (2 * I, H, 0), "down": (H, I, 2)}.items():
                     a = torch.randn(S, K, device="cuda", dtype=torch.bfloat16)
                     k_tiles = K // 128
-                    silu = glu and proj == "gate_up"
-                    narrow = 2 if silu else 1
-                    for r in sorted({0, narrow, wide}):
+                    for r in (0, 1, wide):
                         for s in [0] + splits:
                             if s > min(8, k_tiles) or (r == 0) != (s == 0):
                                 continue  # the rules' point is (0, 0); forced points force both
                             fns = [lambda w=W[i % n_copies], rt=routes[i % ROUTINGS], s=s, r=r:
-                                   torch.ops.kbit._moe_grouped_linear(a, rt[3], rt[4], w[wi], w[wi + 1], cb, N, K, rows,
-                                                                      s, r, silu)
+                                   torch.ops.kbit._moe_grouped_linear(a, rt[3], rt[4], w[wi], w[wi + 1], cb, N, K, rows, s, r)
                                    for i in range(max(n_copies, ROUTINGS))]
                             us = graph_time_us(fns, min_calls=20, replays=10)
                             rec = dict(layer=layer, k=k, T=T, proj=proj, rows=rows, r=r, splits=s, us=round(us, 2),
-                                       chunks=chunks, silu_mul=silu)
+                                       chunks=chunks)
                             emit(records, rec)
             del W
             torch.cuda.empty_cache()
     stem, command = save_records(args.out, "sweep_moe_grid", gpu, date, commit, records)
     lines = [f"# Grouped MoE MMA grid (K splits s, row groups per warp r): {gpu}, {date}, commit {commit}", "",
              f"`{command}`. One grouped projection, COLD, CUDA-graph replay, µs; `rule` = the launcher's own "
-             "choice; best in bold. gate_up with I a multiple of 64 runs with the SiLU * up epilogue (its row "
-             "groups pair gate and up rows: r = 2 or 4), as fused_moe runs it.", ""]
+             "choice; best in bold.", ""]
     for layer in args.layers.split(","):
         rs_l = [r for r in records if r["layer"] == layer]
         cols = sorted({(r["r"], r["splits"]) for r in rs_l if r["r"]})

@@ -1,5 +1,5 @@
-// The MoE activation, one definition for every kernel that applies it (the grouped GEMV's down stage,
-// the elementwise SiLU * up kernel and the grouped MMA's gate_up epilogue).
+// The MoE activation, one definition for every kernel that applies it (the grouped GEMV's down stage
+// and the elementwise SiLU * up kernel).
 #pragma once
 
 namespace kbit {

@@ -25,21 +25,30 @@ MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups) {
   return {p, r, m_blocks};
 }
 
-int mma_grouped_r(int p, int64_t n_tiles, bool glu) {
+int mma_grouped_r(int p, int64_t n_tiles, int64_t k_tiles, int bits, int64_t expected_chunks, int64_t num_sms) {
   // Wide warps wherever an expert has the rows for them: all experts' chunks share one launch, so
   // there are CTAs enough either way (unlike a narrow dense weight). At p <= 2 the table-decode
   // instances (mma_kernel.cuh: uses_lut) spread each k-tile's fixed costs (table offsets, scale
   // codes, B fragments) over four row groups; at p = 4 and 8 each activation fragment read from
   // shared memory serves 4 (2) row groups, as on wide dense weights (mma_config).
-  if (n_tiles < 4) return glu ? 2 : 1;
-  return p == kMmaMaxRowTiles ? 2 : 4;
+  if (n_tiles < 4) return 1;
+  const int wide = p == kMmaMaxRowTiles ? 2 : 4;
+  // Except where the wide grid's last wave would be mostly empty: a wide CTA is four narrow ones'
+  // work, so when the expected CTAs run past one wave and leave the last under half full, the
+  // narrow grid's quarter-size CTAs even out the SMs' load. Measured to pay at k = 4 with one n8 tile
+  // (8-row chunks: a few tokens per expert) and long experts (>= 16 k-tiles); at k = 2 and 3, and on
+  // short K, four times the per-CTA table and pipeline fills cost more than the tail
+  // (benchmarks/sweep_moe_grid.py; docs/decisions.md, "Grouped MMA: narrow warps for light last waves").
+  if (bits == 4 && p == 1 && k_tiles >= 16) {
+    const int64_t slots = num_sms * mma_detail::Shape<4, 1, 4>::kResident;
+    const int64_t ctas = (n_tiles + wide - 1) / wide * expected_chunks;
+    const int64_t tail = ctas % slots;
+    if (ctas > slots && tail > 0 && 2 * tail < slots) return 1;
+  }
+  return wide;
 }
 
 bool mma_built(int p, int r) { return r == 1 || r == (p == kMmaMaxRowTiles ? 2 : 4); }
-
-bool mma_glu_built(int p, int r) { return r == 2 || (r == 4 && p < kMmaMaxRowTiles); }
-
-bool mma_glu_supported(int64_t n) { return n > 0 && n % (2 * kTileN) == 0; }
 
 int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm,
                int64_t split_cost, const int64_t* cluster_ctas) {
@@ -114,24 +123,24 @@ void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Ten
 void launch_mma_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
                         const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook, int64_t N,
                         int64_t K, int64_t chunk_rows, at::Tensor& C, int64_t row_groups, int64_t splits,
-                        bool chunks_early, bool glu) {
+                        bool chunks_early) {
   if (chunks.size(0) == 0) return;
   const int64_t n_tiles = qweight.size(1);
-  // glu: C's width is I = N / 2, which the epilogue bounds its columns by.
-  mma_detail::MmaLaunch L = launch_fields(A, qweight, absmax, codebook, glu ? N / 2 : N, K, n_tiles, qweight.size(2), C);
+  mma_detail::MmaLaunch L = launch_fields(A, qweight, absmax, codebook, N, K, n_tiles, qweight.size(2), C);
   L.config = mma_config(chunk_rows, n_tiles, 1);  // 8p == chunk_rows: one CTA row covers a chunk
-  L.config.r = row_groups > 0 ? static_cast<int>(row_groups) : mma_grouped_r(L.config.p, n_tiles, glu);
   L.splits = static_cast<int>(splits);
   L.config.m_blocks = static_cast<int>(chunks.size(0));
-  // The grid holds the worst case's chunks (moe_max_chunks); the split count is planned for the
-  // chunks a typical routing fills, since CTA rows past the device-side count leave at once.
+  // The grid holds the worst case's chunks (moe_max_chunks); the row groups and split count are
+  // planned for the chunks a typical routing fills, since CTA rows past the device-side count leave at once.
   L.plan_m_blocks = moe_expected_chunks(A.size(0), qweight.size(0), chunk_rows);
+  L.config.r = row_groups > 0 ? static_cast<int>(row_groups)
+                              : mma_grouped_r(L.config.p, n_tiles, L.k_tiles, static_cast<int>(qweight.size(3)),
+                                              L.plan_m_blocks, L.num_sms);
   L.chunks = chunks.data_ptr<int>();
   L.num_chunks = num_chunks.data_ptr<int>();
   L.expert_qbytes = qweight.stride(0) * static_cast<int64_t>(sizeof(int32_t));
   L.expert_abytes = absmax.stride(0);
   L.chunks_early = chunks_early;
-  L.glu = glu;
   launch_k(L, qweight.size(3), A.scalar_type() == at::kBFloat16);
 }
 

@@ -29,18 +29,13 @@ struct MmaConfig {
 MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups = 0);
 
 // Row groups per warp of the grouped (routed-expert) kernel for p activation tiles and an expert's
-// n_tiles: 4 (2 at p = 8, where the accumulators fill the registers), 1 for experts under 4 n-tiles;
-// with the SiLU * up epilogue (glu) at least 2 (a gate group and its up partner).
-int mma_grouped_r(int p, int64_t n_tiles, bool glu = false);
+// n_tiles x k_tiles of k-bit weights, with expected_chunks CTA rows (moe_expected_chunks) on num_sms
+// SMs: 4 (2 at p = 8, where the accumulators fill the registers); 1 for experts under 4 n-tiles, and
+// at k = 4, p = 1 on long experts where the wide grid would end in a mostly empty wave.
+int mma_grouped_r(int p, int64_t n_tiles, int64_t k_tiles, int bits, int64_t expected_chunks, int64_t num_sms);
 
 // Whether a kernel is built for p activation tiles and r row groups (r = 1, or 4; 2 at p = 8).
 bool mma_built(int p, int r);
-// ... and a grouped one with the SiLU * up epilogue (r = 2 or 4; 2 at p = 8).
-bool mma_glu_built(int p, int r);
-
-// Whether the grouped gate_up of an [n, K] weight (n = 2I: gate rows, then up rows) can apply
-// silu(gate) * up in its epilogue: I must fill whole 64-row tiles, so gate and up tiles pair up.
-bool mma_glu_supported(int64_t n);
 
 // K splits (CTAs of one cluster per CTA column) for cols x m_blocks CTA tiles over k_tiles, on num_sms
 // SMs holding ctas_per_sm CTAs each; split_cost weighs each further split's fixed cost (pipeline fill,
@@ -75,12 +70,10 @@ void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Ten
 // row_groups / splits: 0 takes the rule (mma_grouped_r, mma_splits); sweeps force them.
 // chunks_early: the chunk list was written at least two launches before this one (not by the kernel
 // right before it), so the weight prologue overlaps the previous kernel's tail (MmaParams).
-// glu: W is a gate_up weight [N = 2I, K] with mma_glu_supported(N), and C [rows, I] gets
-// silu(A W_gate^T) * (A W_up^T), each element rounded once from fp32.
 // The caller validates (moe_ops.cpp), including max_chunks <= kMmaMaxGridRows.
 void launch_mma_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
                         const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook, int64_t N,
                         int64_t K, int64_t chunk_rows, at::Tensor& C, int64_t row_groups = 0, int64_t splits = 0,
-                        bool chunks_early = false, bool glu = false);
+                        bool chunks_early = false);
 
 }  // namespace kbit

@@ -26,12 +26,6 @@
 // Grouped (routed experts): with a chunk list, CTA row y multiplies chunk y = {expert, first row,
 // rows <= 8p} of A (rows grouped by expert) with that expert's weights in a stacked runtime
 // tensor; CTA rows past the device-side chunk count leave at once (a whole cluster shares its y).
-//
-// SiLU * up epilogue (kGlu, grouped gate_up [2I, K] with I a multiple of 64): a CTA's r tiles are
-// r/2 gate tiles and the r/2 up tiles I rows further, and each warp's row groups pair up (group r
-// + r/2 holds the up rows of gate group r), so one lane holds the fp32 gate and up values of the
-// same (row, column) and writes silu(gate) * up straight into h [rows, I]: no [rows, 2I]
-// intermediate and no elementwise launch (decisions.md, "SiLU * up in the gate_up epilogue").
 #pragma once
 
 #include "cp_async.cuh"
@@ -48,7 +42,6 @@
 #include <c10/util/Exception.h>
 #include <cooperative_groups.h>
 
-#include "activation.cuh"
 #include "check.h"
 
 namespace kbit {
@@ -96,14 +89,14 @@ struct Shape {
   static constexpr int kStages = std::max(2, std::min(4, (kLut ? kLutSmemTarget : kSmemTarget) / kStageBytes));
   static constexpr int kPartialUnits = kWarps * R * P * 32;  // float4 C fragments of one CTA
   static constexpr int kSmemBytes = kLutBytes + std::max(kStages * kStageBytes, kPartialUnits * 16);
-  // CTAs per SM the registers are capped for (launch bounds). Narrow warps (and the SiLU * up
-  // epilogue's two row groups at p <= 2): as many as shared memory holds (uncapped, ptxas trades CTAs
-  // for fewer re-computations). Wide warps: 3 (<= 168 registers; shared memory allows 3 or 4, and a
-  // cap of 4 = 128 registers spills), except k = 5 with 16 MMA tiles per warp, which spill under 168
-  // too and are left uncapped (2 CTAs per SM).
-  static constexpr int kCtasPerSm = R == 1 || (R == 2 && P <= 2)
-                                        ? std::min(16, kSmemPerSm / (kSmemBytes + kSmemReservedPerCta))
-                                        : BITS == 5 && P * R >= 16 ? 1 : 3;
+  // CTAs per SM the registers are capped for (launch bounds). Narrow warps: as many as shared memory
+  // holds (uncapped, ptxas trades CTAs for fewer re-computations). Wide warps: 3 (<= 168 registers;
+  // shared memory allows 3 or 4, and a cap of 4 = 128 registers spills), except k = 5 with 16 MMA
+  // tiles per warp, which spill under 168 too and are left uncapped (2 CTAs per SM).
+  static constexpr int kCtasPerSm = R == 1 ? std::min(16, kSmemPerSm / (kSmemBytes + kSmemReservedPerCta))
+                                    : BITS == 5 && P * R >= 16 ? 1 : 3;
+  // CTAs an SM holds at once: the register cap or what shared memory allows, whichever is lower.
+  static constexpr int kResident = std::min(kCtasPerSm, kSmemPerSm / (kSmemBytes + kSmemReservedPerCta));
 };
 
 template <typename T>
@@ -164,14 +157,10 @@ __device__ __forceinline__ int x_slot(int ch, int row) { return ch ^ ((ch >> 2) 
 
 // Grid: (cols * splits, m_blocks) CTAs in clusters of `splits` along x (CTA x = col * splits + split).
 // kGrouped: CTA row y is chunk y (MmaParams::chunks); a separate instance, so the dense kernels'
-// code and registers stay as they are. kGlu (grouped, even R): the SiLU * up epilogue above; prm.N
-// is then I (C's width) and prm.n_tiles the gate_up weight's 2I / 64 tiles.
-template <typename T, int BITS, int P, int R, bool kGrouped, bool kGlu = false>
+// code and registers stay as they are.
+template <typename T, int BITS, int P, int R, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma_kernel(const MmaParams<T> prm) {
-  static_assert(!kGlu || (kGrouped && R % 2 == 0), "the SiLU * up epilogue pairs gate and up tiles of a grouped CTA");
   using S = Shape<BITS, P, R>;
-  // Row groups per warp of one kind: all R, or R / 2 gate groups whose up partners follow them.
-  constexpr int RG = kGlu ? R / 2 : R;
   constexpr bool kLut = S::kLut;
   constexpr int F = Fields<BITS>::kBits;
   constexpr int kTileBytes = tile_bytes<BITS>();
@@ -224,17 +213,13 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   // LDGSTS (the chunk's place in the tile is an immediate offset) and the sources one add each.
   // n-tiles past N keep pointing at the column's first tile and copy zeros, as do rows of A past
   // m_end and K past the end.
-  // kGlu: CTA tile rho is gate tile col * RG + rho % RG, plus the I / 64 gate tiles when rho >= RG (up).
   const uint8_t* w_planes[R];  // this thread's first plane chunk of tile rho, at the next k-tile to copy
   const uint8_t* w_codes[R];   // this thread's first scale-code chunk (tid - kPlaneChunks, may be negative)
   bool w_valid[R];
 #pragma unroll
   for (int rho = 0; rho < R; ++rho) {
-    const int n_kind = kGlu ? prm.n_tiles / 2 : prm.n_tiles;  // tiles of one kind (gate, or all)
-    const int first = col * RG + rho % RG;
-    w_valid[rho] = first < n_kind;
-    const int up = kGlu && rho >= RG ? n_kind : 0;
-    const int64_t tile = static_cast<int64_t>(up + (w_valid[rho] ? first : col * RG)) * prm.k_tiles + kt_begin;
+    w_valid[rho] = col * R + rho < prm.n_tiles;
+    const int64_t tile = static_cast<int64_t>(w_valid[rho] ? col * R + rho : col * R) * prm.k_tiles + kt_begin;
     w_planes[rho] = qweight + tile * kPlaneBytes + tid * 16;
     w_codes[rho] = absmax + tile * kCodeBytes + (tid - kPlaneChunks) * 16;
   }
@@ -296,18 +281,14 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   // two scale codes become scales (all bit work of the k-tile); then 8 MMA steps, each turning
   // index words into one A fragment per row group by lookups alone.
   // This lane's shared-memory reads, as offsets into a stage (the loop adds the stage's base only).
-  // Weights: word t of row `row` (+8h, +16r) of plane b, and its scale code; row group RG warp + r
-  // lies in tile (RG warp + r) / 4 at rows 16 ((RG warp + r) % 4), i.e. 16r rows past the r = 0 one
-  // (RG divides 4); kGlu: up group r + RG sits at the same rows R / 2 tiles further (w_off).
-  // Activations: chunk 4t + c of row 8i + g sits in slot 4t + (c ^ x_swz) (x_slot with ch = 4t + c:
-  // (ch >> 2) & 2 = t & 2, and the row parity is g's).
-  const int rg0 = RG * warp, row0 = 16 * (rg0 % 4) + g;
+  // Weights: word t of row `row` (+8h, +16r) of plane b, and its scale code; row group R warp + r
+  // lies in tile (R warp + r) / 4 at rows 16 ((R warp + r) % 4), i.e. 16r rows past the r = 0 one
+  // (R divides 4). Activations: chunk 4t + c of row 8i + g sits in slot 4t + (c ^ x_swz) (x_slot
+  // with ch = 4t + c: (ch >> 2) & 2 = t & 2, and the row parity is g's).
+  const int rg0 = R * warp, row0 = 16 * (rg0 % 4) + g;
   const int w_rd = (rg0 / 4) * kTileBytes + (row0 * kTileKB + t) * 4;
   const int s_rd = (rg0 / 4) * kTileBytes + kPlaneBytes + row0 * kTileKB + t;
   const int x_rd = S::kWBytes + (g * kRowChunks + 4 * t) * 16, x_swz = (t & 2) ^ (g & 1);
-  // Bytes from a kGlu gate group's tile to its up partner's: group r >= RG reads rows 16 (r - RG)
-  // of a tile R / 2 further (0 otherwise; compile time, r is unrolled).
-  const auto up_off = [](int r) { return r >= RG ? (R / 2) * kTileBytes : 0; };
 
   const auto compute_stage = [&](int stage) {
     const uint8_t* st = stages + stage * S::kStageBytes;
@@ -323,14 +304,13 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
         uint32_t plane[BITS];
 #pragma unroll
         for (int b = 0; b < BITS; ++b)
-          plane[b] = *reinterpret_cast<const uint32_t*>(st + w_rd + up_off(r) +
-                                                        ((b * kTileN + 16 * (r % RG) + 8 * h) * kTileKB) * 4);
+          plane[b] = *reinterpret_cast<const uint32_t*>(st + w_rd + ((b * kTileN + 16 * r + 8 * h) * kTileKB) * 4);
         if constexpr (kLut) {
           lut_indices<BITS>(plane, q[r][h]);
         } else {
           gather_indices<BITS>(plane, q[r][h]);
         }
-        const float sc = decode_scale(st[s_rd + up_off(r) + (16 * (r % RG) + 8 * h) * kTileKB], 0);
+        const float sc = decode_scale(st[s_rd + (16 * r + 8 * h) * kTileKB], 0);
         scale[r][h] = Elem<T>::pack(sc, sc);
       }
     }
@@ -427,34 +407,31 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   cp_async_wait<0>();
   __syncthreads();  // the partial tile below reuses the stages
 
-  const int n_base = col * kTileN * RG;
-  // Output of C fragment element v of (row group rg, n8 tile i) held by lane ln, plus bias; kGlu:
-  // silu(v) * the up partner's u instead (rg counts gate groups).
-  const auto store = [&](int rg, int i, int ln, const float (&v)[4], const float (&u)[4]) {
+  const int n_base = col * kTileN * R;
+  // Output of C fragment element v of (row group rg, n8 tile i) held by lane ln, plus bias.
+  const auto store = [&](int rg, int i, int ln, const float (&v)[4]) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int n = n_base + 16 * rg + ln / 4 + 8 * h;
       if (n >= prm.N) continue;
       const float b = prm.bias != nullptr ? Elem<T>::to_float(prm.bias[n]) : 0.f;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int m = m0 + 8 * i + 2 * (ln % 4) + e;
-        const float out = kGlu ? silu(v[2 * h + e]) * u[2 * h + e] : v[2 * h + e] + b;
-        if (m < m_end) prm.C[static_cast<int64_t>(m) * prm.N + n] = Elem<T>::narrow(out);
+      for (int u = 0; u < 2; ++u) {
+        const int m = m0 + 8 * i + 2 * (ln % 4) + u;
+        if (m < m_end) prm.C[static_cast<int64_t>(m) * prm.N + n] = Elem<T>::narrow(v[2 * h + u] + b);
       }
     }
   };
   if (splits == 1) {
 #pragma unroll
-    for (int r = 0; r < RG; ++r)
+    for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int i = 0; i < P; ++i) store(RG * warp + r, i, lane, acc[r][i], acc[kGlu ? r + RG : r][i]);
+      for (int i = 0; i < P; ++i) store(R * warp + r, i, lane, acc[r][i]);
     return;
   }
   // Split-K: every CTA of the cluster parks its partial tile in its own shared memory, then rank s
   // sums slice s of the tile over all ranks in rank order and writes it. The second cluster
-  // barrier keeps every CTA's shared memory alive until all remote reads are done. kGlu: the
-  // slices are of gate units, each summed with its up partner's unit (RG groups further).
+  // barrier keeps every CTA's shared memory alive until all remote reads are done.
   cg::cluster_group cluster = cg::this_cluster();
   float4* part = reinterpret_cast<float4*>(stages);
 #pragma unroll
@@ -463,21 +440,15 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
     for (int i = 0; i < P; ++i)
       part[((warp * R + r) * P + i) * 32 + lane] = make_float4(acc[r][i][0], acc[r][i][1], acc[r][i][2], acc[r][i][3]);
   cluster.sync();
-  const auto reduce = [&](int unit) {
-    float4 sum = cluster.map_shared_rank(part, 0)[unit];
+  constexpr int U = S::kPartialUnits;
+  for (int u = split * U / splits + threadIdx.x; u < (split + 1) * U / splits; u += kThreads) {
+    float4 sum = cluster.map_shared_rank(part, 0)[u];
     for (int s = 1; s < splits; ++s) {
-      const float4 x = cluster.map_shared_rank(part, s)[unit];
+      const float4 x = cluster.map_shared_rank(part, s)[u];
       sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w;
     }
-    return sum;
-  };
-  constexpr int U = S::kPartialUnits / (kGlu ? 2 : 1);  // output units: (warp, gate group r, i, lane)
-  for (int u = split * U / splits + threadIdx.x; u < (split + 1) * U / splits; u += kThreads) {
-    const int w = u / (RG * P * 32), r = (u / (P * 32)) % RG, i = (u / 32) % P, ln = u % 32;
-    const float4 gs = reduce(((w * R + r) * P + i) * 32 + ln);
-    const float4 us = kGlu ? reduce(((w * R + r + RG) * P + i) * 32 + ln) : gs;
-    const float v[4] = {gs.x, gs.y, gs.z, gs.w}, up[4] = {us.x, us.y, us.z, us.w};
-    store(RG * w + r, i, ln, v, up);
+    const float v[4] = {sum.x, sum.y, sum.z, sum.w};
+    store(u / (32 * P), (u / 32) % P, u % 32, v);
   }
   cluster.sync();
 }
@@ -499,7 +470,6 @@ struct MmaLaunch {
   const int* num_chunks;
   int64_t expert_qbytes, expert_abytes;
   bool chunks_early;  // grouped only: see MmaParams
-  bool glu;           // grouped only: the SiLU * up epilogue (N is then I, n_tiles the 2I / 64 tiles)
   int device;
   int num_sms;
   cudaStream_t stream;
@@ -527,10 +497,10 @@ int64_t cluster_capacity(Kernel kernel, int s, int smem_bytes) {
   return static_cast<int64_t>(clusters) * s;
 }
 
-template <typename T, int BITS, int P, int R, bool kGrouped = false, bool kGlu = false>
+template <typename T, int BITS, int P, int R, bool kGrouped = false>
 void launch_instance(const MmaLaunch& L) {
   using S = Shape<BITS, P, R>;
-  const auto kernel = mma_kernel<T, BITS, P, R, kGrouped, kGlu>;
+  const auto kernel = mma_kernel<T, BITS, P, R, kGrouped>;
   // Once per instance and device (the opt-in is per device): the shared-memory opt-in above 48 KB,
   // how many CTAs an SM holds (0 = not prepared yet; preparing twice is harmless) and how many CTAs
   // the GPU holds at once in clusters of each split count (dense instances, whose split rule counts waves).
@@ -548,8 +518,7 @@ void launch_instance(const MmaLaunch& L) {
     }
     prepared[device].store(ctas_per_sm, std::memory_order_relaxed);
   }
-  // kGlu: a column is R / 2 gate tiles (and their up partners).
-  const int cols = kGlu ? (L.n_tiles / 2 + R / 2 - 1) / (R / 2) : (L.n_tiles + R - 1) / R;
+  const int cols = (L.n_tiles + R - 1) / R;
   // Dense grids are exact, so their waves count; a grouped grid's live CTAs are an expectation
   // (plan_m_blocks), for which the per-CTA model without waves fits the measurements.
   int splits = L.splits;
@@ -590,19 +559,9 @@ void launch_bits(const MmaLaunch& L) {
 }
 
 // Grouped launches: bf16 activations (the MoE path gathers x to bf16); the row groups per warp
-// from mma_grouped_r (wide: 4, or 2 at p = 8; narrow experts 1). The SiLU * up epilogue pairs row
-// groups, so it has r = 2 and 4 at p <= 4 and r = 2 at p = 8 (mma_grouped_built).
+// from mma_grouped_r (wide: 4, or 2 at p = 8; 1 for narrow experts and light last waves).
 template <int BITS>
 void launch_grouped_bits(const MmaLaunch& L) {
-  if (L.glu) {
-    const bool r4 = L.config.r == 4;
-    switch (L.config.p) {
-      case 1: return r4 ? launch_instance<__nv_bfloat16, BITS, 1, 4, true, true>(L) : launch_instance<__nv_bfloat16, BITS, 1, 2, true, true>(L);
-      case 2: return r4 ? launch_instance<__nv_bfloat16, BITS, 2, 4, true, true>(L) : launch_instance<__nv_bfloat16, BITS, 2, 2, true, true>(L);
-      case 4: return r4 ? launch_instance<__nv_bfloat16, BITS, 4, 4, true, true>(L) : launch_instance<__nv_bfloat16, BITS, 4, 2, true, true>(L);
-      default: return launch_instance<__nv_bfloat16, BITS, 8, 2, true, true>(L);
-    }
-  }
   const bool wide = L.config.r == 4;
   switch (L.config.p) {
     case 1: return wide ? launch_instance<__nv_bfloat16, BITS, 1, 4, true>(L) : launch_instance<__nv_bfloat16, BITS, 1, 1, true>(L);

@@ -9,10 +9,9 @@
 //                an expert read it again).
 //   GEMV         route -> grouped GEMV gate_up (gathers x rows) -> grouped GEMV down (SiLU * up
 //                while staging, fp32 out) -> combine. Reads each expert once per 4 rows; only when forced.
-//   grouped MMA  route (chunks of 8p rows) -> gather x (bf16) -> grouped dequant + MMA gate_up with
-//                SiLU * up in its epilogue (a separate SiLU * up launch when I is not a multiple of
-//                64) -> grouped dequant + MMA down -> combine. Reads only the experts that got
-//                tokens, each weight tile once per chunk of up to 64 rows (the GEMV: per 4).
+//   grouped MMA  route (chunks of 8p rows) -> gather x (bf16) -> grouped dequant + MMA gate_up ->
+//                SiLU * up -> grouped dequant + MMA down -> combine. Reads only the experts that
+//                got tokens, each weight tile once per chunk of up to 64 rows (the GEMV: per 4).
 //   grouped mm   route -> gather x (bf16) -> dequantize all experts to bf16 -> torch._grouped_mm ->
 //                SiLU * up -> dequantize -> torch._grouped_mm -> combine.
 // dispatch.cpp's moe_plan picks the path and sizes the routing. The last two run fp16 inputs in bf16.
@@ -155,17 +154,11 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     const Routing r = route(ids, map, E, rows, max_chunks);
     at::Tensor xp = at::empty({S, H}, x.options().dtype(at::kBFloat16));
     launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp);
+    at::Tensor g = at::empty({S, 2 * I}, xp.options());
     // The routing ran before the gather (and before gate_up for down): both MMAs prefetch weights early.
-    // Rows past the chunks are garbage in h (and g) and never read again.
+    launch_mma_grouped(xp, r.chunks, r.num_chunks, w13_qweight, w13_absmax, codebook, 2 * I, H, rows, g, 0, 0, true);
     at::Tensor h = at::empty({S, I}, xp.options());
-    if (mma_glu_supported(2 * I)) {
-      launch_mma_grouped(xp, r.chunks, r.num_chunks, w13_qweight, w13_absmax, codebook, 2 * I, H, rows, h, 0, 0, true,
-                         true);
-    } else {
-      at::Tensor g = at::empty({S, 2 * I}, xp.options());
-      launch_mma_grouped(xp, r.chunks, r.num_chunks, w13_qweight, w13_absmax, codebook, 2 * I, H, rows, g, 0, 0, true);
-      launch_moe_silu_mul(g, h);
-    }
+    launch_moe_silu_mul(g, h);  // rows past the chunks are garbage in g and h and never read again
     at::Tensor y = at::empty({S, H}, xp.options());
     launch_mma_grouped(h, r.chunks, r.num_chunks, w2_qweight, w2_absmax, codebook, H, I, rows, y, 0, 0, true);
     launch_moe_combine(y, r.pos, output_weights, top_k, out);
@@ -202,12 +195,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route
 // C[p] = A[p] @ dequant(W_e)^T; rows outside the chunks are left unwritten. The chunk height picks
 // the kernel: 1 or 4 rows the grouped GEMV, 8/16/32/64 the grouped MMA. splits forces the K split
 // count (GEMV: CTAs per row block; MMA: cluster size), row_groups the MMA's row groups per warp (0:
-// the rules, for sweeps against them). silu_mul (MMA, gate_up weights with N = 2I, I a multiple of
-// 64): C [rows, I] = silu(gate) * up from the epilogue, as fused_moe runs it.
+// the rules, for sweeps against them).
 at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
                                const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook,
-                               int64_t N, int64_t K, int64_t chunk_rows, int64_t splits, int64_t row_groups,
-                               bool silu_mul) {
+                               int64_t N, int64_t K, int64_t chunk_rows, int64_t splits, int64_t row_groups) {
   KBIT_CHECK(A.is_cuda() && A.dim() == 2 && A.size(1) == K && A.is_contiguous() &&
                   (A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf),
               "kbit _moe_grouped_linear: A must be contiguous bf16/fp16 [rows, K=", K, "], got ", A.sizes());
@@ -219,11 +210,8 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
   KBIT_CHECK(codebook.scalar_type() == at::kFloat && codebook.numel() == (int64_t{1} << k) && codebook.is_contiguous(),
               "kbit _moe_grouped_linear: codebook must be float32 [", int64_t{1} << k, "]");
   const c10::DeviceGuard guard(A.device());
+  at::Tensor C = at::empty({A.size(0), N}, A.options());
   const bool mma = chunk_rows == 8 || chunk_rows == 16 || chunk_rows == 32 || chunk_rows == 64;
-  KBIT_CHECK(!silu_mul || (mma && mma_glu_supported(N)), "kbit _moe_grouped_linear: silu_mul needs the grouped MMA ",
-              "(chunk_rows 8, 16, 32, 64) and N = 2I with I a multiple of ", kTileN, ", got chunk_rows=", chunk_rows,
-              ", N=", N);
-  at::Tensor C = at::empty({A.size(0), silu_mul ? N / 2 : N}, A.options());
   KBIT_CHECK(chunk_rows == 1 || chunk_rows == kMoeChunkRows || mma, "kbit _moe_grouped_linear: chunk_rows must be 1 or ",
               kMoeChunkRows, " (GEMV) or 8, 16, 32, 64 (MMA), as given to _moe_route");
   KBIT_CHECK(chunks.size(0) <= kMmaMaxGridRows, "kbit _moe_grouped_linear: at most ", kMmaMaxGridRows, " chunks");
@@ -232,14 +220,11 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
   KBIT_CHECK(!mma || (splits >= 0 && splits <= std::min<int64_t>(kMmaMaxSplits, k_tiles)),
               "kbit _moe_grouped_linear: splits=", splits, " outside 0 (rule) .. ", std::min<int64_t>(kMmaMaxSplits, k_tiles),
               " for the grouped MMA");
-  const int p = static_cast<int>(mma_config(chunk_rows, 1, 1).p), rg = static_cast<int>(row_groups);
-  KBIT_CHECK(row_groups == 0 || (mma && (silu_mul ? mma_glu_built(p, rg) : mma_built(p, rg))),
+  KBIT_CHECK(row_groups == 0 || (mma && mma_built(mma_config(chunk_rows, 1, 1).p, static_cast<int>(row_groups))),
               "kbit _moe_grouped_linear: row_groups=", row_groups, " is not a built grouped MMA shape for chunk_rows=",
-              chunk_rows, silu_mul ? " with silu_mul (2 or 4; 2 at chunk_rows=64)" : " (1, or 4; 2 at chunk_rows=64)",
-              " (0: the rule)");
+              chunk_rows, " (0: the rule)");
   if (mma) {
-    launch_mma_grouped(A, chunks, num_chunks, qweight, absmax, codebook, N, K, chunk_rows, C, row_groups, splits, false,
-                       silu_mul);
+    launch_mma_grouped(A, chunks, num_chunks, qweight, absmax, codebook, N, K, chunk_rows, C, row_groups, splits);
   } else {
     launch_moe_gemv(MoeStage::kGather, A, std::nullopt, std::nullopt, 1, chunks, num_chunks, qweight, absmax, codebook,
                     N, K, chunk_rows, C, splits);
@@ -258,7 +243,7 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
       "(Tensor offsets, Tensor pos, Tensor slot_of, Tensor chunks, Tensor num_chunks)");
   m.def(
       "_moe_grouped_linear(Tensor A, Tensor chunks, Tensor num_chunks, Tensor qweight, Tensor absmax, Tensor codebook, "
-      "int N, int K, int chunk_rows, int splits=0, int row_groups=0, bool silu_mul=False) -> Tensor");
+      "int N, int K, int chunk_rows, int splits=0, int row_groups=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kbit, CUDA, m) {

@@ -1,7 +1,6 @@
 """A workload for compute-sanitizer over the MMA kernels: every k, activation tile count p and row-group
 shape, dense (M = 1 .. 64, forced and heuristic row groups, ragged N) and grouped over experts
-(fused_moe's grouped MMA path at 1 .. 64 rows per expert, I = 192 with the SiLU * up epilogue at
-every built row-group shape and with K splits, I = 96 without it), plus the wgmma kernels at one M each.
+(fused_moe's grouped MMA path at 1 .. 64 rows per expert), plus the wgmma kernels at one M each.
 Fresh random inputs; each output is checked finite (NaN-poisoned outputs would show).
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitizer_workload.py
@@ -60,23 +59,6 @@ def grouped(k: int, quick: bool) -> None:
         grouped_mma = torch.ops.kbit._moe_path_id("grouped_mma")
         out = torch.ops.kbit._fused_moe_cuda(x, ids, w, q13, a13, q2, a2, cb, I, None, False, grouped_mma)
         check(f"grouped mma k={k} T={T}", out)
-        # The gate_up epilogue's instances at both row-group shapes, one split and a 2-CTA cluster.
-        rows, G = torch.ops.kbit.moe_plan(T, top_k, E, k, "grouped_mma")[1:]
-        routed = torch.ops.kbit._moe_route(ids, None, E, rows, G)
-        xs = torch.randn(T * top_k, H, device="cuda", dtype=torch.bfloat16)
-        for r in (2, 2 if rows == 64 else 4):
-            for splits in (1, 2):
-                h = torch.ops.kbit._moe_grouped_linear(xs, routed[3], routed[4], q13, a13, cb, 2 * I, H, rows, splits, r,
-                                                       True)
-                check(f"grouped gate_up silu_mul k={k} T={T} r={r} s={splits}", h[: int(routed[0][-1])])
-    # I = 96 (not whole 64-row tiles): gate_up then the separate SiLU * up kernel.
-    q13n, a13n = random_runtime(E, 192, H, k)
-    q2n, a2n = random_runtime(E, H, 96, k)
-    ids = torch.topk(torch.rand(40, E, device="cuda"), top_k, dim=1).indices.to(torch.int32)
-    w = torch.softmax(torch.randn(40, top_k, device="cuda"), -1)
-    x = torch.randn(40, H, device="cuda", dtype=torch.bfloat16)
-    out = torch.ops.kbit._fused_moe_cuda(x, ids, w, q13n, a13n, q2n, a2n, cb, 96, None, False, grouped_mma)
-    check(f"grouped mma k={k} I=96", out)
     # The direct GEMV: one token (its automatic path), and several tokens forced (the combine counters).
     gemv_direct = torch.ops.kbit._moe_path_id("gemv_direct")
     for T in (1, 3):
