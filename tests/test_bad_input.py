@@ -52,6 +52,23 @@ def test_cpp_checks_raise_what_the_reference_raises():
     assert run.stdout.count(": ok") == sum(c.cpp_check and not c.cuda_only for c in CASES)
 
 
+@pytest.mark.skipif(not _EXTENSION, reason="the CUDA extension is not built")
+def test_plan_heuristic_ops_refuse_what_they_cannot_plan_for():
+    """The split-count, row-group and chunk-bound ops divide by the SM count or the chunk height: zero gets a
+    one-line ValueError, not a crash (a child process, so a crash fails this test alone)."""
+    calls = ["_gemv_splits(8, 6, 0)", "_mma_splits(8, 100, 6, 0, 3, 16)", "_mma_grouped_r(1, 24, 16, 4, 81, 0)",
+             "_moe_max_chunks(100, 8, 0)"]
+    script = "\n".join(["import torch, vllm_kbit.ops as o", "assert o.HAS_EXTENSION"] + [
+        f"try:\n    torch.ops.kbit.{c}\n    print('no error')\nexcept ValueError as e:\n    print('ValueError', len(str(e).splitlines()))"
+        for c in calls])
+    run = subprocess.run([sys.executable, "-c", script], env=child_env(VLLM_KBIT_LOAD_EXTENSION="1"), capture_output=True,
+                         text=True, timeout=300)
+    if run.returncode != 0 and "libcudart" in run.stderr:
+        pytest.skip("the extension needs libcudart, which this machine lacks")
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert run.stdout.split("\n")[: len(calls)] == ["ValueError 1"] * len(calls), run.stdout
+
+
 def _one_line(excinfo):
     assert "\n" not in str(excinfo.value)
 

@@ -158,6 +158,28 @@ def test_grouped_split_cost_keeps_full_grids_unsplit():
 
 
 @requires_extension
+def test_grouped_row_groups_narrow_only_for_light_last_waves():
+    """The grouped MMA's row groups per warp (mma_grouped_r): wide (4; 2 at p = 8) unless an expert has under 4
+    n-tiles, or at k = 4 with 8-row chunks (p = 1) on long experts (>= 16 k-tiles) the wide grid's expected CTAs
+    run past one wave and leave the last under half full (3 wide CTAs per SM). Qwen3-30B-A3B's gate_up (24
+    n-tiles, 16 k-tiles) at 16 tokens: ~81 chunks x 6 wide columns = 486 CTAs for 396 slots, narrow; at 4 tokens
+    one wave and at 64 a nearly full second one, wide; never at k = 2, 3, 5, on the 6-k-tile down projection or
+    at p = 2. GLM-4.5-Air's gate_up (44 n-tiles, 32 k-tiles) at 16 tokens: 891 CTAs, 2.25 waves, narrow."""
+    r = torch.ops.kbit._mma_grouped_r
+
+    def chunks(tokens):  # 8-row chunks of top-8 routing over 128 experts
+        return torch.ops.kbit._moe_expected_chunks(8 * tokens, 128, 8)
+
+    assert r(1, 24, 16, 4, chunks(16), 132) == 1
+    assert r(1, 24, 16, 4, chunks(4), 132) == 4 and r(1, 24, 16, 4, chunks(64), 132) == 4
+    assert all(r(1, 24, 16, bits, chunks(16), 132) == 4 for bits in (2, 3, 5))
+    assert r(1, 32, 6, 4, chunks(16), 132) == 4  # down: K = 768
+    assert r(2, 24, 16, 4, chunks(16), 132) == 4
+    assert r(1, 44, 32, 4, chunks(16), 132) == 1
+    assert r(8, 24, 16, 4, chunks(16), 132) == 2 and r(1, 2, 16, 4, chunks(16), 132) == 1
+
+
+@requires_extension
 def test_moe_plan_paths_and_workspace():
     """kbit::moe_plan: few slots over many experts take the direct GEMV, up to 256 slots per expert the grouped
     MMA (chunk height from the average rows of a busy expert and k), beyond that grouped mm (no chunks);

@@ -162,23 +162,43 @@ std::tuple<std::string, int64_t, int64_t> moe_plan_op(int64_t tokens, int64_t to
 
 int64_t moe_path_id_op(const std::string& name) { return static_cast<int64_t>(moe_path_from_name(name)); }
 
+// The heuristics divide by the SM count and the chunk height: the ops refuse what they cannot plan for.
+void check_num_sms(const char* op, int64_t num_sms) {
+  KBIT_CHECK_VALUE(num_sms >= 1, "kbit ", op, ": num_sms must be >= 1, got ", num_sms);
+}
+
 int64_t gemv_splits_op(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
+  check_num_sms("_gemv_splits", num_sms);
   return gemv_splits(n_tiles, k_tiles, num_sms);
 }
 
 int64_t mma_splits_op(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm,
                       int64_t split_cost) {
+  check_num_sms("_mma_splits", num_sms);
   return mma_splits(cols, m_blocks, k_tiles, num_sms, ctas_per_sm, split_cost);
 }
 
+int64_t moe_max_chunks_op(int64_t slots, int64_t experts, int64_t chunk_rows) {
+  KBIT_CHECK_VALUE(chunk_rows >= 1 && slots >= 0 && experts >= 0, "kbit _moe_max_chunks: needs chunk_rows >= 1 and ",
+                   "slots, experts >= 0, got chunk_rows=", chunk_rows, ", slots=", slots, ", experts=", experts);
+  return moe_max_chunks(slots, experts, chunk_rows);
+}
+
 int64_t mma_split_cost_op(bool grouped) { return grouped ? kMmaSplitCostGrouped : kMmaSplitCostDense; }
+
+int64_t mma_grouped_r_op(int64_t p, int64_t n_tiles, int64_t k_tiles, int64_t bits, int64_t expected_chunks,
+                         int64_t num_sms) {
+  check_num_sms("_mma_grouped_r", num_sms);
+  return mma_grouped_r(static_cast<int>(p), n_tiles, k_tiles, static_cast<int>(bits), expected_chunks, num_sms);
+}
 
 }  // namespace
 }  // namespace kbit
 
 // Plans as ops (no tensors, so they run on any device): what kbit::linear and kbit::fused_moe do for
 // given shapes, for tests, benchmarks and anyone asking. The heuristics they use are ops too, for the
-// property tests: the split counts over arbitrary grids, the MMA tile shape, the routing's chunk bound.
+// property tests: the split counts over arbitrary grids, the MMA tile shape, the grouped MMA's row groups
+// per warp, the routing's chunk bound.
 TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("linear_plan(int M, int N, int K, ScalarType dtype, int sm_major, int num_sms, int ctas_per_sm=1, "
         "str path=\"auto\") -> (str path, int splits, int max_splits, int p, int r, int m_blocks)",
@@ -190,6 +210,8 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("_mma_splits(int cols, int m_blocks, int k_tiles, int num_sms, int ctas_per_sm, int split_cost=1) -> int",
         &kbit::mma_splits_op);
   m.def("_mma_split_cost(bool grouped) -> int", &kbit::mma_split_cost_op);
-  m.def("_moe_max_chunks(int slots, int experts, int chunk_rows) -> int", &kbit::moe_max_chunks);
+  m.def("_mma_grouped_r(int p, int n_tiles, int k_tiles, int bits, int expected_chunks, int num_sms) -> int",
+        &kbit::mma_grouped_r_op);
+  m.def("_moe_max_chunks(int slots, int experts, int chunk_rows) -> int", &kbit::moe_max_chunks_op);
   m.def("_moe_expected_chunks(int slots, int experts, int chunk_rows) -> int", &kbit::moe_expected_chunks);
 }
