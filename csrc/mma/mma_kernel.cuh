@@ -89,14 +89,14 @@ struct Shape {
   static constexpr int kStages = std::max(2, std::min(4, (kLut ? kLutSmemTarget : kSmemTarget) / kStageBytes));
   static constexpr int kPartialUnits = kWarps * R * P * 32;  // float4 C fragments of one CTA
   static constexpr int kSmemBytes = kLutBytes + std::max(kStages * kStageBytes, kPartialUnits * 16);
+  static constexpr int kSmemFit = kSmemPerSm / (kSmemBytes + kSmemReservedPerCta);  // CTAs shared memory holds
   // CTAs per SM the registers are capped for (launch bounds). Narrow warps: as many as shared memory
   // holds (uncapped, ptxas trades CTAs for fewer re-computations). Wide warps: 3 (<= 168 registers;
   // shared memory allows 3 or 4, and a cap of 4 = 128 registers spills), except k = 5 with 16 MMA
   // tiles per warp, which spill under 168 too and are left uncapped (2 CTAs per SM).
-  static constexpr int kCtasPerSm = R == 1 ? std::min(16, kSmemPerSm / (kSmemBytes + kSmemReservedPerCta))
-                                    : BITS == 5 && P * R >= 16 ? 1 : 3;
+  static constexpr int kCtasPerSm = R == 1 ? std::min(16, kSmemFit) : BITS == 5 && P * R >= 16 ? 1 : 3;
   // CTAs an SM holds at once: the register cap or what shared memory allows, whichever is lower.
-  static constexpr int kResident = std::min(kCtasPerSm, kSmemPerSm / (kSmemBytes + kSmemReservedPerCta));
+  static constexpr int kResident = std::min(kCtasPerSm, kSmemFit);
 };
 
 template <typename T>
