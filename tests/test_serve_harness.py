@@ -168,7 +168,7 @@ def test_skip_done_resumes_only_successful_steps_of_the_same_commit(tmp_path):
     assert bench_serve.done_steps([path], "other") == set()
 
 
-def test_report_lists_repeats_at_one_commit_with_their_spread(tmp_path):
+def test_report_lists_repeats_with_their_spread_and_runs_at_other_commits(tmp_path):
     path = str(tmp_path / "r.jsonl")
     for tok in (2600.0, 2860.0):  # two runs of one build
         records.append(path, records.from_bench(_bench(tok, 256, 256 * 256), _context("kbit-4", 64)))
@@ -180,6 +180,9 @@ def test_report_lists_repeats_at_one_commit_with_their_spread(tmp_path):
     assert [r["output_tok_s"] for r in again[("kbit-4", 1024, 256, 64, "abc")]] == [2600.0, 2860.0]
     md = report.markdown(records.load([path]))
     assert "| kbit-4 | 1024 / 256 | 64 | abc | 2600, 2860 | 10% |" in md
+    assert "| kbit-4 | 1024 / 256 | 64 | 2600 (abc, 2026-11-23 10:00 UTC), 2860 (abc, 2026-11-23 10:00 UTC), " \
+           "3300 (old, 2026-11-23 10:00 UTC) |" in md  # the run at another commit, listed beside them
+    assert list(records.across_commits(records.load([path]))) == [("kbit-4", 1024, 256, 64)]
     assert "failed: bench timed out" in md  # the tables still show the last record
 
 

@@ -79,3 +79,13 @@ def repeated(records: list[dict]) -> dict[tuple, list[dict]]:
 def latest(records: list[dict]) -> dict[tuple, dict]:
     """(method, input_len, output_len, concurrency) -> the last record with that key (a re-run replaces a run)."""
     return {(r["method"], r["input_len"], r["output_len"], r["concurrency"]): r for r in records}
+
+
+def across_commits(records: list[dict]) -> dict[tuple, list[dict]]:
+    """(method, input_len, output_len, concurrency) -> its successful records, in order, for the keys measured
+    at more than one commit (a re-run on another server or build; the tables show the last one)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r["output_tok_s"] is not None and not r.get("error"):
+            groups.setdefault((r["method"], r["input_len"], r["output_len"], r["concurrency"]), []).append(r)
+    return {k: v for k, v in groups.items() if len({r["commit"] for r in v}) > 1}

@@ -4,7 +4,8 @@
 
 bench_serve.py calls :func:`write` after every measurement; run this by hand to merge the records of
 several runs into one table and plot. Where a (method, setting, concurrency) was measured more
-than once, the last record counts in the tables; repeats at one commit are also listed with their spread.
+than once, the last record counts in the tables; repeats at one commit are also listed with their spread,
+and runs at several commits with their commits and dates.
 """
 
 from __future__ import annotations
@@ -95,6 +96,14 @@ def markdown(records: list[dict]) -> str:
             tok = [r["output_tok_s"] for r in rs]
             out.append(f"| {m} | {inp} / {outp} | {c} | {commit} | {', '.join(f'{t:.0f}' for t in tok)} | "
                        f"{(max(tok) - min(tok)) / min(tok):.0%} |")
+    other = rec.across_commits(records)
+    if other:
+        out += ["", "## Measured at more than one commit", "",
+                "Output tok/s of each run in order, with its commit and date; the tables above show the last.", "",
+                "| method | in / out | c | runs |", "| --- | --- | ---: | --- |"]
+        for (m, inp, outp, c), rs in other.items():
+            runs = ", ".join(f"{r['output_tok_s']:.0f} ({r['commit']}, {r['date']})" for r in rs)
+            out.append(f"| {m} | {inp} / {outp} | {c} | {runs} |")
     sampled = [(k, r) for k, r in rows.items() if r.get("sm_clock_mhz") is not None]
     if sampled:
         out += ["", "## GPU during each bench (nvidia-smi samples, gpu_monitor.py)", "",
