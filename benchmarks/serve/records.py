@@ -66,26 +66,33 @@ def load(paths: list[str]) -> list[dict]:
     return out
 
 
-def repeated(records: list[dict]) -> dict[tuple, list[dict]]:
-    """(method, input_len, output_len, concurrency, commit) -> its successful records, in order, for the keys
-    measured more than once at one commit (bench_serve --repeats, or runs of one build on several servers)."""
+def _cell(r: dict) -> tuple:
+    """The table cell a record measures: (method, input_len, output_len, concurrency)."""
+    return r["method"], r["input_len"], r["output_len"], r["concurrency"]
+
+
+def _measured(records: list[dict], key) -> dict[tuple, list[dict]]:
+    """key(record) -> the successful records with that key, in order."""
     groups: dict[tuple, list[dict]] = {}
     for r in records:
         if r["output_tok_s"] is not None and not r.get("error"):
-            groups.setdefault((r["method"], r["input_len"], r["output_len"], r["concurrency"], r["commit"]), []).append(r)
+            groups.setdefault(key(r), []).append(r)
+    return groups
+
+
+def repeated(records: list[dict]) -> dict[tuple, list[dict]]:
+    """(method, input_len, output_len, concurrency, commit) -> its successful records, in order, for the keys
+    measured more than once at one commit (bench_serve --repeats, or runs of one build on several servers)."""
+    groups = _measured(records, lambda r: _cell(r) + (r["commit"],))
     return {k: v for k, v in groups.items() if len(v) > 1}
 
 
 def latest(records: list[dict]) -> dict[tuple, dict]:
     """(method, input_len, output_len, concurrency) -> the last record with that key (a re-run replaces a run)."""
-    return {(r["method"], r["input_len"], r["output_len"], r["concurrency"]): r for r in records}
+    return {_cell(r): r for r in records}
 
 
 def across_commits(records: list[dict]) -> dict[tuple, list[dict]]:
     """(method, input_len, output_len, concurrency) -> its successful records, in order, for the keys measured
     at more than one commit (a re-run on another server or build; the tables show the last one)."""
-    groups: dict[tuple, list[dict]] = {}
-    for r in records:
-        if r["output_tok_s"] is not None and not r.get("error"):
-            groups.setdefault((r["method"], r["input_len"], r["output_len"], r["concurrency"]), []).append(r)
-    return {k: v for k, v in groups.items() if len({r["commit"] for r in v}) > 1}
+    return {k: v for k, v in _measured(records, _cell).items() if len({r["commit"] for r in v}) > 1}
