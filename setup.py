@@ -29,19 +29,35 @@ def _import_torch():
     return torch
 
 
+def cpu_extension(cpp_extension):
+    """``vllm_kbit._cpu``: the CPU kernels (csrc/cpu/), built with the host C++ compiler wherever torch is."""
+    return cpp_extension.CppExtension(
+        name="vllm_kbit._cpu",
+        sources=sorted(glob.glob("csrc/cpu/*.cpp")),
+        include_dirs=[os.path.abspath("csrc/common"), os.path.abspath("vllm_kbit")],
+        # -ffp-contract=off: no fused multiply-add, so every fp32 operation rounds once, as the reference's;
+        # -fopenmp: at::parallel_for spreads the blocks over torch's threads.
+        extra_compile_args=["-O3", "-std=c++17", "-fno-ipa-sra", "-ffp-contract=off", "-fopenmp"],
+        extra_link_args=["-fopenmp"],
+        py_limited_api=True,
+    )
+
+
 def cuda_extensions():
     torch = _import_torch()
     from torch.utils import cpp_extension
 
+    cpu = [cpu_extension(cpp_extension)]
+    build = {"build_ext": cpp_extension.BuildExtension}
     if torch.version.cuda is None or cpp_extension.CUDA_HOME is None or shutil.which("nvcc", path=os.path.join(cpp_extension.CUDA_HOME, "bin")) is None:
-        print("vllm-kbit: no nvcc or no CUDA build of torch: installing without CUDA kernels")
-        return [], {}
+        print("vllm-kbit: no nvcc or no CUDA build of torch: installing without CUDA kernels (CPU kernels only)")
+        return cpu, build
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "9.0a")
     # CPU machines have nvcc without the cuBLAS headers ATen/cuda needs; torch's CUDA wheels ship them.
     nvidia_include = [p for p in (os.path.join(d, "nvidia", "cu13", "include") for d in __import__("site").getsitepackages()) if os.path.isdir(p)]
     ext = cpp_extension.CUDAExtension(
         name="vllm_kbit._C",
-        sources=sorted(glob.glob("csrc/*/*.cpp") + glob.glob("csrc/*/*.cu")),
+        sources=sorted(p for p in glob.glob("csrc/*/*.cpp") + glob.glob("csrc/*/*.cu") if not p.startswith("csrc/cpu/")),
         # csrc/<concept>/ folders include each other's headers by file name; vllm_kbit: format_constants.h
         include_dirs=[*sorted(os.path.abspath(d) for d in glob.glob("csrc/*/")), os.path.abspath("vllm_kbit"), *nvidia_include],
         extra_compile_args={
@@ -54,7 +70,7 @@ def cuda_extensions():
     )
     # BuildExtension uses ninja by default; with_options(use_ninja=...) breaks on setuptools >= 80
     # (its Command.__init__ rejects the unknown keyword).
-    return [ext], {"build_ext": cpp_extension.BuildExtension}
+    return [*cpu, ext], build
 
 
 ext_modules, cmdclass = cuda_extensions()

@@ -66,6 +66,8 @@ _VARIANTS = {
     "_mma_linear": _variant("linear", "_mma_linear", ", int row_groups=0, int splits=0"),
     "_wgmma_linear": _variant("linear", "_wgmma_linear", ", bool warp_specialized=False"),
     "_fused_moe_cuda": _variant("fused_moe", "_fused_moe_cuda", ", int path=0"),  # kbit::_moe_path_id; 0: auto
+    # quantize's compiled CPU kernel (vllm_kbit._cpu, csrc/cpu/): the reference's bits, fast.
+    "_quantize_cpu": _variant("quantize", "_quantize_cpu"),
 }
 for _schema in (*_SCHEMAS.values(), *_VARIANTS.values()):
     _lib.define(_schema)
@@ -170,6 +172,33 @@ def _linear_reference(x, qweight_rt, absmax_rt, codebook, N, K, bias):
     return torch.nn.functional.linear(x, W, bias)
 
 
+def _load_cpu_extension() -> bool:
+    """Loads vllm_kbit/_cpu*.so (the CPU kernels) where it is built; False leaves quantize to the reference."""
+    candidates = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "_cpu*.so")))
+    if not candidates or os.environ.get("VLLM_KBIT_LOAD_EXTENSION") == "0":
+        return False
+    try:
+        torch.ops.load_library(candidates[0])
+    except OSError:  # built against another torch: the reference still serves quantize, slower
+        return False
+    return True
+
+
+# HAS_CPU_KERNELS: kbit::quantize on CPU tensors runs the compiled kernel (kbit::_quantize_cpu).
+HAS_CPU_KERNELS = _load_cpu_extension()
+
+
+def _quantize_cpu(W, codebook, k, search_scale=fmt.DEFAULT_SEARCH_SCALE):
+    """kbit::quantize on CPU: the reference's checks, then the compiled kernel (bit-identical to
+    :func:`reference.quantize`, which serves where the kernel is not built)."""
+    if not HAS_CPU_KERNELS:
+        return fmt.quantize(W, codebook, k, search_scale)
+    fmt.check_weight(W)
+    fmt.check_codebook(codebook, k)
+    fmt.check_representable(W)
+    return torch.ops.kbit._quantize_cpu(W, codebook, k, search_scale)
+
+
 # The reference implementations are device-agnostic PyTorch.
 _REFERENCE = {
     "quantize": fmt.quantize,
@@ -182,7 +211,7 @@ _REFERENCE = {
 # Ops that have CUDA kernels in csrc/; the rest run the reference on every device.
 _CUDA_KERNEL_OPS = ("quantize", "dequantize", "repack", "dequantize_runtime", "linear")
 
-for _name, _fn in _REFERENCE.items():
+for _name, _fn in {**_REFERENCE, "quantize": _quantize_cpu}.items():
     _lib.impl(_name, _fn, "CPU")
 _lib.impl("unrepack", fmt.unrepack, "CUDA")
 
@@ -229,6 +258,7 @@ if not HAS_EXTENSION:
 # Shapes only: under torch.compile sizes may be symbolic; the real kernels validate.
 
 
+@torch.library.register_fake("kbit::_quantize_cpu")
 @torch.library.register_fake("kbit::quantize")
 def _quantize_fake(W, codebook, k, search_scale=True):
     N, K = W.shape
