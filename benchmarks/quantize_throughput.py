@@ -1,13 +1,17 @@
-"""Throughput of the kbit quantize and dequantize CUDA kernels on large weights.
+"""Throughput of the kbit quantize and dequantize kernels on large weights, CUDA or CPU.
 
-Kernel time comes from CUDA-graph replay: one graph holds back-to-back calls that cycle
+CPU (``--device cpu``, any machine): the compiled CPU quantizer (vllm_kbit._cpu), what ``vllm-kbit
+convert --device cpu`` runs, in weights per second at each k with the default scale search, on one
+thread and on all of torch's threads; median of 5 calls on a fresh random bf16 weight, after a warm-up.
+
+CUDA (default): kernel time comes from CUDA-graph replay: one graph holds back-to-back calls that cycle
 through enough weight copies to exceed 4x the L2 cache (so every call reads from device
 memory), and the median over many replays is divided by the calls in the graph. Reported
 next to a device-to-device copy measured in the same run (bytes read + written).
 
-    python benchmarks/quantize_throughput.py [--out DIR] [--commit SHA]
+    python benchmarks/quantize_throughput.py [--device cuda|cpu] [--out DIR] [--commit SHA]
 
-writes quantize_throughput_<gpu>_<date>.json and .md into DIR (default benchmarks/results).
+writes quantize_throughput_<gpu or cpu>_<date>.json and .md into DIR (default benchmarks/results).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import sys
 import torch
 
 import vllm_kbit
+import vllm_kbit.ops
 from vllm_kbit import reference as fmt
 
 SHAPES = ((8192, 28672), (4096, 14336), (2048, 5120))  # (K, N), target shapes of docs/architecture.md; weights are [N, K]
@@ -108,6 +113,65 @@ def bench_shape(K: int, N: int, copy_gbs: float) -> list[dict]:
     return rows
 
 
+CPU_SHAPE = (4096, 4096)  # (K, N): 16.8M weights per call
+
+
+def cpu_rates() -> list[dict]:
+    """Weights/s of kbit::quantize on CPU tensors (default scale search) per k, 1 thread and all threads."""
+    import time
+
+    assert vllm_kbit.ops.HAS_CPU_KERNELS, "the CPU kernels are not built: this would time the PyTorch reference"
+    K, N = CPU_SHAPE
+    threads_all = torch.get_num_threads()
+    rows = []
+    for threads in sorted({1, threads_all}):
+        torch.set_num_threads(threads)
+        for k in BITS:
+            cb = fmt.default_codebook(k)
+            W = (torch.randn(N, K, generator=torch.Generator().manual_seed(k)) * 0.02).to(torch.bfloat16)
+            torch.ops.kbit.quantize(W[:64].contiguous(), cb, k)
+            times = []
+            for _ in range(5):
+                t = time.perf_counter()
+                torch.ops.kbit.quantize(W, cb, k)
+                times.append(time.perf_counter() - t)
+            sec = statistics.median(times)
+            rows.append(dict(op="quantize_searched", device="cpu", K=K, N=N, k=k, dtype="bfloat16", threads=threads,
+                             ms=sec * 1e3, weights_per_s=N * K / sec, weights_per_s_per_thread=N * K / sec / threads))
+    torch.set_num_threads(threads_all)
+    return rows
+
+
+def cpu_main(args) -> None:
+    import platform
+
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    rows = cpu_rates()
+    meta = dict(device="cpu", cpu=cpu, cores=os.cpu_count(), date=now.isoformat(timespec="seconds"), commit=args.commit,
+                torch=torch.__version__, command="python " + " ".join(shlex.quote(a) for a in sys.argv),
+                method="kbit::quantize on a bf16 [4096, 4096] N(0, 0.02) weight, default scale search; median of 5 calls")
+    lines = [f"# kbit quantize throughput on the CPU ({cpu}, {meta['cores']} cores)", "",
+             f"date {meta['date']}, commit {meta['commit']}, torch {meta['torch']}", "", f"command: `{meta['command']}`", "",
+             meta["method"], "", "| k | threads | ms | M weights/s | M weights/s per thread |", "| ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        lines.append(f"| {r['k']} | {r['threads']} | {r['ms']:.0f} | {r['weights_per_s'] / 1e6:.1f} | "
+                     f"{r['weights_per_s_per_thread'] / 1e6:.1f} |")
+    md = "\n".join(lines) + "\n"
+    print(md)
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"quantize_throughput_cpu_{now.date().isoformat()}")
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, results=rows), f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+
+
 def git_commit() -> str:
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
@@ -119,7 +183,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "results"))
     parser.add_argument("--commit", default=os.environ.get("KBIT_COMMIT") or git_commit())
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     args = parser.parse_args()
+    if args.device == "cpu":
+        return cpu_main(args)
     assert vllm_kbit.HAS_CUDA_KERNELS, "the CUDA extension is not loaded: this would time the PyTorch reference"
 
     gpu = torch.cuda.get_device_name(0)
@@ -135,9 +202,11 @@ def main() -> None:
              f"date {meta['date']}, commit {meta['commit']}, torch {meta['torch']}", "",
              f"command: `{meta['command']}`", "", f"device-to-device copy: {copy_gbs:.0f} GB/s (read + write)", "",
              meta["method"], "",
-             "| op | K | N | k | ms | bf16 GB/s | total GB/s | of copy |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "quantize_searched is the default (scale search), what `vllm-kbit convert` and online loading run.", "",
+             "| op | K | N | k | ms | G weights/s | bf16 GB/s | total GB/s | of copy |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
-        lines.append(f"| {r['op']} | {r['K']} | {r['N']} | {r['k']} | {r['ms']:.3f} | "
+        lines.append(f"| {r['op']} | {r['K']} | {r['N']} | {r['k']} | {r['ms']:.3f} | {r['K'] * r['N'] / r['ms'] / 1e6:.0f} | "
                      f"{(r['K'] * r['N'] * 2) / r['ms'] / 1e6:.0f} | {r['total_gbs']:.0f} | {r['copy_fraction']:.0%} |")
     md = "\n".join(lines) + "\n"
     print(md)
