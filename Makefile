@@ -99,7 +99,7 @@ CUDA_BUILD_TESTS ?= tests/test_dispatch.py tests/test_bad_input.py tests/test_fo
 env: $(STAMP_PKG)
 
 $(STAMP_VENV):
-	@echo "== env: creating $(VENV) ($(FLAVOR): torch $(TORCH_SPEC), vLLM $(VLLM_VERSION))"
+	@echo "== env: creating $(VENV) (FLAVOR=$(FLAVOR): $(TORCH_SPEC), vLLM $(VLLM_VERSION))"
 	$(PYTHON) -m venv $(VENV)
 	$(PIP_INSTALL) -q --upgrade pip
 	touch $@

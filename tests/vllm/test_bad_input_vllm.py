@@ -393,3 +393,31 @@ def test_convert_cli_writes_sharded_checkpoint_with_overrides(tiny, tmp_path, ca
     assert torch.equal(q.qweight, tensor("model.layers.1.mlp.experts.0.gate_proj.qweight"))
     assert torch.equal(q.absmax, tensor("model.layers.1.mlp.experts.0.gate_proj.absmax"))
     assert settings_of(qc).bits_for("model.layers.1.mlp.experts") == 3
+
+
+def test_convert_prints_the_weights_to_do_an_estimate_and_a_rate(tiny, tmp_path, capsys):
+    """Before quantizing: the tensors, the weights per bit width, the device (auto: the CPU without CUDA)
+    and a measured estimate; while it runs, a bar counting weights (its rate in weights/s)."""
+    from vllm_kbit.convert import resolve_device
+
+    assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert resolve_device("cuda:1") == "cuda:1"
+    out = tmp_path / "out"
+    rc = cli_main(["convert", tiny["glm4_moe"], str(out), "--bits", "4", "--bits-overrides", "experts=3"])
+    assert rc == 0
+    captured = capsys.readouterr()
+    from vllm_kbit.convert import quantization_decision
+
+    settings = settings_of({"quant_method": "kbit", "bits": 4, "bits_overrides": {"experts": 3}})
+    todo = {}
+    for file in sorted(f for f in os.listdir(tiny["glm4_moe"]) if f.endswith(".safetensors")):
+        for name, t in load_file(os.path.join(tiny["glm4_moe"], file)).items():
+            bits = quantization_decision(name, tuple(t.shape), t.dtype, settings)
+            if bits not in (None, -1):
+                todo[bits] = todo.get(bits, 0) + t.numel()
+    line = next(line for line in captured.out.splitlines() if line.startswith("kbit convert:"))
+    assert f"{sum(todo.values()) / 1e6:.1f}M weights to quantize" in line
+    assert f"{todo[3] / 1e6:.1f}M at k=3" in line and f"{todo[4] / 1e6:.1f}M at k=4" in line
+    assert f"on {resolve_device('auto')}" in line and "quantizing takes about" in line
+    assert "w/s" in captured.err  # the bar's rate, in weights per second
+
