@@ -7,11 +7,16 @@ In one process and run, kernel time per call of
       marlin_int4  vLLM's fused_marlin_moe on GPTQ int4 group-128 weights, prepared as vLLM's
                    GPTQ MoE method prepares them (gptq_marlin_moe_repack, marlin_moe_permute_scales),
       triton_bf16  vLLM's Triton fused_experts on bf16 weights (the path vLLM runs for an
-                   unquantized MoE on Hopper);
+                   unquantized MoE on Hopper),
+      humming      vLLM's Humming kernels on uint-k group-128 weights at the same k = 2..5
+                   (benchmarks/humming_peer.py: set up as vLLM's Humming MoE method runs them);
   * dense layers (qkv, o, Llama-70B gate_up) at M rows:
       kbit         kbit_linear (torch.ops.kbit.linear) on k = 2..5 bit weights,
       marlin_int4  vLLM's GPTQ Marlin linear (apply_gptq_marlin_linear -> ops.marlin_gemm, g128),
-      cublas_bf16  torch.nn.functional.linear in bf16.
+      cublas_bf16  torch.nn.functional.linear in bf16,
+      humming      Humming's dense GEMM on uint-k group-128 weights (vLLM's HummingLinearMethod).
+Each humming record carries the Humming config it ran under "config"; what Humming refuses is
+listed under "errors" with its message.
 
 Regime COLD only: each measurement captures back-to-back calls in one CUDA graph
 (bench_linear.graph_time_us) that rotate through enough weight copies (and, for MoE, routings)
@@ -79,10 +84,11 @@ LAYERS = (*MOE_LAYERS, *DENSE_LAYERS)
 MOE_TOKENS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)
 DENSE_M = (1, 4, 16, 64, 128, 256, 1024)
 QUICK_TOKENS = (1, 16, 256)
-IMPLS = ("kbit", "marlin_int4", "triton_bf16", "cublas_bf16")
-MOE_IMPLS = ("kbit", "marlin_int4", "triton_bf16")
-DENSE_IMPLS = ("kbit", "marlin_int4", "cublas_bf16")
-IMPL_LABEL = {"marlin_int4": "marlin int4", "triton_bf16": "triton bf16", "cublas_bf16": "cuBLAS bf16"}
+IMPLS = ("kbit", "marlin_int4", "triton_bf16", "cublas_bf16", "humming")
+MOE_IMPLS = ("kbit", "marlin_int4", "triton_bf16", "humming")
+DENSE_IMPLS = ("kbit", "marlin_int4", "cublas_bf16", "humming")
+K_IMPLS = ("kbit", "humming")  # impls timed at every k of --bits
+IMPL_LABEL = {"marlin_int4": "marlin int4", "triton_bf16": "triton bf16", "cublas_bf16": "cuBLAS bf16", "humming": "humming"}
 
 GROUP = 128  # GPTQ group size of the Marlin baseline
 BF16_STD = 0.02  # std of the random bf16 weights
@@ -349,6 +355,11 @@ class CublasDense:
 
 
 def make_impl(layer: str, impl: str, k):
+    if impl == "humming":
+        import humming_peer  # its own module: Humming is imported only where it is asked for
+
+        return humming_peer.HummingMoe(*MOE_LAYERS[layer], k) if layer in MOE_LAYERS else humming_peer.HummingDense(
+            *DENSE_LAYERS[layer], k)
     if layer in MOE_LAYERS:
         cls = {"kbit": KbitMoe, "marlin_int4": MarlinMoe, "triton_bf16": TritonMoe}[impl]
         return cls(*MOE_LAYERS[layer], k)
@@ -397,6 +408,12 @@ def check_dense(impl, W, x) -> float:
 
 
 # ----------------------------------------------------------------------------- the run
+
+
+def impl_config(impl) -> dict:
+    """{"config": ...} for impls that run under a configuration of their own (humming), else nothing."""
+    config = getattr(impl, "config", None)
+    return {} if config is None else {"config": json.loads(json.dumps(config, default=str))}
 
 
 def cold_copies(touched_bytes: float, l2: int) -> int:
@@ -482,7 +499,7 @@ def impl_plan(layer: str, impls: list, bits: list) -> list:
     plan = []
     for impl in allowed:
         if impl in impls:
-            plan += [(impl, k) for k in bits] if impl == "kbit" else [(impl, None)]
+            plan += [(impl, k) for k in bits] if impl in K_IMPLS else [(impl, None)]
     return plan
 
 
@@ -524,7 +541,8 @@ def bench_moe_impl(run: Run, layer: str, impl, xs: dict, routes: dict, hit: dict
             continue
         run.record(dict(layer=layer, impl=impl.name, k=impl.k, T=T, N=2 * I, K=H, regime="cold", us=us,
                         floor_us=run.floor_us(hit[T] * eb + 2 * 2 * T * H), inst_per_weight=None,
-                        E=E, top_k=top_k, I=I, H=H, experts_hit=round(hit[T], 2), copies=n, rel_err=err))
+                        E=E, top_k=top_k, I=I, H=H, experts_hit=round(hit[T], 2), copies=n, rel_err=err,
+                        **impl_config(impl)))
 
 
 def bench_dense_layer(run: Run, layer: str, plan: list, Ms: list) -> None:
@@ -558,7 +576,8 @@ def bench_dense_impl(run: Run, layer: str, impl, xs: dict) -> None:
             run.error(layer, impl.name, impl.k, M, f"{type(e).__name__}: {e}")
             continue
         run.record(dict(layer=layer, impl=impl.name, k=impl.k, T=M, N=N, K=K, regime="cold", us=us,
-                        floor_us=run.floor_us(nbytes + 2 * M * (K + N)), inst_per_weight=None, copies=n, rel_err=err))
+                        floor_us=run.floor_us(nbytes + 2 * M * (K + N)), inst_per_weight=None, copies=n, rel_err=err,
+                        **impl_config(impl)))
 
 
 # ----------------------------------------------------------------------------- ncu pass
@@ -717,18 +736,22 @@ def layer_table(rows: list) -> list:
     moe = "E" in rows[0]
     base = "triton_bf16" if moe else "cublas_bf16"
     bits = sorted({r["k"] for r in rows if r["impl"] == "kbit"})
+    hbits = sorted({r["k"] for r in rows if r["impl"] == "humming"})
     us = {(r["impl"], r["k"], r["T"]): r["us"] for r in rows}
     floor = {(r["impl"], r["k"], r["T"]): r.get("floor_us") for r in rows}
-    head = (["T"] + [f"kbit-{k} µs" for k in bits] + ["marlin int4 µs", f"{IMPL_LABEL[base]} µs", "kbit-4 vs marlin",
-            "kbit-3 vs marlin", "kbit-2 vs marlin", "k2/k4", "kbit-4 % of floor"])
+    head = (["T"] + [f"kbit-{k} µs" for k in bits] + ["marlin int4 µs", f"{IMPL_LABEL[base]} µs"]
+            + [f"humming-{k} µs" for k in hbits] + ["kbit-4 vs marlin", "kbit-3 vs marlin", "kbit-2 vs marlin"]
+            + [f"kbit-{k} vs humming-{k}" for k in hbits] + ["k2/k4", "kbit-4 % of floor"])
     lines = ["| " + " | ".join(head) + " |", "| " + " | ".join("---:" for _ in head) + " |"]
     for T in sorted({r["T"] for r in rows}):
         kb = {k: us.get(("kbit", k, T)) for k in (2, 3, 4, 5, *bits)}
         marlin = us.get(("marlin_int4", None, T))
         f4 = floor.get(("kbit", 4, T))
         pct = "-" if f4 is None or kb[4] is None else f"{100 * f4 / kb[4]:.0f}%"
+        hum = {k: us.get(("humming", k, T)) for k in hbits}
         cells = ([str(T)] + [fmt_us(kb[k]) for k in bits] + [fmt_us(marlin), fmt_us(us.get((base, None, T)))]
-                 + [fmt_ratio(marlin, kb[k]) for k in (4, 3, 2)] + [fmt_ratio(kb[2], kb[4]), pct])
+                 + [fmt_us(hum[k]) for k in hbits] + [fmt_ratio(marlin, kb[k]) for k in (4, 3, 2)]
+                 + [fmt_ratio(hum[k], kb.get(k)) for k in hbits] + [fmt_ratio(kb[2], kb[4]), pct])
         lines.append("| " + " | ".join(cells) + " |")
     return lines
 
@@ -765,7 +788,8 @@ def markdown(data: dict) -> str:
     lines = [f"# Kernel benchmark: {data['gpu']}, {data['date']}, commit {data['commit']}", "",
              f"copy bandwidth {data['copy_GBps']} GB/s (device-to-device, read + write); command `{data['command']}`", "",
              "COLD regime (weights, and for MoE routings, rotated so that the bytes touched exceed 4x the L2); µs per "
-             "call from CUDA-graph replay. `X vs marlin` = marlin µs / kbit-X µs (> 1: kbit faster); `k2/k4` = "
+             "call from CUDA-graph replay. `X vs marlin` = marlin µs / kbit-X µs (> 1: kbit faster), `kbit-k vs "
+             "humming-k` likewise at equal k; `k2/k4` = "
              "kbit-2 µs / kbit-4 µs; `% of floor` = HBM floor (bytes read at copy bandwidth) / measured time.", ""]
     for layer in layer_order(recs):
         rows = [r for r in recs if r["layer"] == layer]
@@ -778,13 +802,15 @@ def markdown(data: dict) -> str:
 
 
 def series_label(impl: str, k) -> str:
-    return f"kbit-{k}" if impl == "kbit" else IMPL_LABEL.get(impl, impl)
+    return f"{impl}-{k}" if impl in K_IMPLS else IMPL_LABEL.get(impl, impl)
 
 
 def series_color(impl: str, k) -> str:
     """The same colour for an impl / k in every panel: kbit k = 2..5 blues to greens, Marlin red, bf16 grey."""
     if impl == "kbit":
         return {2: "#08519c", 3: "#3182bd", 4: "#31a354", 5: "#74c476"}.get(k, "#636363")
+    if impl == "humming":
+        return {2: "#54278f", 3: "#756bb1", 4: "#e6550d", 5: "#fd8d3c"}.get(k, "#9e9ac8")
     return {"marlin_int4": "#de2d26", "triton_bf16": "#525252", "cublas_bf16": "#525252"}.get(impl, "#9e9ac8")
 
 
@@ -846,7 +872,7 @@ def parse_args(argv=None):
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
     ap.add_argument("--layers", default=",".join(LAYERS), help=f"comma list of {', '.join(LAYERS)}")
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
-    ap.add_argument("--bits", default="2,3,4,5", help="k of the kbit impl")
+    ap.add_argument("--bits", default="2,3,4,5", help="k of the kbit and humming impls")
     ap.add_argument("--tokens", help=f"comma list of T (MoE tokens and dense M); default MoE {MOE_TOKENS}, dense {DENSE_M}")
     ap.add_argument("--quick", action="store_true", help=f"T / M in {QUICK_TOKENS} only")
     ap.add_argument("--ncu", action="store_true", help="also count instructions per weight for a few configs under ncu")

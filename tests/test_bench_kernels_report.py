@@ -40,6 +40,8 @@ RECORDS = [
     _moe("kbit", 5, 16, 11.0, 6.0),
     _moe("marlin_int4", None, 16, 13.0, 7.0),
     _moe("triton_bf16", None, 16, 40.0, 20.0),
+    _moe("humming", 3, 16, 12.0, 4.5),
+    _moe("humming", 4, 16, 11.0, 5.5),
     # MoE T=1: no Marlin record and no kbit-2 -> '-' in the ratios that need them
     _moe("kbit", 4, 1, 6.0, 2.4),
     _moe("triton_bf16", None, 1, 30.0),
@@ -90,9 +92,11 @@ def test_report_writes_the_ratios_from_the_records(run_json):
     assert row["kbit-2 vs marlin"] == f"{13.0 / 8.0:.2f}"
     assert row["k2/k4"] == f"{8.0 / 10.0:.2f}"
     assert row["kbit-4 % of floor"] == "50%"
+    assert row["humming-3 µs"] == "12.0" and row["humming-4 µs"] == "11.0" and "humming-2 µs" not in row
+    assert row["kbit-3 vs humming-3"] == f"{12.0 / 9.0:.2f}" and row["kbit-4 vs humming-4"] == f"{11.0 / 10.0:.2f}"
 
-    row = _table_row(md, "qwen3_30b_moe", 1)  # no Marlin, no kbit-2/3/5 at T=1
-    assert row["marlin int4 µs"] == "-" and row["kbit-2 µs"] == "-"
+    row = _table_row(md, "qwen3_30b_moe", 1)  # no Marlin, no kbit-2/3/5, no humming at T=1
+    assert row["marlin int4 µs"] == "-" and row["kbit-2 µs"] == "-" and row["kbit-4 vs humming-4"] == "-"
     assert row["kbit-4 vs marlin"] == "-" and row["k2/k4"] == "-"
     assert row["kbit-4 % of floor"] == f"{100 * 2.4 / 6.0:.0f}%"
 
