@@ -410,10 +410,11 @@ def check_dense(impl, W, x) -> float:
 # ----------------------------------------------------------------------------- the run
 
 
-def impl_config(impl) -> dict:
-    """{"config": ...} for impls that run under a configuration of their own (humming), else nothing."""
-    config = getattr(impl, "config", None)
-    return {} if config is None else {"config": json.loads(json.dumps(config, default=str))}
+def impl_config(impl, T: int) -> dict:
+    """{"config": ...} for impls that run under a configuration of their own (humming: the one at T), else nothing."""
+    if not hasattr(impl, "config_for"):
+        return {}
+    return {"config": json.loads(json.dumps(impl.config_for(T), default=str))}
 
 
 def cold_copies(touched_bytes: float, l2: int) -> int:
@@ -542,7 +543,7 @@ def bench_moe_impl(run: Run, layer: str, impl, xs: dict, routes: dict, hit: dict
         run.record(dict(layer=layer, impl=impl.name, k=impl.k, T=T, N=2 * I, K=H, regime="cold", us=us,
                         floor_us=run.floor_us(hit[T] * eb + 2 * 2 * T * H), inst_per_weight=None,
                         E=E, top_k=top_k, I=I, H=H, experts_hit=round(hit[T], 2), copies=n, rel_err=err,
-                        **impl_config(impl)))
+                        **impl_config(impl, T)))
 
 
 def bench_dense_layer(run: Run, layer: str, plan: list, Ms: list) -> None:
@@ -577,7 +578,7 @@ def bench_dense_impl(run: Run, layer: str, impl, xs: dict) -> None:
             continue
         run.record(dict(layer=layer, impl=impl.name, k=impl.k, T=M, N=N, K=K, regime="cold", us=us,
                         floor_us=run.floor_us(nbytes + 2 * M * (K + N)), inst_per_weight=None, copies=n, rel_err=err,
-                        **impl_config(impl)))
+                        **impl_config(impl, M)))
 
 
 # ----------------------------------------------------------------------------- ncu pass

@@ -105,6 +105,12 @@ def _kbit_bytes(n: int, k_dim: int, k: int) -> int:
     return n_p * k_p * k // 8 + n_p * (k_p // GROUP) * 2
 
 
+def _config_at(config: dict, m: int) -> dict:
+    """config with "chosen" narrowed to the kernel configs picked for M = m."""
+    chosen = {key: c for key, c in config.get("chosen", {}).items() if key.endswith(f"M={m}")}
+    return {**config, "chosen": chosen}
+
+
 def _weight_config(k: int) -> dict:
     return {"quant_method": "humming", "dtype": f"uint{k}", "group_size": GROUP}
 
@@ -213,6 +219,10 @@ class HummingMoe:
     def expert_bytes(self) -> int:
         return _kbit_bytes(2 * self.I, self.H, self.k) + _kbit_bytes(self.H, self.I, self.k)
 
+    def config_for(self, T: int) -> dict:
+        """The config of the calls at T tokens: the kernel configs chosen for M = T * top_k only."""
+        return _config_at(self.config, T * self.top_k)
+
     def build(self, first: bool):
         w13, r13 = _make_layer(2 * self.I, self.H, self.k, self.E, keep_ref=first)  # gate rows, then up rows
         w2, r2 = _make_layer(self.H, self.I, self.k, self.E, keep_ref=first)
@@ -288,6 +298,10 @@ class HummingDense:
 
     def nbytes(self) -> int:
         return _kbit_bytes(self.N, self.K, self.k)
+
+    def config_for(self, T: int) -> dict:
+        """The config of the calls at M = T rows: the kernel config chosen for that M only."""
+        return _config_at(self.config, T)
 
     def build(self, first: bool):
         layer, ref = _make_layer(self.N, self.K, self.k, None, keep_ref=first)
