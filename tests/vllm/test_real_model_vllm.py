@@ -8,8 +8,8 @@ this checks the plugin's online quantization, its fused q/k/v and gate/up shards
 on a real model, not only the arithmetic. A bf16 engine against the bf16 model gives the floor: how
 far two implementations of the same weights drift apart at all.
 
-Slow (vLLM quantizes 106M weights with the CPU reference while loading, a few minutes on 2 cores):
-runs with ``VLLM_KBIT_SLOW=1`` (``make test-real``). On a GPU machine the engine runs on the GPU and
+Runs with ``VLLM_KBIT_SLOW=1`` (``make test-real``): two engines and the plain-PyTorch generation take
+minutes on 2 cores, and ``make demo`` (checked in CI) already serves this model in bf16 and kbit-4. On a GPU machine the engine runs on the GPU and
 the plain-PyTorch side stays on the CPU.
 """
 
