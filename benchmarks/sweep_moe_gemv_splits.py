@@ -4,7 +4,7 @@ gate_up (down on the heuristic) and of down (gate_up on the heuristic), for T = 
 The direct GEMV launches slots x n-tiles x splits CTAs (clusters of `splits` sum one n-tile's K
 halves). More splits give more CTAs and bytes in flight, but fewer k-tiles per warp (no software
 pipeline left below two) and one more cluster reduction; the heuristic (kbit::_gemv_splits) picks one
-count per projection from the grid alone. This sweep forces each count through KBIT_MOE_GEMV_SPLITS,
+count per projection from the grid alone. This sweep forces each count through VLLM_KBIT_MOE_GEMV_SPLITS,
 COLD (weight copies rotated past 4x the L2), CUDA-graph replay, random top-k routing, so the rule can
 be checked against it.
 
@@ -58,14 +58,14 @@ def main() -> None:
                 configs = [("auto", 0, 0)] + [("gate_up", s, 0) for s in SPLITS if s <= tiles["gate_up"][1]] + \
                           [("down", 0, s) for s in SPLITS if s <= tiles["down"][1]]
                 for stage, g, d in configs:
-                    os.environ["KBIT_MOE_GEMV_SPLITS"] = f"{g},{d}"
+                    os.environ["VLLM_KBIT_MOE_GEMV_SPLITS"] = f"{g},{d}"
                     fns = [lambda w=W[i % len(W)], r=routes[i % ROUTINGS]: kbit_fused_moe(x, r[0], r[1], *w, cb, I)
                            for i in range(max(len(W), ROUTINGS))]
                     us = graph_time_us(fns, min_calls=40, replays=10)
                     rec = dict(layer=layer, k=k, T=T, stage=stage, splits=g or d, auto_gate_up=auto["gate_up"],
                                auto_down=auto["down"], us=round(us, 2))
                     emit(records, rec)
-                os.environ.pop("KBIT_MOE_GEMV_SPLITS")
+                os.environ.pop("VLLM_KBIT_MOE_GEMV_SPLITS")
             del W
             torch.cuda.empty_cache()
     stem, command = save_records(args.out, "sweep_moe_gemv_splits", gpu, date, commit, records)

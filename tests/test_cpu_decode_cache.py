@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import vllm_kbit
-from vllm_kbit import ops
+from vllm_kbit import envs, ops
 from vllm_kbit import reference as fmt
 from vllm_kbit.moe import kbit_fused_moe, stack_runtime
 
@@ -100,12 +100,12 @@ def test_cache_off_decodes_every_call(decodes, monkeypatch):
 
 def test_cache_setting_from_environment(monkeypatch):
     monkeypatch.delenv("VLLM_KBIT_CPU_DECODE_CACHE", raising=False)
-    assert ops._cache_setting() is True
+    assert envs.cpu_decode_cache() is True
     monkeypatch.setenv("VLLM_KBIT_CPU_DECODE_CACHE", "0")
-    assert ops._cache_setting() is False
+    assert envs.cpu_decode_cache() is False
     monkeypatch.setenv("VLLM_KBIT_CPU_DECODE_CACHE", "off")
     with pytest.raises(ValueError, match=r"VLLM_KBIT_CPU_DECODE_CACHE='off' is not a setting; supported: 0 \(off\), 1"):
-        ops._cache_setting()
+        envs.cpu_decode_cache()
 
 
 E, H, I, T, TOP_K = 5, 64, 96, 6, 2

@@ -22,8 +22,6 @@ routing those kernels compute, in PyTorch.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from vllm_kbit import reference as fmt
@@ -31,14 +29,10 @@ from vllm_kbit import ops
 
 _lib = torch.library.Library("kbit", "FRAGMENT")  # kbit::fused_moe's schema: vllm_kbit/ops.py
 
-# KBIT_MOE_PATH forces one CUDA path for every call (benchmarks, bisecting a numerical difference):
-# auto (default), gemv, grouped_mm, grouped_mma or gemv_direct; csrc/ops/dispatch.cpp names and checks them.
-_MOE_PATH = 0  # auto
-if ops.HAS_EXTENSION:
-    try:
-        _MOE_PATH = torch.ops.kbit._moe_path_id(os.environ.get("KBIT_MOE_PATH", "auto"))
-    except ValueError as e:
-        raise ValueError(f"kbit: KBIT_MOE_PATH: {e}") from None
+# VLLM_KBIT_MOE_PATH forces one CUDA path for every call (benchmarks, bisecting a numerical difference):
+# auto (default), gemv, grouped_mm, grouped_mma or gemv_direct; the extension reads and checks it
+# (csrc/common/overrides.h) and this asks which path.
+_MOE_PATH = torch.ops.kbit._moe_path_override() if ops.HAS_EXTENSION else 0  # 0: auto
 
 
 def check_inputs(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,

@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from vllm_kbit import envs
 from vllm_kbit import reference as fmt
 
 _lib = torch.library.Library("kbit", "DEF")
@@ -76,14 +77,7 @@ for _schema in (*_SCHEMAS.values(), *_VARIANTS.values()):
 # ----------------------------------------------------------------------------- CPU decode cache
 
 
-def _cache_setting() -> bool:
-    value = os.environ.get("VLLM_KBIT_CPU_DECODE_CACHE", "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"kbit: VLLM_KBIT_CPU_DECODE_CACHE={value!r} is not a setting; supported: 0 (off), 1 (on)")
-    return value == "1"
-
-
-CPU_DECODE_CACHE = _cache_setting()
+CPU_DECODE_CACHE = envs.cpu_decode_cache()
 # id(packed weight) -> (weak reference to it, {key: (stamp, decoded)}); the weak reference's callback drops
 # the entry when the packed tensor dies. A plain dict: this lookup runs on every CPU forward of every layer.
 _decoded: dict[int, tuple[weakref.ref, dict]] = {}
@@ -175,7 +169,7 @@ def _linear_reference(x, qweight_rt, absmax_rt, codebook, N, K, bias):
 def _load_cpu_extension() -> bool:
     """Loads vllm_kbit/_cpu*.so (the CPU kernels) where it is built; False leaves quantize to the reference."""
     candidates = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "_cpu*.so")))
-    if not candidates or os.environ.get("VLLM_KBIT_LOAD_EXTENSION") == "0":
+    if not candidates or not envs.load_extension():
         return False
     try:
         torch.ops.load_library(candidates[0])
@@ -226,7 +220,7 @@ def _load_extension() -> bool:
     """
     here = os.path.dirname(__file__)
     candidates = sorted(glob.glob(os.path.join(here, "_C*.so")))
-    if not candidates or os.environ.get("VLLM_KBIT_LOAD_EXTENSION") == "0":
+    if not candidates or not envs.load_extension():
         return False
     try:
         torch.ops.load_library(candidates[0])

@@ -52,11 +52,10 @@ class Unavailable(RuntimeError):
 
 
 def cache_root() -> str:
-    """``$VLLM_KBIT_CACHE``, else ``$XDG_CACHE_HOME/vllm-kbit``, else ``~/.cache/vllm-kbit``."""
-    if os.environ.get("VLLM_KBIT_CACHE"):
-        return os.environ["VLLM_KBIT_CACHE"]
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "vllm-kbit")
+    """``$VLLM_KBIT_CACHE``, else ``$XDG_CACHE_HOME/vllm-kbit``, else ``~/.cache/vllm-kbit`` (vllm_kbit.envs)."""
+    from vllm_kbit import envs
+
+    return envs.cache_root()
 
 
 def default_dir() -> str:

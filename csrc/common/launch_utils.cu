@@ -4,31 +4,13 @@
 #include <c10/cuda/CUDAFunctions.h>
 #include <torch/library.h>
 
-#include <cstdlib>
-#include <string>
-
-#include "check.h"
+#include "overrides.h"
 
 namespace kbit {
-namespace {
-
-// KBIT_PDL from the environment, read once: unset or "1" = on (where the device allows), "0" = off.
-bool pdl_env() {
-  static const bool on = [] {
-    const char* v = std::getenv("KBIT_PDL");
-    const std::string s = v == nullptr ? "" : v;
-    KBIT_CHECK(s.empty() || s == "0" || s == "1", "kbit: KBIT_PDL=", s,
-                " is not supported; supported: 0 (no programmatic dependent launch) or 1 (default)");
-    return s != "0";
-  }();
-  return on;
-}
-
-}  // namespace
 
 bool pdl_enabled(int device) {
-  // Programmatic dependent launch (griddepcontrol) exists from sm_90 on.
-  return pdl_env() && at::cuda::getDeviceProperties(device)->major >= 9;
+  // Programmatic dependent launch (griddepcontrol) exists from sm_90 on; VLLM_KBIT_PDL=0 turns it off.
+  return overrides::pdl() && at::cuda::getDeviceProperties(device)->major >= 9;
 }
 
 }  // namespace kbit

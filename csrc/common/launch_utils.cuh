@@ -9,7 +9,7 @@
 // scale codes and the codebook (immutable) and shared-memory setup may come first. pdl_wait()
 // returns once the previous grid has completed and its writes are visible. pdl_launch_dependents()
 // lets the next kernel start early; it is only a scheduling hint (visibility comes from the
-// dependent's wait). Launched without the attribute (KBIT_PDL=0, before sm_90), both are no-ops.
+// dependent's wait). Launched without the attribute (VLLM_KBIT_PDL=0, before sm_90), both are no-ops.
 #pragma once
 
 #include <algorithm>
@@ -35,8 +35,8 @@ inline int persistent_grid(Kernel kernel, int threads, int64_t work_blocks) {
   return static_cast<int>(std::max<int64_t>(1, std::min(work_blocks, resident)));
 }
 
-// Whether launches on `device` carry the PDL attribute: on for sm_90+ unless the environment sets
-// KBIT_PDL=0 (read once per process). Defined in launch_utils.cu.
+// Whether launches on `device` carry the PDL attribute: on for sm_90+ unless VLLM_KBIT_PDL=0
+// (overrides.h). Defined in launch_utils.cu.
 bool pdl_enabled(int device);
 
 // Waits for the previous grid in the stream (no-op when not launched as a dependent).

@@ -1,9 +1,8 @@
 // Launcher of the grouped kbit GEMV (kernel in moe_gemv.cuh); instantiates the gate_up stage.
 #include "moe_gemv.cuh"
 #include "check.h"
+#include "overrides.h"
 
-#include <cstdio>
-#include <cstdlib>
 
 namespace kbit {
 namespace moe_gemv {
@@ -54,14 +53,8 @@ void launch_stage(MoeStage stage, bool bf16, int64_t bits, int64_t chunk_rows, c
   }
 }
 
-// KBIT_MOE_GEMV_SPLITS="G,D" forces the direct GEMV's K splits of gate_up (G) and down (D), for
-// benchmarks/sweep_moe_gemv_splits.py; unset or 0: the heuristic. Read at every launch (host only).
-int64_t forced_direct_splits(MoeStage stage) {
-  const char* env = std::getenv("KBIT_MOE_GEMV_SPLITS");
-  int gate_up = 0, down = 0;
-  if (env != nullptr) std::sscanf(env, "%d,%d", &gate_up, &down);
-  return stage == MoeStage::kGather ? gate_up : down;
-}
+// VLLM_KBIT_MOE_GEMV_SPLITS (overrides.h) forces the direct GEMV's K splits; 0: the heuristic.
+int64_t forced_direct_splits(MoeStage stage) { return overrides::moe_gemv_splits(stage == MoeStage::kGather); }
 
 }  // namespace
 

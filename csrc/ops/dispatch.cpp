@@ -1,9 +1,9 @@
 // Dispatch decisions (dispatch.h) and the ops that expose them: kbit::linear_plan, kbit::moe_plan.
 // Host C++ only, so the ops run anywhere the extension loads, GPU or not.
 #include "dispatch.h"
+#include "overrides.h"
 
 #include <algorithm>
-#include <cstdlib>
 #include <iterator>
 #include <tuple>
 
@@ -57,11 +57,8 @@ std::string joined(const char* const (&names)[N]) {
 const char* linear_path_name(LinearPath path) { return kLinearPathNames[static_cast<int>(path)]; }
 
 int64_t mma_max_m() {
-  static const int64_t from_env = [] {
-    const char* env = std::getenv("KBIT_MMA_MAX_M");
-    return env != nullptr ? std::atoll(env) : int64_t{-1};
-  }();
-  return from_env >= 0 ? from_env : kMmaMaxM;
+  const int64_t forced = overrides::mma_max_m();
+  return forced >= 0 ? forced : kMmaMaxM;
 }
 
 LinearPath linear_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t sm_major) {
@@ -113,6 +110,16 @@ MoePath moe_path_from_name(const std::string& name) {
   KBIT_CHECK_VALUE(it != std::end(kMoePathNames), "kbit fused_moe: path '", name, "' is not one of ",
                    joined(kMoePathNames));
   return static_cast<MoePath>(it - names);
+}
+
+int64_t moe_path_override_id() {
+  const std::string& name = overrides::moe_path();
+  if (name.empty()) return static_cast<int64_t>(MoePath::kAuto);
+  const auto* names = std::begin(kMoePathNames);
+  const auto* it = std::find(names, std::end(kMoePathNames), name);
+  KBIT_CHECK_VALUE(it != std::end(kMoePathNames), "kbit: VLLM_KBIT_MOE_PATH=", name, " is not one of ",
+                   joined(kMoePathNames));
+  return it - names;
 }
 
 MoePath moe_path_from_id(int64_t id) {
@@ -206,6 +213,7 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("moe_plan(int tokens, int top_k, int experts, int bits, str path=\"auto\") -> (str path, int chunk_rows, int max_chunks)",
         &kbit::moe_plan_op);
   m.def("_moe_path_id(str path) -> int", &kbit::moe_path_id_op);
+  m.def("_moe_path_override() -> int", &kbit::moe_path_override_id);
   m.def("_gemv_splits(int n_tiles, int k_tiles, int num_sms) -> int", &kbit::gemv_splits_op);
   m.def("_mma_splits(int cols, int m_blocks, int k_tiles, int num_sms, int ctas_per_sm, int split_cost=1) -> int",
         &kbit::mma_splits_op);

@@ -19,8 +19,10 @@ enum class LinearPath { kGemv, kMma, kWgmma, kWgmmaWs, kDequantCublas };
 // "dequant_cublas".
 const char* linear_path_name(LinearPath path);
 
-// The largest M of the MMA path: kMmaMaxM, or KBIT_MMA_MAX_M (read once; <= 2 turns the path off).
+// The largest M of the MMA path: kMmaMaxM, or VLLM_KBIT_MMA_MAX_M (read once; <= 2 turns the path off).
 int64_t mma_max_m();
+// The MoE path VLLM_KBIT_MOE_PATH forces, as the id kbit::_moe_path_id gives its name (0: auto, unset).
+int64_t moe_path_override_id();
 
 // The path kbit::linear takes for M rows of x (dtype) and an [N, K] weight on a GPU of compute
 // capability major sm_major.

@@ -1,11 +1,11 @@
-"""Programmatic dependent launch (KBIT_PDL, csrc/common/launch_utils.cuh) changes no output bit.
+"""Programmatic dependent launch (VLLM_KBIT_PDL, csrc/common/launch_utils.cuh) changes no output bit.
 
 With PDL each kbit kernel may start while the previous one runs and waits (griddepcontrol.wait) before
 it touches memory an earlier kernel writes; a wait in the wrong place reads stale or unwritten data. A
 chain of dependent ops -- dense linear (GEMV at M <= 2, MMA above) -> MoE layer (grouped GEMV or
 grouped MMA path) -> dense linear -> MoE layer, each reading the previous op's output -- runs eagerly on
 a NaN-poisoned allocator cache and as one captured CUDA graph replayed on fresh inputs with NaN-filled
-outputs, once in a process with KBIT_PDL=1 and once with KBIT_PDL=0; every output must be bitwise equal.
+outputs, once in a process with VLLM_KBIT_PDL=1 and once with VLLM_KBIT_PDL=0; every output must be bitwise equal.
 
 Run as a script (`python tests/gpu/test_pdl.py OUT.pt`), this file is the worker of one process.
 """
@@ -85,10 +85,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 
 
 def _run(pdl, out_path):
-    env = child_env(KBIT_PDL=pdl)
+    env = child_env(VLLM_KBIT_PDL=pdl)
     run = subprocess.run([sys.executable, os.path.abspath(__file__), str(out_path)], env=env, capture_output=True,
                          text=True, timeout=600)
-    assert run.returncode == 0, f"KBIT_PDL={pdl} worker failed: {(run.stdout + run.stderr)[-4000:]}"
+    assert run.returncode == 0, f"VLLM_KBIT_PDL={pdl} worker failed: {(run.stdout + run.stderr)[-4000:]}"
     return torch.load(out_path)
 
 
@@ -96,7 +96,7 @@ def test_pdl_outputs_equal_no_pdl(tmp_path):
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90+")
     on, off = _run("1", tmp_path / "on.pt"), _run("0", tmp_path / "off.pt")
-    assert on.pop("pdl").item() and not off.pop("pdl").item(), "KBIT_PDL did not switch PDL on and off"
+    assert on.pop("pdl").item() and not off.pop("pdl").item(), "VLLM_KBIT_PDL did not switch PDL on and off"
     assert on.keys() == off.keys()
     for key in on:
         assert torch.isfinite(on[key]).all(), f"{key}: NaN/Inf with PDL (an element read or left unwritten)"
@@ -105,8 +105,8 @@ def test_pdl_outputs_equal_no_pdl(tmp_path):
 
 def test_pdl_switch_refuses_other_values():
     run = subprocess.run([sys.executable, "-c", "import torch, vllm_kbit; torch.ops.kbit._pdl_enabled()"],
-                         env=child_env(KBIT_PDL="yes"), capture_output=True, text=True, timeout=300)
-    assert run.returncode != 0 and "KBIT_PDL=yes is not supported" in run.stderr, run.stderr[-2000:]
+                         env=child_env(VLLM_KBIT_PDL="yes"), capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "VLLM_KBIT_PDL=yes is not supported" in run.stderr, run.stderr[-2000:]
 
 
 if __name__ == "__main__":

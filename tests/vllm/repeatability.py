@@ -4,7 +4,7 @@ the weights' doing, or does the same engine already differ from itself when star
     python tests/vllm/repeatability.py OUT_DIR [--eager] [--parallel 3] [--env KEY=VALUE ...]
 
 (e.g. --env TORCHINDUCTOR_DETERMINISTIC=1: Inductor without the on-device benchmarking that can pick a
-different reduction order per process; --env KBIT_MOE_PATH=gemv: one MoE path everywhere).
+different reduction order per process; --env VLLM_KBIT_MOE_PATH=gemv: one MoE path everywhere).
 
 Starts, each in a fresh process with its own compile cache: online kbit-4 twice, the converted kbit-4
 checkpoint once, the dequantized bf16 model twice. Prints, per pair, the free-running greedy token match,

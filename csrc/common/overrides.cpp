@@ -1,0 +1,52 @@
+// The one place the extension reads its environment (overrides.h says what each variable does).
+#include "overrides.h"
+
+#include <cstdio>
+#include <cstdlib>
+
+#include "check.h"
+
+namespace kbit {
+namespace overrides {
+namespace {
+
+std::string read(const char* name) {
+  const char* v = std::getenv(name);
+  return v == nullptr ? std::string() : std::string(v);
+}
+
+}  // namespace
+
+bool pdl() {
+  static const bool on = [] {
+    const std::string s = read("VLLM_KBIT_PDL");
+    KBIT_CHECK(s.empty() || s == "0" || s == "1", "kbit: VLLM_KBIT_PDL=", s,
+               " is not supported; supported: 0 (no programmatic dependent launch) or 1 (default)");
+    return s != "0";
+  }();
+  return on;
+}
+
+int64_t mma_max_m() {
+  static const int64_t m = [] {
+    const std::string s = read("VLLM_KBIT_MMA_MAX_M");
+    return s.empty() ? int64_t{-1} : static_cast<int64_t>(std::atoll(s.c_str()));
+  }();
+  return m;
+}
+
+int64_t moe_gemv_splits(bool gate_up) {
+  // Read at every launch, not once: benchmarks/sweep_moe_gemv_splits.py changes it between calls.
+  const std::string s = read("VLLM_KBIT_MOE_GEMV_SPLITS");
+  int g = 0, d = 0;
+  if (!s.empty()) std::sscanf(s.c_str(), "%d,%d", &g, &d);
+  return gate_up ? g : d;
+}
+
+const std::string& moe_path() {
+  static const std::string path = read("VLLM_KBIT_MOE_PATH");
+  return path;
+}
+
+}  // namespace overrides
+}  // namespace kbit

@@ -1,0 +1,22 @@
+// Environment overrides of the kernels' choices: every one is read in overrides.cpp, under the prefix
+// VLLM_KBIT_, once per process (docs/development.md lists them with the Python package's own settings).
+// For benchmarks and bisecting; unset, each choice is the heuristic's.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace kbit {
+namespace overrides {
+
+// VLLM_KBIT_PDL: "1" or unset = programmatic dependent launch where the device has it, "0" = never.
+bool pdl();
+// VLLM_KBIT_MMA_MAX_M: the largest M the dense MMA path takes; -1 when unset.
+int64_t mma_max_m();
+// VLLM_KBIT_MOE_GEMV_SPLITS="G,D": K splits of the direct MoE GEMV's gate_up (G) and down (D); 0 = unset.
+int64_t moe_gemv_splits(bool gate_up);
+// VLLM_KBIT_MOE_PATH: the MoE path forced for every call ("" when unset; dispatch.cpp checks the name).
+const std::string& moe_path();
+
+}  // namespace overrides
+}  // namespace kbit
