@@ -89,11 +89,74 @@ def qwen3_dense_config(hidden: int = 256, layers: int = 2, intermediate: int | N
     return Qwen3Config(**_common(hidden, layers), intermediate_size=intermediate or 4 * hidden)
 
 
-BUILDERS = {"qwen3_moe": qwen3_moe_config, "glm4_moe": glm4_moe_config, "qwen3": qwen3_dense_config}
+def glm4_moe_lite_config(hidden: int = 256, layers: int = 2, experts: int = 8, top_k: int = 2,
+                         moe_intermediate: int = 128):
+    """GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``): multi-head latent attention (MLA), first layer dense, then
+    shared + routed experts. kv_lora_rank 512 and qk_rope_head_dim 64 are the real model's and the only latent
+    size vLLM's CPU MLA kernels take; every linear's K (hidden, q_lora_rank, kv_lora_rank, heads x v_head_dim,
+    intermediate sizes) is a multiple of 32."""
+    from transformers import Glm4MoeLiteConfig
+
+    common = _common(hidden, layers)
+    common.update(num_key_value_heads=common["num_attention_heads"])
+    del common["head_dim"]  # MLA: head sizes come from the q/k/v dims below
+    return Glm4MoeLiteConfig(
+        **common,
+        intermediate_size=2 * hidden,
+        moe_intermediate_size=moe_intermediate,
+        n_routed_experts=experts,
+        n_shared_experts=1,
+        num_experts_per_tok=top_k,
+        first_k_dense_replace=1,  # read by vLLM (the real config.json has it); transformers uses mlp_layer_types
+        n_group=1,
+        topk_group=1,
+        norm_topk_prob=True,
+        routed_scaling_factor=1.0,
+        q_lora_rank=128,
+        kv_lora_rank=512,
+        qk_nope_head_dim=64,
+        qk_rope_head_dim=64,
+        v_head_dim=64,
+    )
+
+
+def qwen3_next_config(hidden: int = 256, layers: int = 2, experts: int = 8, top_k: int = 2,
+                      moe_intermediate: int = 128):
+    """Qwen3-Next (``Qwen3NextForCausalLM``): gated delta-net linear attention layers, then a full (gated)
+    attention layer; every layer routed + shared experts with a sigmoid shared-expert gate."""
+    from transformers import Qwen3NextConfig
+
+    return Qwen3NextConfig(
+        **_common(hidden, layers),
+        intermediate_size=4 * hidden,
+        moe_intermediate_size=moe_intermediate,
+        shared_expert_intermediate_size=moe_intermediate,
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        layer_types=(["linear_attention"] * (layers - 1) + ["full_attention"]),
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=64,
+        linear_value_head_dim=64,
+        linear_conv_kernel_dim=4,
+        partial_rotary_factor=0.25,
+    )
+
+
+BUILDERS = {
+    "qwen3_moe": qwen3_moe_config,
+    "glm4_moe": glm4_moe_config,
+    "qwen3": qwen3_dense_config,
+    "glm4_moe_lite": glm4_moe_lite_config,
+    "qwen3_next": qwen3_next_config,
+}
 
 
 def build(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
-    """Writes the tiny ``kind`` checkpoint ("qwen3_moe", "glm4_moe" or "qwen3") to out_dir; returns out_dir."""
+    """Writes the tiny ``kind`` checkpoint (a key of :data:`BUILDERS`) to out_dir; returns out_dir."""
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     if kind not in BUILDERS:

@@ -32,7 +32,7 @@ def kbit_plugin_installed():
 
 @pytest.fixture(scope="session")
 def tiny(tmp_path_factory):
-    """Builds the tiny bf16 checkpoints once: {"qwen3_moe": dir, "glm4_moe": dir, "qwen3": dir}."""
+    """Builds the tiny bf16 checkpoints once: {kind: dir} for every kind of tiny_models.BUILDERS."""
     root = tmp_path_factory.mktemp("tiny")
     return {kind: tiny_models.build(kind, str(root / kind)) for kind in tiny_models.BUILDERS}
 

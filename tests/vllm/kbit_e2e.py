@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -100,7 +101,10 @@ def run_engine(model: str, workdir: str, llm_kwargs: dict | None = None, env: di
             + f"\n--- stderr tail ---\n{proc.stderr[-3000:]}"
         )
     with open(out_path) as f:
-        return json.load(f)
+        result = json.load(f)
+    # The plugin's log lines (the load summary, layers left unquantized), from every process of the engine.
+    result["kbit_log"] = [line for line in (proc.stdout + proc.stderr).splitlines() if "kbit: " in line]
+    return result
 
 
 def token_match(a: list[list[int]], b: list[list[int]]) -> float:
@@ -208,3 +212,77 @@ def max_logprob_gap(a: dict, b: dict) -> float:
 def online_kwargs(config: dict) -> dict:
     """LLM kwargs for online kbit quantization with the given quantization_config (the --hf-overrides route)."""
     return {"quantization": "kbit", "hf_overrides": {"quantization_config": {"quant_method": "kbit", **config}}}
+
+
+# The load summary KbitConfig logs once per loaded model and rank (vllm_kbit/vllm/load_report.py).
+SUMMARY = re.compile(
+    r"kbit: quantized (?P<linear>\d+) linear layers? and (?P<experts>\d+) routed-expert blocks?"
+    r"(?: to (?P<bits>[^:]+))?: weights (?P<before>[\d.]+) GiB in (?P<dtype>\S+) -> (?P<after>[\d.]+) GiB"
+    r"; left unquantized: (?P<left>none|(?P<left_linear>\d+ linear layers?)?(?: and )?"
+    r"(?P<left_experts>\d+ routed-expert blocks?)? \((?P<why>[^)]*)\))"
+)
+
+
+def _leading_int(text: str | None) -> int:
+    return int(text.split()[0]) if text else 0
+
+
+def load_summaries(result: dict) -> list[re.Match]:
+    """The load summary lines of an engine run (one per tensor-parallel rank)."""
+    return [m for m in map(SUMMARY.search, result["kbit_log"]) if m]
+
+
+def assert_every_layer_accounted_for(what: str, result: dict) -> dict[str, list[str]]:
+    """Every linear / routed-expert layer of rank 0 is kbit, or left unquantized by the kbit config for a
+    reason it logs (its summary counts it; format limits also name it in a warning), or built by vLLM
+    without a quantization config (the config is never asked: router gates, conv1d). The summary line is
+    present once per rank and counts exactly these layers, bits and sizes. Returns the layer names by class
+    ("kbit", "left", "not_offered")."""
+    ranks = result["layers_per_rank"]
+    summaries = load_summaries(result)
+    assert len(summaries) == len(ranks), (
+        f"{what}: {len(summaries)} load summary lines for {len(ranks)} ranks: {result['kbit_log']}")
+    layers, summary = result["layers"], summaries[0]
+    groups: dict[str, list[str]] = {"kbit": [], "left": [], "not_offered": []}
+    count = {"linear": 0, "experts": 0, "left_linear": 0, "left_experts": 0}
+    bits: dict[int, int] = {}
+    packed = 0
+    for name, info in layers.items():
+        if "Embedding" in info["method"] and "bits" not in info and "left_unquantized" not in info:
+            continue  # embed_tokens, and lm_head unless quantize_lm_head
+        kind = "experts" if "MoE" in info["method"] or "w13_weight" in info["params"] else "linear"
+        if "bits" in info:
+            groups["kbit"].append(name)
+            count[kind] += 1
+            bits[info["bits"]] = bits.get(info["bits"], 0) + 1
+            packed += sum(_nbytes(*p) for n, p in info["params"].items() if n.endswith(("qweight", "absmax")))
+        elif "left_unquantized" in info:
+            groups["left"].append(name)
+            count[f"left_{kind}"] += 1
+            if info["left_unquantized"] != "modules_to_not_convert":
+                assert any(name in line for line in result["kbit_log"]), f"{what}: no warning names {name}"
+        else:
+            assert info.get("quant_config", "") is None, (
+                f"{what}: {name} ({info['method']}) is neither kbit nor left unquantized by kbit")
+            groups["not_offered"].append(name)
+    assert (int(summary["linear"]), int(summary["experts"])) == (count["linear"], count["experts"]), (summary[0], count)
+    assert _leading_int(summary["left_linear"]) == count["left_linear"], (summary[0], count)
+    assert _leading_int(summary["left_experts"]) == count["left_experts"], (summary[0], count)
+    assert (summary["left"] == "none") == (count["left_linear"] + count["left_experts"] == 0), summary[0]
+    if len(bits) == 1:
+        k = next(iter(bits))
+        assert summary["bits"] == f"{k} bits", summary[0]
+        # k bits + one E4M4 byte per 32 weights, against 16 bits per weight (bf16)
+        assert abs(float(summary["after"]) / float(summary["before"]) - (4 * k + 1) / 64) < 0.01, summary[0]
+    else:
+        got = {int(k): int(n) for k, n in re.findall(r"(\d+) \((\d+) layers?\)", summary["bits"] or "")}
+        assert got == bits, (summary[0], bits)
+    assert abs(float(summary["after"]) - packed / 2**30) <= 0.006 * float(summary["after"]), (summary[0], packed)
+    return groups
+
+
+def _nbytes(dtype: str, shape: list[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n * torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()

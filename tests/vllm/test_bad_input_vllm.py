@@ -16,7 +16,7 @@ from vllm_kbit.cli import main as cli_main
 from vllm_kbit.convert import ConvertError, convert
 from vllm_kbit.settings import KbitSettings
 
-from kbit_e2e import online_kwargs, run_engine, settings_of
+from kbit_e2e import assert_every_layer_accounted_for, load_summaries, online_kwargs, run_engine, settings_of
 
 
 # ----------------------------------------------------------------------------- settings
@@ -117,6 +117,9 @@ def test_linear_with_k_not_multiple_of_32_stays_unquantized(tmp_path, engine):
     assert layers["model.layers.0.mlp.down_proj"]["method"] == "UnquantizedLinearMethod"
     assert layers["model.layers.0.mlp.gate_up_proj"]["method"] == "KbitLinearMethod"
     assert len(converted["tokens"]) == 8 and all(len(t) == 24 for t in converted["tokens"])
+    # Each is named in a warning and counted in the load summary beside the pre-quantized layers.
+    assert_every_layer_accounted_for("qwen3 K=1000 converted", converted)
+    assert "left unquantized: 2 linear layers (K not a multiple of 32: 2)" in load_summaries(converted)[0][0]
 
 
 def _with_weight_value(src: str, dst: str, key: str, value: float) -> str:
@@ -145,6 +148,8 @@ def test_linear_with_weights_beyond_e4m4_stays_bf16_with_a_warning(tiny, tmp_pat
     assert out["layers"]["model.layers.0.self_attn.o_proj"]["method"] == "LeftUnquantizedLinearMethod"
     assert out["layers"]["model.layers.1.self_attn.o_proj"]["method"] == "KbitOnlineLinearMethod"
     assert len(out["tokens"]) == 8 and all(len(t) == 24 for t in out["tokens"])
+    assert "quantized 7 linear layers and 0 routed-expert blocks to 4 bits" in log
+    assert "left unquantized: 1 linear layer (weights not representable: 1)" in log
 
 
 def test_moe_experts_beyond_e4m4_fail_naming_layer_and_expert(tiny, tmp_path):

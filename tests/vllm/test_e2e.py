@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from kbit_e2e import (
-    ONLINE, TEXT_PROMPTS, assert_agree, dequantized_checkpoint, online_kwargs, report_agreement, settings_of,
+    ONLINE, TEXT_PROMPTS, assert_agree, assert_every_layer_accounted_for, dequantized_checkpoint, load_summaries,
+    online_kwargs, report_agreement, settings_of,
 )
 
 
@@ -58,6 +59,18 @@ def test_mixed_bits_and_modules_to_not_convert_take_effect(engine, tiny):
     assert "w13_weight" in layers["model.layers.1.mlp.experts"]["params"]
 
 
+def test_load_summary_counts_mixed_bits_and_layers_left_unquantized(engine, tiny):
+    """The k=3 engine: attention at 5 bits, routed experts at 3, the router gates and layer 1's experts in
+    modules_to_not_convert."""
+    got = _online(engine, tiny, "qwen3_moe", 3)
+    groups = assert_every_layer_accounted_for("qwen3_moe k=3", got)
+    assert sorted(groups["left"]) == [
+        "model.layers.0.mlp.gate", "model.layers.1.mlp.experts", "model.layers.1.mlp.gate"], groups
+    line = load_summaries(got)[0][0]
+    assert "quantized 4 linear layers and 1 routed-expert block to bits 3 (1 layer), 5 (4 layers)" in line, line
+    assert "left unquantized: 2 linear layers and 1 routed-expert block (modules_to_not_convert: 3)" in line, line
+
+
 def test_converted_checkpoint_is_detected_and_identical_to_online(engine, tiny, converted_offline):
     online = _online(engine, tiny, "qwen3_moe", 4)
     conv = converted_offline  # served with no quantization flag
@@ -68,6 +81,7 @@ def test_converted_checkpoint_is_detected_and_identical_to_online(engine, tiny, 
         assert info["hash"] == on_layers[name]["hash"], f"packed weights of {name} differ"
     assert conv["tokens"] == online["tokens"]
     assert conv["texts"] == online["texts"]
+    assert assert_every_layer_accounted_for("qwen3_moe converted", conv)["kbit"] == list(conv_layers)
 
 
 def test_tensor_parallel_2_matches_dequantized_tp2(engine, tiny, tmp_path_factory):
@@ -140,4 +154,38 @@ def test_other_families_match_dequantized_model(engine, tiny, tmp_path_factory, 
         assert layers["model.layers.0.mlp.gate_up_proj"]["method"] == "KbitOnlineLinearMethod"  # dense first layer
     else:
         assert layers["model.layers.0.mlp.down_proj"]["bits"] == 4
+    assert_agree(f"{kind} k=4", got, ref)
+
+
+# Projections vLLM builds without a quantization config, so no quantization method is asked about them:
+# router gates (GateLinear), Qwen3-Next's shared-expert gate (one output) and its gated delta-net's conv1d
+# (a depthwise convolution held as a [channels, kernel 4] linear weight).
+NOT_OFFERED = ("gate", "shared_expert_gate", "conv1d")
+
+
+@pytest.mark.parametrize("kind", ["glm4_moe_lite", "qwen3_next"])
+def test_mla_and_gated_delta_net_families_match_dequantized_model(engine, tiny, tmp_path_factory, kind):
+    """GLM-4.7-Flash's architecture (multi-head latent attention, dense first layer, shared + routed experts) and
+    Qwen3-Next's (gated delta-net linear attention beside gated full attention, shared + routed experts), both on
+    vLLM's CPU build: every projection kbit, the load summary counting them, agreement with the dequantized model."""
+    got = _online(engine, tiny, kind, 4)
+    groups = assert_every_layer_accounted_for(f"{kind} k=4", got)
+    assert groups["left"] == [], groups
+    assert {name.rpartition(".")[2] for name in groups["not_offered"]} <= set(NOT_OFFERED), groups
+    layers = _kbit_layers(got)
+    if kind == "glm4_moe_lite":
+        for proj in ("fused_qkv_a_proj", "q_b_proj", "kv_b_proj", "o_proj"):  # MLA: q_a + kv_a fused, then q_b, kv_b
+            for i in range(2):
+                assert layers[f"model.layers.{i}.self_attn.{proj}"]["bits"] == 4
+        assert layers["model.layers.0.mlp.gate_up_proj"]["method"] == "KbitOnlineLinearMethod"  # dense first layer
+        assert layers["model.layers.1.mlp.shared_experts.down_proj"]["method"] == "KbitOnlineLinearMethod"
+        assert layers["model.layers.1.mlp.experts"]["method"] == "KbitOnlineMoEMethod"
+    else:
+        for proj in ("in_proj_qkvz", "in_proj_ba", "out_proj"):  # layer 0: gated delta-net
+            assert layers[f"model.layers.0.linear_attn.{proj}"]["bits"] == 4
+        assert layers["model.layers.1.self_attn.qkv_proj"]["bits"] == 4  # layer 1: full attention
+        for i in range(2):
+            assert layers[f"model.layers.{i}.mlp.shared_expert.gate_up_proj"]["method"] == "KbitOnlineLinearMethod"
+            assert layers[f"model.layers.{i}.mlp.experts"]["method"] == "KbitOnlineMoEMethod"
+    ref = _dequantized(engine, tiny, tmp_path_factory, kind, 4)
     assert_agree(f"{kind} k=4", got, ref)

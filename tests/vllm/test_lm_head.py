@@ -18,6 +18,7 @@ from kbit_e2e import (
     TEXT_PROMPTS,
     agreement,
     assert_agree,
+    assert_every_layer_accounted_for,
     dequantized_checkpoint,
     online_kwargs,
     settings_of,
@@ -119,6 +120,7 @@ def test_online_kbit_head_matches_dequantized_model(engine, tiny, tmp_path_facto
     assert (head["method"], head["bits"]) == ("KbitOnlineLinearMethod", 2), head
     assert head["params"]["qweight"][0] == "torch.int32" and "weight" not in head["params"], head
     assert got["layers"]["model.embed_tokens"]["method"] == "UnquantizedEmbeddingMethod"  # the lookup stays bf16
+    assert "lm_head" in assert_every_layer_accounted_for("qwen3_moe lm_head k=2", got)["kbit"]  # counted as a linear
     ref_dir = dequantized_checkpoint(tiny["qwen3_moe"], str(tmp_path_factory.mktemp("qwen3_moe-deq4-head2")), settings_of(HEAD))
     ref = engine("qwen3_moe-deq4-head2", ref_dir, text_prompts=TEXT_PROMPTS)
     assert_agree("qwen3_moe k=4, lm_head k=2", got, ref)
@@ -133,6 +135,7 @@ def test_converted_kbit_head_identical_to_online(engine, tiny, converted_head):
     conv = engine("qwen3_moe-converted4-head2", converted_head, text_prompts=TEXT_PROMPTS)  # no flag
     head = conv["layers"]["lm_head"]
     assert (head["method"], head["bits"]) == ("KbitLinearMethod", 2), head
+    assert "lm_head" in assert_every_layer_accounted_for("qwen3_moe lm_head k=2 converted", conv)["kbit"]
     assert head["hash"] == online["layers"]["lm_head"]["hash"]
     assert conv["tokens"] == online["tokens"] and conv["texts"] == online["texts"]
 
@@ -159,5 +162,6 @@ def test_tied_head_stays_bf16(engine, tiny, tmp_path_factory):
     assert head["method"] == "UnquantizedEmbeddingMethod" and "bits" not in head, head
     assert got["layers"]["model.layers.0.self_attn.qkv_proj"]["bits"] == 4
     assert all(len(t) > 0 for t in got["tokens"])
+    assert_every_layer_accounted_for("qwen3_moe tied head", got)
     summary = convert(dst, str(tmp_path_factory.mktemp("tied-converted") / "out"), settings_of({"quantize_lm_head": True}), progress=False)
     assert summary.tied_lm_head

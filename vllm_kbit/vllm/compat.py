@@ -30,7 +30,7 @@ from typing import Any
 
 import vllm
 from vllm.config import get_current_vllm_config
-from vllm.logger import init_logger
+from vllm.logger import init_logger as _vllm_init_logger
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, RoutedExperts
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
@@ -80,6 +80,14 @@ __all__ = [
     "set_weight_attrs",
     "shutdown_engine",
 ]
+
+
+def init_logger(name: str):
+    """vLLM's logger for a module of this package, named under vLLM's ``vllm`` logger (``vllm.vllm_kbit...``) so
+    that its lines go through vLLM's handler, format and ``VLLM_LOGGING_LEVEL`` like vLLM's own. A logger
+    outside that tree has no handler: Python prints its warnings bare on stderr and drops its info lines."""
+    return _vllm_init_logger(name if name.startswith("vllm.") else f"vllm.{name}")
+
 
 # The supported range, as in pyproject.toml's `vllm` extra and the README.
 OLDEST_SUPPORTED = (0, 26)

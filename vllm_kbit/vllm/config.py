@@ -24,6 +24,10 @@ embedding stays bf16 with a warning (:func:`tied_word_embeddings`).
 The CUDA kernels are built for Hopper (sm_90a) only: :func:`check_gpu` refuses any other GPU when
 the config is created, with a one-line error naming the GPU and its compute capability.
 
+Every layer vLLM asks about gets a kbit method or stays unquantized with a reason; the config's
+:class:`~vllm_kbit.vllm.load_report.LoadReport` logs one line per loaded model (per rank) with the counts,
+bits and weight sizes before / after, and each layer the format cannot hold is named in a warning.
+
 Before loading, :meth:`KbitConfig.maybe_update_config` checks the safetensors shards of a local checkpoint
 (a truncated one fails naming the file); load errors of a pre-quantized checkpoint name the tensor and
 its file (:mod:`vllm_kbit.vllm.checkpoint`).
@@ -52,6 +56,7 @@ from vllm_kbit import reference as fmt
 from vllm_kbit.settings import QUANT_METHOD, KbitSettings
 from vllm_kbit.vllm.checkpoint import CheckpointFiles
 from vllm_kbit.vllm.linear_method import KbitLinearMethod, KbitOnlineLinearMethod
+from vllm_kbit.vllm.load_report import EXPERTS, K_NOT_MULTIPLE, LINEAR, SKIPPED, TIED_LM_HEAD, LoadReport
 from vllm_kbit.vllm.moe_method import KbitMoEMethod, KbitOnlineMoEMethod
 
 logger = init_logger(__name__)
@@ -102,6 +107,7 @@ class KbitConfig(QuantizationConfig):
         check_gpu()  # vLLM builds the config (from_config or KbitConfig()) before its capability check
         self.settings = settings if settings is not None else KbitSettings()
         self.checkpoint = CheckpointFiles()  # set by maybe_update_config; names files in load errors
+        self.report = LoadReport()  # the load's summary line; per process (a pickled config starts empty)
 
     def __repr__(self) -> str:
         return f"KbitConfig({self.settings.to_dict()})"
@@ -173,6 +179,7 @@ class KbitConfig(QuantizationConfig):
             return None
         bits = self._resolve(prefix)
         if bits is None:
+            self.report.leave(layer, LINEAR, SKIPPED)
             return None
         if tied_word_embeddings():
             logger.warning(
@@ -180,6 +187,7 @@ class KbitConfig(QuantizationConfig):
                 "(the embedding lookup reads the same tensor)",
                 prefix,
             )
+            self.report.leave(layer, LINEAR, TIED_LM_HEAD)
             return None
         if layer.embedding_dim % fmt.BLOCK_SIZE != 0:
             logger.warning(
@@ -188,9 +196,11 @@ class KbitConfig(QuantizationConfig):
                 layer.embedding_dim,
                 fmt.BLOCK_SIZE,
             )
+            self.report.leave(layer, LINEAR, K_NOT_MULTIPLE)
             return None
         cls = KbitLinearMethod if self.settings.prequantized else KbitOnlineLinearMethod
-        return cls(prefix, bits, self.settings.codebook(bits))
+        self.report.plan(layer)
+        return cls(prefix, bits, self.settings.codebook(bits), report=self.report)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, ParallelLMHead):
@@ -198,6 +208,7 @@ class KbitConfig(QuantizationConfig):
         if isinstance(layer, LinearBase):
             bits = self._resolve(prefix)
             if bits is None:
+                self.report.leave(layer, LINEAR, SKIPPED)
                 return UnquantizedLinearMethod()
             if layer.input_size % fmt.BLOCK_SIZE != 0:
                 logger.warning(
@@ -206,17 +217,27 @@ class KbitConfig(QuantizationConfig):
                     layer.input_size,
                     fmt.BLOCK_SIZE,
                 )
+                self.report.leave(layer, LINEAR, K_NOT_MULTIPLE)
                 return UnquantizedLinearMethod()
             if self.settings.prequantized:
-                return KbitLinearMethod(
-                    prefix, bits, self.settings.codebook(bits), self._shard_names(prefix), self.checkpoint
+                method = KbitLinearMethod(
+                    prefix, bits, self.settings.codebook(bits), self._shard_names(prefix), self.checkpoint,
+                    report=self.report,
                 )
-            return KbitOnlineLinearMethod(prefix, bits, self.settings.codebook(bits))
+            else:
+                method = KbitOnlineLinearMethod(prefix, bits, self.settings.codebook(bits), report=self.report)
+            self.report.plan(layer)
+            return method
         if isinstance(layer, RoutedExperts):
             bits = self._resolve(prefix)
             if bits is None:
+                self.report.leave(layer, EXPERTS, SKIPPED)
                 return UnquantizedFusedMoEMethod(layer.moe_config)
             if self.settings.prequantized:
-                return KbitMoEMethod(layer, prefix, bits, self.settings.codebook(bits), self.checkpoint)
-            return KbitOnlineMoEMethod(layer, prefix, bits, self.settings.codebook(bits))
+                method = KbitMoEMethod(layer, prefix, bits, self.settings.codebook(bits), self.checkpoint,
+                                       report=self.report)
+            else:
+                method = KbitOnlineMoEMethod(layer, prefix, bits, self.settings.codebook(bits), report=self.report)
+            self.report.plan(layer)
+            return method
         return None

@@ -15,6 +15,11 @@ def layer_summary(model: torch.nn.Module) -> dict:
     """Per linear / MoE / embedding layer (embed_tokens, lm_head): its quant method, bits (kbit layers), parameter dtypes and shapes, and for
     kbit layers a sha256 of the runtime tensors (equal hashes = bit-identical packed weights).
 
+    ``left_unquantized``: why the kbit config left the layer unquantized (a reason of
+    :mod:`vllm_kbit.vllm.load_report`); ``quant_config``: the name of the quantization config the model
+    built the layer with, None where vLLM built it without one (the config is then never asked about it:
+    router gates, a gated delta-net's conv1d).
+
     Layers are keyed by their checkpoint prefix: vLLM 0.26 keeps a MoE block's experts in a
     ``RoutedExperts`` child (``...mlp.experts.routed_experts``) whose ``layer_name`` is that prefix
     (``...mlp.experts``)."""
@@ -27,6 +32,11 @@ def layer_summary(model: torch.nn.Module) -> dict:
         params = dict(module.named_parameters(recurse=False))
         name = getattr(module, "layer_name", name) if "MoE" in kind else name
         info: dict = {"method": kind, "params": {n: [str(p.dtype), list(p.shape)] for n, p in params.items()}}
+        if hasattr(module, "kbit_left_unquantized"):
+            info["left_unquantized"] = module.kbit_left_unquantized
+        if hasattr(module, "quant_config"):
+            qc = module.quant_config
+            info["quant_config"] = None if qc is None else type(qc).__name__
         codebook = getattr(module, "kbit_codebook", None)
         if codebook is not None:
             info["bits"] = codebook.numel().bit_length() - 1

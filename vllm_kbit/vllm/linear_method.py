@@ -14,7 +14,8 @@ whose vocab-parallel loader shards N like a column-parallel layer's).
   warning naming it.
 
 Both end the same way: the flat tensors are repacked once to the runtime layout
-and ``apply`` calls ``torch.ops.kbit.linear`` (+ bias).
+and ``apply`` calls ``torch.ops.kbit.linear`` (+ bias); the layer is then counted in the load's summary
+line (:mod:`vllm_kbit.vllm.load_report`).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from vllm_kbit.vllm.compat import (
     register_weight_loader_v2_supported_method,
     replace_parameter,
 )
+from vllm_kbit.vllm.load_report import LINEAR, NOT_REPRESENTABLE, LoadReport
 from vllm_kbit.weight import check_representable
 
 logger = init_logger(__name__)
@@ -64,10 +66,14 @@ def _expected_shards(layer: torch.nn.Module) -> set:
 
 
 class _KbitLinearBase(LinearMethodBase):
-    def __init__(self, prefix: str, bits: int, codebook: torch.Tensor):
+    def __init__(self, prefix: str, bits: int, codebook: torch.Tensor, report: LoadReport | None = None):
         self.prefix = prefix
         self.bits = bits
         self.codebook = codebook
+        self.report = report if report is not None else LoadReport()
+
+    def _report(self, layer: torch.nn.Module, bytes_before: int, dtype: torch.dtype) -> None:
+        self.report.finish(layer, LINEAR, self.bits, bytes_before, dtype, [layer.qweight, layer.absmax])
 
     def _check_partition(self, layer: torch.nn.Module, input_size_per_partition: int, input_size: int) -> None:
         if input_size_per_partition % fmt.BLOCK_SIZE != 0:
@@ -93,8 +99,8 @@ class KbitLinearMethod(_KbitLinearBase):
     order of vLLM's shard ids; with ``checkpoint`` they name the tensor and its file in load errors."""
 
     def __init__(self, prefix: str, bits: int, codebook: torch.Tensor, shard_names: list[str] | None = None,
-                 checkpoint: CheckpointFiles | None = None):
-        super().__init__(prefix, bits, codebook)
+                 checkpoint: CheckpointFiles | None = None, report: LoadReport | None = None):
+        super().__init__(prefix, bits, codebook, report)
         self.shard_names = shard_names or [prefix]
         self.checkpoint = checkpoint or CheckpointFiles()
 
@@ -135,6 +141,7 @@ class KbitLinearMethod(_KbitLinearBase):
         )
         layer.register_parameter("qweight", qweight)
         layer.register_parameter("absmax", absmax)
+        layer.kbit_dense_dtype = params_dtype  # what the weight would be unquantized, for the load's summary
 
     def _load(self, layer, name, loader, param, loaded_weight, loaded_shard_id=None, *args, **kwargs):
         """Checks a checkpoint tensor before vLLM's (sharding) loader copies it in."""
@@ -179,9 +186,12 @@ class KbitLinearMethod(_KbitLinearBase):
                     f"kbit: checkpoint has no {', '.join(missing)} (layer {self.prefix!r}{beside}); "
                     "the pre-quantized checkpoint is incomplete"
                 )
+        N, KB = layer.absmax.shape
         install_runtime_weights(layer, self.prefix, layer.qweight.data, layer.absmax.data, self.codebook)
         del layer.kbit_loaded_shards
         layer._already_called_process_weights_after_loading = True
+        dtype = layer.kbit_dense_dtype
+        self._report(layer, N * KB * fmt.BLOCK_SIZE * dtype.itemsize, dtype)
 
 
 class LeftUnquantizedLinearMethod(UnquantizedLinearMethod):
@@ -233,9 +243,12 @@ class KbitOnlineLinearMethod(_KbitLinearBase):
             logger.warning("kbit: layer %s left unquantized: %s", self.prefix, str(e).removeprefix("kbit: "))
             layer.quant_method = LeftUnquantizedLinearMethod()
             layer.quant_method.process_weights_after_loading(layer)
+            self.report.finish_unquantized(layer, LINEAR, NOT_REPRESENTABLE)
             return
         codebook = self.codebook.to(W.device)
         qweight, absmax = torch.ops.kbit.quantize(W.contiguous(), codebook, self.bits)
-        del layer.weight
+        bytes_before, dtype = W.numel() * W.element_size(), W.dtype
+        del layer.weight, W
         install_runtime_weights(layer, self.prefix, qweight, absmax, codebook)
         layer._already_called_process_weights_after_loading = True
+        self._report(layer, bytes_before, dtype)

@@ -15,7 +15,8 @@
   biases, sizes not multiples of 32) are refused when the method is created, before any weight loads.
 
 After loading, each expert is repacked to the runtime layout and the experts
-are stacked ``[E, ...]`` for :func:`vllm_kbit.moe.kbit_fused_moe`.
+are stacked ``[E, ...]`` for :func:`vllm_kbit.moe.kbit_fused_moe`; the block is then counted in the load's
+summary line (:mod:`vllm_kbit.vllm.load_report`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from vllm_kbit.vllm.compat import (
     replace_parameter,
     set_weight_attrs,
 )
+from vllm_kbit.vllm.load_report import EXPERTS, LoadReport
 from vllm_kbit.weight import check_representable
 
 
@@ -92,18 +94,21 @@ def _skip_after_processing(layer: torch.nn.Module, load_weights, weights):
 
 
 class _KbitMoEBase(FusedMoEMethodBase):
-    def __init__(self, layer: torch.nn.Module, prefix: str, bits: int, codebook: torch.Tensor):
+    def __init__(self, layer: torch.nn.Module, prefix: str, bits: int, codebook: torch.Tensor,
+                 report: LoadReport | None = None):
         super().__init__(layer.moe_config)
         check_moe_layer(layer, prefix)
         self.prefix = prefix
         self.bits = bits
         self.codebook = codebook
+        self.report = report if report is not None else LoadReport()
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None
 
-    def _install(self, layer: torch.nn.Module, w13: list, w2: list) -> None:
-        """Per-expert flat (qweight, absmax) -> stacked runtime parameters on the layer."""
+    def _install(self, layer: torch.nn.Module, w13: list, w2: list, bytes_before: int, dtype: torch.dtype) -> None:
+        """Per-expert flat (qweight, absmax) -> stacked runtime parameters on the layer; ``bytes_before``: the
+        experts' size unquantized (in ``dtype``), for the load's summary."""
         w13_q, w13_a = stack_runtime(w13)
         w2_q, w2_a = stack_runtime(w2)
         replace_parameter(layer, "w13_qweight", w13_q)
@@ -112,6 +117,7 @@ class _KbitMoEBase(FusedMoEMethodBase):
         replace_parameter(layer, "w2_absmax", w2_a)
         layer.register_buffer("kbit_codebook", self.codebook.to(w13_q.device), persistent=False)
         layer._already_called_process_weights_after_loading = True
+        self.report.finish(layer, EXPERTS, self.bits, bytes_before, dtype, [w13_q, w13_a, w2_q, w2_a])
 
     @property
     def is_monolithic(self) -> bool:
@@ -154,8 +160,8 @@ class KbitMoEMethod(_KbitMoEBase):
     """Pre-quantized kbit experts; ``checkpoint`` names the files of tensors in load errors."""
 
     def __init__(self, layer: torch.nn.Module, prefix: str, bits: int, codebook: torch.Tensor,
-                 checkpoint: CheckpointFiles | None = None):
-        super().__init__(layer, prefix, bits, codebook)
+                 checkpoint: CheckpointFiles | None = None, report: LoadReport | None = None):
+        super().__init__(layer, prefix, bits, codebook, report)
         self.checkpoint = checkpoint or CheckpointFiles()
 
     def _tensor_name(self, layer: torch.nn.Module, expert_id: int, shard_id: str, kind: str) -> str:
@@ -185,6 +191,7 @@ class KbitMoEMethod(_KbitMoEBase):
             "w2_absmax": ((num_experts, H, I // 32), torch.uint8),
         }
         layer.kbit_loaded = {name: set() for name in shapes}
+        layer.kbit_dense_dtype = params_dtype  # what the experts would be unquantized, for the load's summary
         # vLLM's RoutedExperts.load_weights takes every 3-D checkpoint tensor for a stack of experts; a kbit
         # expert's qweight is 3-D ([N, K/32, k]) but holds one expert, so this layer loads per expert.
         layer.load_weights = functools.partial(_load_per_expert_tensors, layer)
@@ -259,7 +266,9 @@ class KbitMoEMethod(_KbitMoEBase):
         w13 = [(layer.w13_qweight.data[e].unflatten(-1, (-1, k)), layer.w13_absmax.data[e]) for e in range(E)]
         w2 = [(layer.w2_qweight.data[e].unflatten(-1, (-1, k)), layer.w2_absmax.data[e]) for e in range(E)]
         del layer.kbit_loaded
-        self._install(layer, w13, w2)
+        dtype = layer.kbit_dense_dtype
+        weights = layer.w13_absmax.numel() + layer.w2_absmax.numel()  # one absmax per block of 32 weights
+        self._install(layer, w13, w2, weights * fmt.BLOCK_SIZE * dtype.itemsize, dtype)
 
 
 class KbitOnlineMoEMethod(_KbitMoEBase):
@@ -308,5 +317,7 @@ class KbitOnlineMoEMethod(_KbitMoEBase):
                 raise
             for e in range(W.shape[0]):
                 packed[name].append(torch.ops.kbit.quantize(W[e].contiguous(), codebook, self.bits))
-        del layer.w13_weight, layer.w2_weight
-        self._install(layer, packed["w13"], packed["w2"])
+        bytes_before = sum(w.numel() * w.element_size() for w in (w13_full, w2_full))
+        dtype = w13_full.dtype
+        del layer.w13_weight, layer.w2_weight, w13_full, w2_full, W
+        self._install(layer, packed["w13"], packed["w2"], bytes_before, dtype)
