@@ -160,6 +160,18 @@ def cpu_rates() -> list[dict]:
     return rows
 
 
+def write_results(out: str, name: str, lines: list, meta: dict, rows: list) -> None:
+    """Prints the markdown table and writes <out>/<name>.md and .json (meta + rows)."""
+    md = "\n".join(lines) + "\n"
+    print(md)
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, name)
+    with open(stem + ".json", "w") as f:
+        json.dump(dict(meta=meta, results=rows), f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(md)
+
+
 def cpu_main(args) -> None:
     import platform
 
@@ -180,14 +192,7 @@ def cpu_main(args) -> None:
     for r in rows:
         lines.append(f"| {r['k']} | {r['threads']} | {r['ms']:.0f} | {r['weights_per_s'] / 1e6:.1f} | "
                      f"{r['weights_per_s_per_thread'] / 1e6:.1f} |")
-    md = "\n".join(lines) + "\n"
-    print(md)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"quantize_throughput_cpu_{meta['cores']}cores_{now.date().isoformat()}")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, results=rows), f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(md)
+    write_results(args.out, f"quantize_throughput_cpu_{meta['cores']}cores_{now.date().isoformat()}", lines, meta, rows)
 
 
 def git_commit() -> str:
@@ -227,15 +232,7 @@ def main() -> None:
     for r in rows:
         lines.append(f"| {r['op']} | {r['K']} | {r['N']} | {r['k']} | {r['ms']:.3f} | {r['K'] * r['N'] / r['ms'] / 1e6:.0f} | "
                      f"{(r['K'] * r['N'] * 2) / r['ms'] / 1e6:.0f} | {r['total_gbs']:.0f} | {r['copy_fraction']:.0%} |")
-    md = "\n".join(lines) + "\n"
-    print(md)
-
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"quantize_throughput_{gpu.replace(' ', '_')}_{now.date().isoformat()}")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta=meta, results=rows), f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(md)
+    write_results(args.out, f"quantize_throughput_{gpu.replace(' ', '_')}_{now.date().isoformat()}", lines, meta, rows)
 
 
 if __name__ == "__main__":
