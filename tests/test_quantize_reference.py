@@ -126,13 +126,18 @@ def _popcount(words: torch.Tensor) -> int:
 @pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
 def test_runtime_words_hold_each_index_where_the_kernels_read_it(k):
     # k = 4: byte n of word w = elements e (low nibble), e + 1 with e = 8n + 2 (w >> 1) + 4 (w & 1);
-    # k = 2: byte n of word w = elements 8n + 4w .. +3, two bits each; k = 3, 5: bit planes.
+    # k = 2: byte n of word w = elements 8n + 4w .. +3, two bits each; k = 3: the k = 4 words of its
+    # planes with word 3 folded into bits 3 and 7 of words 0..2; k = 5: bit planes.
     idx = torch.randint(0, 2**k, (6, 3, 32), generator=torch.Generator().manual_seed(k))
     planes = fmt.pack_bitplanes(idx, k)
     words = fmt.planes_to_runtime_words(planes).to(torch.int64) & 0xFFFFFFFF
     for e in range(32):
-        if k == 4:
-            got = (words[..., ((e >> 2) & 1) | (((e >> 1) & 1) << 1)] >> (8 * (e >> 3) + 4 * (e & 1))) & 15
+        if k in (3, 4):
+            w, shift = ((e >> 2) & 1) | (((e >> 1) & 1) << 1), 8 * (e >> 3) + 4 * (e & 1)
+            if k == 4 or w < 3:
+                got = (words[..., w] >> shift) & (2**k - 1)
+            else:  # word 3 of k = 3: bit i of each nibble sits at bit 3 of the nibble in word i
+                got = sum(((words[..., i] >> (shift + 3)) & 1) << i for i in range(3))
         elif k == 2:
             got = (words[..., (e >> 2) & 1] >> (8 * (e >> 3) + 2 * (e & 3))) & 3
         else:
@@ -142,7 +147,7 @@ def test_runtime_words_hold_each_index_where_the_kernels_read_it(k):
 
 
 def test_runtime_tile_element_placement():
-    N, K, k = 70, 320, 3
+    N, K, k = 70, 320, 5  # k = 5 keeps plane words verbatim
     q = torch.randint(-(2**31), 2**31 - 1, (N, K // 32, k), dtype=torch.int32)
     a = torch.randint(0, 256, (N, K // 32), dtype=torch.uint8)
     q_rt, a_rt = fmt.repack(q, a)

@@ -365,12 +365,15 @@ def runtime_shapes(N: int, K: int, k: int) -> tuple[tuple[int, ...], tuple[int, 
     return (n_tiles, kb_tiles, k, TILE_N, TILE_KB), (n_tiles, kb_tiles, TILE_N, TILE_KB)
 
 
-# Runtime index words for k = 2 and 4: each block's k plane words transposed, once at load, into the
-# words the kernels' table lookup reads (csrc/format/dequant_core.cuh: runtime index words). For k = 4, byte n
-# of word w holds the pair (e, e + 1), e = 8n + 2 (w >> 1) + 4 (w & 1), as two 4-bit indices (e low);
-# for k = 2, byte n of word w holds elements 8n + 4w .. +3 as four 2-bit indices (lowest first). k = 3
-# and 5 keep bit planes (their transposed words would not be dense). Each entry is a delta swap
-# (word a, word b, shift, mask) of csrc's swap_bits, applied in order.
+# Runtime index words for k = 2, 3 and 4: each block's k plane words transposed, once at load, into
+# the words the kernels' table lookup reads (csrc/format/dequant_core.cuh: runtime index words). For
+# k = 4, byte n of word w holds the pair (e, e + 1), e = 8n + 2 (w >> 1) + 4 (w & 1), as two 4-bit
+# indices (e low); for k = 2, byte n of word w holds elements 8n + 4w .. +3 as four 2-bit indices
+# (lowest first). k = 3 takes the k = 4 words of its three planes and a zero fourth (bits 3 and 7 of
+# every byte clear) and folds the fourth word into those clear bits of the other three (FOLD3_SHIFTS:
+# word i takes bits i and i + 4 of each byte of word 3 at bits 3 and 7), so it stays 3 words per block.
+# k = 5 keeps bit planes. Each swap entry is a delta swap (word a, word b, shift, mask) of csrc's
+# swap_bits, applied in order.
 RUNTIME_WORD_SWAPS = {
     2: ((0, 1, 1, 0x55555555), (0, 1, 2, 0x33333333), (0, 1, 4, 0x0F0F0F0F)),
     4: (
@@ -379,6 +382,12 @@ RUNTIME_WORD_SWAPS = {
         (0, 1, 4, 0x0F0F0F0F), (2, 3, 4, 0x0F0F0F0F),
     ),
 }
+FOLD3_SHIFTS = (3, 2, 1)  # csrc kbit_format.cuh: fold3 / unfold3
+FOLD3_MASK = 0x88888888
+
+
+def _to_signed(w: torch.Tensor) -> torch.Tensor:
+    return (w - ((w >> 31) << 32)).to(torch.int32)
 
 
 def _swap_words(words: torch.Tensor, swaps) -> torch.Tensor:
@@ -389,19 +398,30 @@ def _swap_words(words: torch.Tensor, swaps) -> torch.Tensor:
         t = ((w[a] >> shift) ^ w[b]) & mask
         w[b] = w[b] ^ t
         w[a] = w[a] ^ (t << shift)
-    out = torch.stack(w, dim=-1)
-    return (out - ((out >> 31) << 32)).to(torch.int32)
+    return _to_signed(torch.stack(w, dim=-1))
 
 
 def planes_to_runtime_words(planes: torch.Tensor) -> torch.Tensor:
-    """[..., k] bit-plane words of blocks -> their runtime index words (identity for k = 3, 5)."""
-    swaps = RUNTIME_WORD_SWAPS.get(planes.shape[-1])
+    """[..., k] bit-plane words of blocks -> their runtime index words (identity for k = 5)."""
+    k = planes.shape[-1]
+    if k == 3:
+        u = _swap_words(torch.cat([planes, torch.zeros_like(planes[..., :1])], -1), RUNTIME_WORD_SWAPS[4])
+        u = u.to(torch.int64) & 0xFFFFFFFF
+        w = [u[..., i] | ((u[..., 3] << s) & FOLD3_MASK) for i, s in enumerate(FOLD3_SHIFTS)]
+        return _to_signed(torch.stack(w, dim=-1))
+    swaps = RUNTIME_WORD_SWAPS.get(k)
     return planes.clone() if swaps is None else _swap_words(planes, swaps)
 
 
 def runtime_words_to_planes(words: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`planes_to_runtime_words` (each swap is its own inverse: reverse order)."""
-    swaps = RUNTIME_WORD_SWAPS.get(words.shape[-1])
+    k = words.shape[-1]
+    if k == 3:
+        w = words.to(torch.int64) & 0xFFFFFFFF
+        w3 = sum((w[..., i] >> s) & (0x11111111 << i) for i, s in enumerate(FOLD3_SHIFTS))
+        u = torch.stack([w[..., i] & ~FOLD3_MASK & 0xFFFFFFFF for i in range(3)] + [w3], dim=-1)
+        return _swap_words(_to_signed(u), tuple(reversed(RUNTIME_WORD_SWAPS[4])))[..., :3].contiguous()
+    swaps = RUNTIME_WORD_SWAPS.get(k)
     return words.clone() if swaps is None else _swap_words(words, tuple(reversed(swaps)))
 
 

@@ -30,16 +30,19 @@ struct Fields {
 };
 
 // Index words of one block from its runtime words, for lookup(). k = 2, 4: the runtime words as they
-// are (already transposed at repack). k = 3, 5: a bit-matrix transpose of the F x 32 planes (missing
-// planes are 0) in log2(F) stages of delta swaps between words i and i + s; after it field j of q[r]
-// holds bits (F*j + r) of planes 0..F-1, i.e. the index of element F*j + r (swaps involving zero
-// planes fold away).
+// are (already transposed at repack). k = 3: its three words plus the fourth unfolded from their bits
+// 3 and 7 (kbit_format.cuh: fold3), which lookup() may leave in place (see there). k = 5: a
+// bit-matrix transpose of the 8 x 32 planes (missing planes are 0) in three stages of delta swaps
+// between words i and i + s; after it field j of q[r] holds bits (8j + r) of planes 0..7, i.e. the
+// index of element 8j + r (swaps involving zero planes fold away).
 template <int BITS>
 __device__ __forceinline__ void gather_indices(const uint32_t (&plane)[BITS], uint32_t (&q)[Fields<BITS>::kBits]) {
   constexpr int F = Fields<BITS>::kBits;
 #pragma unroll
   for (int r = 0; r < F; ++r) q[r] = r < BITS ? plane[r] : 0u;
-  if constexpr (!has_runtime_words<BITS>()) {
+  if constexpr (BITS == 3) {
+    q[3] = unfold3(plane[0], plane[1], plane[2]);
+  } else if constexpr (!has_runtime_words<BITS>()) {
 #pragma unroll
     for (int s = 1; s < F; s *= 2) {
       const uint32_t mask = s == 1 ? 0x55555555u : s == 2 ? 0x33333333u : 0x0F0F0F0Fu;
@@ -52,12 +55,10 @@ __device__ __forceinline__ void gather_indices(const uint32_t (&plane)[BITS], ui
 }
 
 // Codebook value of element e of a block. The shuffle reads the source lane mod 32, so only
-// the low 5 bits of the shifted word matter: they are e's index plus, for 4-bit fields, the
-// lowest bit of the next field times 16, which the codebook register's replication
+// the low 5 bits of the shifted word matter: they are e's index plus bits above it (the next
+// field's, or k = 3's folded bit 3 of a byte), which the codebook register's replication
 // (lane L holds codebook[L mod 2^k]) makes harmless.
-// e is an unrolled loop counter, so q[e % F] and the shift are compile-time after unrolling.
-// k = 2, 4 read the runtime words directly; the bits above a 2-bit field are the next fields', which
-// the replication makes harmless the same way.
+// e is an unrolled loop counter, so the word and the shift are compile-time after unrolling.
 template <int BITS>
 __device__ __forceinline__ float lookup(float codebook_reg, const uint32_t (&q)[Fields<BITS>::kBits], int e) {
   constexpr int F = Fields<BITS>::kBits;
@@ -150,22 +151,21 @@ __device__ __forceinline__ void lut_fill(uint8_t* lut, const float* __restrict__
   }
 }
 
-// Table index words of one block from its runtime words: k = 2, 4 store them transposed already
-// (kbit_format.cuh: planes_to_runtime_words): byte n of word W holds the pair (e, e + 1),
-// e = 8n + 2 (W >> 1) + 4 (W & 1) (k = 4), or elements 8n + 4W .. +3 (k = 2). k = 3 keeps bit planes,
-// so its three planes and a zero fourth go through the k = 4 transpose here, which leaves bits 3 and
-// 7 of every byte clear. Either way the two pairs one MMA step needs per row, (e, e + 1) and
-// (e + 2, e + 3) with e = 8n + 4 jj, come from words jj and jj + 2 (pairs) or from one entry (quads).
+// Table index words of one block from its runtime words (kbit_format.cuh: planes_to_runtime_words):
+// byte n of word W holds the pair (e, e + 1), e = 8n + 2 (W >> 1) + 4 (W & 1) (k = 3, 4), or elements
+// 8n + 4W .. +3 (k = 2). k = 3 unfolds its fourth word from bits 3 and 7 of the other three and clears
+// those bits (9 ALU operations per block), so one PRMT turns any byte into a table offset.
+// Either way the two pairs one MMA step needs per row, (e, e + 1) and (e + 2, e + 3) with
+// e = 8n + 4 jj, come from words jj and jj + 2 (pairs) or from one entry (quads).
 template <int BITS>
 __device__ __forceinline__ void lut_indices(const uint32_t (&words)[BITS], uint32_t (&q)[Lut<BITS>::kWords]) {
-  if constexpr (has_runtime_words<BITS>()) {
+  if constexpr (BITS == 3) {
+    q[3] = unfold3(words[0], words[1], words[2]);
+#pragma unroll
+    for (int r = 0; r < 3; ++r) q[r] = clear_fold3(words[r]);
+  } else {
 #pragma unroll
     for (int r = 0; r < BITS; ++r) q[r] = words[r];
-  } else {
-    uint32_t w[4] = {words[0], words[1], words[2], 0u};
-    planes_to_runtime_words<4>(w);
-#pragma unroll
-    for (int r = 0; r < 4; ++r) q[r] = w[r];
   }
 }
 

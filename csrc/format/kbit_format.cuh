@@ -190,24 +190,47 @@ __host__ __device__ __forceinline__ void swap_bits(uint32_t& x, uint32_t& y, int
   x ^= t << s;
 }
 
-// k = 2 and 4 store each block's words in the runtime layout already transposed for the kernels'
-// lookups (reference.RUNTIME_WORD_SWAPS, the same swaps in the same order), so no kernel transposes
-// them per call; k = 3 and 5 keep bit planes. A plane bit has address bits (word w, position p0..p4)
-// = (index bit, element); a swap between words w and w + 2^i at distance 2^j exchanges w_i and p_j.
+// k = 2, 3 and 4 store each block's words in the runtime layout already transposed for the kernels'
+// lookups (reference.planes_to_runtime_words, the same steps in the same order), so no kernel
+// transposes them per call; k = 5 keeps bit planes. A plane bit has address bits (word w, position
+// p0..p4) = (index bit, element); a swap between words w and w + 2^i at distance 2^j exchanges w_i and p_j.
 //   k = 4: byte n of word w = indices of elements e (low nibble) and e + 1, e = 8n + 2 (w >> 1) + 4 (w & 1);
+//   k = 3: the k = 4 words of the three planes and a zero fourth (3-bit indices in bits 0-2 and 4-6 of
+//          each byte, bits 3 and 7 clear), with the fourth word folded into those clear bits of the
+//          other three (fold3) so the block stays 3 words: bits 3, 7 of each byte of word i hold bits
+//          i, i + 4 of the same byte of word 3;
 //   k = 2: byte n of word w = 2-bit indices of elements 8n + 4w .. +3, lowest first.
 template <int K>
 constexpr bool has_runtime_words() {
-  return K == 2 || K == 4;
+  return K <= 4;
 }
+
+// The k = 3 fold: word 3 of the k = 4 transpose (bits 3, 7 of every byte clear) into the clear bits
+// of words 0..2, and back. unfold3 returns word 3; clear_fold3 masks the folded bits off a word.
+constexpr uint32_t kFoldMask = 0x88888888u;
+__host__ __device__ __forceinline__ void fold3(uint32_t (&w)[4]) {
+  w[0] |= (w[3] << 3) & kFoldMask;
+  w[1] |= (w[3] << 2) & kFoldMask;
+  w[2] |= (w[3] << 1) & kFoldMask;
+  w[3] = 0;
+}
+__host__ __device__ __forceinline__ uint32_t unfold3(uint32_t w0, uint32_t w1, uint32_t w2) {
+  return ((w0 >> 3) & 0x11111111u) | ((w1 >> 2) & 0x22222222u) | ((w2 >> 1) & 0x44444444u);
+}
+__host__ __device__ __forceinline__ uint32_t clear_fold3(uint32_t w) { return w & ~kFoldMask; }
 
 template <int K>
 __host__ __device__ __forceinline__ void planes_to_runtime_words(uint32_t (&w)[K]) {
-  static_assert(has_runtime_words<K>(), "k = 3 and 5 keep bit planes");
+  static_assert(has_runtime_words<K>(), "k = 5 keeps bit planes");
   if constexpr (K == 2) {
     swap_bits(w[0], w[1], 1, 0x55555555u);  // index bit to position bit 0, element bit 0 to the word
     swap_bits(w[0], w[1], 2, 0x33333333u);  // element bit 0 to position bit 1, bit 1 to the word
     swap_bits(w[0], w[1], 4, 0x0F0F0F0Fu);  // element bit 1 to position bit 2, bit 2 to the word
+  } else if constexpr (K == 3) {
+    uint32_t u[4] = {w[0], w[1], w[2], 0u};
+    planes_to_runtime_words<4>(u);
+    fold3(u);
+    w[0] = u[0], w[1] = u[1], w[2] = u[2];
   } else {
     swap_bits(w[0], w[1], 1, 0x55555555u);  // index bit 0 in, element bit 0 to word bit 0
     swap_bits(w[2], w[3], 1, 0x55555555u);
@@ -218,14 +241,18 @@ __host__ __device__ __forceinline__ void planes_to_runtime_words(uint32_t (&w)[K
   }
 }
 
-// The inverse: each swap undoes itself, so the same swaps in reverse order.
+// The inverse: each swap undoes itself, so the same swaps in reverse order (k = 3: unfold first).
 template <int K>
 __host__ __device__ __forceinline__ void runtime_words_to_planes(uint32_t (&w)[K]) {
-  static_assert(has_runtime_words<K>(), "k = 3 and 5 keep bit planes");
+  static_assert(has_runtime_words<K>(), "k = 5 keeps bit planes");
   if constexpr (K == 2) {
     swap_bits(w[0], w[1], 4, 0x0F0F0F0Fu);
     swap_bits(w[0], w[1], 2, 0x33333333u);
     swap_bits(w[0], w[1], 1, 0x55555555u);
+  } else if constexpr (K == 3) {
+    uint32_t u[4] = {clear_fold3(w[0]), clear_fold3(w[1]), clear_fold3(w[2]), unfold3(w[0], w[1], w[2])};
+    runtime_words_to_planes<4>(u);
+    w[0] = u[0], w[1] = u[1], w[2] = u[2];
   } else {
     swap_bits(w[2], w[3], 4, 0x0F0F0F0Fu);
     swap_bits(w[0], w[1], 4, 0x0F0F0F0Fu);
@@ -236,14 +263,15 @@ __host__ __device__ __forceinline__ void runtime_words_to_planes(uint32_t (&w)[K
   }
 }
 
-// Word and bit offset of element e's index among a block's runtime words (k = 2, 4).
+// Word and bit offset of element e's index among a block's index words (k = 2, 4: the runtime words;
+// k = 3: the four k = 4 words its three runtime words unfold into).
 template <int K>
 __host__ __device__ constexpr int runtime_word_of(int e) {
-  return K == 4 ? ((e >> 2) & 1) | (((e >> 1) & 1) << 1) : (e >> 2) & 1;
+  return K >= 3 ? ((e >> 2) & 1) | (((e >> 1) & 1) << 1) : (e >> 2) & 1;
 }
 template <int K>
 __host__ __device__ constexpr int runtime_shift_of(int e) {
-  return K == 4 ? 8 * (e >> 3) + 4 * (e & 1) : 8 * (e >> 3) + 2 * (e & 3);
+  return K >= 3 ? 8 * (e >> 3) + 4 * (e & 1) : 8 * (e >> 3) + 2 * (e & 3);
 }
 
 // ----------------------------------------------------------------------------- bit-plane unpack

@@ -18,14 +18,15 @@
 namespace kbit {
 namespace {
 
-// The largest M each path serves (bf16/fp16 x; fp32 x always dequantizes). GEMV for M <= 2: from
-// M = 3 the MMA kernel (whose time is flat up to M = 8, one n8 tile) is faster. Fused dequant + MMA up
-// to kMmaMaxM. Above it, on Hopper, the fused dequant + wgmma kernels: the register-fragment one
+// The largest M each path serves (bf16/fp16 x; fp32 x always dequantizes). GEMV for M = 1 only: from
+// M = 2 the MMA kernel (whose time is flat up to M = 8, one n8 tile; table decode at k <= 4) is as fast
+// or faster on every target shape. Fused dequant + MMA up to kMmaMaxM. Above it, on Hopper, the fused
+// dequant + wgmma kernels: the register-fragment one
 // (wgmma.cu) up to kWgmmaMaxM on weights of at least kWgmmaMinN rows and kWgmmaMinK columns (one CTA
 // per 128 rows: fewer rows leave most SMs idle), the warp-specialized one (wgmma_ws.cu, 256 rows of x
 // per CTA) up to kWgmmaWsMaxM on weights of at least kWgmmaWsMinWeight elements; everything else
 // dequantize + cuBLAS. docs/decisions.md, "Dense linear layers".
-constexpr int64_t kGemvPathMaxM = 2;
+constexpr int64_t kGemvPathMaxM = 1;
 constexpr int64_t kMmaMaxM = 64;
 constexpr int64_t kWgmmaMaxM = 128;
 constexpr int64_t kWgmmaWsMaxM = 512;
