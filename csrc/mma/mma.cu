@@ -48,7 +48,13 @@ int mma_grouped_r(int p, int64_t n_tiles, int64_t k_tiles, int bits, int64_t exp
   return wide;
 }
 
-bool mma_built(int p, int r) { return r == 1 || r == (p == kMmaMaxRowTiles ? 2 : 4); }
+bool mma_built(int p, int r) {
+#define KBIT_MMA_BUILT(P_, R_) \
+  if (p == P_ && r == R_) return true;
+  KBIT_MMA_INSTANCES(KBIT_MMA_BUILT)
+#undef KBIT_MMA_BUILT
+  return false;
+}
 
 int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm,
                int64_t split_cost, const int64_t* cluster_ctas) {

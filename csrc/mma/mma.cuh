@@ -34,7 +34,12 @@ MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups = 0);
 // at k = 4, p = 1 on long experts where the wide grid would end in a mostly empty wave.
 int mma_grouped_r(int p, int64_t n_tiles, int64_t k_tiles, int bits, int64_t expected_chunks, int64_t num_sms);
 
-// Whether a kernel is built for p activation tiles and r row groups (r = 1, or 4; 2 at p = 8).
+// The (p, r) instances built for every k, dtype and launch kind (dense and grouped): narrow warps (r = 1)
+// at every p, wide ones (4 row groups; 2 at p = 8, where the accumulators fill the registers). The one
+// list the launchers and mma_built expand: X(P, R) per instance.
+#define KBIT_MMA_INSTANCES(X) X(1, 1) X(1, 4) X(2, 1) X(2, 4) X(4, 1) X(4, 4) X(8, 1) X(8, 2)
+
+// Whether a kernel is built for p activation tiles and r row groups (KBIT_MMA_INSTANCES).
 bool mma_built(int p, int r);
 
 // K splits (CTAs of one cluster per CTA column) for cols x m_blocks CTA tiles over k_tiles, on num_sms

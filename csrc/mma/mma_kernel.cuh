@@ -540,44 +540,25 @@ void launch_instance(const MmaLaunch& L) {
                 dim3(kThreads), S::kSmemBytes, L.stream, splits, prm);
 }
 
-// Launches the instance of mma_config's (p, r): r = 1, or the wide r of p (4, or 2 at p = 8).
-template <typename T, int BITS>
+// Launches the instance of the launch's (p, r) (KBIT_MMA_INSTANCES); kGrouped: the routed-expert kernels
+// (bf16 activations: the MoE path gathers x to bf16).
+template <typename T, int BITS, bool kGrouped>
 void launch_bits(const MmaLaunch& L) {
   const int p = L.config.p, r = L.config.r;
 #define KBIT_MMA_CASE(P_, R_) \
-  if (p == P_ && r == R_) return launch_instance<T, BITS, P_, R_>(L);
-  KBIT_MMA_CASE(1, 1)
-  KBIT_MMA_CASE(1, 4)
-  KBIT_MMA_CASE(2, 1)
-  KBIT_MMA_CASE(2, 4)
-  KBIT_MMA_CASE(4, 1)
-  KBIT_MMA_CASE(4, 4)
-  KBIT_MMA_CASE(8, 1)
-  KBIT_MMA_CASE(8, 2)
+  if (p == P_ && r == R_) return launch_instance<T, BITS, P_, R_, kGrouped>(L);
+  KBIT_MMA_INSTANCES(KBIT_MMA_CASE)
 #undef KBIT_MMA_CASE
   KBIT_CHECK(false, "kbit mma: no kernel for p=", p, " r=", r);
 }
 
-// Grouped launches: bf16 activations (the MoE path gathers x to bf16); the row groups per warp
-// from mma_grouped_r (wide: 4, or 2 at p = 8; 1 for narrow experts and light last waves).
-template <int BITS>
-void launch_grouped_bits(const MmaLaunch& L) {
-  const bool wide = L.config.r == 4;
-  switch (L.config.p) {
-    case 1: return wide ? launch_instance<__nv_bfloat16, BITS, 1, 4, true>(L) : launch_instance<__nv_bfloat16, BITS, 1, 1, true>(L);
-    case 2: return wide ? launch_instance<__nv_bfloat16, BITS, 2, 4, true>(L) : launch_instance<__nv_bfloat16, BITS, 2, 1, true>(L);
-    case 4: return wide ? launch_instance<__nv_bfloat16, BITS, 4, 4, true>(L) : launch_instance<__nv_bfloat16, BITS, 4, 1, true>(L);
-    default: return L.config.r == 2 ? launch_instance<__nv_bfloat16, BITS, 8, 2, true>(L) : launch_instance<__nv_bfloat16, BITS, 8, 1, true>(L);
-  }
-}
-
 // Entry point per k (mma_k2.cu .. mma_k5.cu, compiled in parallel), both activation dtypes; a launch
-// with a chunk list goes to the grouped instances (the caller guarantees bf16 and r = 1).
+// with a chunk list goes to the grouped instances (the caller guarantees bf16).
 template <int BITS>
 void launch_mma_k(const MmaLaunch& L, bool bf16) {
-  if (L.chunks != nullptr) return launch_grouped_bits<BITS>(L);
-  if (bf16) return launch_bits<__nv_bfloat16, BITS>(L);
-  return launch_bits<__half, BITS>(L);
+  if (L.chunks != nullptr) return launch_bits<__nv_bfloat16, BITS, true>(L);
+  if (bf16) return launch_bits<__nv_bfloat16, BITS, false>(L);
+  return launch_bits<__half, BITS, false>(L);
 }
 extern template void launch_mma_k<2>(const MmaLaunch&, bool);
 extern template void launch_mma_k<3>(const MmaLaunch&, bool);
