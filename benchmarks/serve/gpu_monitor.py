@@ -3,7 +3,7 @@
 Why: throughput at large concurrency can vary from run to run with the same kernels. If the card slows
 itself down (power cap or thermal limits), the clock and power samples show it; the utilization (share of
 time a kernel was running) shows the other cause, steps bound by the host, which leave the GPU idle between
-kernels (docs/decisions.md, "Kernel work is judged on the decode-bound cells").
+kernels (docs/decisions.md, "Serving benchmark").
 Read-only: nvidia-smi is only queried; the card's settings are never changed.
 """
 

@@ -11,7 +11,7 @@ with a real model's tokenizer every id the model can emit decodes to text. A sma
 256 byte tokens) would decode every id the dummy model emits above its vocabulary, or any random byte
 prompt, to no complete character; the server's incremental detokenizer (tokenizers' ``DecodeStream``) then
 decodes the whole prompt again at every generated token: host work per step that grows with prompt length x
-batch and leaves the GPU idle (docs/decisions.md, "Serving harness: a tokenizer that decodes every id").
+batch and leaves the GPU idle (docs/decisions.md, "Serving benchmark").
 
 GPTQ: a ``quantization_config`` in config.json (``quant_method: gptq``, 4 bits, group 128, desc_act false,
 sym true) makes vLLM 0.26 pick its Marlin kernels. ``modules_in_block_to_quantize`` is written explicitly:
@@ -24,7 +24,7 @@ from __future__ import annotations
 import itertools
 import os
 
-from vllm_kbit.tiny_models import EOS_TOKEN
+from vllm_kbit.testing.tiny_models import EOS_TOKEN
 
 VOCAB_SIZE = 151936  # Qwen3's vocabulary: the model's and the tokenizer's
 EOS_TOKEN_ID = VOCAB_SIZE - 1

