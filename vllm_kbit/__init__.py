@@ -3,6 +3,7 @@
 from vllm_kbit import reference
 from vllm_kbit.linear import KbitLinearWeight, kbit_linear
 from vllm_kbit.ops import HAS_CUDA_KERNELS
+from vllm_kbit import moe  # noqa: F401  (kbit::fused_moe's implementations; moe uses ops, ops does not import moe)
 from vllm_kbit.weight import KbitWeight, quantize
 
 __all__ = ["HAS_CUDA_KERNELS", "KbitLinearWeight", "KbitWeight", "kbit_linear", "quantize", "reference"]

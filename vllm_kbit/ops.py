@@ -288,7 +288,3 @@ def _dequantize_runtime_fake(qweight_rt, absmax_rt, codebook, N, K, dtype):
 @torch.library.register_fake("kbit::linear")
 def _linear_fake(x, qweight_rt, absmax_rt, codebook, N, K, bias):
     return x.new_empty(*x.shape[:-1], N)
-
-
-# kbit::fused_moe's implementations live with the MoE code (it uses this module).
-from vllm_kbit import moe as _moe  # noqa: E402,F401
