@@ -108,11 +108,15 @@ def test_non_contiguous():
 def test_non_finite_and_out_of_range_weights():
     W = torch.randn(4, 32)
     W[1, 3] = float("nan")
-    with pytest.raises(ValueError, match="NaN or Inf"):
+    with pytest.raises(ValueError, match="NaN or Inf") as e:
         vllm_kbit.quantize(W, 4)
+    _one_line(e)
+    # |w| beyond the E4M4 block scale: range-scaled (codebook x 8), not refused; the raw op still refuses it.
     W[1, 3] = 100.0
+    q = vllm_kbit.quantize(W, 4)
+    assert q.codebook.abs().max().item() == 8.0 and abs(q.dequantize(torch.float32)[1, 3].item() - 100.0) < 1.0
     with pytest.raises(ValueError, match="above the largest E4M4 block scale") as e:
-        vllm_kbit.quantize(W, 4)
+        torch.ops.kbit.quantize(W, q.codebook / 8, 4)
     _one_line(e)
 
 

@@ -17,10 +17,16 @@ Which tensors are quantized: 2-D floating-point ``.weight`` tensors, except
 * modules matched by ``modules_to_not_convert`` (per-expert tensors are matched
   as their ``<block>.experts`` module, see :mod:`vllm_kbit.settings`),
 * linear weights whose K is not a multiple of 32 (left in bf16, the same rule the
-  vLLM plugin applies online); per-expert weights with such a K are an error.
+  vLLM plugin applies online); per-expert weights with such a K are an error,
+* weights with |w| above the largest E4M4 block scale (31, :data:`reference.RANGE_MAX`): a checkpoint
+  carries no range scale (it loads with scale 1), so such a tensor is left in bf16 with a warning;
+  a routed expert's tensor is an error instead (the loader needs every expert quantized): serve that
+  model with online quantization, which range-scales (:func:`reference.range_scale`). Tensors whose
+  max |w| is below 2^-4 are quantized at scale 1 as they always were (blocks below 2^-10 lose precision).
 
 The packed tensors are exactly what online quantization (``--quantization kbit``)
-of the same checkpoint produces when vLLM runs in the checkpoint's dtype, unless
+of the same checkpoint produces when vLLM runs in the checkpoint's dtype (for tensors with max |w| in
+[2^-4, 31], where online quantization's range scale is 1), unless
 ``gptq`` is set: then the linear layers that transformers' model of the checkpoint
 runs as ``nn.Linear`` are rounded by GPTQ on calibration text (:mod:`vllm_kbit.gptq`;
 same format and scale candidates, different indices and scale choices) and the rest as online.
@@ -31,6 +37,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import math
 import time
 from dataclasses import dataclass, field
@@ -60,6 +67,7 @@ class ConvertSummary:
     quantized_input_bytes: int = 0
     quantized_output_bytes: int = 0
     left_unquantized: list[str] = field(default_factory=list)
+    out_of_range: list[str] = field(default_factory=list)  # |w| above the E4M4 range: kept bf16
     tied_lm_head: bool = False  # quantize_lm_head asked for, but the head is tied to the embedding
     shards: list[str] = field(default_factory=list)
 
@@ -78,6 +86,8 @@ class ConvertSummary:
             )
         if self.left_unquantized:
             lines.append(f"left unquantized (K not a multiple of 32): {', '.join(self.left_unquantized)}")
+        if self.out_of_range:
+            lines.append(f"left unquantized (|w| > {fmt.E4M4_MAX:g}): {', '.join(self.out_of_range)}")
         if self.tied_lm_head:
             lines.append("lm_head left bf16: tied to the input embedding (quantize_lm_head applies to untied heads)")
         return "\n".join(lines)
@@ -254,7 +264,9 @@ def _gptq_weights(in_dir, settings, device, text, progress) -> dict:
     def select(module):
         W = model.get_submodule(module).weight
         bits = quantization_decision(f"{module}.weight", tuple(W.shape), W.dtype, settings)
-        return None if bits is None or bits == -1 else (bits, settings.codebook(bits))
+        if bits is None or bits == -1 or not W.detach().abs().amax().item() <= fmt.RANGE_MAX:
+            return None  # out of range or non-finite: the conversion loop keeps it bf16 or refuses it
+        return bits, settings.codebook(bits)
 
     def report(module):
         if progress:
@@ -348,10 +360,27 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
                     add(name, t)
                 else:
                     module = name[: -len(".weight")]
+                    amax = t.abs().amax().float().item() if t.numel() else 0.0
+                    if math.isfinite(amax) and amax > fmt.RANGE_MAX:  # NaN / Inf go on to the op, which refuses them
+                        if module_key(module) != module:
+                            raise ConvertError(
+                                f"kbit convert: routed expert tensor {name} has |w| = {amax:.4g}, above the largest "
+                                f"E4M4 block scale {fmt.E4M4_MAX:g}, and a converted checkpoint has no range scale; "
+                                "serve this model with online quantization (--quantization kbit on the bf16 "
+                                "checkpoint), which range-scales it"
+                            )
+                        print(f"kbit convert: warning: {name} has |w| = {amax:.4g}, above the largest E4M4 block "
+                              f"scale {fmt.E4M4_MAX:g}; left unquantized (online quantization range-scales it)",
+                              file=sys.stderr, flush=True)
+                        summary.out_of_range.append(module)
+                        add(name, t)
+                        bar.update(t.numel())
+                        del t
+                        continue
                     if precomputed and module in precomputed:
                         qweight, absmax = precomputed.pop(module)
                     else:
-                        try:  # the op refuses NaN, Inf and |w| beyond the E4M4 range
+                        try:  # the op refuses NaN and Inf
                             qweight, absmax = torch.ops.kbit.quantize(t.contiguous(), codebooks[bits], bits)
                         except ValueError as e:
                             raise ConvertError(f"kbit convert: tensor {name}: {e}") from None

@@ -46,6 +46,11 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 E4M4_BIAS = _FORMAT["kE4M4Bias"]
 E4M4_MAX = 2.0 ** (15 - E4M4_BIAS) * (1 + 15 / 16)  # code 255 (e = 15, m = 15): the largest scale a block can have
+# Range scale (:func:`range_scale`): layers whose max |w| lies in [RANGE_MIN, RANGE_MAX] are quantized as they are.
+RANGE_MIN = 2.0**-4
+RANGE_MAX = E4M4_MAX * (1 + 1 / 64)  # the largest |w| the E4M4 code 255 still holds (check_representable's bound)
+RANGE_TARGET = 16.0  # a range-scaled layer's max |W / s| lies in (RANGE_TARGET / 2, RANGE_TARGET]
+_RANGE_EXP_MIN, _RANGE_EXP_MAX = -100, 127  # s stays a normal fp32 power of two, codebook * s finite and exact
 # Scale search (see block_scales): E4M4 code offsets tried around each block's absmax code,
 # -8..+8 (about x0.7..x1.4). On by default; search_scale=False gives plain absmax scales.
 SCALE_SEARCH_OFFSETS = tuple(d for d in range(-_FORMAT["kScaleSearchRadius"], _FORMAT["kScaleSearchRadius"] + 1) if d)
@@ -109,18 +114,66 @@ def check_codebook_values(codebook: torch.Tensor) -> None:
 
 
 def check_representable(W: torch.Tensor) -> None:
-    """Refuses weights the format cannot hold: non-finite values or |w| beyond the E4M4 range.
+    """Refuses weights the format cannot hold at scale 1: non-finite values or |w| beyond the E4M4 range
+    (the callers that quantize whole layers divide by :func:`range_scale` first).
 
     Syncs with the host (one reduction): a load-time check, never on a forward path.
     """
     amax = W.detach().abs().amax().float().item() if W.numel() else 0.0
     if amax != amax or amax == float("inf"):
         raise ValueError("kbit: weight has NaN or Inf values; cannot quantize")
-    if amax > E4M4_MAX * (1 + 1 / 64):
+    if amax > RANGE_MAX:
         raise ValueError(
             f"kbit: weight has |w| = {amax:.4g}, above the largest E4M4 block scale {E4M4_MAX}; "
             "leave this module unquantized (modules_to_not_convert)"
         )
+
+
+def range_scale(amax: float) -> float:
+    """The power-of-two range scale s of a layer whose largest |w| is ``amax``: quantize W / s and give the
+    layer the codebook ``codebook * s``. Both are exact (a power of two only moves exponents), and every op
+    reads the fp32 codebook and multiplies codebook value x block scale, so the layer decodes to
+    ``s * dequantize(W / s)`` with no kernel change.
+
+    Why: a block's scale is one E4M4 code, at most E4M4_MAX = 31 and, below the smallest normal code 2^-10,
+    subnormal (step 2^-14: blocks under 2^-10 lose precision, blocks under 2^-15 decode to zero).
+
+    * s = 1 for RANGE_MIN <= amax <= RANGE_MAX (and amax = 0), so a layer in that range is quantized
+      bit-identically to a format without range scales. RANGE_MAX is the bound the format always had.
+      RANGE_MIN = 2^-4: the smallest non-zero codebook level c_min is >= 0.0174 (k = 5 normal_float; 0.035
+      at k = 5 of the default codebook), so in a layer with amax >= 2^-4 every block whose absmax is at
+      least c_min * amax (>= 1.09e-3 > 2^-10) -- a block that levels scaled to the layer's max could still
+      resolve -- keeps a normal E4M4 scale. Below 2^-4 such blocks go subnormal, so the layer is rescaled.
+    * otherwise s = 2^ceil(log2(amax / RANGE_TARGET)), so that 8 < |W / s| <= 16: the layer's largest block
+      sits at the top of the E4M4 range (the scale search's x1.4 candidates, <= 22.6, stay below 31), so
+      blocks down to ~2^-13 of the layer's max keep normal scales. That headroom matters in an MoE layer,
+      whose one s covers every expert: one expert at |w| = 100 leaves the others' blocks of 0.1 at 0.0125.
+      s is clamped to [2^-100, 2^127] (no bf16 / fp16 weight needs more); codebook * s <= amax / 8 never
+      overflows fp16. Limit: the GPU tensor-core kernels round codebook * s to the activation type, so with
+      fp16 activations a layer scaled by s < 2^-8 (|w| < 2^-8) gets fp16-subnormal table entries -- such
+      weights are fp16 subnormals themselves; bf16 has fp32's exponent range and is exact.
+
+    Non-finite amax raises (NaN / Inf weights cannot be quantized at any scale).
+    """
+    amax = float(amax)
+    if not math.isfinite(amax):
+        raise ValueError("kbit: weight has NaN or Inf values; cannot quantize")
+    if amax == 0.0 or RANGE_MIN <= amax <= RANGE_MAX:
+        return 1.0
+    m, e = math.frexp(amax / RANGE_TARGET)  # = m * 2^e, 0.5 <= m < 1: ceil(log2) is e, or e - 1 for m = 0.5
+    e = e - 1 if m == 0.5 else e
+    return math.ldexp(1.0, min(max(e, _RANGE_EXP_MIN), _RANGE_EXP_MAX))
+
+
+def weight_range_scale(W: torch.Tensor) -> float:
+    """:func:`range_scale` of W's largest |w| (one reduction, host sync: a load-time call)."""
+    return range_scale(W.detach().abs().amax().float().item() if W.numel() else 0.0)
+
+
+def range_scaled(W: torch.Tensor, s: float) -> torch.Tensor:
+    """W / s, exact (s a power of two): W itself for s = 1, else in float32 so that no element's exponent
+    leaves the dtype's range."""
+    return W if s == 1.0 else W.float() / s
 
 
 def check_packed(qweight: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor) -> int:

@@ -44,6 +44,10 @@ Rules for layers the format cannot hold
   (bf16), with a warning naming it; ``vllm-kbit convert`` applies the same rule.
 * Routed experts whose hidden or intermediate size is not a multiple of 32 are
   refused with an error naming the layer (add it to ``modules_to_not_convert``).
+* Weights beyond the E4M4 block scale's range quantize online with a power-of-two range scale
+  (:func:`vllm_kbit.reference.range_scale`); NaN / Inf leave a linear layer in bf16 with a warning and
+  refuse routed experts. ``vllm-kbit convert`` keeps a dense tensor with |w| > 31 in bf16 and refuses
+  such a routed-expert tensor (a checkpoint has no range scale).
 * Embeddings are never quantized (the lookup stays bf16); lm_head only with ``quantize_lm_head``
   and only when it is not tied to the embedding; layers other than linear, lm_head and FusedMoE are
   left to vLLM unchanged.

@@ -17,7 +17,7 @@ class KbitWeight:
 
     qweight: torch.Tensor  # int32 [N, K/32, k]
     absmax: torch.Tensor  # uint8 [N, K/32], E4M4 codes
-    codebook: torch.Tensor  # float32 [2**k]
+    codebook: torch.Tensor  # float32 [2**k]: the codebook times the weight's range scale (reference.range_scale)
     k: int
     shape: tuple[int, int]
 
@@ -45,6 +45,10 @@ def quantize(
     search_scale (default) picks each block's E4M4 scale by block squared error among the
     absmax code and its neighbours; False keeps plain absmax scales (bit-exact with other
     absmax implementations of the format).
+
+    A weight whose max |w| is outside [2^-4, 31] is quantized as W / s with s =
+    :func:`vllm_kbit.reference.range_scale` (a power of two), and ``codebook`` of the result is the
+    codebook times s, so ``dequantize`` and the ops give back W's scale; NaN / Inf weights raise.
     """
     fmt.check_bits(k)
     fmt.check_weight(W)
@@ -54,5 +58,6 @@ def quantize(
         fmt.check_codebook(codebook, k)
         fmt.check_codebook_values(codebook)
         codebook = codebook.to(W.device)
-    qweight, absmax = torch.ops.kbit.quantize(W, codebook, k, search_scale)
-    return KbitWeight(qweight, absmax, codebook, k, (W.shape[0], W.shape[1]))
+    scale = fmt.weight_range_scale(W)
+    qweight, absmax = torch.ops.kbit.quantize(fmt.range_scaled(W, scale), codebook, k, search_scale)
+    return KbitWeight(qweight, absmax, codebook * scale if scale != 1.0 else codebook, k, (W.shape[0], W.shape[1]))

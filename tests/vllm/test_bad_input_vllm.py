@@ -136,13 +136,14 @@ def _with_weight_value(src: str, dst: str, key: str, value: float) -> str:
     raise KeyError(key)
 
 
-def test_linear_with_weights_beyond_e4m4_stays_bf16_with_a_warning(tiny, tmp_path):
-    """Online: one linear layer the format cannot hold stays in bf16, named in a warning; the server runs."""
-    model = _with_weight_value(tiny["qwen3"], str(tmp_path / "m"), "model.layers.0.self_attn.o_proj.weight", 100.0)
+def test_linear_with_non_finite_weights_stays_bf16_with_a_warning(tiny, tmp_path):
+    """Online: one linear layer with an Inf weight stays in bf16, named in a warning; the server runs.
+    (|w| beyond the E4M4 range is range-scaled instead: test_e2e.py.)"""
+    model = _with_weight_value(tiny["qwen3"], str(tmp_path / "m"), "model.layers.0.self_attn.o_proj.weight", float("inf"))
     proc = run_engine(model, str(tmp_path / "run"), {"quantization": "kbit"}, check=False)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-3000:]
-    assert "kbit: layer model.layers.0.self_attn.o_proj left unquantized: weight has |w| = 100" in log
+    assert "kbit: layer model.layers.0.self_attn.o_proj left unquantized: weight has NaN or Inf values" in log
     with open(tmp_path / "run" / "out.json") as f:
         out = json.load(f)
     assert out["layers"]["model.layers.0.self_attn.o_proj"]["method"] == "LeftUnquantizedLinearMethod"
@@ -316,6 +317,32 @@ def test_failed_convert_of_an_unrepresentable_tensor_names_it_and_leaves_nothing
     out = str(tmp_path / "out")
     with pytest.raises(ConvertError, match="tensor model.layers.1.mlp.up_proj.weight: kbit: weight has NaN or Inf"):
         convert(src, out, KbitSettings(), max_shard_bytes=1 << 16, progress=False)
+    assert not os.path.exists(out)
+
+
+def test_convert_keeps_a_dense_tensor_beyond_e4m4_in_bf16_with_a_warning(tiny, tmp_path, capsys):
+    src = _with_weight_value(tiny["qwen3"], str(tmp_path / "in"), "model.layers.1.mlp.up_proj.weight", 100.0)
+    out = str(tmp_path / "out")
+    summary = convert(src, out, KbitSettings(), progress=False)
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.layers.1.mlp.up_proj.weight has |w| = 100, above the largest E4M4" in err, err
+    assert summary.out_of_range == ["model.layers.1.mlp.up_proj"]
+    assert "left unquantized (|w| > 31): model.layers.1.mlp.up_proj" in summary.format()
+    tensors = {}
+    for f in sorted(os.listdir(out)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(out, f)))
+    assert tensors["model.layers.1.mlp.up_proj.weight"].dtype == torch.bfloat16
+    assert "model.layers.1.mlp.up_proj.qweight" not in tensors and "model.layers.0.mlp.up_proj.qweight" in tensors
+
+
+def test_convert_refuses_a_routed_expert_beyond_e4m4_pointing_to_online(tiny, tmp_path):
+    src = _with_weight_value(tiny["qwen3_moe"], str(tmp_path / "in"), "model.layers.1.mlp.experts.3.down_proj.weight", 100.0)
+    out = str(tmp_path / "out")
+    with pytest.raises(ConvertError, match=r"routed expert tensor model.layers.1.mlp.experts.3.down_proj.weight has "
+                                           r"\|w\| = 100.*--quantization kbit") as e:
+        convert(src, out, KbitSettings(), progress=False)
+    assert "\n" not in str(e.value)
     assert not os.path.exists(out)
 
 

@@ -189,3 +189,44 @@ def test_mla_and_gated_delta_net_families_match_dequantized_model(engine, tiny, 
             assert layers[f"model.layers.{i}.mlp.experts"]["method"] == "KbitOnlineMoEMethod"
     ref = _dequantized(engine, tiny, tmp_path_factory, kind, 4)
     assert_agree(f"{kind} k=4", got, ref)
+
+
+def _beyond_e4m4_range(src: str, dst: str) -> str:
+    """A copy of the qwen3_moe checkpoint with weights the E4M4 block scale cannot hold at scale 1: one element
+    of 100 in a dense layer and in a routed expert, and a dense layer of weights ~1e-6."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in sorted(os.listdir(dst)):
+        if f.endswith(".safetensors"):
+            tensors = load_file(os.path.join(dst, f))
+            for key in ("model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.experts.3.down_proj.weight"):
+                tensors[key] = tensors[key].clone()
+                tensors[key].view(-1)[5] = 100.0
+            key = "model.layers.1.self_attn.o_proj.weight"
+            tensors[key] = (tensors[key].float() * 2e-5).to(tensors[key].dtype)
+            save_file(tensors, os.path.join(dst, f), metadata={"format": "pt"})
+    return dst
+
+
+def test_weights_beyond_the_e4m4_range_quantize_online_and_match_dequantized(engine, tiny, tmp_path_factory):
+    """|w| = 100 in a dense layer and in one routed expert, and a dense layer of ~1e-6: each layer is quantized
+    with a range scale (reference.range_scale; one per MoE layer), named in the load summary, and the model
+    matches the bf16 model of the dequantized weights (which decode to the same values)."""
+    src = _beyond_e4m4_range(tiny["qwen3_moe"], str(tmp_path_factory.mktemp("range") / "m"))
+    got = engine("qwen3_moe-range-online4", src, online_kwargs(ONLINE[4]), text_prompts=TEXT_PROMPTS)
+    ref = engine("qwen3_moe-range-deq4", dequantized_checkpoint(src, str(tmp_path_factory.mktemp("range-deq")),
+                                                               settings_of(ONLINE[4])), text_prompts=TEXT_PROMPTS)
+    layers = got["layers"]
+    for name in ("model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"):
+        assert layers[name]["method"] == "KbitOnlineLinearMethod", layers[name]
+    assert layers["model.layers.0.mlp.experts"]["method"] == "KbitOnlineMoEMethod"
+    assert_every_layer_accounted_for("qwen3_moe beyond E4M4 k=4", got)
+    line = load_summaries(got)[0].string
+    assert "not representable" not in line and "range-scaled (max |w| outside [2^-4, 31]): 3 (" in line, line
+    for name in ("model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj", "model.layers.0.mlp.experts"):
+        assert name in line, line
+    assert_agree("qwen3_moe beyond E4M4 k=4 vs dequantized", got, ref)

@@ -77,3 +77,21 @@ def test_a_copied_or_pickled_report_starts_empty():
     report.leave(torch.nn.Module(), LINEAR, SKIPPED)
     for other in (pickle.loads(pickle.dumps(report)), copy.deepcopy(report)):
         assert len(other._pending) == 0 and other.left == {} and other.quantized == {LINEAR: 0, EXPERTS: 0}
+
+
+def test_range_scaled_layers_are_counted_and_named(monkeypatch):
+    lines = _capture(monkeypatch)
+    report = LoadReport()
+    layers = [torch.nn.Module() for _ in range(6)]
+    for layer in layers:
+        report.plan(layer)
+    report.finish(layers[0], LINEAR, 4, 64 * 64 * 2, torch.bfloat16, _packed(64, 64, 4))
+    for i, layer in enumerate(layers[1:5]):
+        report.finish(layer, LINEAR, 4, 64 * 64 * 2, torch.bfloat16, _packed(64, 64, 4), range_scaled=f"model.l{i}")
+    report.finish(layers[5], EXPERTS, 4, 64 * 64 * 2, torch.bfloat16, _packed(64, 64, 4), range_scaled="model.experts")
+    assert len(lines) == 1
+    assert "; range-scaled (max |w| outside [2^-4, 31]): 5 (model.l0, model.l1, model.l2 and 2 more)" in lines[0], lines[0]
+    # A load with none says nothing about it.
+    report.plan(layers[0])
+    report.finish(layers[0], LINEAR, 4, 64 * 64 * 2, torch.bfloat16, _packed(64, 64, 4))
+    assert "range-scaled" not in lines[1]

@@ -9,9 +9,10 @@ whose vocab-parallel loader shards N like a column-parallel layer's).
 * :class:`KbitOnlineLinearMethod` loads a bf16/fp16 checkpoint: the weight lives
   on the meta device and vLLM's layerwise loading materializes it only once the
   whole layer has arrived; ``process_weights_after_loading`` quantizes it and
-  frees the bf16 copy, so peak memory is the packed model plus one layer in bf16. A weight the
-  format cannot hold (NaN, Inf or |w| above the largest E4M4 scale) leaves its layer in bf16 with a
-  warning naming it.
+  frees the bf16 copy, so peak memory is the packed model plus one layer in bf16. A layer whose
+  max |w| is outside the E4M4 block scale's comfortable range is quantized as W / s with the codebook
+  times s (:func:`vllm_kbit.reference.range_scale`, a power of two: exact, no kernel change); only
+  NaN or Inf weights leave their layer in bf16, with a warning naming it.
 
 Both end the same way: the flat tensors are repacked once to the runtime layout
 and ``apply`` calls ``torch.ops.kbit.linear`` (+ bias); the layer is then counted in the load's summary
@@ -37,7 +38,6 @@ from vllm_kbit.vllm.compat import (
     replace_parameter,
 )
 from vllm_kbit.vllm.load_report import LINEAR, NOT_REPRESENTABLE, LoadReport
-from vllm_kbit.weight import check_representable
 
 logger = init_logger(__name__)
 
@@ -72,8 +72,9 @@ class _KbitLinearBase(LinearMethodBase):
         self.codebook = codebook
         self.report = report if report is not None else LoadReport()
 
-    def _report(self, layer: torch.nn.Module, bytes_before: int, dtype: torch.dtype) -> None:
-        self.report.finish(layer, LINEAR, self.bits, bytes_before, dtype, [layer.qweight, layer.absmax])
+    def _report(self, layer: torch.nn.Module, bytes_before: int, dtype: torch.dtype, range_scale: float = 1.0) -> None:
+        self.report.finish(layer, LINEAR, self.bits, bytes_before, dtype, [layer.qweight, layer.absmax],
+                           range_scaled=self.prefix if range_scale != 1.0 else None)
 
     def _check_partition(self, layer: torch.nn.Module, input_size_per_partition: int, input_size: int) -> None:
         if input_size_per_partition % fmt.BLOCK_SIZE != 0:
@@ -237,7 +238,7 @@ class KbitOnlineLinearMethod(_KbitLinearBase):
         if W.device.type == "meta":
             raise ValueError(f"kbit: checkpoint has no weight for layer {self.prefix!r}")
         try:
-            check_representable(W)
+            scale = fmt.weight_range_scale(W)
         except ValueError as e:
             # One layer the format cannot hold does not stop the server: it stays in bf16, like K % 32 layers.
             logger.warning("kbit: layer %s left unquantized: %s", self.prefix, str(e).removeprefix("kbit: "))
@@ -246,9 +247,9 @@ class KbitOnlineLinearMethod(_KbitLinearBase):
             self.report.finish_unquantized(layer, LINEAR, NOT_REPRESENTABLE)
             return
         codebook = self.codebook.to(W.device)
-        qweight, absmax = torch.ops.kbit.quantize(W.contiguous(), codebook, self.bits)
+        qweight, absmax = torch.ops.kbit.quantize(fmt.range_scaled(W, scale).contiguous(), codebook, self.bits)
         bytes_before, dtype = W.numel() * W.element_size(), W.dtype
         del layer.weight, W
-        install_runtime_weights(layer, self.prefix, qweight, absmax, codebook)
+        install_runtime_weights(layer, self.prefix, qweight, absmax, codebook * scale)
         layer._already_called_process_weights_after_loading = True
-        self._report(layer, bytes_before, dtype)
+        self._report(layer, bytes_before, dtype, range_scale=scale)

@@ -5,7 +5,8 @@ the config registers each layer it gives a kbit method (:meth:`LoadReport.plan`)
 unquantized (:meth:`LoadReport.leave`, with the reason). Each kbit method reports once its weights are in
 their final form (:meth:`LoadReport.finish`, or :meth:`LoadReport.finish_unquantized` for an online layer
 the format cannot hold). When the last planned layer has reported, one info line gives the counts, bits
-and weight sizes before / after, so a load that quantizes nothing shows as such. Plain counters, run once
+and weight sizes before / after (and names the layers quantized with a range scale), so a load that
+quantizes nothing shows as such. Plain counters, run once
 per layer at load: nothing on the forward path.
 """
 
@@ -73,6 +74,7 @@ class LoadReport:
         self.bytes_before = 0
         self.bytes_after = 0
         self.left: dict[str, dict[str, int]] = {}
+        self.range_scaled: list[str] = []  # layers quantized with a range scale != 1 (reference.range_scale)
         self.cpu_decode_cache = False
 
     def plan(self, layer: torch.nn.Module) -> None:
@@ -86,10 +88,13 @@ class LoadReport:
         counts[kind] += 1
 
     def finish(self, layer: torch.nn.Module, kind: str, bits: int, bytes_before: int, dtype: torch.dtype,
-               packed: list[torch.Tensor]) -> None:
-        """``layer``'s packed weights are installed: ``bytes_before`` in ``dtype``, now ``packed``."""
+               packed: list[torch.Tensor], range_scaled: str | None = None) -> None:
+        """``layer``'s packed weights are installed: ``bytes_before`` in ``dtype``, now ``packed``;
+        ``range_scaled``: the layer's name if it was quantized with a range scale != 1."""
         if layer not in self._pending:
             return
+        if range_scaled:
+            self.range_scaled.append(range_scaled)
         self.quantized[kind] += 1
         self.bits[bits] = self.bits.get(bits, 0) + 1
         self.dtypes.add(_DTYPE_NAMES.get(dtype, str(dtype).removeprefix("torch.")))
@@ -133,6 +138,10 @@ class LoadReport:
             what = " and ".join(_count(kind, n) for kind, n in left.items() if n)
             why = ", ".join(f"{reason}: {sum(c.values())}" for reason, c in self.left.items())
             line += f"; left unquantized: {what} ({why})"
+        if self.range_scaled:
+            n = len(self.range_scaled)
+            names = ", ".join(self.range_scaled[:3]) + (f" and {n - 3} more" if n > 3 else "")
+            line += f"; range-scaled (max |w| outside [2^-4, 31]): {n} ({names})"
         if self.cpu_decode_cache:
             line += (
                 "; on CPU each kbit layer also keeps its weights decoded after its first forward "

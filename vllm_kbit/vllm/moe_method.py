@@ -9,8 +9,10 @@
   (global -> local expert id, experts of other ranks skipped) are vLLM's.
 * :class:`KbitOnlineMoEMethod` loads bf16/fp16 experts on the meta device;
   vLLM's layerwise loading materializes the block once all its experts arrived,
-  then each expert is quantized and the bf16 block is freed. Experts the format cannot hold (NaN,
-  Inf, |w| above the largest E4M4 scale) fail the load naming the layer and expert, as soon as that
+  then each expert is quantized and the bf16 block is freed. One range scale s per layer, over w13 and
+  w2 of all local experts (:func:`vllm_kbit.reference.range_scale`; the fused op takes one codebook per
+  layer), lets any finite weights quantize: experts are quantized as W / s and the layer's codebook is
+  ``codebook * s``. NaN or Inf weights fail the load naming the layer and expert, as soon as that
   layer's weights have arrived (their values are not known earlier); structural problems (activation,
   biases, sizes not multiples of 32) are refused when the method is created, before any weight loads.
 
@@ -22,6 +24,7 @@ summary line (:mod:`vllm_kbit.vllm.load_report`).
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -38,7 +41,6 @@ from vllm_kbit.vllm.compat import (
     set_weight_attrs,
 )
 from vllm_kbit.vllm.load_report import EXPERTS, LoadReport
-from vllm_kbit.weight import check_representable
 
 
 def check_moe_layer(layer: torch.nn.Module, prefix: str) -> None:
@@ -106,18 +108,21 @@ class _KbitMoEBase(FusedMoEMethodBase):
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
         return None
 
-    def _install(self, layer: torch.nn.Module, w13: list, w2: list, bytes_before: int, dtype: torch.dtype) -> None:
+    def _install(self, layer: torch.nn.Module, w13: list, w2: list, bytes_before: int, dtype: torch.dtype,
+                 range_scale: float = 1.0) -> None:
         """Per-expert flat (qweight, absmax) -> stacked runtime parameters on the layer; ``bytes_before``: the
-        experts' size unquantized (in ``dtype``), for the load's summary."""
+        experts' size unquantized (in ``dtype``), for the load's summary; ``range_scale``: the power of two the
+        experts were divided by, folded into the layer's codebook."""
         w13_q, w13_a = stack_runtime(w13)
         w2_q, w2_a = stack_runtime(w2)
         replace_parameter(layer, "w13_qweight", w13_q)
         replace_parameter(layer, "w13_absmax", w13_a)
         replace_parameter(layer, "w2_qweight", w2_q)
         replace_parameter(layer, "w2_absmax", w2_a)
-        layer.register_buffer("kbit_codebook", self.codebook.to(w13_q.device), persistent=False)
+        layer.register_buffer("kbit_codebook", self.codebook.to(w13_q.device) * range_scale, persistent=False)
         layer._already_called_process_weights_after_loading = True
-        self.report.finish(layer, EXPERTS, self.bits, bytes_before, dtype, [w13_q, w13_a, w2_q, w2_a])
+        self.report.finish(layer, EXPERTS, self.bits, bytes_before, dtype, [w13_q, w13_a, w2_q, w2_a],
+                           range_scaled=self.prefix if range_scale != 1.0 else None)
 
     @property
     def is_monolithic(self) -> bool:
@@ -300,24 +305,22 @@ class KbitOnlineMoEMethod(_KbitMoEBase):
         if w13_full.device.type == "meta" or w2_full.device.type == "meta":
             raise ValueError(f"kbit: checkpoint has no expert weights for MoE layer {self.prefix!r}")
         codebook = self.codebook.to(w13_full.device)
+        amax = []
+        for name, W in (("w13", w13_full), ("w2", w2_full)):
+            amax.append(W.detach().abs().amax().float().item())
+            if not math.isfinite(amax[-1]):
+                # Routed experts have no bf16 fallback here: refuse, naming the first expert with NaN or Inf.
+                e = next(e for e in range(W.shape[0]) if not torch.isfinite(W[e]).all())
+                raise ValueError(
+                    f"kbit: MoE layer {self.prefix!r} expert {e} {name}: weight has NaN or Inf values; "
+                    "cannot quantize; add the layer to modules_to_not_convert to keep it in bf16"
+                )
+        scale = fmt.range_scale(max(amax))  # one per layer: the fused op takes one codebook for w13 and w2
         packed = {"w13": [], "w2": []}
         for name, W in (("w13", w13_full), ("w2", w2_full)):
-            try:
-                check_representable(W)
-            except ValueError:
-                # Routed experts have no bf16 fallback here: refuse, naming the first expert the format cannot hold.
-                for e in range(W.shape[0]):
-                    try:
-                        check_representable(W[e])
-                    except ValueError as err:
-                        raise ValueError(
-                            f"kbit: MoE layer {self.prefix!r} expert {e} {name}: {str(err).removeprefix('kbit: ')}; "
-                            "add the layer to modules_to_not_convert to keep it in bf16"
-                        ) from None
-                raise
             for e in range(W.shape[0]):
-                packed[name].append(torch.ops.kbit.quantize(W[e].contiguous(), codebook, self.bits))
+                packed[name].append(torch.ops.kbit.quantize(fmt.range_scaled(W[e], scale).contiguous(), codebook, self.bits))
         bytes_before = sum(w.numel() * w.element_size() for w in (w13_full, w2_full))
         dtype = w13_full.dtype
         del layer.w13_weight, layer.w2_weight, w13_full, w2_full, W
-        self._install(layer, packed["w13"], packed["w2"], bytes_before, dtype)
+        self._install(layer, packed["w13"], packed["w2"], bytes_before, dtype, scale)
