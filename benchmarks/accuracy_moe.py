@@ -451,17 +451,12 @@ class Evaluator:
             err += (self.state[n].double() - w.double()).square().sum().item()
             state[n] = w.contiguous()
         save_file(state, str(self.work / "model.safetensors"), metadata={"format": "pt"})
+        from accuracy_real import evaluate_text  # benchmarks/ (the project's venv only, like this method)
+
         model = AutoModelForCausalLM.from_pretrained(str(self.work), dtype=torch.float32).eval()
-        nll_sum, count, top1 = 0.0, 0, []
-        for start in range(0, self.ids.numel(), self.window):
-            x = self.ids[start : start + self.window].unsqueeze(0)
-            logits = model(x).logits[0].float()
-            logp = torch.log_softmax(logits[:-1], -1)
-            nll_sum += -logp.gather(-1, x[0, 1:].unsqueeze(-1)).sum().item()
-            count += x.shape[1] - 1
-            top1.append(logits[:-1].argmax(-1))
+        nll, top1 = evaluate_text(model, self.ids, self.window, predicted_only=True)
         del model
-        return nll_sum / count, torch.cat(top1), (10 * math.log10(sig / err) if err > 0 else float("inf"))
+        return nll, top1, (10 * math.log10(sig / err) if err > 0 else float("inf"))
 
 
 def _cache_dir(model_tag: str) -> pathlib.Path:

@@ -317,8 +317,9 @@ def set_head(model, head_k: int | None) -> None:
 
 
 @torch.inference_mode()
-def evaluate_text(model, ids: torch.Tensor, window: int) -> tuple[float, torch.Tensor]:
-    """(mean NLL over the predicted positions, argmax token at every position) over windows of ``window``."""
+def evaluate_text(model, ids: torch.Tensor, window: int, predicted_only: bool = False) -> tuple[float, torch.Tensor]:
+    """(mean NLL over the predicted positions, argmax token at every position, or with ``predicted_only`` at
+    the positions whose next token is in the window) over windows of ``window``."""
     nll_sum, count, top1 = 0.0, 0, []
     for start in range(0, ids.numel(), window):
         x = ids[start : start + window].unsqueeze(0)
@@ -326,7 +327,7 @@ def evaluate_text(model, ids: torch.Tensor, window: int) -> tuple[float, torch.T
         logp = torch.log_softmax(logits[:-1], -1)
         nll_sum += -logp.gather(-1, x[0, 1:].unsqueeze(-1)).sum().item()
         count += x.shape[1] - 1
-        top1.append(logits.argmax(-1))
+        top1.append((logits[:-1] if predicted_only else logits).argmax(-1))
     return nll_sum / count, torch.cat(top1)
 
 

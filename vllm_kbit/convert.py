@@ -360,7 +360,7 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
                     add(name, t)
                 else:
                     module = name[: -len(".weight")]
-                    amax = t.abs().amax().float().item() if t.numel() else 0.0
+                    amax = fmt.weight_amax(t)
                     if math.isfinite(amax) and amax > fmt.RANGE_MAX:  # NaN / Inf go on to the op, which refuses them
                         if module_key(module) != module:
                             raise ConvertError(

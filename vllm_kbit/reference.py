@@ -119,9 +119,8 @@ def check_representable(W: torch.Tensor) -> None:
 
     Syncs with the host (one reduction): a load-time check, never on a forward path.
     """
-    amax = W.detach().abs().amax().float().item() if W.numel() else 0.0
-    if amax != amax or amax == float("inf"):
-        raise ValueError("kbit: weight has NaN or Inf values; cannot quantize")
+    amax = weight_amax(W)
+    _check_finite(amax)
     if amax > RANGE_MAX:
         raise ValueError(
             f"kbit: weight has |w| = {amax:.4g}, above the largest E4M4 block scale {E4M4_MAX}; "
@@ -156,8 +155,7 @@ def range_scale(amax: float) -> float:
     Non-finite amax raises (NaN / Inf weights cannot be quantized at any scale).
     """
     amax = float(amax)
-    if not math.isfinite(amax):
-        raise ValueError("kbit: weight has NaN or Inf values; cannot quantize")
+    _check_finite(amax)
     if amax == 0.0 or RANGE_MIN <= amax <= RANGE_MAX:
         return 1.0
     m, e = math.frexp(amax / RANGE_TARGET)  # = m * 2^e, 0.5 <= m < 1: ceil(log2) is e, or e - 1 for m = 0.5
@@ -165,9 +163,19 @@ def range_scale(amax: float) -> float:
     return math.ldexp(1.0, min(max(e, _RANGE_EXP_MIN), _RANGE_EXP_MAX))
 
 
+def weight_amax(W: torch.Tensor) -> float:
+    """W's largest |w| (0 when empty; NaN or Inf when W has them): one reduction, host sync, load time only."""
+    return W.detach().abs().amax().float().item() if W.numel() else 0.0
+
+
+def _check_finite(amax: float) -> None:
+    if not math.isfinite(amax):
+        raise ValueError("kbit: weight has NaN or Inf values; cannot quantize")
+
+
 def weight_range_scale(W: torch.Tensor) -> float:
     """:func:`range_scale` of W's largest |w| (one reduction, host sync: a load-time call)."""
-    return range_scale(W.detach().abs().amax().float().item() if W.numel() else 0.0)
+    return range_scale(weight_amax(W))
 
 
 def range_scaled(W: torch.Tensor, s: float) -> torch.Tensor:

@@ -47,11 +47,9 @@ def _common(hidden: int, layers: int) -> dict:
     )
 
 
-def qwen3_moe_config(hidden: int = 256, layers: int = 2, experts: int = 8, top_k: int = 2, moe_intermediate: int = 128):
-    from transformers import Qwen3MoeConfig
-
-    return Qwen3MoeConfig(
-        **_common(hidden, layers),
+def _qwen_moe(hidden: int, experts: int, top_k: int, moe_intermediate: int) -> dict:
+    """The routed-expert fields Qwen3-MoE and Qwen3-Next configs share: every layer sparse."""
+    return dict(
         intermediate_size=4 * hidden,
         moe_intermediate_size=moe_intermediate,
         num_experts=experts,
@@ -60,6 +58,12 @@ def qwen3_moe_config(hidden: int = 256, layers: int = 2, experts: int = 8, top_k
         decoder_sparse_step=1,
         mlp_only_layers=[],
     )
+
+
+def qwen3_moe_config(hidden: int = 256, layers: int = 2, experts: int = 8, top_k: int = 2, moe_intermediate: int = 128):
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(**_common(hidden, layers), **_qwen_moe(hidden, experts, top_k, moe_intermediate))
 
 
 def glm4_moe_config(hidden: int = 256, layers: int = 2, experts: int = 8, top_k: int = 2, moe_intermediate: int = 128):
@@ -128,14 +132,8 @@ def qwen3_next_config(hidden: int = 256, layers: int = 2, experts: int = 8, top_
 
     return Qwen3NextConfig(
         **_common(hidden, layers),
-        intermediate_size=4 * hidden,
-        moe_intermediate_size=moe_intermediate,
+        **_qwen_moe(hidden, experts, top_k, moe_intermediate),
         shared_expert_intermediate_size=moe_intermediate,
-        num_experts=experts,
-        num_experts_per_tok=top_k,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
         layer_types=(["linear_attention"] * (layers - 1) + ["full_attention"]),
         linear_num_key_heads=2,
         linear_num_value_heads=4,

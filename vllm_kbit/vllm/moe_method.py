@@ -307,7 +307,7 @@ class KbitOnlineMoEMethod(_KbitMoEBase):
         codebook = self.codebook.to(w13_full.device)
         amax = []
         for name, W in (("w13", w13_full), ("w2", w2_full)):
-            amax.append(W.detach().abs().amax().float().item())
+            amax.append(fmt.weight_amax(W))
             if not math.isfinite(amax[-1]):
                 # Routed experts have no bf16 fallback here: refuse, naming the first expert with NaN or Inf.
                 e = next(e for e in range(W.shape[0]) if not torch.isfinite(W[e]).all())
