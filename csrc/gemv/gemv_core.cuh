@@ -62,12 +62,83 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int j) {
   return j == 0 ? v.x : j == 1 ? v.y : j == 2 ? v.z : v.w;
 }
 
-// Adds one block (32 elements along K) of this lane's two rows times all M activation rows.
-// Activations come as fp32 from the warp's staging buffer, 4 per 16-byte shared load (one
-// address for the whole warp: a broadcast); each codebook value feeds M fused multiply-adds
-// into two alternating partial sums (ILP), and the block scale multiplies the partial sum once.
+// The codebook registers of a lane: value[lane mod 2^k] for the shuffle lookup, and for the k = 2 pair
+// tables (pair_tables) the two values of pair v = lane mod 16: lo = codebook[v & 3], hi = codebook[v >> 2].
+struct LaneCodebook {
+  float value, lo, hi;
+};
+
+template <int BITS>
+__device__ __forceinline__ LaneCodebook lane_codebook(const float* __restrict__ codebook, int lane) {
+  LaneCodebook cb;
+  cb.value = __ldg(codebook + (lane & ((1 << BITS) - 1)));
+  cb.lo = BITS == 2 ? __ldg(codebook + (lane & 3)) : 0.f;
+  cb.hi = BITS == 2 ? __ldg(codebook + ((lane >> 2) & 3)) : 0.f;
+  return cb;
+}
+
+// k = 2, one activation row: a nibble of the runtime words is the index pair of two consecutive
+// elements (kbit_format.cuh: byte n of word w = elements 8n + 4w .. + 3), so instead of one shuffle
+// and one FMA per weight, lane L first computes entry L mod 16 of the pair's 16 possible partial
+// sums, lo * a[e] + hi * a[e + 1] (two FP ops, shared by the lane's two rows), and each row then
+// reads its entry with one shuffle and adds it: per weight half a shuffle, half a shift and one FP
+// op instead of a shuffle, a shift and an FMA. The shuffle reads the low 5 bits of the shifted
+// word (the nibble and the next one's low bit): lanes L and L + 16 hold the same entry.
+template <int J>
+__device__ __forceinline__ void pair_tables(const float4* __restrict__ a_stage, const LaneCodebook& cb,
+                                            const uint32_t (&q)[kRowsPerLane][4], float (&part)[kRowsPerLane][1][2]) {
+#pragma unroll
+  for (int c = 0; c < kBlockSize / 8; ++c) {
+    const float4 lo = a_stage[J * (kBlockSize / 4) + 2 * c];
+    const float4 hi = a_stage[J * (kBlockSize / 4) + 2 * c + 1];
+    const float a[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      const int e = 8 * c + i;
+      const float entry = fmaf(cb.hi, a[i + 1], cb.lo * a[i]);
+#pragma unroll
+      for (int row = 0; row < kRowsPerLane; ++row) {
+        const int src = static_cast<int>(q[row][runtime_word_of<2>(e)] >> runtime_shift_of<2>(e));
+        part[row][0][(i / 2) & 1] += __shfl_sync(0xFFFFFFFFu, entry, src);
+      }
+    }
+  }
+}
+
+// Every k and M: each codebook value by one shuffle, multiplied into all M activation rows.
+// Activations come as fp32 from the warp's staging buffer, 4 per 16-byte shared load (one address
+// for the whole warp: a broadcast); two alternating partial sums give the FMAs ILP.
 template <int BITS, int M, int J>
-__device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, float codebook_reg,
+__device__ __forceinline__ void shuffle_lookups(const float4* __restrict__ a_stage, const LaneCodebook& cb,
+                                                const uint32_t (&q)[kRowsPerLane][Fields<BITS>::kBits],
+                                                float (&part)[kRowsPerLane][M][2]) {
+#pragma unroll
+  for (int c = 0; c < kBlockSize / 8; ++c) {
+    float a[M][8];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float4 lo = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c];
+      const float4 hi = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c + 1];
+      a[m][0] = lo.x, a[m][1] = lo.y, a[m][2] = lo.z, a[m][3] = lo.w;
+      a[m][4] = hi.x, a[m][5] = hi.y, a[m][6] = hi.z, a[m][7] = hi.w;
+    }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+#pragma unroll
+      for (int row = 0; row < kRowsPerLane; ++row) {
+        const float v = lookup<BITS>(cb.value, q[row], 8 * c + i);
+#pragma unroll
+        for (int m = 0; m < M; ++m) part[row][m][i & 1] = fmaf(v, a[m][i], part[row][m][i & 1]);
+      }
+    }
+  }
+}
+
+// Adds one block (32 elements along K) of this lane's two rows times all M activation rows: the
+// block's index words, its products summed in fp32 (pair tables or shuffle lookups), and the block
+// scale applied once to the partial sum.
+template <int BITS, int M, int J>
+__device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, const LaneCodebook& cb,
                                           const uint4 (&planes)[kRowsPerLane][BITS],
                                           const uint32_t (&codes)[kRowsPerLane], float (&acc)[kRowsPerLane][M]) {
   constexpr int F = Fields<BITS>::kBits;
@@ -85,25 +156,10 @@ __device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, fl
 #pragma unroll
     for (int m = 0; m < M; ++m) part[row][m][0] = part[row][m][1] = 0.f;
 
-#pragma unroll
-  for (int c = 0; c < kBlockSize / 8; ++c) {
-    float a[M][8];
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float4 lo = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c];
-      const float4 hi = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c + 1];
-      a[m][0] = lo.x, a[m][1] = lo.y, a[m][2] = lo.z, a[m][3] = lo.w;
-      a[m][4] = hi.x, a[m][5] = hi.y, a[m][6] = hi.z, a[m][7] = hi.w;
-    }
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-#pragma unroll
-      for (int row = 0; row < kRowsPerLane; ++row) {
-        const float v = lookup<BITS>(codebook_reg, q[row], 8 * c + i);
-#pragma unroll
-        for (int m = 0; m < M; ++m) part[row][m][i & 1] = fmaf(v, a[m][i], part[row][m][i & 1]);
-      }
-    }
+  if constexpr (BITS == 2 && M == 1) {
+    pair_tables<J>(a_stage, cb, q, part);
+  } else {
+    shuffle_lookups<BITS, M, J>(a_stage, cb, q, part);
   }
 #pragma unroll
   for (int row = 0; row < kRowsPerLane; ++row) {
@@ -142,7 +198,7 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
                                            int K, int warp, int lane, float4* __restrict__ a_stage, Fetch&& fetch,
                                            Widen&& widen, Ready&& ready, float (&acc)[kRowsPerLane][M]) {
   using Raw = decltype(fetch(0, 0));
-  const float codebook_reg = __ldg(codebook + (lane & ((1 << BITS) - 1)));
+  const LaneCodebook cb = lane_codebook<BITS>(codebook, lane);
 #pragma unroll
   for (int row = 0; row < kRowsPerLane; ++row)
 #pragma unroll
@@ -171,10 +227,10 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
 #pragma unroll
     for (int m = 0; m < M; ++m) a_stage[m * 32 + lane] = widen(m, raw[m]);
     __syncwarp();
-    dot_block<BITS, M, 0>(a_stage, codebook_reg, pl, cd, acc);
-    dot_block<BITS, M, 1>(a_stage, codebook_reg, pl, cd, acc);
-    dot_block<BITS, M, 2>(a_stage, codebook_reg, pl, cd, acc);
-    dot_block<BITS, M, 3>(a_stage, codebook_reg, pl, cd, acc);
+    dot_block<BITS, M, 0>(a_stage, cb, pl, cd, acc);
+    dot_block<BITS, M, 1>(a_stage, cb, pl, cd, acc);
+    dot_block<BITS, M, 2>(a_stage, cb, pl, cd, acc);
+    dot_block<BITS, M, 3>(a_stage, cb, pl, cd, acc);
   };
   uint4 planes0[kRowsPerLane][BITS], planes1[kRowsPerLane][BITS];
   uint32_t codes0[kRowsPerLane], codes1[kRowsPerLane];

@@ -1,6 +1,7 @@
-"""A workload for compute-sanitizer over the MMA kernels: every k, activation tile count p and row-group
-shape, dense (M = 1 .. 64, forced and heuristic row groups, ragged N) and grouped over experts
-(fused_moe's grouped MMA path at 1 .. 64 rows per expert), plus the wgmma kernels at one M each.
+"""A workload for compute-sanitizer over the GEMV and MMA kernels: every k, the dense GEMV at M = 1 .. 4
+and each split count, every activation tile count p and row-group shape of the MMA kernel, dense (M = 1 .. 64,
+forced and heuristic row groups, ragged N) and grouped over experts (fused_moe's grouped MMA path at
+1 .. 64 rows per expert, the direct GEMV at 1 and 3 tokens), plus the wgmma kernels at one M each.
 Fresh random inputs; each output is checked finite (NaN-poisoned outputs would show).
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitizer_workload.py
@@ -35,6 +36,11 @@ def dense(k: int, quick: bool) -> None:
     shapes = [(320, 256)] if quick else [(320, 256), (1088, 512)]  # N not a multiple of 256: ragged tiles
     for N, K in shapes:
         q, a = random_runtime(None, N, K, k)
+        for M in range(1, 5):  # the GEMV (k = 2, M = 1: pair tables), heuristic and every split count
+            x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+            for splits in range(0, 3 if quick else K // 128 + 1):
+                check(f"gemv k={k} M={M} N={N} S={splits}",
+                      torch.ops.kbit._gemv_linear(x, q, a, cb, N, K, None, splits))
         for M in ([1, 9, 33] if quick else [1, 3, 8, 9, 16, 17, 32, 33, 64]):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             p = torch.ops.kbit.linear_plan(M, N, K, torch.bfloat16, 9, 132, 1, "mma")[3]  # p: rows / 8 per CTA
