@@ -27,9 +27,10 @@ Which tensors are quantized: 2-D floating-point ``.weight`` tensors, except
 The packed tensors are exactly what online quantization (``--quantization kbit``)
 of the same checkpoint produces when vLLM runs in the checkpoint's dtype (for tensors with max |w| in
 [2^-4, 31], where online quantization's range scale is 1), unless
-``gptq`` is set: then the linear layers that transformers' model of the checkpoint
-runs as ``nn.Linear`` are rounded by GPTQ on calibration text (:mod:`vllm_kbit.gptq`;
-same format and scale candidates, different indices and scale choices) and the rest as online.
+``gptq`` is set: then the linear layers and routed experts of the decoder layers of transformers'
+model of the checkpoint are rounded by GPTQ on calibration text, one decoder layer at a time
+(:mod:`vllm_kbit.gptq`; same format and scale candidates, different indices and scale choices), and the
+rest (lm_head with ``quantize_lm_head``) as online.
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class ConvertSummary:
     out_of_range: list[str] = field(default_factory=list)  # |w| above the E4M4 range: kept bf16
     tied_lm_head: bool = False  # quantize_lm_head asked for, but the head is tied to the embedding
     shards: list[str] = field(default_factory=list)
+    gptq: object = None  # vllm_kbit.gptq.CalibrationReport of a --gptq conversion
 
     def format(self) -> str:
         gib = 1024**3
@@ -90,6 +92,11 @@ class ConvertSummary:
             lines.append(f"left unquantized (|w| > {fmt.E4M4_MAX:g}): {', '.join(self.out_of_range)}")
         if self.tied_lm_head:
             lines.append("lm_head left bf16: tied to the input embedding (quantize_lm_head applies to untied heads)")
+        if self.gptq is not None and self.gptq.layer_seconds:
+            g = self.gptq
+            experts = f"; routed experts: {g.experts} ({g.experts_fallback} on all tokens)" if g.experts else ""
+            lines.append(f"gptq: {len(g.layer_seconds)} decoder layers one at a time on {g.device}, {g.tokens} tokens, "
+                         f"{sum(g.layer_seconds):.1f} s{experts}")
         return "\n".join(lines)
 
 
@@ -226,7 +233,8 @@ def convert(
 
     gptq=True rounds with GPTQ (:mod:`vllm_kbit.gptq`) on ``calibration_text`` (default: the
     bundled :func:`vllm_kbit.gptq.calibration_text`); the model is loaded once with transformers
-    in the checkpoint's dtype on ``device`` for the calibration forward."""
+    in the checkpoint's dtype on the CPU and calibrated one decoder layer at a time on ``device``; routed
+    experts on the tokens routed to them. ``summary.gptq`` says what it did."""
     if not os.path.isdir(in_dir):
         raise ConvertError(f"kbit convert: input {in_dir} is not a directory")
     device = resolve_device(device)
@@ -238,8 +246,9 @@ def convert(
         shutil.rmtree(out_dir)
     os.makedirs(out_dir, exist_ok=True)
     try:
-        precomputed = _gptq_weights(in_dir, settings, device, calibration_text, progress) if gptq else {}
-        return _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, progress, precomputed)
+        summary = ConvertSummary()
+        precomputed = _gptq_weights(in_dir, files, settings, device, calibration_text, progress, summary) if gptq else {}
+        return _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, progress, precomputed, summary)
     except BaseException:
         # A failed conversion leaves nothing behind: the directory it created goes, or, in a directory
         # that existed (empty, or emptied by --overwrite), what it wrote.
@@ -252,33 +261,48 @@ def convert(
         raise
 
 
-def _gptq_weights(in_dir, settings, device, text, progress) -> dict:
-    """{module name: (qweight, absmax)} of the linear layers GPTQ rounds (see :func:`convert`)."""
+def _gptq_weights(in_dir, files, settings, device, text, progress, summary) -> dict:
+    """{checkpoint module name: (qweight, absmax)} of the weights GPTQ rounds (see :func:`convert`): the model
+    loaded in the checkpoint's dtype on the CPU, calibrated one decoder layer at a time on ``device``."""
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_kbit import gptq
 
+    headers = {}  # checkpoint tensor -> (shape, dtype): what the conversion loop decides by
+    for name in files:
+        with safe_open(os.path.join(in_dir, name), framework="pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                headers[key] = (tuple(sl.get_shape()), _DTYPES.get(sl.get_dtype()))
     tokenizer = AutoTokenizer.from_pretrained(in_dir)
-    model = AutoModelForCausalLM.from_pretrained(in_dir, dtype="auto").to(device).eval()
+    model = AutoModelForCausalLM.from_pretrained(in_dir, dtype="auto").eval()
 
     def select(module):
-        W = model.get_submodule(module).weight
-        bits = quantization_decision(f"{module}.weight", tuple(W.shape), W.dtype, settings)
-        if bits is None or bits == -1 or not W.detach().abs().amax().item() <= fmt.RANGE_MAX:
-            return None  # out of range or non-finite: the conversion loop keeps it bf16 or refuses it
-        return bits, settings.codebook(bits)
+        shape, dtype = headers.get(f"{module}.weight", ((), None))
+        bits = None if dtype is None else quantization_decision(f"{module}.weight", shape, dtype, settings)
+        return None if bits in (None, -1) else (bits, settings.codebook(bits))
 
-    def report(module):
+    def report(message):
         if progress:
-            print(f"kbit convert: gptq {module}", flush=True)
+            print(f"kbit convert: gptq {message}", flush=True)
 
+    calibration = summary.gptq = gptq.CalibrationReport()
     try:
-        return gptq.quantize_model(model, tokenizer, select, text, progress=report)
+        result = gptq.quantize_model(model, tokenizer, select, text, progress=report, device=device, report=calibration)
     finally:
         del model
+    if calibration.experts_fallback:
+        thresholds = "/".join(str(t) for t in sorted(set(calibration.min_expert_tokens)))
+        print(f"kbit convert: warning: {calibration.experts_fallback} of {calibration.experts} routed experts got fewer "
+              f"than {thresholds} routed calibration tokens ({gptq.EXPERT_MIN_TOKENS_PER_BLOCK} per {fmt.BLOCK_SIZE} "
+              "inputs); their GPTQ rounding used the Hessian of every token entering their layer",
+              file=sys.stderr, flush=True)
+    return result
 
 
-def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, progress, precomputed=None) -> ConvertSummary:
+def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, progress, precomputed=None,
+             summary=None) -> ConvertSummary:
     from safetensors import SafetensorError, safe_open
     from safetensors.torch import save_file
     from tqdm import tqdm
@@ -312,7 +336,8 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
         print(f"kbit convert: {tensors} tensors, {n_weights / 1e6:.1f}M weights to quantize ({per_k}) on {where}; "
               f"quantizing takes about {seconds:.0f} s (+ reading and writing)", flush=True)
 
-    summary = ConvertSummary(tied_lm_head=tied_head)
+    summary = ConvertSummary() if summary is None else summary
+    summary.tied_lm_head = tied_head
     pending: dict[str, torch.Tensor] = {}
     pending_bytes = 0
     weight_map: dict[str, str] = {}

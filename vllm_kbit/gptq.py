@@ -18,13 +18,24 @@ search offsets) by the squared error of each column weighted by what GPTQ's loss
 (``scale_rule="gptq"``), not by the plain block error, which treats an input that is always
 near zero like the largest one.
 
-:func:`quantize_model` runs the calibration forward once and quantizes sequentially: a hook
-on each linear layer quantizes it when its input first arrives, so every later layer is
-calibrated on the outputs of the already quantized ones. Calibration text defaults to
-:func:`calibration_text` (docstrings of Python's standard library, which every CPython ships).
+:func:`quantize_model` calibrates one decoder layer at a time, as llm-compressor's sequential
+pipeline does: the model stays where it was loaded (the CPU), a forward of the decoder with every layer
+passing its input through records each layer's inputs on the compute device, then layer i alone goes to
+the device, runs once on all calibration tokens and goes to the meta device. In that run each linear layer
+is GPTQ-rounded when its input first arrives (a pre-hook), so every layer is calibrated on the outputs of
+the already rounded ones, and the run's output, computed with the rounded weights, is layer i + 1's input.
+Routed experts (transformers' 3-D expert tensors) are rounded one expert at a time, each on the Hessian of
+the tokens the router sends it; an expert with fewer than :func:`expert_min_tokens` is rounded on the
+Hessian of every token entering the layer. Device memory peaks at one decoder layer plus the calibration
+activations. Calibration text defaults to :func:`calibration_text` (docstrings of Python's standard
+library, which every CPython ships).
 """
 
 from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
 
 import torch
 
@@ -39,6 +50,9 @@ DEFAULT_ACT_ORDER = True  # columns in order of decreasing H[i, i] (see the modu
 # by 1 / [H^-1]_ii of the columns still open when it is rounded (GPTQ's own loss for that column).
 SCALE_RULES = ("mse", "hdiag", "gptq")
 DEFAULT_SCALE_RULE = "gptq"
+# A routed expert with fewer routed calibration tokens than this many per block of 32 inputs (K/8) is
+# rounded on the Hessian of every token entering its layer (see expert_min_tokens).
+EXPERT_MIN_TOKENS_PER_BLOCK = 4
 # Modules whose docstrings make up the default calibration text (prose with some code, like the
 # instructions and documentation a language model reads). Fixed, so a Python version always gives
 # the same text.
@@ -183,27 +197,210 @@ def _linear_inputs_hessian(x: torch.Tensor) -> torch.Tensor:
     return x.T @ x
 
 
+@dataclass
+class CalibrationReport:
+    """What :func:`quantize_model` did: filled in as it goes (``convert`` prints it)."""
+
+    tokens: int = 0
+    device: str = ""
+    layer_seconds: list[float] = field(default_factory=list)
+    experts: int = 0  # routed experts rounded by GPTQ
+    experts_fallback: int = 0  # of them, rounded with the Hessian of all the layer's tokens
+    min_expert_tokens: list[int] = field(default_factory=list)  # the threshold of each experts block
+
+
+def expert_min_tokens(K: int) -> int:
+    """Routed tokens an expert needs for a Hessian of its own: :data:`EXPERT_MIN_TOKENS_PER_BLOCK` per block
+    of 32 inputs (K/8); fewer give an H of rank so low that GPTQ fits its rounding to a handful of tokens."""
+    return EXPERT_MIN_TOKENS_PER_BLOCK * K // fmt.BLOCK_SIZE
+
+
 @torch.no_grad()
 def quantize_model(model, tokenizer, select, text: str | None = None, n_tokens: int = DEFAULT_CALIBRATION_TOKENS,
                    window: int = DEFAULT_CALIBRATION_WINDOW, search_scale: bool = fmt.DEFAULT_SEARCH_SCALE,
                    damp: float = DEFAULT_DAMP, act_order: bool = DEFAULT_ACT_ORDER, scale_rule: str = DEFAULT_SCALE_RULE,
-                   progress=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """GPTQ-quantizes the model's linear layers in place, sequentially, in one calibration forward.
+                   progress=None, device=None, min_expert_tokens: int | None = None,
+                   report: CalibrationReport | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """GPTQ-quantizes the model's decoder layers one at a time (see the module docstring).
 
-    ``select(module_name) -> (k, codebook) or None`` picks the layers and their settings. Returns
-    ``{module_name: (qweight, absmax)}``; each chosen layer's weight is replaced by its decoded
-    value (in its dtype) before the layer runs, so later layers see quantized inputs. The
-    calibration text (``text``, default :func:`calibration_text`) is cut into ``n_tokens //
-    window`` windows of ``window`` tokens, all run as one batch.
+    ``select(checkpoint_module_name) -> (k, codebook) or None`` picks the layers and their settings; it is
+    asked about the names the checkpoint stores (``...experts.3.gate_proj``, not the fused
+    ``...experts.gate_up_proj`` transformers runs). Returns ``{checkpoint module name: (qweight, absmax)}``
+    on the CPU. The calibration text (``text``, default :func:`calibration_text`) is cut into ``n_tokens //
+    window`` windows of ``window`` tokens, run through each layer as one batch on ``device`` (default: where
+    the model is). The model is used up: each decoder layer goes to ``device`` for its turn, then to the meta
+    device. ``min_expert_tokens`` overrides :func:`expert_min_tokens`; ``progress(message)`` gets one line
+    per layer; ``report`` (a :class:`CalibrationReport`) is filled in.
     """
+    report = CalibrationReport() if report is None else report
+    batch = _calibration_batch(tokenizer, text, n_tokens, window)
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    report.tokens, report.device = batch.numel(), str(device)
+    body = getattr(model, "model", model)  # the decoder without the LM head: its logits are not needed
+    layers = getattr(body, "layers", None)
+    if not isinstance(layers, torch.nn.ModuleList):
+        raise ValueError(f"kbit gptq: {type(model).__name__} has no decoder layer list (model.layers)")
+    names = {id(m): n for n, m in model.named_modules()}
+    hidden, layer_args = _capture_layer_inputs(body, layers, batch, device)
+    options = dict(search_scale=search_scale, damp=damp, act_order=act_order, scale_rule=scale_rule)
+    results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for i, layer in enumerate(layers):
+        t0 = time.perf_counter()
+        plan = _layer_plan(model, layer, names[id(layer)], select)
+        _onload(layer, device)
+        try:
+            packed = {}
+            hidden = _calibrate_layer(layer, names[id(layer)], hidden, layer_args[i], plan, packed, options,
+                                      min_expert_tokens, report)
+        finally:
+            _release(layer)
+        for param, (qweight, absmax) in packed.items():
+            results.update(_to_checkpoint_names(qweight, absmax, plan[param][2]))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        report.layer_seconds.append(time.perf_counter() - t0)
+        if progress is not None:
+            progress(f"layer {i + 1}/{len(layers)}: {len(packed)} weights in {report.layer_seconds[-1]:.1f} s")
+    return results
+
+
+def _calibration_batch(tokenizer, text, n_tokens, window) -> torch.Tensor:
+    """[windows, window] token ids of the calibration text."""
     text = calibration_text() if text is None else text
     ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
     n_windows = min(n_tokens, ids.numel()) // window
     if n_windows == 0:
         raise ValueError(f"kbit gptq: calibration text has {ids.numel()} tokens, fewer than one window of {window}")
-    batch = ids[: n_windows * window].view(n_windows, window)
-    results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    handles = []
+    return ids[: n_windows * window].view(n_windows, window)
+
+
+def _capture_layer_inputs(body, layers, batch, device):
+    """(the first layer's hidden states, [(args, kwargs) of every layer but the hidden states]) on ``device``,
+    from one forward of the decoder in which every layer passes its input through: masks and position
+    embeddings depend on the tokens only, so only the modules around the layers (embedding, rotary) go to
+    the device, and back."""
+    calls = []
+
+    def passthrough(*args, **kwargs):
+        kwargs = dict(kwargs)
+        hidden = args[0] if args else kwargs.pop("hidden_states")
+        calls.append((hidden, (args[1:], kwargs)))
+        return hidden
+
+    others = [m for m in body.children() if m is not layers]
+    homes = [_device_of(m) for m in others]
+    for m in others:
+        m.to(device)
+    for layer in layers:
+        layer.forward = passthrough
+    try:
+        body(input_ids=batch.to(device), use_cache=False)
+    finally:
+        for layer in layers:
+            del layer.forward
+        for m, home in zip(others, homes):
+            m.to(home)
+    return calls[0][0], [call for _, call in calls]
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for t in (*module.parameters(), *module.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def _onload(layer: torch.nn.Module, device) -> None:
+    """The one decoder layer on the compute device (a function of its own, so tests can count)."""
+    layer.to(device)
+
+
+def _release(layer: torch.nn.Module) -> None:
+    """A calibrated layer's weights freed: its packed result is kept, its float weights are not needed."""
+    layer.to("meta")
+
+
+def _is_fused_experts(module: torch.nn.Module) -> bool:
+    """transformers' routed experts as 3-D tensors, [gate; up] concatenated, no bias, computed as
+    act(gate) * up then down (Qwen3-MoE, Mixtral, GLM-4 MoE, Qwen3-Next, GLM-4.7-Flash)."""
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    return (isinstance(gate_up, torch.nn.Parameter) and isinstance(down, torch.nn.Parameter) and gate_up.dim() == 3
+            and down.dim() == 3 and hasattr(module, "act_fn") and not getattr(module, "has_bias", False)
+            and not getattr(module, "is_transposed", False) and getattr(module, "is_concatenated", True)
+            and getattr(module, "has_gate", True))
+
+
+def _layer_plan(model, layer, prefix, select) -> dict:
+    """{parameter name: (k, codebook, pieces)} of the layer's weights GPTQ rounds; pieces: the checkpoint
+    tensors each is stored as (:func:`_checkpoint_pieces`). A weight is left to round-to-nearest when a piece
+    is not selected, its pieces ask for different settings, K is not a multiple of 32 or a value is beyond
+    the format's range (the conversion loop keeps it bf16 or refuses it)."""
+    shapes = {}
+    for name, module in layer.named_modules():
+        full = f"{prefix}.{name}" if name else prefix
+        if isinstance(module, torch.nn.Linear):
+            shapes[f"{full}.weight"] = module.weight
+        elif _is_fused_experts(module):
+            shapes[f"{full}.gate_up_proj"], shapes[f"{full}.down_proj"] = module.gate_up_proj, module.down_proj
+    pieces = _checkpoint_pieces(model, {n: tuple(p.shape) for n, p in shapes.items()})
+    plan = {}
+    for name, param in shapes.items():
+        choices = [select(module) for module, _ in pieces[name]]
+        if not choices or any(c is None for c in choices) or param.shape[-1] % fmt.BLOCK_SIZE:
+            continue
+        k, cb = choices[0]
+        if any(c[0] != k or not torch.equal(c[1], cb) for c in choices):
+            continue
+        lo, hi = torch.aminmax(param.detach())  # max |w| without a copy of the weight
+        if not max(-lo.item(), hi.item()) <= fmt.RANGE_MAX:
+            continue
+        plan[name] = (k, cb, pieces[name])
+    return plan
+
+
+def _checkpoint_pieces(model, shapes: dict[str, tuple]) -> dict[str, list[tuple[str, torch.Tensor]]]:
+    """{parameter name: [(checkpoint module name, rows of the parameter's [rows, K] view it stores)]}.
+
+    transformers fuses some checkpoint tensors when it loads them (routed experts into [E, 2I, H]
+    gate_up_proj and [E, H, I] down_proj, renamed blocks) and reverts that when it saves; the revert run
+    on row numbers instead of weights tells which rows go to which checkpoint tensor, for any architecture
+    it knows."""
+    tags, spans, start = {}, [], 0
+    for name, shape in shapes.items():
+        rows = math.prod(shape[:-1])
+        tags[name] = torch.arange(start, start + rows).view(*shape[:-1], 1)
+        spans.append((start, name))
+        start += rows
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        reverted = revert_weight_conversion(model, tags)
+    except ImportError:  # transformers without load-time conversions: names are the checkpoint's
+        reverted = tags
+    pieces = {name: [] for name in shapes}
+    firsts = torch.tensor([s for s, _ in spans])
+    for key, codes in reverted.items():
+        codes = codes.flatten()
+        if not key.endswith(".weight") or codes.numel() == 0:
+            continue
+        owner = int(torch.searchsorted(firsts, codes[0], right=True)) - 1
+        first, name = spans[owner]
+        pieces[name].append((key[: -len(".weight")], codes - first))
+    for name, shape in shapes.items():  # a weight whose rows the revert did not all place is not rounded here
+        if sum(rows.numel() for _, rows in pieces[name]) != math.prod(shape[:-1]):
+            pieces[name] = []
+    return pieces
+
+
+def _to_checkpoint_names(qweight, absmax, pieces) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """A parameter's packed result cut into the checkpoint tensors it is stored as."""
+    q, a = qweight.reshape(-1, *qweight.shape[-2:]), absmax.reshape(-1, absmax.shape[-1])
+    return {module: (q[rows].contiguous(), a[rows].contiguous()) for module, rows in pieces}
+
+
+def _calibrate_layer(layer, prefix, hidden, call, plan, packed, options, min_expert_tokens, report):
+    """Runs the layer once on all calibration tokens, rounding each planned weight when its input first
+    arrives (linear layers: a pre-hook; routed experts: :func:`_experts_forward`); returns the layer's
+    output, computed with the rounded weights: the next layer's input."""
     last = {}  # the last input seen and its H: q/k/v (and gate/up) read the same tensor
 
     def hessian(x):
@@ -211,27 +408,85 @@ def quantize_model(model, tokenizer, select, text: str | None = None, n_tokens: 
             last.update(x=x, H=_linear_inputs_hessian(x))
         return last["H"]
 
-    def hook_for(name, module, k, codebook):
+    def rounded(name, W, H):
+        """(qweight, absmax, W's rounded values in its dtype) by GPTQ with the planned settings."""
+        k, cb, _ = plan[name]
+        cb = cb.to(W.device)
+        qweight, absmax = gptq_quantize(W, H, cb, k, **options)
+        return qweight, absmax, fmt.dequantize(qweight, absmax, cb, W.dtype)
+
+    def linear_hook(name):
         def hook(mod, args):
-            if name in results:
+            if name in packed:
                 return
-            qweight, absmax = gptq_quantize(mod.weight.detach(), hessian(args[0]), codebook.to(mod.weight.device), k,
-                                            search_scale, damp, act_order=act_order, scale_rule=scale_rule)
-            mod.weight.copy_(fmt.dequantize(qweight, absmax, codebook.to(qweight.device), mod.weight.dtype))
-            results[name] = (qweight.cpu(), absmax.cpu())
-            if progress is not None:
-                progress(name)
+            qweight, absmax, W_hat = rounded(name, mod.weight.detach(), hessian(args[0]))
+            mod.weight.copy_(W_hat)
+            packed[name] = (qweight.cpu(), absmax.cpu())
         return hook
 
-    for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear):
-            choice = select(name)
-            if choice is not None:
-                handles.append(module.register_forward_pre_hook(hook_for(name, module, *choice)))
+    handles, patched = [], []
+    for name, module in layer.named_modules():
+        full = f"{prefix}.{name}" if name else prefix
+        if isinstance(module, torch.nn.Linear) and f"{full}.weight" in plan:
+            handles.append(module.register_forward_pre_hook(linear_hook(f"{full}.weight")))
+        elif _is_fused_experts(module) and {f"{full}.gate_up_proj", f"{full}.down_proj"} & plan.keys():
+            module.forward = _experts_forward(module, full, plan, packed, rounded, min_expert_tokens, report)
+            patched.append(module)
     try:
-        body = getattr(model, "model", model)  # the decoder without the LM head: its logits are not needed
-        body(input_ids=batch.to(next(model.parameters()).device), use_cache=False)
+        args, kwargs = call
+        out = layer(hidden, *args, **kwargs)
     finally:
         for h in handles:
             h.remove()
-    return results
+        for module in patched:
+            del module.forward
+    return out[0] if isinstance(out, tuple) else out
+
+
+def _experts_forward(mod, name, plan, packed, rounded, min_expert_tokens, report):
+    """The experts' forward (transformers' eager one: act(x gate^T) * (x up^T), then down, weighted by the
+    router) that rounds each expert just before it runs: gate_up on the Hessian of the tokens routed to it,
+    down on the Hessian of its intermediate activations on those tokens. An expert with fewer than
+    ``min_expert_tokens`` (default :func:`expert_min_tokens`) is rounded on every token entering the layer
+    instead (and its down projection on its activations of all of them); it still outputs only its own."""
+    E, two_i, K = mod.gate_up_proj.shape
+    names = (f"{name}.gate_up_proj", f"{name}.down_proj")
+    threshold = expert_min_tokens(K) if min_expert_tokens is None else min_expert_tokens
+    report.min_expert_tokens.append(threshold)
+    for param_name, param in zip(names, (mod.gate_up_proj, mod.down_proj)):
+        if param_name in plan:
+            k = plan[param_name][0]
+            N, KB = param.shape[1], param.shape[2] // fmt.BLOCK_SIZE
+            packed[param_name] = (torch.empty(E, N, KB, k, dtype=torch.int32), torch.empty(E, N, KB, dtype=torch.uint8))
+
+    def round_expert(param_name, param, e, H):
+        if param_name in plan:
+            qweight, absmax, W_hat = rounded(param_name, param[e].detach(), H)
+            param[e].copy_(W_hat)
+            packed[param_name][0][e], packed[param_name][1][e] = qweight.cpu(), absmax.cpu()
+        return param[e]
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        H_all = None
+        for e in range(E):
+            token_idx, pos = torch.where(top_k_index == e)
+            few = token_idx.numel() < threshold
+            if few:
+                H_all = _linear_inputs_hessian(hidden_states) if H_all is None else H_all
+                x, H = hidden_states, H_all
+            else:
+                x = hidden_states[token_idx]
+                H = _linear_inputs_hessian(x)
+            report.experts += 1
+            report.experts_fallback += int(few)
+            gate, up = torch.nn.functional.linear(x, round_expert(names[0], mod.gate_up_proj, e, H)).chunk(2, dim=-1)
+            act = mod.act_fn(gate) * up
+            W_down = round_expert(names[1], mod.down_proj, e, _linear_inputs_hessian(act))
+            if few:
+                act = act[token_idx]
+            y = torch.nn.functional.linear(act, W_down) * top_k_weights[token_idx, pos, None]
+            out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+    return forward

@@ -1,0 +1,227 @@
+"""`convert --gptq` one decoder layer at a time (vllm_kbit.gptq.quantize_model): the same packed weights as
+the whole-model calibration forward it replaced, one layer on the compute device at a time, and routed
+experts rounded on the Hessian of the tokens routed to them (all tokens for an expert that got too few)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_kbit import gptq
+from vllm_kbit import reference as fmt
+from vllm_kbit.settings import KbitSettings
+
+
+def _text(chars: int = 6000) -> str:
+    return gptq.calibration_text()[:chars]
+
+
+def _load(src):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    return AutoModelForCausalLM.from_pretrained(src, dtype="auto").eval(), AutoTokenizer.from_pretrained(src)
+
+
+@torch.no_grad()
+def _whole_model_gptq(model, tokenizer, select, text, n_tokens, window):
+    """The calibration `convert --gptq` ran before: the whole model in one forward, each linear layer rounded
+    by a pre-hook when its input first arrives."""
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids[0]
+    batch = ids[: min(n_tokens, ids.numel()) // window * window].view(-1, window)
+    results, handles, last = {}, [], {}
+
+    def hessian(x):
+        if last.get("x") is not x:
+            last.update(x=x, H=gptq._linear_inputs_hessian(x))
+        return last["H"]
+
+    def hook_for(name, k, cb):
+        def hook(mod, args):
+            if name not in results:
+                results[name] = gptq.gptq_quantize(mod.weight.detach(), hessian(args[0]), cb, k)
+                mod.weight.copy_(fmt.dequantize(*results[name], cb, mod.weight.dtype))
+        return hook
+
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and select(name) is not None:
+            handles.append(module.register_forward_pre_hook(hook_for(name, *select(name))))
+    model.model(input_ids=batch, use_cache=False)
+    for h in handles:
+        h.remove()
+    return results
+
+
+def _select(bits=3):
+    settings = KbitSettings(bits=bits)
+    return lambda name: (bits, settings.codebook(bits)) if ".layers." in name and not name.endswith(".gate") else None
+
+
+def test_layer_by_layer_equals_the_whole_model_forward_on_a_dense_model(tmp_path):
+    """Dense model: calibrating one decoder layer at a time feeds every linear layer the same inputs as the
+    whole-model forward did (each layer's input computed with the rounded weights before it), so every
+    packed weight is bit for bit the same."""
+    from vllm_kbit.testing import tiny_models
+
+    src = tiny_models.build("qwen3", str(tmp_path / "src"), hidden=128, layers=2)
+    select = _select()
+    want = _whole_model_gptq(*_load(src), select, _text(), n_tokens=2048, window=512)
+    got = gptq.quantize_model(*_load(src), select, _text(), n_tokens=2048, window=512)
+    assert len(want) == 14 and sorted(got) == sorted(want)
+    for name in want:
+        assert torch.equal(got[name][0], want[name][0]) and torch.equal(got[name][1], want[name][1]), name
+
+
+def test_one_decoder_layer_on_the_device_at_a_time(tmp_path, monkeypatch):
+    """Every GPTQ rounding (attention, every routed expert) happens while exactly one decoder layer, the one
+    holding the weight, is on the compute device; calibrated layers are freed (meta) as the run goes."""
+    from vllm_kbit.testing import tiny_models
+
+    src = tiny_models.build("qwen3_moe", str(tmp_path / "src"), hidden=128, layers=3, experts=4, moe_intermediate=64)
+    model, tokenizer = _load(src)
+    layers = list(model.model.layers)
+    live, most, rounded = [], [0], []
+
+    def onload(layer, device):
+        live.append(layer)
+        most[0] = max(most[0], len(live))
+        layer.to(device)
+
+    def release(layer):
+        live.remove(layer)
+        layer.to("meta")
+
+    def spy(W, H, *args, **kwargs):
+        storages = [{p.untyped_storage().data_ptr() for p in layer.parameters()} for layer in live]
+        rounded.append([W.untyped_storage().data_ptr() in s for s in storages])
+        idx = layers.index(live[0]) if live else -1
+        assert all(p.device.type == "meta" for layer in layers[:idx] for p in layer.parameters())
+        assert all(p.device.type != "meta" for layer in layers[idx:] for p in layer.parameters())
+        return real(W, H, *args, **kwargs)
+
+    real = gptq.gptq_quantize
+    monkeypatch.setattr(gptq, "_onload", onload)
+    monkeypatch.setattr(gptq, "_release", release)
+    monkeypatch.setattr(gptq, "gptq_quantize", spy)
+    got = gptq.quantize_model(model, tokenizer, _select(), _text(), n_tokens=1024, window=512)
+    assert most[0] == 1 and not live
+    assert len(rounded) == 3 * (4 + 2 * 4) and all(r == [True] for r in rounded)  # q, k, v, o; gate_up, down per expert
+    assert len(got) == 3 * (4 + 3 * 4)  # the experts' gate / up / down under their checkpoint names
+    assert all(p.device.type == "meta" for layer in layers for p in layer.parameters())
+
+
+def _moe_with_an_unused_expert(out_dir, experts=8, victim=4):
+    """Tiny Qwen3-MoE whose router rows are v, -v, u, -u, 0 (the victim), ...: for any input one of v / -v
+    and one of u / -u score above 0, so with top-2 the victim is never picked."""
+    from safetensors.torch import load_file, save_file
+
+    from vllm_kbit.testing import tiny_models
+
+    src = tiny_models.build("qwen3_moe", out_dir, hidden=128, layers=1, experts=experts, top_k=2, moe_intermediate=64)
+    path = f"{src}/model.safetensors"
+    tensors = load_file(path)
+    router = tensors["model.layers.0.mlp.gate.weight"]
+    v, u = router[0].clone(), router[1].clone()
+    router[0], router[1], router[2], router[3], router[victim] = v, -v, u, -u, 0
+    save_file(tensors, path, metadata={"format": "pt"})
+    return src, tensors
+
+
+def test_routed_experts_are_rounded_on_their_own_tokens(tmp_path, monkeypatch, capsys):
+    """convert --gptq on a Qwen3-MoE with an expert the router never picks: the routing the experts see is the
+    router's on the MoE block's input; every expert's gate_up Hessian is X_e^T X_e of the tokens routed to it
+    (the victim's, with none, that of all tokens, and its down projection's that of its activations on all
+    tokens); one warning line names how many fell back; the checkpoint holds each expert's GPTQ result under
+    its own gate / up / down names; and GPTQ's output error on each expert's tokens is below round-to-nearest's."""
+    from safetensors.torch import load_file
+
+    from vllm_kbit.convert import convert
+
+    E, I, victim = 8, 64, 4
+    src, original = _moe_with_an_unused_expert(str(tmp_path / "src"), E, victim)
+    calls, seen = [], {}
+    real_quantize, real_forward = gptq.gptq_quantize, gptq._experts_forward
+
+    def spy(W, H, *args, **kwargs):
+        calls.append((W.clone(), H.clone(), real_quantize(W, H, *args, **kwargs)))
+        return calls[-1][2]
+
+    def forward_spy(*args, **kwargs):
+        forward = real_forward(*args, **kwargs)
+
+        def recorded(hidden_states, top_k_index, top_k_weights):
+            seen.update(x=hidden_states.clone(), idx=top_k_index.clone())
+            return forward(hidden_states, top_k_index, top_k_weights)
+        return recorded
+
+    monkeypatch.setattr(gptq, "gptq_quantize", spy)
+    monkeypatch.setattr(gptq, "_experts_forward", forward_spy)
+    summary = convert(src, str(tmp_path / "out"), KbitSettings(bits=3), progress=False, gptq=True,
+                      calibration_text=_text(8000))
+    x, idx = seen["x"], seen["idx"]
+    logits = torch.nn.functional.linear(x, original["model.layers.0.mlp.gate.weight"])  # as the router: in bf16
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    assert torch.equal(idx.sort(-1).values, probs.topk(2, -1).indices.sort(-1).values)
+
+    counts = torch.bincount(idx.flatten(), minlength=E)
+    threshold = gptq.expert_min_tokens(128)
+    few = [e for e in range(E) if counts[e] < threshold]
+    assert counts[victim] == 0 and victim in few and len(few) < E
+    assert (summary.gptq.experts, summary.gptq.experts_fallback) == (E, len(few))
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "routed experts got fewer than" in line]
+    assert len(warnings) == 1 and f"{len(few)} of {E} routed experts got fewer than {threshold} " in warnings[0]
+
+    out = load_file(str(tmp_path / "out" / "model-00001-of-00001.safetensors"))
+    cb = KbitSettings(bits=3).codebook(3)
+    p = "model.layers.0.mlp.experts"
+    gptq_err = rtn_err = 0.0
+    for e in range(E):
+        W = torch.cat([original[f"{p}.{e}.gate_proj.weight"], original[f"{p}.{e}.up_proj.weight"]])
+        (_, H, (q, a)), = [c for c in calls if torch.equal(c[0], W)]
+        xs = x if e in few else x[(idx == e).any(-1)]
+        assert torch.allclose(H, gptq._linear_inputs_hessian(xs), rtol=1e-5, atol=1e-4), e
+        assert torch.equal(out[f"{p}.{e}.gate_proj.qweight"], q[:I]) and torch.equal(out[f"{p}.{e}.up_proj.absmax"], a[I:])
+        (_, H_down, (q_down, _)), = [c for c in calls if torch.equal(c[0], original[f"{p}.{e}.down_proj.weight"])]
+        assert torch.equal(out[f"{p}.{e}.down_proj.qweight"], q_down)
+        gate, up = torch.nn.functional.linear(xs, fmt.dequantize(q, a, cb, x.dtype)).chunk(2, -1)
+        act = torch.nn.functional.silu(gate) * up  # through its rounded gate_up (the victim: on every token)
+        assert torch.allclose(H_down, gptq._linear_inputs_hessian(act), rtol=1e-5, atol=1e-4), e
+        if e not in few:
+            xf, Wf = xs.float(), W.float()
+            gptq_err += (xf @ (fmt.dequantize(q, a, cb, torch.float32) - Wf).T).square().sum().item()
+            rtn_err += (xf @ (fmt.dequantize(*fmt.quantize(W, cb, 3), cb, torch.float32) - Wf).T).square().sum().item()
+    assert gptq_err < 0.9 * rtn_err
+
+
+def test_expert_tensors_map_to_their_checkpoint_names():
+    """transformers fuses Mixtral's per-expert w1 / w3 into gate_up_proj and renames block_sparse_moe to mlp;
+    the reverted row numbers give each checkpoint tensor its rows."""
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    from vllm_kbit.testing import tiny_models
+
+    config = MixtralConfig(**tiny_models._common(64, 1), intermediate_size=96, num_local_experts=3, num_experts_per_tok=2)
+    model = AutoModelForCausalLM.from_config(config)
+    p = "model.layers.0"
+    pieces = gptq._checkpoint_pieces(model, {f"{p}.mlp.experts.gate_up_proj": (3, 192, 64),
+                                             f"{p}.mlp.experts.down_proj": (3, 64, 96),
+                                             f"{p}.self_attn.q_proj.weight": (256, 64)})
+    gate_up = dict((n, rows.tolist()) for n, rows in pieces[f"{p}.mlp.experts.gate_up_proj"])
+    assert gate_up == {f"{p}.block_sparse_moe.experts.{e}.{w}": list(range(192 * e + 96 * h, 192 * e + 96 * (h + 1)))
+                       for e in range(3) for h, w in enumerate(("w1", "w3"))}
+    down = dict((n, rows.tolist()) for n, rows in pieces[f"{p}.mlp.experts.down_proj"])
+    assert down == {f"{p}.block_sparse_moe.experts.{e}.w2": list(range(64 * e, 64 * (e + 1))) for e in range(3)}
+    assert [(n, rows.tolist()) for n, rows in pieces[f"{p}.self_attn.q_proj.weight"]] == [(f"{p}.self_attn.q_proj", list(range(256)))]
+
+
+def test_a_model_without_decoder_layers_is_refused():
+    class Flat(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(32, 32)
+
+    class Tok:
+        def __call__(self, text, **kwargs):
+            return type("T", (), {"input_ids": torch.zeros(1, 64, dtype=torch.long)})()
+
+    with pytest.raises(ValueError, match=r"Flat has no decoder layer list \(model.layers\)"):
+        gptq.quantize_model(Flat(), Tok(), lambda n: None, "x", n_tokens=64, window=32)
