@@ -269,3 +269,137 @@ def test_decode_profile_counts_overlapping_kernels_once_in_the_busy_time(monkeyp
     text = profile_decode.section("kbit-4", 16, 1024, 16, 100.0, kernels, True, 5, gpu_busy_us=80.0)
     assert "100 µs wall; GPU busy 80 µs (80% of the step); kernel times summed 110 µs" in text
     assert "| kbit | 110.0 | 100.0 |" in text
+
+
+# ---- full-shape public models and the big-model row (benchmarks/serve/big.py) ------------------------------------
+
+@pytest.mark.parametrize("name", sorted(model_dir.PUBLIC))
+def test_public_model_directory_is_the_public_config_and_has_the_advertised_size(tmp_path, name):
+    """Each full-shape model directory holds its recorded public config.json field for field, transformers parses it
+    into its architecture, and the model it describes has the advertised total parameter count (within 3%)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    expected = {"qwen3-coder-next": ("Qwen3NextForCausalLM", "qwen3_next"),
+                "glm-4.7-flash": ("Glm4MoeLiteForCausalLM", "glm4_moe_lite"),
+                "qwen3-235b-a22b": ("Qwen3MoeForCausalLM", "qwen3_moe"),
+                "glm-4.5-air": ("Glm4MoeForCausalLM", "glm4_moe")}[name]
+    d = model_dir.write(name, str(tmp_path / name))
+    assert not [f for f in os.listdir(d) if f.endswith((".safetensors", ".bin"))]
+    with open(os.path.join(d, "config.json")) as f:
+        written = json.load(f)
+    assert written == model_dir.public_config(name)
+    c = AutoConfig.from_pretrained(d)
+    assert (c.architectures, c.model_type) == ([expected[0]], expected[1])
+    assert getattr(c, "quantization_config", None) is None
+    tok = AutoTokenizer.from_pretrained(d)
+    assert len(tok) == c.vocab_size and tok.eos_token_id == c.vocab_size - 1
+    total, quantized = model_dir.parameter_counts(name)
+    advertised = model_dir.PUBLIC[name].total_params_b * 1e9
+    assert abs(total - advertised) <= 0.03 * advertised, (name, total / 1e9)
+    assert 0.97 * total < quantized < total  # all but embeddings, head, router gates, norms
+    g = model_dir.write(name, str(tmp_path / f"{name}-gptq"), model_dir.gptq_config(name))
+    with open(os.path.join(g, "config.json")) as f:
+        qc = json.load(f)["quantization_config"]
+    assert qc["quant_method"] == "gptq" and "mlp.experts" in qc["modules_in_block_to_quantize"]
+    assert not any("gate" == m.rpartition(".")[2] for m in qc["modules_in_block_to_quantize"])  # no router gates
+
+
+def test_public_model_shapes_are_the_target_architectures():
+    qn, fl = model_dir.public_config("qwen3-coder-next"), model_dir.public_config("glm-4.7-flash")
+    assert (qn["hidden_size"], qn["num_hidden_layers"], qn["num_experts"], qn["num_experts_per_tok"],
+            qn["moe_intermediate_size"], qn["shared_expert_intermediate_size"], qn["full_attention_interval"]) == (
+        2048, 48, 512, 10, 512, 512, 4)
+    assert (fl["hidden_size"], fl["num_hidden_layers"], fl["n_routed_experts"], fl["num_experts_per_tok"],
+            fl["q_lora_rank"], fl["kv_lora_rank"], fl["first_k_dense_replace"]) == (2048, 47, 64, 4, 768, 512, 1)
+    big = model_dir.public_config("qwen3-235b-a22b")
+    assert (big["hidden_size"], big["num_hidden_layers"], big["num_experts"], big["moe_intermediate_size"]) == (
+        4096, 94, 128, 1536)
+    # kbit-3 of the 235B shape fits one H200 (139 GiB) with room for KV cache; bf16 does not
+    assert 85 < model_dir.weight_gib_estimate("qwen3-235b-a22b", 3.25) < 95
+    assert model_dir.weight_gib_estimate("qwen3-235b-a22b", 16) > 400
+
+
+def test_memory_samples_give_the_peak_per_gpu_up_to_a_time():
+    import datetime
+
+    import gpu_monitor
+
+    text = "\n".join([
+        "2026/11/28 15:00:00.100, 0, 1024",
+        "2026/11/28 15:00:00.100, 1, 512",
+        "2026/11/28 15:00:01.200, 0, 90112",  # loading: 88 GiB
+        "No devices were found",
+        "2026/11/28 15:00:05.000, 0, 133120",  # KV cache allocated: 130 GiB
+        "2026/11/28 15:00:05.000, 1, [N/A]",
+    ])
+    assert gpu_monitor.parse_memory(text) == {0: 130.0, 1: 0.5}
+    assert gpu_monitor.parse_memory(text, datetime.datetime(2026, 11, 28, 15, 0, 2)) == {0: 88.0, 1: 0.5}
+    assert gpu_monitor.parse_memory("") == {}
+
+
+def _big_row(monkeypatch, tmp_path, argv):
+    import big
+
+    monkeypatch.setattr(bench_serve, "gpu_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(bench_serve, "commit", lambda: "abc")
+    return big, big.BigRun(big.parse_args([*argv, "--out", str(tmp_path), "--work", str(tmp_path / "w")]))
+
+
+def test_big_row_serves_dummy_weights_with_the_method_and_the_gdn_backend(tmp_path, monkeypatch):
+    import vllm_server as vs
+
+    monkeypatch.setenv("DEADLINE", "1234")
+    big, run = _big_row(monkeypatch, tmp_path, ["--model", "qwen3-coder-next", "--method", "kbit-3"])
+    assert run.args.deadline == 1234 and run.args.concurrency == "1,16,64"
+    assert os.path.basename(run.stem).startswith("serve_big_") and run.results == run.stem + ".jsonl"
+    monkeypatch.setattr(vs, "has_engine_arg", lambda name: name == "gdn_prefill_backend")
+    args = run.serve_args(run.method_)
+    assert args[:2] == ["--load-format", "dummy"] and "--tensor-parallel-size" not in args
+    assert args[args.index("--gdn-prefill-backend") + 1] == "triton"
+    assert json.loads(args[args.index("--hf-overrides") + 1])["quantization_config"]["bits"] == 3
+    monkeypatch.setattr(vs, "has_engine_arg", lambda name: False)  # a vLLM without the setting
+    assert "--gdn-prefill-backend" not in run.serve_args(run.method_)
+    # 2 prompts per unit of concurrency, at least 4
+    assert [bench_serve.num_prompts(c, run.settings[0][2], run.min_prompts) for c in (1, 16, 64)] == [4, 32, 128]
+    _, run = _big_row(monkeypatch, tmp_path, ["--model", "qwen3-235b-a22b", "--method", "bf16", "--tp", "4"])
+    args = run.serve_args(run.method_)
+    assert args[args.index("--tensor-parallel-size") + 1] == "4" and "--gdn-prefill-backend" not in args
+    assert "--quantization" not in args
+    assert big.weight_load_s("(Worker_TP0) Model loading took 88.12 GiB memory and 312.5 seconds") == 312.5
+
+
+def test_big_rows_report_load_memory_and_throughput_per_gpu(tmp_path, monkeypatch):
+    big, run = _big_row(monkeypatch, tmp_path, ["--model", "qwen3-235b-a22b", "--method", "kbit-3"])
+    facts = {"weight_gib": 91.2, "weight_gib_estimate": 90.9, "kv_cache_tokens": 301000, "startup_s": 420.0,
+             "weight_load_s": 300.0, "peak_load_gib": 97.5, "peak_start_gib": 131.0}
+    for c, tok in ((1, 40.0), (16, 500.0)):
+        ctx = run.context(run.method_, "m", run.settings[0], c, facts, "vllm serve m")
+        run.save(records.from_bench(_bench(tok, ctx["num_prompts"], ctx["num_prompts"] * 256), ctx))
+    run.save(records.failed(run.context(run.method_, "m", run.settings[0], 64, facts, "vllm serve m"),
+                            "skipped: 20 s left of the deadline"))
+    _, tp4 = _big_row(monkeypatch, tmp_path, ["--model", "qwen3-235b-a22b", "--method", "bf16", "--tp", "4"])
+    ctx = tp4.context(tp4.method_, "m", tp4.settings[0], 16, {"weight_gib": 110.0}, "vllm serve m --tp 4")
+    tp4.save(records.from_bench(_bench(800.0, 32, 32 * 256), ctx))
+    with open(run.stem + ".md") as f:
+        md = f.read()
+    assert ("| qwen3-235b-a22b | kbit-3 | 1 | 91.20 (90.9) | 301,000 | 420 (300) | 97.5 (131.0) | 40 | 40 | 5.00 | 40 "
+            "| 500 | 500 | 5.00 | 40 | failed |  |  |  |") in md
+    assert "| qwen3-235b-a22b | bf16 | 4 | 110.00 () |" in md and "| 800 | 200 | 5.00 | 40 |" in md
+    assert "- qwen3-235b-a22b kbit-3 GPUs=1 c=64: skipped: 20 s left of the deadline" in md
+    assert "- qwen3-235b-a22b bf16 GPUs=4: `vllm serve m --tp 4`" in md
+    recs = records.load([run.results])
+    assert [r["gpus"] for r in recs] == [1, 1, 1, 4] and recs[0]["model_name"] == "qwen3-235b-a22b"
+
+
+def test_big_rows_of_separate_calls_merge_into_one_table(tmp_path, monkeypatch):
+    big, a = _big_row(monkeypatch, tmp_path / "a", ["--model", "glm-4.7-flash", "--method", "kbit-4"])
+    _, b = _big_row(monkeypatch, tmp_path / "b", ["--model", "glm-4.5-air", "--method", "bf16", "--tp", "4"])
+    for run in (a, b):
+        ctx = run.context(run.method_, "m", run.settings[0], 16, {"weight_gib": 15.0}, "vllm serve m")
+        run.save(records.from_bench(_bench(900.0, 32, 32 * 256), ctx))
+    md = big.merge([a.results, b.results], str(tmp_path / "all" / "serve_big_x"))
+    assert [r["model_name"] for r in records.load([str(tmp_path / "all" / "serve_big_x.jsonl")])] == [
+        "glm-4.7-flash", "glm-4.5-air"]
+    with open(md) as f:
+        text = f.read()
+    assert "| glm-4.7-flash | kbit-4 | 1 |" in text and "| glm-4.5-air | bf16 | 4 |" in text and "| 900 | 225 |" in text

@@ -59,8 +59,8 @@ from methods import Method, parse_methods  # noqa: E402
 STOP_RESERVE_S = 45  # stopping a server (SIGTERM, up to 30 s, then SIGKILL) and writing the outputs
 
 
-def num_prompts(concurrency: int, per_concurrency: int = 4) -> int:
-    return max(8, per_concurrency * concurrency)
+def num_prompts(concurrency: int, per_concurrency: int = 4, minimum: int = 8) -> int:
+    return max(minimum, per_concurrency * concurrency)
 
 
 def parse_settings(text: str, per_concurrency: int = 4) -> list[tuple[int, int, int]]:
@@ -130,6 +130,7 @@ class Run:
     def __init__(self, args: argparse.Namespace, settings: list[tuple[int, int, int]]):
         self.args = args
         self.settings = settings  # parse_settings(args.settings, args.prompts_per_concurrency)
+        self.min_prompts = getattr(args, "min_prompts", 8)  # prompts per bench: at least this many
         self.t0 = time.monotonic()
         self.deadline = self.t0 + args.deadline
         self.gpu = gpu_name()
@@ -174,7 +175,7 @@ class Run:
             "model": f"{self.args.shape} shape, dummy weights" + (f", TP={self.args.tp}" if self.args.tp > 1 else ""),
             "tp": self.args.tp, "method": method.name, "bits": method.bits,
             "concurrency": c, "input_len": setting[0], "output_len": setting[1],
-            "num_prompts": num_prompts(c, setting[2]), "repeat": repeat, **facts,
+            "num_prompts": num_prompts(c, setting[2], self.min_prompts), "repeat": repeat, **facts,
             "command": command,
         }
 
@@ -193,7 +194,7 @@ class Run:
         bench_args = [
             "--backend", "vllm", "--base-url", server.base_url, "--model", model,
             "--dataset-name", "random", "--random-input-len", str(inp), "--random-output-len", str(outp),
-            "--num-prompts", str(num_prompts(c, per_c)), "--max-concurrency", str(c),
+            "--num-prompts", str(num_prompts(c, per_c, self.min_prompts)), "--max-concurrency", str(c),
             "--ignore-eos", "--num-warmups", "1", "--disable-tqdm", "--save-result", "--result-dir", result_dir,
             "--result-filename", name,
         ]

@@ -9,6 +9,7 @@ Read-only: nvidia-smi is only queried; the card's settings are never changed.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import operator
 import shutil
@@ -83,3 +84,68 @@ class GpuMonitor:
         self._out.seek(0)
         self.summary = parse(self._out.read())
         self._out.close()
+
+
+MEMORY_FIELDS = "timestamp,index,memory.used"
+_TIME_FORMAT = "%Y/%m/%d %H:%M:%S.%f"
+
+
+def parse_memory(text: str, until: datetime.datetime | None = None) -> dict[int, float]:
+    """{GPU index: largest memory.used in GiB} of `nvidia-smi --query-gpu=MEMORY_FIELDS --format=csv,noheader,nounits`
+    lines, only the samples taken at or before ``until`` if given; unreadable lines are skipped."""
+    peak: dict[int, float] = {}
+    for line in text.splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 3:
+            continue
+        try:
+            when = datetime.datetime.strptime(parts[0], _TIME_FORMAT)
+            index, mib = int(parts[1]), float(parts[2])
+        except ValueError:
+            continue
+        if until is None or when <= until:
+            peak[index] = max(peak.get(index, 0.0), mib / 1024)
+    return peak
+
+
+class MemorySampler:
+    """Context manager: samples every GPU's memory.used every `period_ms` (nvidia-smi, timestamped) while the block
+    runs, e.g. a server's start-up; :meth:`peak_gib` reads the samples so far, up to a time if given (the moment the
+    server logged that its weights were loaded), as {GPU index: GiB}. Without nvidia-smi every peak is {}. Like
+    GpuMonitor the sampler stops by itself after `max_s`."""
+
+    def __init__(self, period_ms: int = 100, max_s: float = 3600):
+        self.period_ms = period_ms
+        self.max_s = max_s
+        self._proc: subprocess.Popen | None = None
+        self._out = None
+
+    def __enter__(self) -> "MemorySampler":
+        smi = shutil.which("nvidia-smi")
+        if smi is not None:
+            self._out = tempfile.NamedTemporaryFile(mode="w+", prefix="kbit_gpu_memory_", suffix=".csv")
+            limit = ["timeout", str(max(1, round(self.max_s)))] if shutil.which("timeout") else []
+            self._proc = subprocess.Popen([*limit, smi, f"--query-gpu={MEMORY_FIELDS}", "--format=csv,noheader,nounits",
+                                           f"--loop-ms={self.period_ms}"], stdout=self._out, stderr=subprocess.STDOUT)
+        return self
+
+    def peak_gib(self, until: datetime.datetime | None = None) -> dict[int, float]:
+        if self._out is None:
+            return {}
+        with open(self._out.name, errors="replace") as f:
+            return parse_memory(f.read(), until)
+
+    def __exit__(self, *exc) -> None:
+        if self._proc is not None:
+            self._proc.terminate()
+            try:
+                self._proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self._proc = None
+
+    def close(self) -> None:
+        if self._out is not None:
+            self._out.close()
+            self._out = None

@@ -13,6 +13,10 @@ prompt, to no complete character; the server's incremental detokenizer (tokenize
 decodes the whole prompt again at every generated token: host work per step that grows with prompt length x
 batch and leaves the GPU idle (docs/decisions.md, "Serving benchmark").
 
+Full shapes of public models (:data:`PUBLIC`): ``configs/<name>.json`` holds the model's public Hugging Face
+config.json (its fields as published); :func:`write` copies it verbatim into config.json (plus a
+``quantization_config`` for GPTQ) beside a text tokenizer of that model's vocabulary size.
+
 GPTQ: a ``quantization_config`` in config.json (``quant_method: gptq``, 4 bits, group 128, desc_act false,
 sym true) makes vLLM 0.26 pick its Marlin kernels. ``modules_in_block_to_quantize`` is written explicitly:
 without it vLLM derives the quantized linear layers from the checkpoint's safetensors dtypes, finds no
@@ -21,8 +25,12 @@ files, and leaves attention in bf16 (routed experts are quantized either way).
 
 from __future__ import annotations
 
+import copy
 import itertools
+import json
 import os
+
+from dataclasses import dataclass
 
 from vllm_kbit.testing.tiny_models import EOS_TOKEN
 
@@ -76,6 +84,50 @@ GPTQ_INT4 = {
 }
 
 
+CONFIGS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "configs")
+
+
+@dataclass(frozen=True)
+class PublicModel:
+    """A public model served at its full shape: where its config.json comes from and what it advertises."""
+
+    repo: str  # the Hugging Face repository whose config.json configs/<name>.json records
+    total_params_b: float  # the advertised total parameter count, billions
+    gptq_modules: tuple[str, ...]  # GPTQ ``modules_in_block_to_quantize`` (substrings of vLLM module names)
+
+
+_ATTN_AND_MLP = ("self_attn.", "mlp.experts", "shared_expert.", "shared_experts.", "mlp.gate_proj", "mlp.up_proj",
+                 "mlp.down_proj")
+PUBLIC = {
+    # Qwen3-Next architecture: 36 gated delta-net + 12 gated attention layers, 512 routed experts top-10 + shared.
+    "qwen3-coder-next": PublicModel("Qwen/Qwen3-Coder-Next", 80, _ATTN_AND_MLP + ("linear_attn.in_proj", "linear_attn.out_proj")),
+    # GLM-4 MoE Lite: multi-head latent attention, first layer dense, 64 routed experts top-4 + shared.
+    "glm-4.7-flash": PublicModel("zai-org/GLM-4.7-Flash", 30, _ATTN_AND_MLP),
+    "qwen3-235b-a22b": PublicModel("Qwen/Qwen3-235B-A22B", 235, _ATTN_AND_MLP),
+    "glm-4.5-air": PublicModel("zai-org/GLM-4.5-Air", 106, _ATTN_AND_MLP),
+}
+
+
+def public_config(name: str) -> dict:
+    """The recorded public config.json of a :data:`PUBLIC` model, as a dict (a fresh copy)."""
+    if name not in PUBLIC:
+        raise ValueError(f"unknown public model {name!r}; choose from {sorted(PUBLIC)}")
+    with open(os.path.join(CONFIGS, f"{name}.json")) as f:
+        return json.load(f)
+
+
+def gptq_config(name: str) -> dict:
+    """GPTQ_INT4 with the model's quantized module names (the Qwen3-MoE list for SHAPES)."""
+    qc = copy.deepcopy(GPTQ_INT4)
+    if name in PUBLIC:
+        qc["modules_in_block_to_quantize"] = list(PUBLIC[name].gptq_modules)
+    return qc
+
+
+def names() -> list[str]:
+    return sorted(SHAPES) + sorted(PUBLIC)
+
+
 def model_config(shape: str, quantization_config: dict | None = None):
     """transformers Qwen3MoeConfig of the named shape (bf16, every layer MoE, untied embeddings)."""
     from transformers import Qwen3MoeConfig
@@ -98,7 +150,7 @@ def model_config(shape: str, quantization_config: dict | None = None):
     )
 
 
-def text_tokenizer():
+def text_tokenizer(vocab_size: int = VOCAB_SIZE):
     """BPE tokenizer with the model's vocabulary size in which every token is printable ASCII: ids
     0..93 are the characters "!".."~" (all that encoding produces: no merges), the others strings of two or
     three of them, the last id ``<|endoftext|>``. Any id decodes to text, so the server's incremental
@@ -109,22 +161,67 @@ def text_tokenizer():
     chars = [chr(c) for c in range(0x21, 0x7F)]  # the printable ASCII characters but space
     words = itertools.chain(chars, map("".join, itertools.product(chars, repeat=2)),
                             map("".join, itertools.product(chars, repeat=3)))
-    vocab = dict(zip(words, range(EOS_TOKEN_ID)))
-    vocab[EOS_TOKEN] = EOS_TOKEN_ID
+    eos = vocab_size - 1
+    vocab = dict(zip(words, range(eos)))
+    vocab[EOS_TOKEN] = eos
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.decoder = decoders.Fuse()  # tokens are text: concatenate them
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN)
 
 
 def write(shape: str, out_dir: str, quantization_config: dict | None = None) -> str:
-    """Writes config.json, the text tokenizer and generation_config.json (no weights) to out_dir; returns out_dir."""
+    """Writes config.json, the text tokenizer and generation_config.json (no weights) to out_dir; returns out_dir.
+
+    ``shape``: a name of :data:`SHAPES` (a Qwen3-MoE config built here) or of :data:`PUBLIC` (the recorded public
+    config.json, written as recorded plus ``quantization_config`` if given)."""
     from transformers import GenerationConfig
 
     os.makedirs(out_dir, exist_ok=True)
-    model_config(shape, quantization_config).save_pretrained(out_dir)
-    text_tokenizer().save_pretrained(out_dir)
-    GenerationConfig(bos_token_id=EOS_TOKEN_ID, eos_token_id=EOS_TOKEN_ID, pad_token_id=EOS_TOKEN_ID).save_pretrained(
-        out_dir
-    )
+    if shape in PUBLIC:
+        config = public_config(shape)
+        if quantization_config:
+            config["quantization_config"] = quantization_config
+        with open(os.path.join(out_dir, "config.json"), "w") as f:
+            json.dump(config, f, indent=2)
+        vocab_size = config["vocab_size"]
+    else:
+        model_config(shape, quantization_config).save_pretrained(out_dir)
+        vocab_size = VOCAB_SIZE
+    eos = vocab_size - 1
+    text_tokenizer(vocab_size).save_pretrained(out_dir)
+    GenerationConfig(bos_token_id=eos, eos_token_id=eos, pad_token_id=eos).save_pretrained(out_dir)
     return out_dir
+
+
+# Weights kbit quantizes: every linear / routed-expert weight but the embedding, the output head, router gates,
+# Qwen3-Next's one-output shared-expert gate and its gated delta-net's depthwise conv1d (vLLM builds those without
+# a quantization config; tests/vllm/test_e2e.py, NOT_OFFERED). Names as transformers builds the model.
+_KEPT_BF16 = ("embed_tokens", "lm_head", "mlp.gate.", "shared_expert_gate", "conv1d")
+
+
+def parameter_counts(shape: str) -> tuple[int, int]:
+    """(all parameters, the ones kbit quantizes) of the model transformers builds from the shape's config, counted
+    on the meta device (no memory). Multi-token-prediction layers are not built, as vLLM serves without them."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if shape in PUBLIC:
+        config = AutoConfig.for_model(**public_config(shape))
+    else:
+        config = model_config(shape)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    total = quantized = 0
+    for name, p in model.named_parameters():
+        total += p.numel()
+        if p.dim() >= 2 and not any(k in name for k in _KEPT_BF16):
+            quantized += p.numel()
+    return total, quantized
+
+
+def weight_gib_estimate(shape: str, bits: float) -> float:
+    """Weights in GiB at ``bits`` per quantized weight (kbit k: k + 0.25; GPTQ int4 group 128: about 4.16; bf16: 16),
+    everything else bf16; what vLLM's "Model loading took" line should show at tensor parallel 1."""
+    total, quantized = parameter_counts(shape)
+    return (quantized * bits / 8 + (total - quantized) * 2) / 2**30
 

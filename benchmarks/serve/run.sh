@@ -9,7 +9,7 @@
 #   PYTHON     interpreter (default .venv/bin/python, else python3); it needs vLLM
 #   DEADLINE   seconds for the whole run: steps that would not fit are skipped (default: no limit)
 #   TESTS=1    first run `pytest -m gpu tests/vllm`, each test in its own process, TESTS_PARALLEL (4) at a time
-#              (each test at most TESTS_TIMEOUT s, default 420)
+#              (each test at most TESTS_TIMEOUT s, default 420); TESTS_K: only the tests pytest -k selects
 #   BENCH=0    skip the benchmark                     PROFILE   methods to profile after it, e.g. kbit-4,bf16
 #   PROFILE_ARGS  extra profile_decode.py args (e.g. "--batches 1,16 --eager")
 #   KBIT_COMMIT   commit named in the results (default: git's HEAD)
@@ -35,17 +35,6 @@ left() { echo $((DEADLINE - SECONDS)); }
 GPU=$(gpu_name)
 TESTS_LOG="$RESULTS_DIR/e2e_gpu_${GPU:-cpu}_$(date -u +%Y-%m-%d)_tests.log"
 
-plugin_ok() {  # this checkout's vllm_kbit is what the interpreter imports, with the vllm.general_plugins entry point
-  "$PY" - "$PWD" <<'PY'
-import importlib.metadata as md, os, sys
-import vllm_kbit
-here = os.path.realpath(vllm_kbit.__file__).startswith(os.path.realpath(sys.argv[1]) + os.sep)
-eps = [e.value for e in md.entry_points(group="vllm.general_plugins") if e.name == "kbit"]
-print(f"vllm_kbit from {os.path.dirname(vllm_kbit.__file__)}, CUDA kernels: {vllm_kbit.HAS_CUDA_KERNELS}, plugin entry point: {eps}")
-sys.exit(0 if here and eps else 1)
-PY
-}
-
 # Each GPU e2e test in its own pytest process (own compile cache, so parallel engines never share one),
 # TESTS_PARALLEL at a time: an engine start with CUDA graphs and torch.compile takes about a minute and a
 # test starts two. The log gets every test's result lines; a failing test adds the last 40 lines of its output.
@@ -53,7 +42,7 @@ TESTS_PARALLEL=${TESTS_PARALLEL:-4}
 gpu_tests() {
   local dir i=0 id rc=0
   dir=$(mktemp -d /tmp/kbit_e2e_tests.XXXXXX)
-  for id in $("$PY" -m pytest -m gpu tests/vllm --collect-only -q -p no:cacheprovider 2>/dev/null | grep "::"); do
+  for id in $("$PY" -m pytest -m gpu tests/vllm ${TESTS_K:+-k "$TESTS_K"} --collect-only -q -p no:cacheprovider 2>/dev/null | grep "::"); do
     i=$((i + 1))
     ( VLLM_CACHE_ROOT="$VLLM_CACHE_ROOT/t$i" timeout "${TESTS_TIMEOUT:-420}" "$PY" -m pytest "$id" -q -s -p no:cacheprovider \
         --tb=short >"$dir/$i.log" 2>&1; echo "exit $? $id" >>"$dir/$i.log" ) &
@@ -76,17 +65,7 @@ main() {
   else
     echo "no nvidia-smi: no GPU, the PyTorch reference ops serve kbit"
   fi
-  if ! plugin_ok 2>/dev/null; then
-    echo "== installing vllm-kbit (editable) into $PY"
-    local log
-    log=$(mktemp /tmp/vllm_kbit_install.XXXXXX.log)
-    CUDA_HOME=/nonexistent "$PY" -m pip install -q --no-deps --no-build-isolation -e . >"$log" 2>&1 ||
-      { tail -30 "$log"; return 1; }
-    rm -f "$log"
-    plugin_ok || return 1
-  fi
-  "$PY" -c "import sys, torch, vllm_kbit; sys.exit(torch.cuda.is_available() and not vllm_kbit.HAS_CUDA_KERNELS)" ||
-    { echo "a CUDA GPU but no kbit CUDA kernels (vllm_kbit/_C*.so missing or not loadable)"; return 1; }
+  ensure_plugin || return 1
 
   local status=0
   if [ "${TESTS:-0}" = 1 ]; then

@@ -77,6 +77,22 @@ def log_facts(log_text: str) -> dict:
     return facts
 
 
+def has_engine_arg(name: str) -> bool:
+    """Whether the installed vLLM's engine arguments (`vllm serve --<name with dashes>`) include ``name``, read from
+    vllm/engine/arg_utils.py without importing vLLM (e.g. gdn_prefill_backend: vLLM 0.26 and later)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return False
+    path = os.path.join(list(spec.submodule_search_locations)[0], "engine", "arg_utils.py")
+    try:
+        with open(path) as f:
+            return re.search(rf"^\s+{re.escape(name)}\s*:", f.read(), re.M) is not None
+    except OSError:
+        return False
+
+
 @dataclass
 class Server:
     """A started `vllm serve`; use :func:`start`, then :meth:`stop` (always, also after a failed start)."""
@@ -95,10 +111,13 @@ class Server:
         with open(self.log_path, errors="replace") as f:
             return f.read()
 
-    def wait_healthy(self, timeout_s: float) -> float:
-        """Seconds until /health answered 200; RuntimeError if the server exits or time runs out."""
+    def wait_healthy(self, timeout_s: float, on_poll=None, period_s: float = 2) -> float:
+        """Seconds until /health answered 200; RuntimeError if the server exits or time runs out. ``on_poll()`` is
+        called before every check (every ``period_s``), e.g. to watch the log while the server starts."""
         deadline = self.started_at + timeout_s
         while True:
+            if on_poll is not None:
+                on_poll()
             if self.proc.poll() is not None:
                 raise RuntimeError(f"vllm serve exited with {self.proc.returncode} while starting")
             try:
@@ -109,7 +128,7 @@ class Server:
                 pass
             if time.monotonic() > deadline:
                 raise RuntimeError(f"vllm serve not healthy after {timeout_s:.0f} s")
-            time.sleep(2)
+            time.sleep(period_s)
 
     def stop(self, grace_s: float = 30) -> None:
         """SIGTERM to the server's process group (engine core and workers included), SIGKILL after grace_s."""

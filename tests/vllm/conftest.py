@@ -82,6 +82,25 @@ def converted_qwen3_moe(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def converted4(tiny, tmp_path_factory):
+    """converted4(kind) -> the tiny checkpoint written by `vllm-kbit convert --bits 4` (ONLINE[4]'s settings, so
+    its packed weights are the online kbit-4 ones); each kind converted once per session."""
+    from vllm_kbit.convert import convert
+
+    done: dict[str, str] = {}
+
+    def get(kind: str) -> str:
+        if kind not in done:
+            out = str(tmp_path_factory.mktemp("converted") / f"{kind}-kbit4")
+            summary = convert(tiny[kind], out, settings_of(ONLINE[4]), progress=False)
+            assert summary.quantized > 0 and summary.output_bytes < summary.input_bytes
+            done[kind] = out
+        return done[kind]
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def converted_mixed(tiny, tmp_path_factory):
     """converted_mixed(kind) -> the tiny checkpoint written by `vllm-kbit convert` with MIXED bits (routed
     experts 3, attention 5, the rest 4); each kind converted once per session."""

@@ -209,6 +209,24 @@ def max_logprob_gap(a: dict, b: dict) -> float:
     return worst
 
 
+def engine_has_arg(name: str) -> bool:
+    """Whether this vLLM's EngineArgs (what LLM(...) keyword arguments go to) has the field ``name``."""
+    import dataclasses
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    return name in {f.name for f in dataclasses.fields(EngineArgs)}
+
+
+def arch_kwargs(kind: str) -> dict:
+    """LLM kwargs an architecture needs on the GPU machine: qwen3_next's gated delta-net prefill on Triton
+    (vLLM's default on Hopper is FlashInfer's kernel, and flashinfer is not installed there), where this vLLM
+    has the setting (``gdn_prefill_backend``, vLLM 0.26+)."""
+    if kind == "qwen3_next" and engine_has_arg("gdn_prefill_backend"):
+        return {"gdn_prefill_backend": "triton"}
+    return {}
+
+
 def online_kwargs(config: dict) -> dict:
     """LLM kwargs for online kbit quantization with the given quantization_config (the --hf-overrides route)."""
     return {"quantization": "kbit", "hf_overrides": {"quantization_config": {"quant_method": "kbit", **config}}}

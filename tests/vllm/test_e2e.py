@@ -191,6 +191,23 @@ def test_mla_and_gated_delta_net_families_match_dequantized_model(engine, tiny, 
     assert_agree(f"{kind} k=4", got, ref)
 
 
+@pytest.mark.parametrize("kind", ["glm4_moe_lite", "qwen3_next"])
+def test_mla_and_gated_delta_net_converted_checkpoints_identical_to_online(engine, tiny, converted4, kind):
+    """`vllm-kbit convert --bits 4` of GLM-4.7-Flash's and Qwen3-Next's architectures, served with no quantization
+    flag: every layer the online engine quantizes is a kbit layer of the converted model with the same packed
+    weights (MLA's fused q_a / kv_a, the gated delta-net's fused projections, the routed and shared experts), and
+    the outputs are the online engine's."""
+    online = _online(engine, tiny, kind, 4)
+    conv = engine(f"{kind}-converted4", converted4(kind), text_prompts=TEXT_PROMPTS)
+    on_layers, conv_layers = _kbit_layers(online), _kbit_layers(conv)
+    assert set(on_layers) == set(conv_layers) and on_layers, set(on_layers) ^ set(conv_layers)
+    for name, info in conv_layers.items():
+        assert info["method"] in ("KbitLinearMethod", "KbitMoEMethod"), (name, info)
+        assert info["hash"] == on_layers[name]["hash"], f"packed weights of {name} differ"
+    assert_every_layer_accounted_for(f"{kind} converted", conv)
+    assert conv["tokens"] == online["tokens"]
+
+
 def _beyond_e4m4_range(src: str, dst: str) -> str:
     """A copy of the qwen3_moe checkpoint with weights the E4M4 block scale cannot hold at scale 1: one element
     of 100 in a dense layer and in a routed expert, and a dense layer of weights ~1e-6."""

@@ -6,7 +6,9 @@ import pytest
 import torch
 from kbit_e2e import (
     ONLINE,
+    arch_kwargs,
     assert_agree,
+    assert_every_layer_accounted_for,
     dequantized_checkpoint,
     online_kwargs,
     packed_weight_differences,
@@ -20,13 +22,59 @@ pytestmark = [
 ]
 
 
-@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe"])
+# The target architectures: GLM-4.7-Flash's (glm4_moe_lite: multi-head latent attention, dense first layer, shared +
+# routed experts) and Qwen3-Coder-Next's (qwen3_next: gated delta-net linear attention beside gated full attention,
+# shared + routed experts). Their gated delta-net prefill runs on Triton (arch_kwargs: flashinfer is not installed).
+TARGETS = ["glm4_moe_lite", "qwen3_next"]
+# Projections vLLM builds without a quantization config (router gates, Qwen3-Next's shared-expert gate and conv1d).
+NOT_OFFERED = ("gate", "shared_expert_gate", "conv1d")
+
+_DEQ4: dict[str, str] = {}
+
+
+def _engines4(engine, tiny, tmp_path_factory, kind: str) -> dict[str, tuple]:
+    """The kbit-4 engines of one kind, {role: (key, model, llm_kwargs)}: online quantization and the same weights
+    dequantized to bf16 (written once per kind), both served with the architecture's settings (arch_kwargs)."""
+    if kind not in _DEQ4:
+        _DEQ4[kind] = dequantized_checkpoint(tiny[kind], str(tmp_path_factory.mktemp(f"gpu-{kind}-deq4")),
+                                             settings_of(ONLINE[4]))
+    return {"online": (f"gpu-{kind}-online4", tiny[kind], {**online_kwargs(ONLINE[4]), **arch_kwargs(kind)}),
+            "deq": (f"gpu-{kind}-deq4", _DEQ4[kind], arch_kwargs(kind))}
+
+
+def _start_and_get(engine, specs: list[tuple]) -> list[dict]:
+    """Starts every engine first (KBIT_E2E_ENGINES at once; each key once per session), then waits for each."""
+    for spec in specs:
+        engine.start(*spec)
+    return [engine(*spec) for spec in specs]
+
+
+@pytest.mark.parametrize("kind", ["qwen3_moe", "glm4_moe", *TARGETS])
 def test_gpu_online_matches_dequantized_model(engine, tiny, tmp_path_factory, kind):
-    got = engine(f"gpu-{kind}-online4", tiny[kind], online_kwargs(ONLINE[4]))
-    ref_dir = dequantized_checkpoint(tiny[kind], str(tmp_path_factory.mktemp(f"gpu-{kind}-deq4")), settings_of(ONLINE[4]))
-    ref = engine(f"gpu-{kind}-deq4", ref_dir)
+    specs = _engines4(engine, tiny, tmp_path_factory, kind)
+    got, ref = _start_and_get(engine, [specs["online"], specs["deq"]])
     assert any(i.get("method") == "KbitOnlineMoEMethod" for i in got["layers"].values())
+    if kind in TARGETS:  # every projection kbit or named; the load summary counts them (no silent no-op)
+        groups = assert_every_layer_accounted_for(f"GPU {kind}", got)
+        assert groups["left"] == [], groups
+        assert {name.rpartition(".")[2] for name in groups["not_offered"]} <= set(NOT_OFFERED), groups
     assert_agree(f"GPU {kind}", got, ref)
+
+
+@pytest.mark.parametrize("kind", TARGETS)
+def test_gpu_converted_target_architectures_match_dequantized_model(engine, tiny, tmp_path_factory, converted4, kind):
+    """`vllm-kbit convert --bits 4` of both target architectures served with no quantization flag, under CUDA graphs
+    and torch.compile: the packed weights are the online engine's, every layer is kbit or accounted for, and the
+    outputs agree with the dequantized model (and with the online engine) as two runs of one engine do."""
+    specs = _engines4(engine, tiny, tmp_path_factory, kind)
+    conv_spec = (f"gpu-{kind}-converted4", converted4(kind), arch_kwargs(kind))
+    conv, online, ref = _start_and_get(engine, [conv_spec, specs["online"], specs["deq"]])
+    assert any(i.get("method") == "KbitMoEMethod" for i in conv["layers"].values()), "no kbit MoE layer"
+    differ = packed_weight_differences(conv, online)
+    assert not differ, f"packed weights differ from online quantization in {differ}"
+    assert assert_every_layer_accounted_for(f"GPU {kind} converted", conv)["left"] == []
+    assert_agree(f"GPU {kind} converted vs dequantized", conv, ref)
+    assert_agree(f"GPU {kind} converted vs online", conv, online)
 
 
 def test_gpu_converted_checkpoint_identical_to_online(engine, tiny, converted_qwen3_moe):
