@@ -51,6 +51,45 @@ def _whole_model_gptq(model, tokenizer, select, text, n_tokens, window):
     return results
 
 
+@pytest.mark.parametrize("k, rule, act_order", [(4, "gptq", True), (3, "mse", False), (2, "hdiag", True), (5, "gptq", True)])
+def test_experts_together_equal_one_at_a_time(k, rule, act_order):
+    """gptq_quantize_experts on B weights with their own H (one with no inputs at all: H = 0) is gptq_quantize
+    of each, bit for bit: each weight in its own column order, its scales decided where its order first
+    reaches a block."""
+    B, N, K = 4, 40, 256
+    g = torch.Generator().manual_seed(k)
+    W = (torch.randn(B, N, K, generator=g) * 0.02).to(torch.bfloat16)
+    H = []
+    for b in range(B):
+        X = torch.randn(200 + 100 * b, K, generator=g) @ (torch.randn(K, K, generator=g) / K**0.5 + torch.eye(K))
+        X[:, torch.randperm(K, generator=g)[:8]] *= 8
+        H.append(X.T @ X)
+    H = torch.stack(H)
+    H[2] = 0
+    cb = fmt.default_codebook(k)
+    q, a = gptq.gptq_quantize_experts(W, H, cb, k, act_order=act_order, scale_rule=rule, lazy_cols=64)
+    assert q.shape == (B, N, K // 32, k) and a.shape == (B, N, K // 32)
+    for b in range(B):
+        want = gptq.gptq_quantize(W[b], H[b], cb, k, act_order=act_order, scale_rule=rule, lazy_cols=64)
+        assert torch.equal(q[b], want[0]) and torch.equal(a[b], want[1]), b
+
+
+@pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
+@pytest.mark.parametrize("search", [True, False])
+def test_all_candidate_block_scales_equal_the_reference(k, search):
+    """The experts' scale decision (every candidate at once) picks the reference's code: zero blocks, blocks
+    with tied candidates (values on a coarse grid) and per-row column weights included."""
+    g = torch.Generator().manual_seed(20 + k)
+    W = torch.randn(600, 32, generator=g) * torch.rand(600, 1, generator=g) * 0.1
+    W[:50] = 0
+    W[50:150] = W[50:150].round(decimals=2)
+    cw = torch.rand(600, 32, generator=g) ** 4 * 100
+    cb = fmt.default_codebook(k)
+    assert torch.equal(gptq._block_scales(W, cb, search, None), fmt.block_scales(W, cb, search)[:, 0])
+    want = torch.cat([fmt.block_scales(W[i:i + 1], cb, search, cw[i])[:, 0] for i in range(W.shape[0])])
+    assert torch.equal(gptq._block_scales(W, cb, search, cw), want)
+
+
 def _select(bits=3):
     settings = KbitSettings(bits=bits)
     return lambda name: (bits, settings.codebook(bits)) if ".layers." in name and not name.endswith(".gate") else None
@@ -90,21 +129,23 @@ def test_one_decoder_layer_on_the_device_at_a_time(tmp_path, monkeypatch):
         live.remove(layer)
         layer.to("meta")
 
-    def spy(W, H, *args, **kwargs):
+    def spy(W, H, *args, real=None, **kwargs):
         storages = [{p.untyped_storage().data_ptr() for p in layer.parameters()} for layer in live]
         rounded.append([W.untyped_storage().data_ptr() in s for s in storages])
         idx = layers.index(live[0]) if live else -1
         assert all(p.device.type == "meta" for layer in layers[:idx] for p in layer.parameters())
         assert all(p.device.type != "meta" for layer in layers[idx:] for p in layer.parameters())
-        return real(W, H, *args, **kwargs)
+        return (real or real_linear)(W, H, *args, **kwargs)
 
-    real = gptq.gptq_quantize
+    real_linear = gptq.gptq_quantize
     monkeypatch.setattr(gptq, "_onload", onload)
     monkeypatch.setattr(gptq, "_release", release)
+    real_experts = gptq.gptq_quantize_experts
     monkeypatch.setattr(gptq, "gptq_quantize", spy)
+    monkeypatch.setattr(gptq, "gptq_quantize_experts", lambda W, H, *a, **kw: spy(W, H, *a, real=real_experts, **kw))
     got = gptq.quantize_model(model, tokenizer, _select(), _text(), n_tokens=1024, window=512)
     assert most[0] == 1 and not live
-    assert len(rounded) == 3 * (4 + 2 * 4) and all(r == [True] for r in rounded)  # q, k, v, o; gate_up, down per expert
+    assert len(rounded) == 3 * (4 + 2) and all(r == [True] for r in rounded)  # q, k, v, o; the experts' gate_up, down
     assert len(got) == 3 * (4 + 3 * 4)  # the experts' gate / up / down under their checkpoint names
     assert all(p.device.type == "meta" for layer in layers for p in layer.parameters())
 
@@ -139,11 +180,12 @@ def test_routed_experts_are_rounded_on_their_own_tokens(tmp_path, monkeypatch, c
     E, I, victim = 8, 64, 4
     src, original = _moe_with_an_unused_expert(str(tmp_path / "src"), E, victim)
     calls, seen = [], {}
-    real_quantize, real_forward = gptq.gptq_quantize, gptq._experts_forward
+    real_quantize, real_forward = gptq.gptq_quantize_experts, gptq._experts_forward
 
-    def spy(W, H, *args, **kwargs):
-        calls.append((W.clone(), H.clone(), real_quantize(W, H, *args, **kwargs)))
-        return calls[-1][2]
+    def spy(W, H, *args, **kwargs):  # one call per group of experts: recorded per expert
+        qweight, absmax = real_quantize(W, H, *args, **kwargs)
+        calls.extend((W[i].clone(), H[i].clone(), (qweight[i], absmax[i])) for i in range(W.shape[0]))
+        return qweight, absmax
 
     def forward_spy(*args, **kwargs):
         forward = real_forward(*args, **kwargs)
@@ -153,7 +195,7 @@ def test_routed_experts_are_rounded_on_their_own_tokens(tmp_path, monkeypatch, c
             return forward(hidden_states, top_k_index, top_k_weights)
         return recorded
 
-    monkeypatch.setattr(gptq, "gptq_quantize", spy)
+    monkeypatch.setattr(gptq, "gptq_quantize_experts", spy)
     monkeypatch.setattr(gptq, "_experts_forward", forward_spy)
     summary = convert(src, str(tmp_path / "out"), KbitSettings(bits=3), progress=False, gptq=True,
                       calibration_text=_text(8000))

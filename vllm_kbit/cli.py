@@ -2,6 +2,7 @@
 
     vllm-kbit convert IN_DIR OUT_DIR --bits 4 [--bits-overrides experts=3 self_attn=5]
         [--modules-to-not-convert lm_head gate] [--quantize-lm-head] [--device auto|cpu|cuda] [--max-shard-size 4GB] [--overwrite]
+        [--gptq [--calibration-file PATH] [--calibration-tokens N]]
 """
 
 from __future__ import annotations
@@ -94,13 +95,22 @@ def _parser() -> argparse.ArgumentParser:
         "--gptq",
         action="store_true",
         help=f"error-compensating (GPTQ) rounding on calibration text ({'act-order, ' if gptq.DEFAULT_ACT_ORDER else ''}"
-        f"{gptq.DEFAULT_CALIBRATION_TOKENS} tokens); loads the model with transformers (slower)",
+        f"{gptq.DEFAULT_CALIBRATION_TOKENS} tokens); loads the model with transformers on the CPU and calibrates one "
+        "decoder layer at a time on --device (slower)",
     )
     c.add_argument(
         "--calibration-file",
         default=None,
         metavar="PATH",
         help="UTF-8 text for --gptq (default: docstrings of Python's standard library)",
+    )
+    c.add_argument(
+        "--calibration-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"tokens of calibration text for --gptq, in windows of {gptq.DEFAULT_CALIBRATION_WINDOW} "
+        f"(default {gptq.DEFAULT_CALIBRATION_TOKENS})",
     )
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
@@ -111,8 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_kbit.convert import ConvertError, convert
     from vllm_kbit.settings import KbitSettings
 
-    if args.calibration_file and not args.gptq:
-        print("error: --calibration-file needs --gptq (the text calibrates GPTQ rounding)", file=sys.stderr)
+    if (args.calibration_file or args.calibration_tokens) and not args.gptq:
+        flag = "--calibration-file" if args.calibration_file else "--calibration-tokens"
+        print(f"error: {flag} needs --gptq (the text calibrates GPTQ rounding)", file=sys.stderr)
         return 2
     try:
         settings = KbitSettings(
@@ -131,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             progress=not args.quiet,
             gptq=args.gptq,
             calibration_text=_read_text(args.calibration_file) if args.calibration_file else None,
+            calibration_tokens=args.calibration_tokens,
         )
     except (ConvertError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

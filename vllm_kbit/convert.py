@@ -223,6 +223,7 @@ def convert(
     progress: bool = True,
     gptq: bool = False,
     calibration_text: str | None = None,
+    calibration_tokens: int | None = None,
 ) -> ConvertSummary:
     """Writes the kbit checkpoint of ``in_dir`` to ``out_dir``; returns what was done. On failure the
     output directory is removed if this call created it (emptied otherwise).
@@ -232,7 +233,8 @@ def convert(
     then a bar with the rate.
 
     gptq=True rounds with GPTQ (:mod:`vllm_kbit.gptq`) on ``calibration_text`` (default: the
-    bundled :func:`vllm_kbit.gptq.calibration_text`); the model is loaded once with transformers
+    bundled :func:`vllm_kbit.gptq.calibration_text`; its first ``calibration_tokens``, default
+    :data:`vllm_kbit.gptq.DEFAULT_CALIBRATION_TOKENS`, in windows of 512); the model is loaded once with transformers
     in the checkpoint's dtype on the CPU and calibrated one decoder layer at a time on ``device``; routed
     experts on the tokens routed to them. ``summary.gptq`` says what it did."""
     if not os.path.isdir(in_dir):
@@ -247,7 +249,8 @@ def convert(
     os.makedirs(out_dir, exist_ok=True)
     try:
         summary = ConvertSummary()
-        precomputed = _gptq_weights(in_dir, files, settings, device, calibration_text, progress, summary) if gptq else {}
+        precomputed = (_gptq_weights(in_dir, files, settings, device, calibration_text, calibration_tokens, progress, summary)
+                       if gptq else {})
         return _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, progress, precomputed, summary)
     except BaseException:
         # A failed conversion leaves nothing behind: the directory it created goes, or, in a directory
@@ -261,7 +264,7 @@ def convert(
         raise
 
 
-def _gptq_weights(in_dir, files, settings, device, text, progress, summary) -> dict:
+def _gptq_weights(in_dir, files, settings, device, text, n_tokens, progress, summary) -> dict:
     """{checkpoint module name: (qweight, absmax)} of the weights GPTQ rounds (see :func:`convert`): the model
     loaded in the checkpoint's dtype on the CPU, calibrated one decoder layer at a time on ``device``."""
     from safetensors import safe_open
@@ -289,7 +292,8 @@ def _gptq_weights(in_dir, files, settings, device, text, progress, summary) -> d
 
     calibration = summary.gptq = gptq.CalibrationReport()
     try:
-        result = gptq.quantize_model(model, tokenizer, select, text, progress=report, device=device, report=calibration)
+        result = gptq.quantize_model(model, tokenizer, select, text, n_tokens or gptq.DEFAULT_CALIBRATION_TOKENS,
+                                     progress=report, device=device, report=calibration)
     finally:
         del model
     if calibration.experts_fallback:

@@ -53,6 +53,7 @@ DEFAULT_SCALE_RULE = "gptq"
 # A routed expert with fewer routed calibration tokens than this many per block of 32 inputs (K/8) is
 # rounded on the Hessian of every token entering its layer (see expert_min_tokens).
 EXPERT_MIN_TOKENS_PER_BLOCK = 4
+EXPERT_GROUP = 8  # routed experts rounded together (gptq_quantize_experts): a few hundred MiB of H and H^-1
 # Modules whose docstrings make up the default calibration text (prose with some code, like the
 # instructions and documentation a language model reads). Fixed, so a Python version always gives
 # the same text.
@@ -157,6 +158,113 @@ def gptq_quantize(
     idx = idx[:, pos]  # back to the original column order
     qweight = fmt.pack_bitplanes(idx.view(N, KB, fmt.BLOCK_SIZE), k)
     return qweight, codes
+
+
+def gptq_quantize_experts(
+    W: torch.Tensor,
+    H: torch.Tensor,
+    codebook: torch.Tensor,
+    k: int,
+    search_scale: bool = fmt.DEFAULT_SEARCH_SCALE,
+    damp: float = DEFAULT_DAMP,
+    lazy_cols: int = 128,
+    act_order: bool = DEFAULT_ACT_ORDER,
+    scale_rule: str = DEFAULT_SCALE_RULE,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`gptq_quantize` of B weights W[B, N, K], each with its own H[B, K, K] (routed experts), in one
+    column loop: every weight is processed in its own order, so position j of the loop is column perm_b[j] of
+    weight b, and a block's scale is decided at the position that first reaches it in that weight. Each
+    weight's arithmetic is :func:`gptq_quantize`'s, element for element (its matrix products one weight at a
+    time). Returns qweight [B, N, K/32, k] and absmax [B, N, K/32]; the loop's Python work is paid once for
+    all B instead of B times."""
+    if W.dim() != 3:
+        raise ValueError(f"kbit gptq: experts' weight must be 3-D [B, N, K], got shape {list(W.shape)}")
+    B, N, K = W.shape
+    for b in range(B):
+        fmt.check_weight(W[b])
+    fmt.check_codebook(codebook, k)
+    fmt.check_representable(W)
+    if H.shape != (B, K, K):
+        raise ValueError(f"kbit gptq: H has shape {list(H.shape)}, weights {list(W.shape)} need [{B}, {K}, {K}]")
+    if lazy_cols % fmt.BLOCK_SIZE:
+        raise ValueError(f"kbit gptq: lazy_cols={lazy_cols} is not a multiple of {fmt.BLOCK_SIZE}")
+    if scale_rule not in SCALE_RULES:
+        raise ValueError(f"kbit gptq: scale_rule={scale_rule!r}, expected one of {sorted(SCALE_RULES)}")
+    dev, KB, bs = W.device, K // fmt.BLOCK_SIZE, fmt.BLOCK_SIZE
+    perms, Hinv, col_weight = [], torch.empty(B, K, K, device=dev), []
+    for b in range(B):  # the factorizations one weight at a time: gptq_quantize's values, and one H in memory
+        Hb_ = _damped(H[b].to(dev, torch.float32), damp)
+        perm = torch.argsort(torch.diag(Hb_), descending=True, stable=True) if act_order else torch.arange(K, device=dev)
+        Hinv[b] = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(Hb_[perm][:, perm])), upper=True)
+        perms.append(perm)
+        col_weight.append(_column_weights(Hb_, Hinv[b], perm, scale_rule))
+        del Hb_
+    perm = torch.stack(perms)
+    Wf = torch.stack([W[b].float()[:, perm[b]] for b in range(B)])  # processing order of each weight
+    pos = torch.argsort(perm, dim=-1)  # processing position of each original column
+    block_at = perm // bs  # [B, K]: the block of each processing position
+    first = torch.full((B, KB), K, device=dev).scatter_reduce(1, block_at, torch.arange(K, device=dev).expand(B, K), "amin")
+    opens = (first.gather(1, block_at) == torch.arange(K, device=dev)).cpu()  # [B, K]: position j decides a scale
+    opens_any, block_at_cpu = opens.any(0).tolist(), block_at.cpu()
+    cb = codebook.to(dev)
+    thresholds = fmt.codebook_thresholds(cb)
+    ar = torch.arange(B, device=dev)
+    idx = torch.empty(B, N, K, dtype=torch.uint8, device=dev)  # processing order
+    codes = torch.empty(B, N, KB, dtype=torch.uint8, device=dev)
+    scales = torch.zeros(B, KB, N, device=dev)
+    products = torch.zeros(B, KB, N, thresholds.numel(), device=dev)
+    for c0 in range(0, K, lazy_cols):
+        c1 = min(c0 + lazy_cols, K)
+        Wb = Wf[:, :, c0:c1].clone()
+        Eb = torch.zeros_like(Wb)
+        Hb = Hinv[:, c0:c1, c0:c1]
+        for j in range(c1 - c0):
+            p = c0 + j
+            if opens_any[p]:  # some weights reach a block first here: its scale from their updated values
+                ws = opens[:, p].nonzero().flatten().tolist()
+                blocks = [int(block_at_cpu[b, p]) for b in ws]
+                values = torch.stack([_current_columns(Wf[b], Wb[b], Eb[b], Hinv[b], pos[b, blk * bs:(blk + 1) * bs], c0, c1)
+                                      for b, blk in zip(ws, blocks)])
+                weight = None if col_weight[0] is None else torch.stack(
+                    [col_weight[b][blk * bs:(blk + 1) * bs].expand(N, bs) for b, blk in zip(ws, blocks)]).reshape(-1, bs)
+                new = _block_scales(values.reshape(-1, bs), cb, search_scale, weight).view(len(ws), N)
+                for i, (b, blk) in enumerate(zip(ws, blocks)):
+                    codes[b, :, blk] = new[i]
+                    scales[b, blk] = fmt.e4m4_decode(new[i])
+                    products[b, blk] = thresholds.unsqueeze(0) * scales[b, blk].unsqueeze(-1)
+            blk = block_at[:, p]
+            w = Wb[:, :, j]
+            q_idx = (w.unsqueeze(-1) > products[ar, blk]).sum(-1)
+            idx[:, :, p] = q_idx.to(torch.uint8)
+            q = cb[q_idx] * scales[ar, blk]
+            err = (w - q) / Hb[:, j, j].unsqueeze(-1)
+            Wb[:, :, j:] -= err.unsqueeze(-1) * Hb[:, j, j:].unsqueeze(1)
+            Eb[:, :, j] = err
+        for b in range(B):  # one product per weight, as gptq_quantize computes it
+            Wf[b, :, c1:] -= Eb[b] @ Hinv[b, c0:c1, c1:]
+    idx = idx.gather(2, pos.unsqueeze(1).expand(B, N, K))  # back to the original column order
+    return fmt.pack_bitplanes(idx.view(B, N, KB, bs), k), codes
+
+
+def _block_scales(block: torch.Tensor, codebook: torch.Tensor, search: bool, col_weight: torch.Tensor | None) -> torch.Tensor:
+    """:func:`reference.block_scales` of blocks [R, 32] (per-row column weights [R, 32] or None) -> codes [R]: the
+    same candidates, indices, errors and first-smallest rule, with every candidate at once (a few dozen ops
+    instead of a loop of a thousand, which the experts' column loop would pay at each scale decision)."""
+    absmax_code = fmt.block_absmax_codes(block)[:, 0]
+    if not search:
+        return absmax_code
+    offsets = torch.tensor((0, *fmt.SCALE_SEARCH_OFFSETS), device=block.device)
+    codes = (absmax_code.int().unsqueeze(-1) + offsets).clamp(0, 255).to(torch.uint8)  # [R, C]
+    scale = fmt.e4m4_decode(codes)
+    products = fmt.codebook_thresholds(codebook) * scale.unsqueeze(-1)  # [R, C, 2^k - 1]: fp32(t_i * s)
+    w = block.float().unsqueeze(1)  # [R, 1, 32]
+    idx = (w.unsqueeze(-1) > products.unsqueeze(2)).sum(-1)  # [R, C, 32]
+    values = codebook[idx] * scale.unsqueeze(-1)
+    if col_weight is None:
+        err = fmt.block_squared_error(w.expand_as(values), values)
+    else:
+        err = ((w - values).square() * col_weight.unsqueeze(1)).sum(-1)
+    return codes.gather(1, torch.argmin(err, dim=1, keepdim=True))[:, 0]  # the first smallest: ties keep the earlier
 
 
 def _damped(H: torch.Tensor, damp: float) -> torch.Tensor:
@@ -409,11 +517,17 @@ def _calibrate_layer(layer, prefix, hidden, call, plan, packed, options, min_exp
         return last["H"]
 
     def rounded(name, W, H):
-        """(qweight, absmax, W's rounded values in its dtype) by GPTQ with the planned settings."""
+        """(qweight, absmax, W's rounded values in its dtype) by GPTQ with the planned settings; W [N, K], or
+        [G, N, K] with H [G, K, K] for a group of experts."""
         k, cb, _ = plan[name]
         cb = cb.to(W.device)
-        qweight, absmax = gptq_quantize(W, H, cb, k, **options)
-        return qweight, absmax, fmt.dequantize(qweight, absmax, cb, W.dtype)
+        if W.dim() == 3:
+            qweight, absmax = gptq_quantize_experts(W, H, cb, k, **options)
+        else:
+            qweight, absmax = gptq_quantize(W, H, cb, k, **options)
+        shape = qweight.shape
+        W_hat = fmt.dequantize(qweight.reshape(-1, *shape[-2:]), absmax.reshape(-1, shape[-2]), cb, W.dtype)
+        return qweight, absmax, W_hat.view(W.shape)
 
     def linear_hook(name):
         def hook(mod, args):
@@ -445,10 +559,11 @@ def _calibrate_layer(layer, prefix, hidden, call, plan, packed, options, min_exp
 
 def _experts_forward(mod, name, plan, packed, rounded, min_expert_tokens, report):
     """The experts' forward (transformers' eager one: act(x gate^T) * (x up^T), then down, weighted by the
-    router) that rounds each expert just before it runs: gate_up on the Hessian of the tokens routed to it,
-    down on the Hessian of its intermediate activations on those tokens. An expert with fewer than
-    ``min_expert_tokens`` (default :func:`expert_min_tokens`) is rounded on every token entering the layer
-    instead (and its down projection on its activations of all of them); it still outputs only its own."""
+    router) that rounds the experts just before they run, :data:`EXPERT_GROUP` at a time
+    (:func:`gptq_quantize_experts`): gate_up on the Hessian of the tokens routed to each, down on the Hessian
+    of its intermediate activations on those tokens. An expert with fewer than ``min_expert_tokens``
+    (default :func:`expert_min_tokens`) is rounded on every token entering the layer instead (and its down
+    projection on its activations of all of them); it still outputs only its own tokens."""
     E, two_i, K = mod.gate_up_proj.shape
     names = (f"{name}.gate_up_proj", f"{name}.down_proj")
     threshold = expert_min_tokens(K) if min_expert_tokens is None else min_expert_tokens
@@ -459,34 +574,38 @@ def _experts_forward(mod, name, plan, packed, rounded, min_expert_tokens, report
             N, KB = param.shape[1], param.shape[2] // fmt.BLOCK_SIZE
             packed[param_name] = (torch.empty(E, N, KB, k, dtype=torch.int32), torch.empty(E, N, KB, dtype=torch.uint8))
 
-    def round_expert(param_name, param, e, H):
+    def round_experts(param_name, param, group, Hs):
+        """The group's weights [G, N, K] (a view of the layer's), rounded in place when planned."""
+        experts = slice(group[0], group[-1] + 1)
         if param_name in plan:
-            qweight, absmax, W_hat = rounded(param_name, param[e].detach(), H)
-            param[e].copy_(W_hat)
-            packed[param_name][0][e], packed[param_name][1][e] = qweight.cpu(), absmax.cpu()
-        return param[e]
+            qweight, absmax, W_hat = rounded(param_name, param[experts].detach(), torch.stack(Hs))
+            param[experts].copy_(W_hat)
+            packed[param_name][0][experts], packed[param_name][1][experts] = qweight.cpu(), absmax.cpu()
+        return param[experts]
 
     def forward(hidden_states, top_k_index, top_k_weights):
         out = torch.zeros_like(hidden_states)
         H_all = None
-        for e in range(E):
-            token_idx, pos = torch.where(top_k_index == e)
-            few = token_idx.numel() < threshold
-            if few:
-                H_all = _linear_inputs_hessian(hidden_states) if H_all is None else H_all
-                x, H = hidden_states, H_all
-            else:
-                x = hidden_states[token_idx]
-                H = _linear_inputs_hessian(x)
-            report.experts += 1
-            report.experts_fallback += int(few)
-            gate, up = torch.nn.functional.linear(x, round_expert(names[0], mod.gate_up_proj, e, H)).chunk(2, dim=-1)
-            act = mod.act_fn(gate) * up
-            W_down = round_expert(names[1], mod.down_proj, e, _linear_inputs_hessian(act))
-            if few:
-                act = act[token_idx]
-            y = torch.nn.functional.linear(act, W_down) * top_k_weights[token_idx, pos, None]
-            out.index_add_(0, token_idx, y.to(out.dtype))
+        for e0 in range(0, E, EXPERT_GROUP):
+            group = list(range(e0, min(e0 + EXPERT_GROUP, E)))
+            routes = [torch.where(top_k_index == e) for e in group]
+            few = [token_idx.numel() < threshold for token_idx, _ in routes]
+            if any(few) and H_all is None:
+                H_all = _linear_inputs_hessian(hidden_states)
+            xs = [hidden_states if f else hidden_states[token_idx] for f, (token_idx, _) in zip(few, routes)]
+            report.experts += len(group)
+            report.experts_fallback += sum(few)
+            W_up = round_experts(names[0], mod.gate_up_proj, group,
+                                 [H_all if f else _linear_inputs_hessian(x) for f, x in zip(few, xs)])
+            acts = []
+            for i, x in enumerate(xs):
+                gate, up = torch.nn.functional.linear(x, W_up[i]).chunk(2, dim=-1)
+                acts.append(mod.act_fn(gate) * up)
+            W_down = round_experts(names[1], mod.down_proj, group, [_linear_inputs_hessian(a) for a in acts])
+            for i, (f, (token_idx, pos)) in enumerate(zip(few, routes)):
+                act = acts[i][token_idx] if f else acts[i]
+                y = torch.nn.functional.linear(act, W_down[i]) * top_k_weights[token_idx, pos, None]
+                out.index_add_(0, token_idx, y.to(out.dtype))
         return out
 
     return forward
