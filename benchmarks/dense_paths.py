@@ -1,6 +1,6 @@
 """Which dense kernel at few rows: the GEMV against the table-decode MMA kernel, each launched with its own
 heuristic's split count (and row groups), COLD, CUDA-graph replay, bf16, k = 2..5, M = 1, 2. The data behind
-dispatch.cpp's kGemvPathMaxM. Each output is checked against x @ dequantize_runtime(W)^T first.
+the planner's kGemvPathMaxM (csrc/plan/plan.cpp). Each output is checked against x @ dequantize_runtime(W)^T first.
 
     python benchmarks/dense_paths.py --commit <sha> [--shapes qkv,o,gate_up,down,llama70b_gate_up] [--m 1,2]
     python benchmarks/dense_paths.py --report RESULTS.json   # only rewrite the .md

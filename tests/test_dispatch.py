@@ -1,4 +1,4 @@
-"""Dispatch through the ops that expose it (csrc/ops/dispatch.cpp): kbit::linear_plan, and the split-K
+"""The planner (csrc/plan/) through the ops that expose it (csrc/ops/dispatch.cpp): kbit::linear_plan, and the split-K
 heuristics and routing bound behind the plans. Host C++ only, so this runs on CPU wherever the
 extension is built; tests/test_fused_moe_op.py covers kbit::moe_plan."""
 
@@ -88,3 +88,15 @@ def test_mma_split_heuristic_never_makes_an_empty_split(sms):
     cases += [(cols, 1, k_tiles, sms, 1 + cols % 4) for k_tiles in range(1, 20) for cols in range(1, 200)]
     for args in cases:
         _assert_no_empty_split(torch.ops.kbit._mma_splits(*args), args[2], "mma", args)
+
+
+def test_device_plans_and_launch_record_off_gpu():
+    """The .device overloads need a CUDA device (tests/gpu/test_plan_cuda.py runs them against launches); the
+    launch record is empty where nothing launched."""
+    with pytest.raises(ValueError, match="must be a CUDA device"):
+        torch.ops.kbit.linear_plan.device(1, 64, 128, torch.bfloat16, 4, torch.device("cpu"))
+    with pytest.raises(ValueError, match="must be a CUDA device"):
+        torch.ops.kbit.moe_plan.device(1, 1, 8, 4, 128, 64, torch.device("cpu"))
+    with pytest.raises(ValueError, match="k=7 is not supported"):
+        torch.ops.kbit.linear_plan.device(1, 64, 128, torch.bfloat16, 7, torch.device("cuda"))
+    assert torch.ops.kbit._launch_record() == ([], [], [], [], [])

@@ -1,5 +1,5 @@
 """The package's environment settings, every one read here (the extension's own, which force kernel
-choices for benchmarks, are read in csrc/common/overrides.cpp; docs/development.md lists both).
+choices for benchmarks, are read in csrc/plan/overrides.cpp; docs/development.md lists both).
 
 * ``VLLM_KBIT_CPU_DECODE_CACHE``: ``1`` (default) keeps each packed weight decoded on CPU after its first
   forward (vllm_kbit.ops.cpu_decoded), ``0`` decodes at every call.

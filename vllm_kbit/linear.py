@@ -2,7 +2,7 @@
 
 The op ``torch.ops.kbit.linear`` picks its kernel by M (rows of x) and the weight's size: GEMV,
 fused dequant + MMA, on Hopper the fused dequant + wgmma kernels, dequantize + cuBLAS. That choice
-and its tile and split plan are made in C++ only (``csrc/ops/dispatch.cpp``); ask
+and its tile and split plan are made in C++ only (``csrc/plan/``); ask
 ``torch.ops.kbit.linear_plan`` what it picks. Without the extension the PyTorch reference serves
 every device and there is no plan to ask.
 """

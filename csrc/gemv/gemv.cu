@@ -34,6 +34,8 @@ namespace {
 
 using namespace gemv_core;
 
+static_assert(gemv_core::kWarps == kGemvWarps, "the planner's GEMV cost model counts kGemvWarps warps per CTA");
+
 // ----------------------------------------------------------------------------- kernel
 
 // Grid: n_tiles * splits CTAs in clusters of `splits` (CTA = n-tile * splits + split). qweight and
@@ -111,45 +113,16 @@ void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
 
 }  // namespace
 
-int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
-  // Cost model: k-tile slots the busiest SM spends (its CTAs times the slowest warp's k-tiles plus
-  // kCtaOverhead, times the warps), slowed down when fewer than kStreamingWarps warps per SM have loads
-  // in flight. The overhead is what a CTA costs beyond its tiles: its first tile's load, which nothing
-  // hides, and the split-K reduction; without it the model split few-row MoE GEMVs 4-8 ways where 1-2
-  // run up to 25% faster (benchmarks/sweep_moe_gemv_splits.py). Cost = num / den; the smallest wins,
-  // ties to fewer splits.
-  constexpr int64_t kResidentCtas = 8;      // CTAs of kThreads one SM holds at once (registers)
-  constexpr int64_t kStreamingWarps = 16;   // warps per SM that keep enough bytes in flight
-  constexpr int64_t kCtaOverhead = 1;       // k-tile slots per CTA beyond its own k-tiles
-  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(kGemvMaxSplits, k_tiles));
-  int best = 1;
-  int64_t best_num = -1, best_den = 1;
-  for (int64_t s = 1; s <= max_splits; ++s) {
-    const int64_t per_sm = (n_tiles * s + num_sms - 1) / num_sms;   // CTAs on the busiest SM
-    const int64_t tiles = (k_tiles + s - 1) / s;                        // k-tiles of the largest split
-    const int64_t warp_iters = (tiles + kWarps - 1) / kWarps;           // its slowest warp's k-tiles
-    const int64_t active = std::min<int64_t>(kWarps, tiles);
-    const int64_t streaming = std::min(std::min(per_sm, kResidentCtas) * active, kStreamingWarps);
-    const int64_t num = per_sm * (warp_iters + kCtaOverhead) * kWarps * kStreamingWarps, den = streaming;
-    if (best_num < 0 || num * best_den < best_num * den) {
-      best = static_cast<int>(s);
-      best_num = num;
-      best_den = den;
-    }
-  }
-  return best;
-}
-
 void launch_gemv(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                  const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
-                 at::Tensor& C, int64_t splits) {
+                 at::Tensor& C, const LinearPlan& plan) {
   const int64_t n_tiles = qweight_rt.size(0), k_tiles = qweight_rt.size(1);
   KBIT_CHECK(N <= INT32_MAX && K <= INT32_MAX && n_tiles * k_tiles <= INT32_MAX, "kbit gemv: weight too large");
   const int64_t max_splits = std::min<int64_t>(kGemvMaxSplits, k_tiles);
-  KBIT_CHECK(splits >= 0 && splits <= max_splits, "kbit gemv: splits=", splits, " outside 0 (heuristic) .. ",
-              max_splits);
-  const int s = static_cast<int>(
-      splits > 0 ? splits : gemv_splits(n_tiles, k_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount));
+  KBIT_CHECK(plan.path == LinearPath::kGemv && plan.splits >= 1 && plan.splits <= max_splits, "kbit gemv: the plan (",
+             linear_path_name(plan.path), ", splits=", plan.splits, ") is not a GEMV with 1..", max_splits, " splits");
+  const int s = static_cast<int>(plan.splits);
+  record_launch("gemv", 0, 0, 0, s);
   if (A.scalar_type() == at::kBFloat16) {
     launch_dtype<__nv_bfloat16>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C, s);
   } else {

@@ -4,5 +4,6 @@
 namespace kbit {
 namespace mma_detail {
 template void launch_mma_k<4>(const MmaLaunch&, bool);
+template MmaInstanceFacts mma_facts_k<4>(int, int, bool, bool, int);
 }  // namespace mma_detail
 }  // namespace kbit

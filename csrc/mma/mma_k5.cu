@@ -4,5 +4,6 @@
 namespace kbit {
 namespace mma_detail {
 template void launch_mma_k<5>(const MmaLaunch&, bool);
+template MmaInstanceFacts mma_facts_k<5>(int, int, bool, bool, int);
 }  // namespace mma_detail
 }  // namespace kbit

@@ -33,12 +33,14 @@
 #include "kbit_format.cuh"
 #include "launch_utils.cuh"
 #include "mma.cuh"
+#include "plan.h"
 
 #include <algorithm>
 #include <atomic>
 
 #include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
 #include <c10/util/Exception.h>
 #include <cooperative_groups.h>
 
@@ -455,6 +457,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
 
 // ----------------------------------------------------------------------------- launch
 
+// One launch as planned (plan.h: linear_plan / moe_grouped_mma_plan): the launcher decides nothing.
 struct MmaLaunch {
   const void* A;
   const void* qweight;
@@ -464,14 +467,12 @@ struct MmaLaunch {
   void* C;
   int M, N, K, n_tiles, k_tiles;
   MmaConfig config;  // grouped: m_blocks = the chunk list's length
-  int64_t plan_m_blocks;  // grouped only: the CTA rows the split count is planned for
-  int splits;  // 0: heuristic
+  int splits;
   const int* chunks;  // grouped only (else nullptr): int32 [m_blocks, 4], see MmaParams
   const int* num_chunks;
   int64_t expert_qbytes, expert_abytes;
   bool chunks_early;  // grouped only: see MmaParams
   int device;
-  int num_sms;
   cudaStream_t stream;
 };
 
@@ -497,40 +498,46 @@ int64_t cluster_capacity(Kernel kernel, int s, int smem_bytes) {
   return static_cast<int64_t>(clusters) * s;
 }
 
-template <typename T, int BITS, int P, int R, bool kGrouped = false>
-void launch_instance(const MmaLaunch& L) {
+// The instance's facts on `device` (plan.h: MmaInstanceFacts), prepared and queried once per instance and
+// device (the opt-in is per device): the shared-memory opt-in above 48 KB, how many CTAs an SM holds
+// (0 = not prepared yet; preparing twice is harmless) and how many CTAs the GPU holds at once in clusters
+// of each split count (dense instances, whose split rule counts waves).
+template <typename T, int BITS, int P, int R, bool kGrouped>
+MmaInstanceFacts instance_facts(int device) {
   using S = Shape<BITS, P, R>;
   const auto kernel = mma_kernel<T, BITS, P, R, kGrouped>;
-  // Once per instance and device (the opt-in is per device): the shared-memory opt-in above 48 KB,
-  // how many CTAs an SM holds (0 = not prepared yet; preparing twice is harmless) and how many CTAs
-  // the GPU holds at once in clusters of each split count (dense instances, whose split rule counts waves).
   static std::atomic<int> prepared[kMaxDevices] = {};
   static std::atomic<int64_t> cluster_ctas[kMaxDevices][kMmaMaxSplits + 1] = {};
-  const int device = L.device;
   KBIT_CHECK(device >= 0 && device < kMaxDevices, "kbit mma: device index ", device, " >= ", kMaxDevices);
-  int ctas_per_sm = prepared[device].load(std::memory_order_relaxed);
+  int ctas_per_sm = prepared[device].load(std::memory_order_acquire);
   if (ctas_per_sm == 0) {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
     C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, kThreads, S::kSmemBytes));
     ctas_per_sm = std::max(ctas_per_sm, 1);
     if constexpr (!kGrouped) {
-      for (int s = 1; s <= kMmaMaxSplits; ++s) cluster_ctas[device][s].store(cluster_capacity(kernel, s, S::kSmemBytes));
+      for (int s = 1; s <= kMmaMaxSplits; ++s) {
+        cluster_ctas[device][s].store(cluster_capacity(kernel, s, S::kSmemBytes), std::memory_order_relaxed);
+      }
     }
-    prepared[device].store(ctas_per_sm, std::memory_order_relaxed);
+    prepared[device].store(ctas_per_sm, std::memory_order_release);
   }
+  MmaInstanceFacts f;
+  f.ctas_per_sm = ctas_per_sm;
+  for (int s = 1; s <= kMmaMaxSplits; ++s) f.cluster_ctas[s] = cluster_ctas[device][s].load(std::memory_order_relaxed);
+  return f;
+}
+
+template <typename T, int BITS, int P, int R, bool kGrouped = false>
+void launch_instance(const MmaLaunch& L) {
+  using S = Shape<BITS, P, R>;
+  const auto kernel = mma_kernel<T, BITS, P, R, kGrouped>;
+  (void)instance_facts<T, BITS, P, R, kGrouped>(L.device);  // the opt-in (the planner usually made it already)
   const int cols = (L.n_tiles + R - 1) / R;
-  // Dense grids are exact, so their waves count; a grouped grid's live CTAs are an expectation
-  // (plan_m_blocks), for which the per-CTA model without waves fits the measurements.
-  int splits = L.splits;
-  if (splits == 0 && kGrouped) {  // L.plan_m_blocks: moe_expected_chunks (launch_mma_grouped)
-    splits = mma_splits(cols, L.plan_m_blocks, L.k_tiles, L.num_sms, ctas_per_sm, kMmaSplitCostGrouped);
-  } else if (splits == 0) {
-    int64_t capacity[kMmaMaxSplits + 1] = {};
-    for (int s = 1; s <= kMmaMaxSplits; ++s) capacity[s] = cluster_ctas[device][s].load(std::memory_order_relaxed);
-    splits = mma_splits(cols, L.config.m_blocks, L.k_tiles, L.num_sms, ctas_per_sm, kMmaSplitCostDense, capacity);
-  }
+  const int splits = L.splits;
   KBIT_CHECK(splits >= 1 && splits <= std::min(kMmaMaxSplits, L.k_tiles), "kbit mma: splits=", splits,
               " outside 1..", std::min(kMmaMaxSplits, L.k_tiles));
+  record_launch(kGrouped ? "mma_grouped" : "mma", P, R, L.config.m_blocks, splits);
   const MmaParams<T> prm{static_cast<const T*>(L.A), static_cast<const uint8_t*>(L.qweight),
                          static_cast<const uint8_t*>(L.absmax), L.codebook, static_cast<const T*>(L.bias),
                          static_cast<T*>(L.C), L.M, L.N, L.K, L.n_tiles, L.k_tiles, splits,
@@ -560,10 +567,41 @@ void launch_mma_k(const MmaLaunch& L, bool bf16) {
   if (bf16) return launch_bits<__nv_bfloat16, BITS, false>(L);
   return launch_bits<__half, BITS, false>(L);
 }
-extern template void launch_mma_k<2>(const MmaLaunch&, bool);
-extern template void launch_mma_k<3>(const MmaLaunch&, bool);
-extern template void launch_mma_k<4>(const MmaLaunch&, bool);
-extern template void launch_mma_k<5>(const MmaLaunch&, bool);
+
+// The facts of instance (p, r) of k = BITS (grouped: bf16 only, as launched), for the planner.
+template <int BITS>
+MmaInstanceFacts mma_facts_k(int p, int r, bool grouped, bool bf16, int device) {
+#define KBIT_MMA_FACTS(P_, R_)                                                      \
+  if (p == P_ && r == R_) {                                                          \
+    if (grouped) return instance_facts<__nv_bfloat16, BITS, P_, R_, true>(device);   \
+    if (bf16) return instance_facts<__nv_bfloat16, BITS, P_, R_, false>(device);     \
+    return instance_facts<__half, BITS, P_, R_, false>(device);                      \
+  }
+  KBIT_MMA_INSTANCES(KBIT_MMA_FACTS)
+#undef KBIT_MMA_FACTS
+  KBIT_CHECK(false, "kbit mma: no kernel for p=", p, " r=", r);
+  return {};
+}
+
+// CTAs an SM holds of instance (p, r) of k = BITS (Shape::kResident; compile time).
+template <int BITS>
+int mma_resident_k(int p, int r) {
+#define KBIT_MMA_RESIDENT(P_, R_) \
+  if (p == P_ && r == R_) return Shape<BITS, P_, R_>::kResident;
+  KBIT_MMA_INSTANCES(KBIT_MMA_RESIDENT)
+#undef KBIT_MMA_RESIDENT
+  KBIT_CHECK(false, "kbit mma: no kernel for p=", p, " r=", r);
+  return 0;
+}
+
+#define KBIT_MMA_EXTERN(BITS_)                                                                           \
+  extern template void launch_mma_k<BITS_>(const MmaLaunch&, bool);                                      \
+  extern template MmaInstanceFacts mma_facts_k<BITS_>(int, int, bool, bool, int);
+KBIT_MMA_EXTERN(2)
+KBIT_MMA_EXTERN(3)
+KBIT_MMA_EXTERN(4)
+KBIT_MMA_EXTERN(5)
+#undef KBIT_MMA_EXTERN
 
 }  // namespace mma_detail
 }  // namespace kbit

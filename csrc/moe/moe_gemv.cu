@@ -1,8 +1,6 @@
 // Launcher of the grouped kbit GEMV (kernel in moe_gemv.cuh); instantiates the gate_up stage.
 #include "moe_gemv.cuh"
 #include "check.h"
-#include "overrides.h"
-
 
 namespace kbit {
 namespace moe_gemv {
@@ -11,11 +9,11 @@ template void launch_moe_gemv_stage<MoeStage::kGather>(bool, int, int, const Moe
 
 namespace {
 
-// The fields both modes share: weights, codebook, output, shape and the K split count (the dense
-// GEMV's rule for `rows` CTA rows of n-tiles side by side, or as forced).
+// The fields both modes share: weights, codebook, output, shape and the planned K split count
+// (moe_gemv_plan for `rows` CTA rows of n-tiles side by side).
 moe_gemv::MoeGemvParams common_params(const at::Tensor& A, int64_t top_k, const at::Tensor& qweight,
                                       const at::Tensor& absmax, const at::Tensor& codebook, int64_t N, int64_t K,
-                                      at::Tensor& C, int64_t rows, int64_t splits) {
+                                      at::Tensor& C, int64_t rows, const MoeProjPlan& plan) {
   const int64_t n_tiles = qweight.size(1), k_tiles = qweight.size(2);
   KBIT_CHECK(rows * n_tiles * kGemvMaxSplits <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX,
               "kbit moe gemv: problem too large");
@@ -34,10 +32,10 @@ moe_gemv::MoeGemvParams common_params(const at::Tensor& A, int64_t top_k, const 
   p.K = static_cast<int>(K);
   p.n_tiles = static_cast<int>(n_tiles);
   p.k_tiles = static_cast<int>(k_tiles);
-  KBIT_CHECK(splits >= 0 && splits <= std::min<int64_t>(kGemvMaxSplits, k_tiles), "kbit moe gemv: splits=", splits,
-              " outside 0 (heuristic) .. ", std::min<int64_t>(kGemvMaxSplits, k_tiles));
-  p.splits = splits > 0 ? static_cast<int>(splits)
-                        : gemv_splits(rows * n_tiles, k_tiles, at::cuda::getCurrentDeviceProperties()->multiProcessorCount);
+  KBIT_CHECK(plan.splits >= 1 && plan.splits <= std::min<int64_t>(kGemvMaxSplits, k_tiles) && plan.m_blocks == rows,
+             "kbit moe gemv: the plan (splits=", plan.splits, ", m_blocks=", plan.m_blocks, ") is not 1..",
+             std::min<int64_t>(kGemvMaxSplits, k_tiles), " splits over ", rows, " CTA rows");
+  p.splits = static_cast<int>(plan.splits);
   return p;
 }
 
@@ -53,19 +51,17 @@ void launch_stage(MoeStage stage, bool bf16, int64_t bits, int64_t chunk_rows, c
   }
 }
 
-// VLLM_KBIT_MOE_GEMV_SPLITS (overrides.h) forces the direct GEMV's K splits; 0: the heuristic.
-int64_t forced_direct_splits(MoeStage stage) { return overrides::moe_gemv_splits(stage == MoeStage::kGather); }
-
 }  // namespace
 
 void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at::Tensor>& slot_of,
                      const std::optional<at::Tensor>& slot_weight, int64_t top_k, const at::Tensor& chunks,
                      const at::Tensor& num_chunks, const at::Tensor& qweight, const at::Tensor& absmax,
                      const at::Tensor& codebook, int64_t N, int64_t K, int64_t chunk_rows, at::Tensor& C,
-                     int64_t splits) {
+                     const MoeProjPlan& plan) {
   const int64_t max_chunks = chunks.size(0);
   if (max_chunks == 0) return;
-  moe_gemv::MoeGemvParams p = common_params(A, top_k, qweight, absmax, codebook, N, K, C, max_chunks, splits);
+  moe_gemv::MoeGemvParams p = common_params(A, top_k, qweight, absmax, codebook, N, K, C, max_chunks, plan);
+  record_launch("moe_gemv", 0, 0, max_chunks, p.splits);
   p.slot_of = slot_of.has_value() ? slot_of->data_ptr<int>() : nullptr;
   p.slot_weight = slot_weight.has_value() ? slot_weight->data_ptr<float>() : nullptr;
   p.chunks = reinterpret_cast<const int4*>(chunks.data_ptr<int>());
@@ -77,12 +73,13 @@ void launch_moe_gemv_direct(MoeStage stage, const at::Tensor& A, const at::Tenso
                             const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& slot_weight,
                             int64_t top_k, const at::Tensor& qweight, const at::Tensor& absmax,
                             const at::Tensor& codebook, int64_t N, int64_t K, at::Tensor& C, at::Tensor& arrivals,
-                            at::Tensor* out) {
+                            const MoeProjPlan& plan, at::Tensor* out) {
   const int64_t S = topk_ids.numel();
   if (S == 0) return;
   KBIT_CHECK(topk_ids.scalar_type() == at::kInt && arrivals.scalar_type() == at::kInt && top_k >= 1 && S % top_k == 0,
               "kbit moe gemv direct: int32 topk_ids and arrivals, and top_k dividing the slots");
-  moe_gemv::MoeGemvParams p = common_params(A, top_k, qweight, absmax, codebook, N, K, C, S, forced_direct_splits(stage));
+  moe_gemv::MoeGemvParams p = common_params(A, top_k, qweight, absmax, codebook, N, K, C, S, plan);
+  record_launch("moe_gemv_direct", 0, 0, S, p.splits);
   p.slot_weight = slot_weight.has_value() ? slot_weight->data_ptr<float>() : nullptr;
   p.ids = topk_ids.data_ptr<int>();
   p.expert_map = expert_map.has_value() ? expert_map->data_ptr<int>() : nullptr;

@@ -8,7 +8,7 @@
 #include "moe.cuh"
 #include "local_expert.cuh"
 
-#include "dispatch.h"  // kMaxLocalExperts
+#include "plan.h"  // kMaxLocalExperts
 
 #include <algorithm>
 #include <cmath>
@@ -226,32 +226,6 @@ void dispatch_half(at::ScalarType t, const char* what, F&& f) {
 }
 
 }  // namespace
-
-int64_t moe_max_chunks(int64_t slots, int64_t experts, int64_t chunk_rows) {
-  return std::min(slots, (slots + (chunk_rows - 1) * std::min(experts, slots)) / chunk_rows);
-}
-
-int64_t moe_expected_chunks(int64_t slots, int64_t experts, int64_t chunk_rows) {
-  if (slots <= 0 || experts <= 0 || chunk_rows <= 0) return 0;
-  const double lambda = static_cast<double>(slots) / static_cast<double>(experts);
-  double per_expert;
-  if (lambda > 64) {
-    // Counts near normal and wide against R: c / R's fractional part is close to uniform.
-    per_expert = lambda / chunk_rows + 0.5 * (chunk_rows - 1) / chunk_rows;
-  } else {
-    // sum_j P(c > jR) over the Poisson pmf, by its recurrence, to far past the mean.
-    const int64_t c_max = static_cast<int64_t>(lambda + 12 * std::sqrt(lambda) + 12);
-    double pmf = std::exp(-lambda), cdf = 0;
-    per_expert = 0;
-    for (int64_t c = 0; c <= c_max; ++c) {
-      cdf += pmf;
-      if (c % chunk_rows == 0) per_expert += std::max(0.0, 1.0 - cdf);
-      pmf *= lambda / static_cast<double>(c + 1);
-    }
-  }
-  const int64_t expected = static_cast<int64_t>(std::ceil(per_expert * static_cast<double>(experts)));
-  return std::max<int64_t>(1, std::min(expected, moe_max_chunks(slots, experts, chunk_rows)));
-}
 
 void launch_moe_route(const at::Tensor& topk_ids, const std::optional<at::Tensor>& expert_map, int64_t num_experts,
                       int64_t chunk_rows, at::Tensor& offsets, at::Tensor& pos, at::Tensor& slot_of, at::Tensor& chunks,

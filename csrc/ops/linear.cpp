@@ -1,10 +1,11 @@
 // kbit::linear on CUDA: out[..., N] = x[..., K] @ dequant(W)^T (+ bias), W in the runtime layout.
 //
-// The path by M (rows of x) and the weight's size is dispatch.cpp's linear_path: GEMV (gemv.cu),
-// fused dequant + MMA (mma.cu), fused dequant + wgmma (wgmma.cu, wgmma_ws.cu), dequantize + cuBLAS.
+// The planner (csrc/plan/plan.h: linear_plan) picks the path by M (rows of x) and the weight's size, and
+// the kernel's tile shape and splits: GEMV (gemv.cu), fused dequant + MMA (mma.cu), fused dequant + wgmma
+// (wgmma.cu, wgmma_ws.cu), dequantize + cuBLAS. This file launches the plan.
 // Everything here is metadata work: no host sync, and every allocation's size follows from the
 // shapes alone, so calls are capturable in CUDA graphs.
-#include "dispatch.h"
+#include "plan.h"
 #include "gemv.cuh"
 #include "mma.cuh"
 #include "wgmma.cuh"
@@ -58,6 +59,38 @@ std::optional<at::Tensor> contiguous_bias(const std::optional<at::Tensor>& bias)
   return bias->contiguous();
 }
 
+// Runs `plan` for x [..., K] (M rows): one kernel, or dequantize + cuBLAS. Returns [M, N] (x's shape with
+// N last on the dequantize path). The caller holds the device guard.
+at::Tensor launch_plan(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                       const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
+                       const LinearPlan& plan) {
+  if (plan.path == LinearPath::kDequantCublas) {
+    const at::Tensor W = dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.scalar_type());
+    record_launch("dequant_cublas", 0, 0, 0, 1);
+    return at::linear(x, W, bias);
+  }
+  const int64_t M = x.numel() / K;
+  KBIT_CHECK(N <= INT32_MAX && K <= INT32_MAX && M <= INT32_MAX, "kbit linear: weight or x too large for int32 sizes");
+  const at::Tensor A = as_matrix(x, M, K);
+  at::Tensor C = at::empty({M, N}, x.options());
+  if (plan.path == LinearPath::kGemv) {
+    KBIT_CHECK(M <= kGemvMaxM, "kbit gemv: x has ", M, " rows; supported: 1..", kGemvMaxM);
+    launch_gemv(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, plan);
+  } else if (plan.path == LinearPath::kMma) {
+    launch_mma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, plan);
+  } else {
+    KBIT_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9, "kbit ", linear_path_name(plan.path),
+               ": needs a Hopper (sm_90) GPU");
+    if (plan.path == LinearPath::kWgmma) {
+      launch_wgmma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+    } else {
+      launch_wgmma_ws(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+    }
+    record_launch(linear_path_name(plan.path), 0, 0, 0, 1);
+  }
+  return C;
+}
+
 at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                        const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
   check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
@@ -67,24 +100,9 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const 
   const int64_t M = x.numel() / K;
   if (M == 0) return at::empty(out_shape, x.options());
 
-  const LinearPath path = linear_path(M, N, K, x.scalar_type(), at::cuda::getCurrentDeviceProperties()->major);
-  if (path == LinearPath::kDequantCublas) {
-    const at::Tensor W = dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.scalar_type());
-    return at::linear(x, W, bias);
-  }
-  KBIT_CHECK(N <= INT32_MAX && K <= INT32_MAX && M <= INT32_MAX, "kbit linear: weight or x too large for int32 sizes");
-  const at::Tensor A = as_matrix(x, M, K);
-  at::Tensor C = at::empty({M, N}, x.options());
-  if (path == LinearPath::kGemv) {
-    launch_gemv(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
-  } else if (path == LinearPath::kMma) {
-    launch_mma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
-  } else if (path == LinearPath::kWgmma) {
-    launch_wgmma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
-  } else {
-    launch_wgmma_ws(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
-  }
-  return C.view(out_shape);
+  const LinearPlan plan = linear_plan(M, N, K, x.scalar_type(), qweight_rt.size(2), device_facts(x.get_device()));
+  const at::Tensor out = launch_plan(x, qweight_rt, absmax_rt, codebook, N, K, bias, plan);
+  return plan.path == LinearPath::kDequantCublas ? out : out.view(out_shape);
 }
 
 // x of a test op that forces one kernel, as the contiguous [M, K] matrix the kernels read: the
@@ -100,53 +118,45 @@ at::Tensor forced_kernel_input(const char* op, const at::Tensor& x, const at::Te
   return as_matrix(x, M, K);
 }
 
-// The MMA kernel at any M >= 1 with a forced tile shape / split count (0: heuristic), for tests and
+// One kernel forced, with the planner's rules for what is not forced (row_groups / splits 0), for tests and
 // benchmarks; kbit::linear is the entry point.
+at::Tensor forced_linear(const char* op, const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                         const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
+                         const char* path, int64_t row_groups, int64_t splits, int64_t max_m = INT32_MAX) {
+  const c10::DeviceGuard guard(x.device());
+  const at::Tensor A = forced_kernel_input(op, x, qweight_rt, absmax_rt, codebook, N, K, bias);
+  KBIT_CHECK(A.size(0) <= max_m, op, ": x has ", A.size(0), " rows; supported: 1..", max_m);
+  LinearForced forced;
+  forced.path = path;
+  forced.row_groups = row_groups;
+  forced.splits = splits;
+  const LinearPlan plan = linear_plan(A.size(0), N, K, x.scalar_type(), qweight_rt.size(2),
+                                      device_facts(x.get_device()), forced);
+  return launch_plan(A, qweight_rt, absmax_rt, codebook, N, K, bias, plan);
+}
+
+// The MMA kernel at any M >= 1 with a forced tile shape / split count (0: the rules).
 at::Tensor mma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                            const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
                            int64_t row_groups, int64_t splits) {
-  const c10::DeviceGuard guard(x.device());
-  const at::Tensor A = forced_kernel_input("kbit _mma_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias);
-  const int64_t M = A.size(0);
-  const int p = mma_config(M, qweight_rt.size(0)).p;
-  KBIT_CHECK(row_groups == 0 || mma_built(p, static_cast<int>(row_groups)), "kbit _mma_linear: row_groups=", row_groups,
-              " is not built for M=", M, "; supported: 0 (heuristic), 1, ", p == kMmaMaxRowTiles ? 2 : 4);
-  const int64_t max_splits = std::min<int64_t>(kMmaMaxSplits, qweight_rt.size(1));
-  KBIT_CHECK(splits >= 0 && splits <= max_splits, "kbit _mma_linear: splits=", splits, " outside 0 (heuristic) .. ",
-              max_splits);
-  at::Tensor C = at::empty({M, N}, x.options());
-  launch_mma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, row_groups, splits);
-  return C;
+  return forced_linear("kbit _mma_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias, "mma", row_groups, splits);
 }
 
-// The GEMV at M = 1..4 with a forced K split count (0: heuristic), for tests and benchmarks.
+// The GEMV at M = 1..4 with a forced K split count (0: the rule).
 at::Tensor gemv_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                             const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
                             int64_t splits) {
-  const c10::DeviceGuard guard(x.device());
-  const at::Tensor A = forced_kernel_input("kbit _gemv_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias);
-  const int64_t M = A.size(0);
-  KBIT_CHECK(M <= kGemvMaxM, "kbit _gemv_linear: x has ", M, " rows; supported: 1..", kGemvMaxM);
-  at::Tensor C = at::empty({M, N}, x.options());
-  launch_gemv(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, splits);
-  return C;
+  return forced_linear("kbit _gemv_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias, "gemv", 0, splits,
+                       kGemvMaxM);
 }
 
-// The fused dequant + wgmma kernels at any M >= 1 (Hopper), for tests and benchmarks: the
-// register-fragment one (warp_specialized = false) or the warp-specialized one.
+// The fused dequant + wgmma kernels at any M >= 1 (Hopper): the register-fragment one (warp_specialized =
+// false) or the warp-specialized one.
 at::Tensor wgmma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                              const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
                              bool warp_specialized) {
-  const c10::DeviceGuard guard(x.device());
-  const at::Tensor A = forced_kernel_input("kbit _wgmma_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias);
-  KBIT_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9, "kbit _wgmma_linear: needs a Hopper (sm_90) GPU");
-  at::Tensor C = at::empty({A.size(0), N}, x.options());
-  if (warp_specialized) {
-    launch_wgmma_ws(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
-  } else {
-    launch_wgmma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
-  }
-  return C;
+  return forced_linear("kbit _wgmma_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias,
+                       warp_specialized ? "wgmma_ws" : "wgmma", 0, 0);
 }
 
 }  // namespace

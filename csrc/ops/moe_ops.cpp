@@ -14,8 +14,9 @@
 //                got tokens, each weight tile once per chunk of up to 64 rows (the GEMV: per 4).
 //   grouped mm   route -> gather x (bf16) -> dequantize all experts to bf16 -> torch._grouped_mm ->
 //                SiLU * up -> dequantize -> torch._grouped_mm -> combine.
-// dispatch.cpp's moe_plan picks the path and sizes the routing. The last two run fp16 inputs in bf16.
-#include "dispatch.h"
+// The planner's moe_plan (csrc/plan/plan.h) picks the path, sizes the routing and plans each projection's
+// kernel; this file launches the plan. The last two run fp16 inputs in bf16.
+#include "plan.h"
 #include "mma.cuh"
 #include "moe.cuh"
 
@@ -112,8 +113,8 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     KBIT_CHECK(t->device() == x.device(), "kbit fused_moe: all tensors must be on ", x.device(), ", one is on ",
                 t->device());
   }
-  const MoePlan plan = moe_plan(T, top_k, E, k, moe_path_from_id(path_id));
   const c10::DeviceGuard guard(x.device());
+  const MoePlan plan = moe_plan(T, top_k, E, k, moe_path_from_id(path_id), H, I, device_facts(x.get_device()));
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0 || top_k == 0) return out.zero_();
 
@@ -131,20 +132,20 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     at::Tensor h13 = at::empty({S, 2 * I}, x.options());
     at::Tensor arrivals = at::empty({T, w2_qweight.size(1)}, ids.options());  // zeroed by the gate_up launch
     launch_moe_gemv_direct(MoeStage::kGather, xc, ids, map, input_weights, top_k, w13_qweight, w13_absmax, codebook,
-                           2 * I, H, h13, arrivals);
+                           2 * I, H, h13, arrivals, plan.gate_up);
     at::Tensor y = at::empty({S, H}, x.options().dtype(at::kFloat));
     launch_moe_gemv_direct(MoeStage::kSiluMul, h13, ids, map, output_weights, top_k, w2_qweight, w2_absmax, codebook,
-                           H, I, y, arrivals, &out);
+                           H, I, y, arrivals, plan.down, &out);
     return out;
   }
   if (plan.path == MoePath::kGemv) {
     const Routing r = route(ids, map, E, rows, max_chunks);
     at::Tensor h13 = at::empty({S, 2 * I}, x.options());
     launch_moe_gemv(MoeStage::kGather, xc, r.slot_of, input_weights, top_k, r.chunks, r.num_chunks, w13_qweight,
-                    w13_absmax, codebook, 2 * I, H, rows, h13);
+                    w13_absmax, codebook, 2 * I, H, rows, h13, plan.gate_up);
     at::Tensor y = at::empty({S, H}, x.options().dtype(at::kFloat));
     launch_moe_gemv(MoeStage::kSiluMul, h13, std::nullopt, std::nullopt, top_k, r.chunks, r.num_chunks, w2_qweight,
-                    w2_absmax, codebook, H, I, rows, y);
+                    w2_absmax, codebook, H, I, rows, y, plan.down);
     launch_moe_combine(y, r.pos, output_weights, top_k, out);
     return out;
   }
@@ -156,11 +157,12 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp);
     at::Tensor g = at::empty({S, 2 * I}, xp.options());
     // The routing ran before the gather (and before gate_up for down): both MMAs prefetch weights early.
-    launch_mma_grouped(xp, r.chunks, r.num_chunks, w13_qweight, w13_absmax, codebook, 2 * I, H, rows, g, 0, 0, true);
+    launch_mma_grouped(xp, r.chunks, r.num_chunks, w13_qweight, w13_absmax, codebook, 2 * I, H, rows, g, plan.gate_up,
+                       true);
     at::Tensor h = at::empty({S, I}, xp.options());
     launch_moe_silu_mul(g, h);  // rows past the chunks are garbage in g and h and never read again
     at::Tensor y = at::empty({S, H}, xp.options());
-    launch_mma_grouped(h, r.chunks, r.num_chunks, w2_qweight, w2_absmax, codebook, H, I, rows, y, 0, 0, true);
+    launch_mma_grouped(h, r.chunks, r.num_chunks, w2_qweight, w2_absmax, codebook, H, I, rows, y, plan.down, true);
     launch_moe_combine(y, r.pos, output_weights, top_k, out);
     return out;
   }
@@ -172,6 +174,7 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
   at::Tensor h = at::empty({S, I}, xp.options());
   launch_moe_silu_mul(g, h);
   const at::Tensor y = at::_grouped_mm(h, dequantize_stacked(w2_qweight, w2_absmax, codebook, H, I).transpose(1, 2), offs);
+  record_launch("grouped_mm", 0, 0, 0, 0);
   launch_moe_combine(y, r.pos, output_weights, top_k, out);
   return out;
 }
@@ -223,11 +226,17 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
   KBIT_CHECK(row_groups == 0 || (mma && mma_built(mma_config(chunk_rows, 1, 1).p, static_cast<int>(row_groups))),
               "kbit _moe_grouped_linear: row_groups=", row_groups, " is not a built grouped MMA shape for chunk_rows=",
               chunk_rows, " (0: the rule)");
+  const DeviceFacts facts = device_facts(A.get_device());
   if (mma) {
-    launch_mma_grouped(A, chunks, num_chunks, qweight, absmax, codebook, N, K, chunk_rows, C, row_groups, splits);
-  } else {
+    const MoeProjPlan plan = moe_grouped_mma_plan(A.size(0), qweight.size(0), chunk_rows, chunks.size(0), qweight.size(1),
+                                                  k_tiles, k, facts, row_groups, splits);
+    launch_mma_grouped(A, chunks, num_chunks, qweight, absmax, codebook, N, K, chunk_rows, C, plan);
+  } else if (chunks.size(0) > 0) {
+    KBIT_CHECK(splits >= 0 && splits <= std::min<int64_t>(kGemvMaxSplits, k_tiles), "kbit moe gemv: splits=", splits,
+               " outside 0 (heuristic) .. ", std::min<int64_t>(kGemvMaxSplits, k_tiles));
+    const MoeProjPlan plan = moe_gemv_plan(chunks.size(0), qweight.size(1), k_tiles, facts, splits);
     launch_moe_gemv(MoeStage::kGather, A, std::nullopt, std::nullopt, 1, chunks, num_chunks, qweight, absmax, codebook,
-                    N, K, chunk_rows, C, splits);
+                    N, K, chunk_rows, C, plan);
   }
   return C;
 }

@@ -1,0 +1,437 @@
+// The planner (plan.h): every rule that picks a kernel, its tile shape, split counts and the MoE routing's
+// chunking, and the device facts they read. The measurements behind each bound: docs/decisions.md.
+#include "plan.h"
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <iterator>
+
+#include <ATen/cuda/CUDAContext.h>
+
+#include "check.h"
+#include "format_constants.h"
+#include "overrides.h"
+
+namespace kbit {
+namespace {
+
+// The largest M each path serves (bf16/fp16 x; fp32 x always dequantizes). GEMV for M = 1 only: from
+// M = 2 the MMA kernel (whose time is flat up to M = 8, one n8 tile; table decode at k <= 4) is as fast
+// or faster on every target shape. Fused dequant + MMA up to kMmaMaxM. Above it, on Hopper, the fused
+// dequant + wgmma kernels: the register-fragment one
+// (wgmma.cu) up to kWgmmaMaxM on weights of at least kWgmmaMinN rows and kWgmmaMinK columns (one CTA
+// per 128 rows: fewer rows leave most SMs idle), the warp-specialized one (wgmma_ws.cu, 256 rows of x
+// per CTA) up to kWgmmaWsMaxM on weights of at least kWgmmaWsMinWeight elements; everything else
+// dequantize + cuBLAS. docs/decisions.md, "Dense linear layers".
+constexpr int64_t kGemvPathMaxM = 1;
+constexpr int64_t kMmaMaxM = 64;
+constexpr int64_t kWgmmaMaxM = 128;
+constexpr int64_t kWgmmaWsMaxM = 512;
+constexpr int64_t kWgmmaMinN = 10240;
+constexpr int64_t kWgmmaMinK = 2048;
+constexpr int64_t kWgmmaWsMinWeight = int64_t{1} << 25;
+
+// MoE path by slots. The GEMV wins only while few experts are touched (its per-byte cost is higher,
+// its latency lower), and it runs direct: one CTA row per slot, its expert read from topk_ids, no
+// routing kernel, the combine folded into the down projection (two launches instead of four; slots
+// that share an expert re-read it, which at <= 16 slots costs less than the routing it saves). Past
+// kMmaMaxSlotsPerExpert rows per expert, grouped mm (dequantize + cuBLAS) wins. docs/decisions.md,
+// "Three paths, picked by slots per expert" and "Few slots: two launches".
+constexpr int64_t kGemvMaxSlots = 16;
+constexpr int64_t kMmaMaxSlotsPerExpert = 256;
+
+constexpr int kMaxDevices = 64;  // devices whose facts are cached
+
+constexpr const char* kLinearPathNames[] = {"gemv", "mma", "wgmma", "wgmma_ws", "dequant_cublas"};
+constexpr const char* kMoePathNames[] = {"auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct"};
+
+template <size_t N>
+std::string joined(const char* const (&names)[N]) {
+  std::string s;
+  for (size_t i = 0; i < N; ++i) s += (i ? ", " : "") + std::string(names[i]);
+  return s;
+}
+
+int64_t k_tiles_of(int64_t K) { return (K / kBlockSize + kTileKB - 1) / kTileKB; }
+int64_t n_tiles_of(int64_t N) { return (N + kTileN - 1) / kTileN; }
+
+// The facts the MMA split rule reads for one instance: queried on a GPU, given off it.
+MmaInstanceFacts mma_facts(const DeviceFacts& facts, int64_t bits, int p, int r, bool grouped, bool bf16) {
+  if (facts.device >= 0) return mma_instance_facts(static_cast<int>(bits), p, r, grouped, bf16, facts.device);
+  MmaInstanceFacts f;
+  f.ctas_per_sm = facts.ctas_per_sm;
+  return f;
+}
+
+}  // namespace
+
+// ----------------------------------------------------------------------------- device facts
+
+DeviceFacts device_facts(int device) {
+  KBIT_CHECK(device >= 0 && device < kMaxDevices, "kbit: device index ", device, " >= ", kMaxDevices);
+  static std::atomic<int64_t> num_sms[kMaxDevices] = {}, sm_major[kMaxDevices] = {};
+  int64_t sms = num_sms[device].load(std::memory_order_acquire);
+  if (sms == 0) {  // querying twice is harmless
+    const cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
+    sm_major[device].store(props->major, std::memory_order_relaxed);
+    sms = props->multiProcessorCount;
+    num_sms[device].store(sms, std::memory_order_release);
+  }
+  DeviceFacts f;
+  f.num_sms = sms;
+  f.sm_major = sm_major[device].load(std::memory_order_relaxed);
+  f.device = device;
+  return f;
+}
+
+DeviceFacts given_facts(int64_t sm_major, int64_t num_sms, int64_t ctas_per_sm) {
+  DeviceFacts f;
+  f.num_sms = num_sms;
+  f.sm_major = sm_major;
+  f.ctas_per_sm = ctas_per_sm;
+  return f;
+}
+
+// ----------------------------------------------------------------------------- rules
+
+bool mma_built(int p, int r) {
+#define KBIT_MMA_BUILT(P_, R_) \
+  if (p == P_ && r == R_) return true;
+  KBIT_MMA_INSTANCES(KBIT_MMA_BUILT)
+#undef KBIT_MMA_BUILT
+  return false;
+}
+
+MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups) {
+  // p: the fewest n8 activation tiles covering M (64 rows per CTA at most, more go to grid rows).
+  const int p = M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : kMmaMaxRowTiles;
+  const int m_blocks = static_cast<int>((M + 8 * p - 1) / (8 * p));
+  // r: wide warps (4 row groups, or 2 at p = 8 where accumulators fill the registers) read each
+  // activation fragment from shared memory once per 64 (32) weight rows, which pays from p = 4 on
+  // large weights; narrow warps (1) give more, shorter CTAs, which small weights and p <= 2 need
+  // (docs/decisions.md, "MMA tile shape").
+  int r = static_cast<int>(row_groups);
+  if (r == 0) r = n_tiles >= kMmaWideTiles && p >= kMmaWideMinRowTiles ? (p == kMmaMaxRowTiles ? 2 : 4) : 1;
+  return {p, r, m_blocks};
+}
+
+int mma_grouped_r(int p, int64_t n_tiles, int64_t k_tiles, int bits, int64_t expected_chunks, int64_t num_sms) {
+  // Wide warps wherever an expert has the rows for them: all experts' chunks share one launch, so
+  // there are CTAs enough either way (unlike a narrow dense weight). At p <= 2 the table-decode
+  // instances (mma_kernel.cuh: uses_lut) spread each k-tile's fixed costs (table offsets, scale
+  // codes, B fragments) over four row groups; at p = 4 and 8 each activation fragment read from
+  // shared memory serves 4 (2) row groups, as on wide dense weights (mma_config).
+  if (n_tiles < 4) return 1;
+  const int wide = p == kMmaMaxRowTiles ? 2 : 4;
+  // Except where the wide grid's last wave would be mostly empty: a wide CTA is four narrow ones'
+  // work, so when the expected CTAs run past one wave and leave the last under half full, the
+  // narrow grid's quarter-size CTAs even out the SMs' load. Measured to pay at k = 4 with one n8 tile
+  // (8-row chunks: a few tokens per expert) and long experts (>= 16 k-tiles); at k = 2 and 3, and on
+  // short K, four times the per-CTA table and pipeline fills cost more than the tail
+  // (benchmarks/sweep_moe_grid.py; docs/decisions.md, "Grouped MMA: narrow warps for light last waves").
+  if (bits == 4 && p == 1 && k_tiles >= 16) {
+    const int64_t slots = num_sms * mma_resident_ctas(4, 1, 4);
+    const int64_t ctas = (n_tiles + wide - 1) / wide * expected_chunks;
+    const int64_t tail = ctas % slots;
+    if (ctas > slots && tail > 0 && 2 * tail < slots) return 1;
+  }
+  return wide;
+}
+
+int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm,
+               int64_t split_cost, const int64_t* cluster_ctas) {
+  // Cost of S splits in quarter k-tiles x ctas_per_sm: the busiest SM's CTA k-tiles shared by its
+  // ctas_per_sm slots, but never less than one CTA's own k-tiles (latency), plus a fixed cost per CTA
+  // (pipeline fill, epilogue) growing with the cluster reduction (split_cost per split). Smallest wins, ties
+  // to fewer splits.
+  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(kMmaMaxSplits, k_tiles));
+  const int64_t slots = std::max<int64_t>(1, ctas_per_sm);
+  int best = 1;
+  int64_t best_cost = -1;
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    const int64_t ctas = cols * m_blocks * s;
+    const int64_t per_sm = (ctas + num_sms - 1) / num_sms;  // CTAs on the busiest SM
+    const int64_t tiles = (k_tiles + s - 1) / s;            // k-tiles of the largest split
+    // With the cluster capacity known, a grid past it runs whole further waves of `slots` CTAs per SM:
+    // fewer clusters of s CTAs fit at once than the per-CTA occupancy says (a cluster's CTAs share a GPC).
+    const int64_t busy = cluster_ctas != nullptr && cluster_ctas[s] > 0
+                             ? std::max(per_sm, slots * ((ctas + cluster_ctas[s] - 1) / cluster_ctas[s]))
+                             : std::max(per_sm, slots);
+    const int64_t cost = 4 * busy * tiles + slots * (4 + split_cost * s);
+    if (best_cost < 0 || cost < best_cost) {
+      best = static_cast<int>(s);
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
+int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
+  // Cost model: k-tile slots the busiest SM spends (its CTAs times the slowest warp's k-tiles plus
+  // kCtaOverhead, times the warps), slowed down when fewer than kStreamingWarps warps per SM have loads
+  // in flight. The overhead is what a CTA costs beyond its tiles: its first tile's load, which nothing
+  // hides, and the split-K reduction; without it the model split few-row MoE GEMVs 4-8 ways where 1-2
+  // run up to 25% faster (benchmarks/sweep_moe_gemv_splits.py). Cost = num / den; the smallest wins,
+  // ties to fewer splits.
+  constexpr int64_t kWarps = kGemvWarps;
+  constexpr int64_t kResidentCtas = 8;      // CTAs of kThreads one SM holds at once (registers)
+  constexpr int64_t kStreamingWarps = 16;   // warps per SM that keep enough bytes in flight
+  constexpr int64_t kCtaOverhead = 1;       // k-tile slots per CTA beyond its own k-tiles
+  const int64_t max_splits = std::max<int64_t>(1, std::min<int64_t>(kGemvMaxSplits, k_tiles));
+  int best = 1;
+  int64_t best_num = -1, best_den = 1;
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    const int64_t per_sm = (n_tiles * s + num_sms - 1) / num_sms;   // CTAs on the busiest SM
+    const int64_t tiles = (k_tiles + s - 1) / s;                        // k-tiles of the largest split
+    const int64_t warp_iters = (tiles + kWarps - 1) / kWarps;           // its slowest warp's k-tiles
+    const int64_t active = std::min<int64_t>(kWarps, tiles);
+    const int64_t streaming = std::min(std::min(per_sm, kResidentCtas) * active, kStreamingWarps);
+    const int64_t num = per_sm * (warp_iters + kCtaOverhead) * kWarps * kStreamingWarps, den = streaming;
+    if (best_num < 0 || num * best_den < best_num * den) {
+      best = static_cast<int>(s);
+      best_num = num;
+      best_den = den;
+    }
+  }
+  return best;
+}
+
+int64_t moe_chunk_rows(int64_t tokens) { return tokens == 1 ? 1 : kMoeChunkRows; }
+
+// From the average rows of an expert that got any, avg = ceil(S / min(E, S)). Every chunk decodes its
+// expert's weights once, so a height below an expert's rows decodes them again per chunk, and one far
+// above multiplies padding MMAs. Heights 8 and 16 (p <= 2) decode through the per-lane table
+// (mma_kernel.cuh, uses_lut), which makes 16 rows cheap: from 8 average rows (many experts past 8) 16
+// wins, and stays best up to 32 average rows except at k = 5, whose wider decode favours 32; past 32, 64.
+// At k = 2 the 8-row table decode is cheap enough that re-decoding beats padding up to 8 average rows.
+// Measured per T and k: benchmarks/sweep_moe_chunk_rows.py (docs/decisions.md, "Grouped MMA chunk height").
+int64_t moe_mma_chunk_rows(int64_t slots, int64_t experts, int bits) {
+  const int64_t busy = std::max<int64_t>(1, std::min(experts, slots));
+  const int64_t avg = (slots + busy - 1) / busy;
+  if (avg <= 4 || (avg <= 8 && bits == 2)) return 8;
+  if (avg <= 32) return bits == 5 && avg > 8 ? 32 : 16;
+  return 64;
+}
+
+int64_t moe_max_chunks(int64_t slots, int64_t experts, int64_t chunk_rows) {
+  return std::min(slots, (slots + (chunk_rows - 1) * std::min(experts, slots)) / chunk_rows);
+}
+
+int64_t moe_expected_chunks(int64_t slots, int64_t experts, int64_t chunk_rows) {
+  if (slots <= 0 || experts <= 0 || chunk_rows <= 0) return 0;
+  const double lambda = static_cast<double>(slots) / static_cast<double>(experts);
+  double per_expert;
+  if (lambda > 64) {
+    // Counts near normal and wide against R: c / R's fractional part is close to uniform.
+    per_expert = lambda / chunk_rows + 0.5 * (chunk_rows - 1) / chunk_rows;
+  } else {
+    // sum_j P(c > jR) over the Poisson pmf, by its recurrence, to far past the mean.
+    const int64_t c_max = static_cast<int64_t>(lambda + 12 * std::sqrt(lambda) + 12);
+    double pmf = std::exp(-lambda), cdf = 0;
+    per_expert = 0;
+    for (int64_t c = 0; c <= c_max; ++c) {
+      cdf += pmf;
+      if (c % chunk_rows == 0) per_expert += std::max(0.0, 1.0 - cdf);
+      pmf *= lambda / static_cast<double>(c + 1);
+    }
+  }
+  const int64_t expected = static_cast<int64_t>(std::ceil(per_expert * static_cast<double>(experts)));
+  return std::max<int64_t>(1, std::min(expected, moe_max_chunks(slots, experts, chunk_rows)));
+}
+
+// ----------------------------------------------------------------------------- dense linear
+
+const char* linear_path_name(LinearPath path) { return kLinearPathNames[static_cast<int>(path)]; }
+
+int64_t mma_max_m() {
+  const int64_t forced = overrides::mma_max_m();
+  return forced >= 0 ? forced : kMmaMaxM;
+}
+
+LinearPath linear_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t sm_major) {
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) return LinearPath::kDequantCublas;  // fp32 x
+  if (M <= kGemvPathMaxM) return LinearPath::kGemv;
+  if (M <= mma_max_m()) return LinearPath::kMma;
+  if (M <= kWgmmaWsMaxM && sm_major == 9) {
+    if (M <= kWgmmaMaxM && N >= kWgmmaMinN && K >= kWgmmaMinK) return LinearPath::kWgmma;
+    if (M > kWgmmaMaxM && N * K >= kWgmmaWsMinWeight) return LinearPath::kWgmmaWs;
+  }
+  return LinearPath::kDequantCublas;
+}
+
+LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t bits, const DeviceFacts& facts,
+                       const LinearForced& forced) {
+  KBIT_CHECK_VALUE(M >= 1 && N >= 1 && K >= 1 && K % kBlockSize == 0 && facts.num_sms >= 1 && facts.ctas_per_sm >= 1,
+                   "kbit linear_plan: needs M, N, num_sms, ctas_per_sm >= 1 and K a positive multiple of ", kBlockSize,
+                   ", got M=", M, " N=", N, " K=", K, " num_sms=", facts.num_sms, " ctas_per_sm=", facts.ctas_per_sm);
+  LinearPlan plan{linear_path(M, N, K, dtype, facts.sm_major), 1, 1, 0, 0, 0};
+  if (forced.path != "auto") {
+    const auto* names = std::begin(kLinearPathNames);
+    const auto* it = std::find(names, std::end(kLinearPathNames), forced.path);
+    KBIT_CHECK_VALUE(it != std::end(kLinearPathNames), "kbit linear_plan: path '", forced.path,
+                     "' is not one of auto, ", joined(kLinearPathNames));
+    plan.path = static_cast<LinearPath>(it - names);
+  }
+  const int64_t n_tiles = n_tiles_of(N), k_tiles = k_tiles_of(K);
+  if (plan.path == LinearPath::kGemv) {
+    plan.max_splits = std::min<int64_t>(kGemvMaxSplits, k_tiles);
+    KBIT_CHECK(forced.splits >= 0 && forced.splits <= plan.max_splits, "kbit gemv: splits=", forced.splits,
+                     " outside 0 (heuristic) .. ", plan.max_splits);
+    plan.splits = forced.splits > 0 ? forced.splits : gemv_splits(n_tiles, k_tiles, facts.num_sms);
+  } else if (plan.path == LinearPath::kMma) {
+    const int p = mma_config(M, n_tiles).p;
+    KBIT_CHECK(forced.row_groups == 0 || mma_built(p, static_cast<int>(forced.row_groups)),
+                     "kbit _mma_linear: row_groups=", forced.row_groups, " is not built for M=", M,
+                     "; supported: 0 (heuristic), 1, ", p == kMmaMaxRowTiles ? 2 : 4);
+    const MmaConfig c = mma_config(M, n_tiles, forced.row_groups);
+    plan.p = c.p;
+    plan.r = c.r;
+    plan.m_blocks = c.m_blocks;
+    plan.max_splits = std::min<int64_t>(kMmaMaxSplits, k_tiles);
+    KBIT_CHECK(forced.splits >= 0 && forced.splits <= plan.max_splits, "kbit _mma_linear: splits=", forced.splits,
+                     " outside 0 (heuristic) .. ", plan.max_splits);
+    if (forced.splits > 0) {
+      plan.splits = forced.splits;
+    } else {
+      // Dense grids are exact, so the waves their clusters take count (cluster capacities: on a GPU only).
+      const MmaInstanceFacts f = mma_facts(facts, bits, c.p, c.r, /*grouped=*/false, dtype == at::kBFloat16);
+      plan.splits = mma_splits((n_tiles + c.r - 1) / c.r, c.m_blocks, k_tiles, facts.num_sms, f.ctas_per_sm,
+                               kMmaSplitCostDense, f.cluster_ctas);
+    }
+  } else {
+    KBIT_CHECK_VALUE(forced.splits == 0 && forced.row_groups == 0, "kbit linear_plan: splits and row_groups apply to ",
+                     "the gemv and mma paths only, not ", linear_path_name(plan.path));
+  }
+  return plan;
+}
+
+// ----------------------------------------------------------------------------- routed experts
+
+const char* moe_path_name(MoePath path) { return kMoePathNames[static_cast<int>(path)]; }
+
+MoePath moe_path_from_name(const std::string& name) {
+  const auto* names = std::begin(kMoePathNames);
+  const auto* it = std::find(names, std::end(kMoePathNames), name);
+  KBIT_CHECK_VALUE(it != std::end(kMoePathNames), "kbit fused_moe: path '", name, "' is not one of ",
+                   joined(kMoePathNames));
+  return static_cast<MoePath>(it - names);
+}
+
+int64_t moe_path_override_id() {
+  const std::string& name = overrides::moe_path();
+  if (name.empty()) return static_cast<int64_t>(MoePath::kAuto);
+  const auto* names = std::begin(kMoePathNames);
+  const auto* it = std::find(names, std::end(kMoePathNames), name);
+  KBIT_CHECK_VALUE(it != std::end(kMoePathNames), "kbit: VLLM_KBIT_MOE_PATH=", name, " is not one of ",
+                   joined(kMoePathNames));
+  return it - names;
+}
+
+MoePath moe_path_from_id(int64_t id) {
+  KBIT_CHECK_VALUE(id >= 0 && id < static_cast<int64_t>(std::size(kMoePathNames)), "kbit fused_moe: path id ", id,
+                   " is not one kbit::_moe_path_id returns");
+  return static_cast<MoePath>(id);
+}
+
+MoeProjPlan moe_grouped_mma_plan(int64_t rows, int64_t experts, int64_t chunk_rows, int64_t grid_rows, int64_t n_tiles,
+                                 int64_t k_tiles, int64_t bits, const DeviceFacts& facts, int64_t row_groups,
+                                 int64_t splits) {
+  MoeProjPlan plan;
+  plan.p = mma_config(chunk_rows, n_tiles, 1).p;  // 8p == chunk_rows: one CTA row covers a chunk
+  plan.m_blocks = grid_rows;
+  // The grid holds the worst case's chunks (moe_max_chunks); the row groups and split count are
+  // planned for the chunks a typical routing fills, since CTA rows past the device-side count leave at once.
+  const int64_t expected = moe_expected_chunks(rows, experts, chunk_rows);
+  plan.r = row_groups > 0 ? row_groups
+                          : mma_grouped_r(static_cast<int>(plan.p), n_tiles, k_tiles, static_cast<int>(bits), expected,
+                                          facts.num_sms);
+  if (splits > 0) {
+    plan.splits = splits;
+  } else {
+    // A grouped grid's live CTAs are an expectation, for which the per-CTA model without waves fits the
+    // measurements.
+    const MmaInstanceFacts f = mma_facts(facts, bits, static_cast<int>(plan.p), static_cast<int>(plan.r),
+                                         /*grouped=*/true, /*bf16=*/true);
+    plan.splits = mma_splits((n_tiles + plan.r - 1) / plan.r, expected, k_tiles, facts.num_sms, f.ctas_per_sm,
+                             kMmaSplitCostGrouped);
+  }
+  return plan;
+}
+
+MoeProjPlan moe_gemv_plan(int64_t grid_rows, int64_t n_tiles, int64_t k_tiles, const DeviceFacts& facts,
+                          int64_t splits) {
+  MoeProjPlan plan;
+  plan.m_blocks = grid_rows;
+  plan.splits = splits > 0 ? splits : gemv_splits(grid_rows * n_tiles, k_tiles, facts.num_sms);
+  return plan;
+}
+
+MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, MoePath path, int64_t hidden,
+                 int64_t intermediate, const DeviceFacts& facts) {
+  KBIT_CHECK_VALUE(tokens >= 0 && top_k >= 0 && experts >= 1 && experts <= kMaxLocalExperts,
+                   "kbit moe_plan: needs tokens, top_k >= 0 and 1..", kMaxLocalExperts, " local experts, got ", tokens,
+                   ", ", top_k, " and ", experts);
+  KBIT_CHECK_VALUE(bits >= kMinBits && bits <= kMaxBits, "kbit moe_plan: k=", bits, " is not supported; supported: ",
+                   kMinBits, "..", kMaxBits);
+  const int64_t S = tokens * top_k;
+  if (path == MoePath::kAuto) {
+    path = S <= kGemvMaxSlots && 2 * S <= experts ? MoePath::kGemvDirect
+           : S <= kMmaMaxSlotsPerExpert * experts ? MoePath::kGroupedMma
+                                                  : MoePath::kGroupedMm;
+  }
+  MoePlan plan{path, kMoeChunkRows, 0, 0, {}, {}};  // grouped mm: the routing's offsets only, no chunk list
+  if (path == MoePath::kGemvDirect) {
+    plan.chunk_rows = 1;  // CTA row s multiplies slot s's row
+    plan.max_chunks = S;
+  } else if (path == MoePath::kGemv) {
+    plan.chunk_rows = moe_chunk_rows(tokens);
+    plan.max_chunks = moe_max_chunks(S, experts, plan.chunk_rows);
+  } else if (path == MoePath::kGroupedMma) {
+    plan.chunk_rows = moe_mma_chunk_rows(S, experts, static_cast<int>(bits));
+    plan.max_chunks = moe_max_chunks(S, experts, plan.chunk_rows);
+    plan.expected_chunks = moe_expected_chunks(S, experts, plan.chunk_rows);
+  }
+  if (hidden <= 0 || intermediate <= 0 || S == 0 || plan.max_chunks == 0) return plan;
+  KBIT_CHECK_VALUE(facts.num_sms >= 1, "kbit moe_plan: needs num_sms >= 1 to plan the projections, got ",
+                   facts.num_sms);
+  // gate_up: [2I, H] per expert; down: [H, I].
+  const int64_t gu_n = n_tiles_of(2 * intermediate), gu_k = k_tiles_of(hidden);
+  const int64_t dn_n = n_tiles_of(hidden), dn_k = k_tiles_of(intermediate);
+  if (path == MoePath::kGemvDirect) {
+    // VLLM_KBIT_MOE_GEMV_SPLITS forces the direct GEMV's splits (read per call: sweeps change it).
+    plan.gate_up = moe_gemv_plan(S, gu_n, gu_k, facts, overrides::moe_gemv_splits(true));
+    plan.down = moe_gemv_plan(S, dn_n, dn_k, facts, overrides::moe_gemv_splits(false));
+  } else if (path == MoePath::kGemv) {
+    plan.gate_up = moe_gemv_plan(plan.max_chunks, gu_n, gu_k, facts);
+    plan.down = moe_gemv_plan(plan.max_chunks, dn_n, dn_k, facts);
+  } else if (path == MoePath::kGroupedMma) {
+    plan.gate_up = moe_grouped_mma_plan(S, experts, plan.chunk_rows, plan.max_chunks, gu_n, gu_k, bits, facts);
+    plan.down = moe_grouped_mma_plan(S, experts, plan.chunk_rows, plan.max_chunks, dn_n, dn_k, bits, facts);
+  }
+  return plan;
+}
+
+// ----------------------------------------------------------------------------- what launched
+
+namespace {
+struct LaunchRing {
+  LaunchRecord records[kLaunchRecords];
+  int64_t count = 0;  // records made since the last take
+};
+thread_local LaunchRing launch_ring;
+}  // namespace
+
+void record_launch(const char* kernel, int64_t p, int64_t r, int64_t m_blocks, int64_t splits) {
+  launch_ring.records[launch_ring.count % kLaunchRecords] = {kernel, p, r, m_blocks, splits};
+  ++launch_ring.count;
+}
+
+int take_launch_records(LaunchRecord* out) {
+  const int64_t n = std::min<int64_t>(launch_ring.count, kLaunchRecords);
+  for (int64_t i = 0; i < n; ++i) out[i] = launch_ring.records[(launch_ring.count - n + i) % kLaunchRecords];
+  launch_ring.count = 0;
+  return static_cast<int>(n);
+}
+
+}  // namespace kbit

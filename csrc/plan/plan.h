@@ -1,0 +1,221 @@
+// The planner: every choice of which kernel runs and how, in one place. From the shapes of a call and
+// the facts of the GPU (queried once per device: SM count, compute capability, and per MMA instance its
+// occupancy and cluster capacity), it decides the dense linear's path, the MMA tile shape (p, r), the
+// K splits of the GEMV and MMA kernels, the routed experts' path, chunk height, chunk counts and each
+// projection's splits / row groups. Launchers take a plan and decide nothing (they validate it).
+// kbit::linear_plan and kbit::moe_plan expose the plans (csrc/ops/dispatch.cpp); the measurements behind
+// every bound and rule are in docs/decisions.md. Host C++ only: no tensors, no kernel symbols (the MMA
+// instance facts come from the MMA launcher, mma.cu).
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <c10/core/ScalarType.h>
+
+namespace kbit {
+
+// ----------------------------------------------------------------------------- kernel limits
+
+constexpr int kGemvMaxM = 4;        // rows of A one GEMV launch handles
+constexpr int kGemvWarps = 4;       // warps of one GEMV CTA (gemv_core.cuh: kWarps; gemv.cu asserts they agree)
+constexpr int kGemvMaxSplits = 8;   // portable thread-block cluster size: split-K partners of one n-tile
+constexpr int kMmaMaxSplits = 8;    // portable thread-block cluster size: split-K partners of one column
+constexpr int kMmaMaxRowTiles = 8;  // n8 activation tiles per CTA: one CTA covers at most 64 rows of A
+constexpr int kMmaWideTiles = 128;  // runtime n-tiles from which warps take wide row groups (mma_config)
+constexpr int kMmaWideMinRowTiles = 4;  // ... and activation tiles per CTA (p) from which they do
+constexpr int kMoeChunkRows = 4;      // most rows of one expert a grouped-GEMV CTA multiplies (the GEMV's M)
+constexpr int kMoeMaxChunkRows = 64;  // most rows of one chunk: a grouped-MMA CTA covers 8p <= 64 rows
+constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memory counters (2 ints each)
+
+// The (p, r) MMA instances built for every k, dtype and launch kind (dense and grouped): narrow warps
+// (r = 1) at every p, wide ones (4 row groups; 2 at p = 8, where the accumulators fill the registers).
+// The one list the launchers, the facts queries and mma_built expand: X(P, R) per instance.
+#define KBIT_MMA_INSTANCES(X) X(1, 1) X(1, 4) X(2, 1) X(2, 4) X(4, 1) X(4, 4) X(8, 1) X(8, 2)
+
+// Whether a kernel is built for p activation tiles and r row groups (KBIT_MMA_INSTANCES).
+bool mma_built(int p, int r);
+
+// ----------------------------------------------------------------------------- device facts
+
+// What the rules need to know about the GPU. On a GPU (device >= 0) the planner queries the MMA
+// instance facts of the instance it picks; off the GPU (device = -1, kbit::linear_plan's given facts)
+// every instance holds ctas_per_sm CTAs per SM and cluster capacities are unknown.
+struct DeviceFacts {
+  int64_t num_sms = 0;
+  int64_t sm_major = 0;
+  int device = -1;
+  int64_t ctas_per_sm = 1;  // device = -1 only
+};
+
+// The facts of a GPU, queried once per device (thread-safe).
+DeviceFacts device_facts(int device);
+// Facts given by the caller (what-if plans, property tests; no GPU needed).
+DeviceFacts given_facts(int64_t sm_major, int64_t num_sms, int64_t ctas_per_sm);
+
+// Per MMA instance and device: CTAs one SM holds (cudaOccupancyMaxActiveBlocksPerMultiprocessor) and,
+// for dense instances, the CTAs the GPU holds at once in clusters of s along x for s = 1..kMmaMaxSplits
+// (cudaOccupancyMaxActiveClusters x s; index 0 unused, 0 = unknown).
+struct MmaInstanceFacts {
+  int64_t ctas_per_sm = 1;
+  int64_t cluster_ctas[kMmaMaxSplits + 1] = {};
+};
+// Defined by the MMA launcher (mma.cu, which has the kernel symbols): prepares the instance on the device
+// once (shared-memory opt-in) and queries its facts once; later calls read the cache.
+MmaInstanceFacts mma_instance_facts(int bits, int p, int r, bool grouped, bool bf16, int device);
+// CTAs an SM holds of the instance by its launch bounds and shared memory (compile time; mma.cu).
+int mma_resident_ctas(int bits, int p, int r);
+
+// ----------------------------------------------------------------------------- rules
+
+// Tile shape of one MMA launch: `p` n8 tiles of activation rows per CTA (8p rows), `r` 16-row groups of
+// weight rows per warp (a CTA of 4 warps covers 64r weight rows = r runtime n-tiles), and the number
+// of CTA rows along M.
+struct MmaConfig {
+  int p;
+  int r;
+  int m_blocks;
+};
+
+// The tile shape for M activation rows and n_tiles runtime n-tiles (r forced when row_groups > 0).
+MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups = 0);
+
+// Row groups per warp of the grouped (routed-expert) kernel for p activation tiles and an expert's
+// n_tiles x k_tiles of k-bit weights, with expected_chunks CTA rows (moe_expected_chunks) on num_sms
+// SMs: 4 (2 at p = 8, where the accumulators fill the registers); 1 for experts under 4 n-tiles, and
+// at k = 4, p = 1 on long experts where the wide grid would end in a mostly empty wave.
+int mma_grouped_r(int p, int64_t n_tiles, int64_t k_tiles, int bits, int64_t expected_chunks, int64_t num_sms);
+
+// K splits (CTAs of one cluster per CTA column) for cols x m_blocks CTA tiles over k_tiles, on num_sms
+// SMs holding ctas_per_sm CTAs each; split_cost weighs each further split's fixed cost (pipeline fill,
+// cluster reduction) per CTA slot. cluster_ctas, when given, holds for every split count s in
+// 1..kMmaMaxSplits the CTAs that fit on the GPU at once in clusters of s (MmaInstanceFacts): a grid past
+// it runs a further wave. Always in [1, min(kMmaMaxSplits, k_tiles)], so with the balanced partition
+// [s*k_tiles/S, (s+1)*k_tiles/S) every split owns at least one k-tile.
+int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm,
+               int64_t split_cost, const int64_t* cluster_ctas = nullptr);
+
+// split_cost of the two launch kinds. Grouped (routed-expert) CTAs are short (an expert's K) and every
+// further split repeats the table fill and pipeline fill of a whole 64r-row tile and adds a cluster
+// reduction of it, so splits cost far more there than the dense kernel's model assumes; both values
+// measured with benchmarks/sweep_splits.py and benchmarks/sweep_moe_grid.py (docs/decisions.md, "Grouped MMA grid" and "Dense MMA split
+// count by cluster waves").
+constexpr int kMmaSplitCostDense = 2;
+constexpr int kMmaSplitCostGrouped = 16;
+
+// Number of K splits (CTAs of one cluster per 64-row n-tile) of the GEMV for a grid of n_tiles x k_tiles
+// runtime tiles on num_sms SMs. Always in [1, min(kGemvMaxSplits, k_tiles)].
+int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms);
+
+// Rows per chunk of the grouped GEMV for T tokens: 1 for T = 1 (a one-row kernel, fewer registers), else
+// kMoeChunkRows.
+int64_t moe_chunk_rows(int64_t tokens);
+
+// Rows per chunk of the grouped MMA (the CTA height 8p: 8, 16, 32 or 64) for S slots over E experts of
+// k-bit weights.
+int64_t moe_mma_chunk_rows(int64_t slots, int64_t experts, int bits);
+
+// Upper bound on the number of chunks (<= R rows of one expert) S slots over E experts can
+// need: sum_e ceil(c_e / R) <= (S + (R - 1) * min(E, S)) / R, and never more than S.
+int64_t moe_max_chunks(int64_t slots, int64_t experts, int64_t chunk_rows);
+
+// The chunks a typical routing needs: each expert's count of S slots taken as Poisson(S / E), the
+// expected sum_e ceil(c_e / R) = E * sum_j P(c > jR), rounded up and at most moe_max_chunks. Sizes the
+// grouped MMA's row groups and split count (the grid itself is sized for moe_max_chunks).
+int64_t moe_expected_chunks(int64_t slots, int64_t experts, int64_t chunk_rows);
+
+// ----------------------------------------------------------------------------- dense linear
+
+enum class LinearPath { kGemv, kMma, kWgmma, kWgmmaWs, kDequantCublas };
+
+// "gemv", "mma", "wgmma", "wgmma_ws", "dequant_cublas".
+const char* linear_path_name(LinearPath path);
+
+// The largest M of the MMA path: kMmaMaxM, or VLLM_KBIT_MMA_MAX_M (read once; <= 2 turns the path off).
+int64_t mma_max_m();
+
+// The path kbit::linear takes for M rows of x (dtype) and an [N, K] weight on a GPU of compute
+// capability major sm_major.
+LinearPath linear_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t sm_major);
+
+struct LinearPlan {
+  LinearPath path;
+  int64_t splits;          // K splits per n-tile (GEMV) or CTA column (MMA); 1 for the other paths
+  int64_t max_splits;      // the most splits the kernel accepts for this weight
+  int64_t p, r, m_blocks;  // the MMA tile shape (MmaConfig); 0 for the other paths
+};
+
+// What a caller forces instead of the rules (forced-plan op, sweeps); 0 / "auto": the rule.
+struct LinearForced {
+  std::string path = "auto";  // "auto" or a linear_path_name
+  int64_t row_groups = 0;     // MMA r
+  int64_t splits = 0;         // GEMV / MMA K splits
+};
+
+// The plan of kbit::linear for M rows of x (dtype) and an [N, K] weight of k-bit codes on the GPU the
+// facts describe: exactly what launches. Raises a one-line ValueError for what no kernel serves.
+LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t bits, const DeviceFacts& facts,
+                       const LinearForced& forced = {});
+
+// ----------------------------------------------------------------------------- routed experts (MoE)
+
+// kGemvDirect: the grouped GEMV without routing (one chunk per slot) and with the combine folded into
+// the down projection: two launches in all (moe_ops.cpp).
+enum class MoePath : int64_t { kAuto = 0, kGemv = 1, kGroupedMm = 2, kGroupedMma = 3, kGemvDirect = 4 };
+
+const char* moe_path_name(MoePath path);
+// "auto", "gemv", "grouped_mm", "grouped_mma" or "gemv_direct"; anything else raises a one-line ValueError.
+MoePath moe_path_from_name(const std::string& name);
+// The path of an id kbit::_moe_path_id returned (kernels take ids: a `str` argument of a C++ kernel
+// brings libstdc++ stream code into the extension through torch's argument unboxing).
+MoePath moe_path_from_id(int64_t id);
+// The MoE path VLLM_KBIT_MOE_PATH forces, as its id (0: auto, unset).
+int64_t moe_path_override_id();
+
+// One projection of a grouped launch: the GEMV's K splits, or the grouped MMA's tile (p, r), grid rows
+// (m_blocks: the chunk list's length) and K splits; 0 where a field does not apply or is not planned.
+struct MoeProjPlan {
+  int64_t splits = 0;
+  int64_t p = 0, r = 0, m_blocks = 0;
+};
+
+struct MoePlan {
+  MoePath path;             // never kAuto
+  int64_t chunk_rows;       // rows of one expert one CTA multiplies (the routing's chunk height)
+  int64_t max_chunks;       // chunk rows the routing allocates (its workspace), bounded by slots; gemv_direct:
+                            // the CTA rows of its grid, one per slot (no routing)
+  int64_t expected_chunks;  // grouped MMA: the chunks a typical routing fills (what r and splits are planned for)
+  MoeProjPlan gate_up, down;  // planned when the hidden and intermediate sizes are given (> 0)
+};
+
+// The plan of kbit::fused_moe for T tokens with top_k picks each over E local experts of k-bit weights
+// ("auto" or a forced path), hidden size H and intermediate size I (0: the projections are not planned).
+MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, MoePath path, int64_t hidden = 0,
+                 int64_t intermediate = 0, const DeviceFacts& facts = {});
+
+// The grouped MMA's plan for one projection of an expert's [N, K] weights (n_tiles x k_tiles) with
+// `rows` rows of A grouped into chunks of chunk_rows over `experts` experts, in a grid of grid_rows CTA
+// rows; row_groups / splits force r / the split count (0: the rules).
+MoeProjPlan moe_grouped_mma_plan(int64_t rows, int64_t experts, int64_t chunk_rows, int64_t grid_rows, int64_t n_tiles,
+                                 int64_t k_tiles, int64_t bits, const DeviceFacts& facts, int64_t row_groups = 0,
+                                 int64_t splits = 0);
+// The grouped GEMV's plan for one projection: grid_rows CTA rows of n_tiles n-tiles over k_tiles;
+// splits forces the count (0: gemv_splits).
+MoeProjPlan moe_gemv_plan(int64_t grid_rows, int64_t n_tiles, int64_t k_tiles, const DeviceFacts& facts,
+                          int64_t splits = 0);
+
+// ----------------------------------------------------------------------------- what launched
+
+// The launchers record every launch they make here (kernel name and the plan fields they launched
+// with), a small per-thread ring with no allocation and no sync, so tests can compare plans with
+// launches (kbit::_launch_record).
+struct LaunchRecord {
+  const char* kernel;
+  int64_t p, r, m_blocks, splits;
+};
+void record_launch(const char* kernel, int64_t p, int64_t r, int64_t m_blocks, int64_t splits);
+// The launches recorded on this thread since the last call, oldest first (at most kLaunchRecords).
+constexpr int kLaunchRecords = 16;
+int take_launch_records(LaunchRecord* out);
+
+}  // namespace kbit
