@@ -9,7 +9,6 @@
 #include "kbit_format.cuh"
 
 #include <cooperative_groups.h>
-#include <type_traits>
 
 namespace kbit {
 namespace gemv_core {
@@ -52,12 +51,6 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   return v;
 }
 
-__device__ __forceinline__ uint2 load_stream(const uint2* p) {
-  uint2 v;
-  asm volatile("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "l"(p));
-  return v;
-}
-
 __device__ __forceinline__ uint32_t load_stream(const uint32_t* p) {
   uint32_t v;
   asm volatile("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(v) : "l"(p));
@@ -82,6 +75,34 @@ __device__ __forceinline__ LaneCodebook lane_codebook(const float* __restrict__ 
   cb.lo = BITS == 2 ? __ldg(codebook + (lane & 3)) : 0.f;
   cb.hi = BITS == 2 ? __ldg(codebook + ((lane >> 2) & 3)) : 0.f;
   return cb;
+}
+
+// k = 2, one activation row: a nibble of the runtime words is the index pair of two consecutive
+// elements (kbit_format.cuh: byte n of word w = elements 8n + 4w .. + 3), so instead of one shuffle
+// and one FMA per weight, lane L first computes entry L mod 16 of the pair's 16 possible partial
+// sums, lo * a[e] + hi * a[e + 1] (two FP ops, shared by the lane's two rows), and each row then
+// reads its entry with one shuffle and adds it: per weight half a shuffle, half a shift and one FP
+// op instead of a shuffle, a shift and an FMA. The shuffle reads the low 5 bits of the shifted
+// word (the nibble and the next one's low bit): lanes L and L + 16 hold the same entry.
+template <int J>
+__device__ __forceinline__ void pair_tables(const float4* __restrict__ a_stage, const LaneCodebook& cb,
+                                            const uint32_t (&q)[kRowsPerLane][4], float (&part)[kRowsPerLane][1][2]) {
+#pragma unroll
+  for (int c = 0; c < kBlockSize / 8; ++c) {
+    const float4 lo = a_stage[J * (kBlockSize / 4) + 2 * c];
+    const float4 hi = a_stage[J * (kBlockSize / 4) + 2 * c + 1];
+    const float a[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int i = 0; i < 8; i += 2) {
+      const int e = 8 * c + i;
+      const float entry = fmaf(cb.hi, a[i + 1], cb.lo * a[i]);
+#pragma unroll
+      for (int row = 0; row < kRowsPerLane; ++row) {
+        const int src = static_cast<int>(q[row][runtime_word_of<2>(e)] >> runtime_shift_of<2>(e));
+        part[row][0][(i / 2) & 1] += __shfl_sync(0xFFFFFFFFu, entry, src);
+      }
+    }
+  }
 }
 
 // Every k and M: each codebook value by one shuffle, multiplied into all M activation rows.
@@ -114,7 +135,8 @@ __device__ __forceinline__ void shuffle_lookups(const float4* __restrict__ a_sta
 }
 
 // Adds one block (32 elements along K) of this lane's two rows times all M activation rows: the
-// block's index words, its products summed in fp32, and the block scale applied once to the partial sum.
+// block's index words, its products summed in fp32 (pair tables or shuffle lookups), and the block
+// scale applied once to the partial sum.
 template <int BITS, int M, int J>
 __device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, const LaneCodebook& cb,
                                           const uint4 (&planes)[kRowsPerLane][BITS],
@@ -134,7 +156,11 @@ __device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, co
 #pragma unroll
     for (int m = 0; m < M; ++m) part[row][m][0] = part[row][m][1] = 0.f;
 
-  shuffle_lookups<BITS, M, J>(a_stage, cb, q, part);
+  if constexpr (BITS == 2 && M == 1) {
+    pair_tables<J>(a_stage, cb, q, part);
+  } else {
+    shuffle_lookups<BITS, M, J>(a_stage, cb, q, part);
+  }
 #pragma unroll
   for (int row = 0; row < kRowsPerLane; ++row) {
     const float scale = decode_scale(codes[row], J);
@@ -157,110 +183,6 @@ __device__ __forceinline__ void load_tile(const uint4* __restrict__ qweight, con
   }
 }
 
-// ----------------------------------------------------------------------------- lane layouts
-// Which weights of a k-tile a lane holds, how it loads and multiplies them, and how its sums map
-// back to rows lane and lane + 32 of the n-tile (reduce_and_store's input).
-
-// Every k and M: lane l owns rows l and l + 32, all four blocks of the k-tile (dot_block).
-template <int BITS, int M>
-struct RowPairLayout {
-  static constexpr int kRows = kRowsPerLane;
-  struct Tile {
-    uint4 planes[kRowsPerLane][BITS];
-    uint32_t codes[kRowsPerLane];
-  };
-  __device__ static __forceinline__ void load(const uint4* __restrict__ qweight, const uint32_t* __restrict__ absmax,
-                                              int64_t tile, int lane, Tile& t) {
-    load_tile<BITS>(qweight, absmax, tile, lane, t.planes, t.codes);
-  }
-  __device__ static __forceinline__ void multiply(const float4* __restrict__ a_stage, const LaneCodebook& cb,
-                                                  const Tile& t, int, float (&acc)[kRows][M]) {
-    dot_block<BITS, M, 0>(a_stage, cb, t.planes, t.codes, acc);
-    dot_block<BITS, M, 1>(a_stage, cb, t.planes, t.codes, acc);
-    dot_block<BITS, M, 2>(a_stage, cb, t.planes, t.codes, acc);
-    dot_block<BITS, M, 3>(a_stage, cb, t.planes, t.codes, acc);
-  }
-  __device__ static __forceinline__ void finish(const float (&in)[kRows][M], int, float (&out)[kRowsPerLane][M]) {
-#pragma unroll
-    for (int r = 0; r < kRows; ++r)
-#pragma unroll
-      for (int m = 0; m < M; ++m) out[r][m] = in[r][m];
-  }
-};
-
-// k = 2, one activation row: pair tables. A nibble of a k = 2 runtime word is the index pair of two
-// consecutive elements (kbit_format.cuh: byte n of word w = elements 8n + 4w .. + 3), so instead of a
-// shuffle and an FMA per weight, a lane computes one entry of the pair's 16 possible partial sums,
-// lo * a[e] + hi * a[e + 1] (two FP ops), and each of its rows reads its entry with one 16-lane
-// shuffle and adds it. For the 16 entries to serve as many rows as possible, half-warp h = lane / 16
-// owns blocks 2h and 2h + 1 of the k-tile and lane L = lane % 16 of it rows L + 16i, i = 0..3: a
-// table serves 4 rows, and per weight that is a quarter of a table FP op, one add, half a shuffle
-// and half a shift (a shuffle, a shift and an FMA with one table per weight).
-struct PairTableLayout {
-  static constexpr int kRows = 4;
-  struct Tile {
-    uint2 words[kRows][2];  // runtime words 0, 1 of the half-warp's two blocks (.x: block 2h, .y: 2h + 1)
-    uint32_t codes[kRows];  // scale codes, shifted so that byte j is block 2h + j's
-  };
-  // Plane word b of a row is one 16-byte vector over the k-tile's 4 blocks: its halves go to the two
-  // half-warps, so a warp-wide load still reads 16 rows x 16 contiguous bytes.
-  __device__ static __forceinline__ void load(const uint4* __restrict__ qweight, const uint32_t* __restrict__ absmax,
-                                              int64_t tile, int lane, Tile& t) {
-    const int h = lane / 16, row0 = lane % 16;
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) {
-#pragma unroll
-      for (int b = 0; b < 2; ++b)
-        t.words[i][b] = load_stream(reinterpret_cast<const uint2*>(qweight + (tile * 2 + b) * kTileN + row0 + 16 * i) + h);
-      t.codes[i] = load_stream(absmax + tile * kTileN + row0 + 16 * i) >> (16 * h);
-    }
-  }
-  // Block J (0, 1) of the half-warp's two. Lane L's entry is pair v = L: codebook values lo = cb[v & 3],
-  // hi = cb[v >> 2] (lane_codebook). The shuffle reads the source modulo 16 inside the half-warp, so the
-  // bits above the nibble are harmless.
-  template <int J>
-  __device__ static __forceinline__ void block(const float4* __restrict__ a_stage, const LaneCodebook& cb,
-                                               const Tile& t, int lane, float (&acc)[kRows][1]) {
-    const float4* a_block = a_stage + (2 * (lane / 16) + J) * (kBlockSize / 4);
-    float part[kRows][2] = {};
-#pragma unroll
-    for (int c = 0; c < kBlockSize / 8; ++c) {
-      const float4 lo = a_block[2 * c], hi = a_block[2 * c + 1];
-      const float a[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
-#pragma unroll
-      for (int i = 0; i < 8; i += 2) {
-        const int e = 8 * c + i;
-        const float entry = fmaf(cb.hi, a[i + 1], cb.lo * a[i]);
-#pragma unroll
-        for (int r = 0; r < kRows; ++r) {
-          const uint2 w = t.words[r][runtime_word_of<2>(e)];
-          const int src = static_cast<int>((J == 0 ? w.x : w.y) >> runtime_shift_of<2>(e));
-          part[r][(i / 2) & 1] += __shfl_sync(0xFFFFFFFFu, entry, src, 16);
-        }
-      }
-    }
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) acc[r][0] = fmaf(decode_scale(t.codes[r], J), part[r][0] + part[r][1], acc[r][0]);
-  }
-  __device__ static __forceinline__ void multiply(const float4* __restrict__ a_stage, const LaneCodebook& cb,
-                                                  const Tile& t, int lane, float (&acc)[kRows][1]) {
-    block<0>(a_stage, cb, t, lane, acc);
-    block<1>(a_stage, cb, t, lane, acc);
-  }
-  // The two half-warps hold the same rows' sums over different blocks: add them, then lane l takes rows
-  // l = L + 16h (i = h) and l + 32 (i = h + 2).
-  __device__ static __forceinline__ void finish(float (&in)[kRows][1], int lane, float (&out)[kRowsPerLane][1]) {
-#pragma unroll
-    for (int i = 0; i < kRows; ++i) in[i][0] += __shfl_xor_sync(0xFFFFFFFFu, in[i][0], 16);
-    const bool upper = lane >= 16;
-    out[0][0] = upper ? in[1][0] : in[0][0];
-    out[1][0] = upper ? in[3][0] : in[2][0];
-  }
-};
-
-template <int BITS, int M>
-using LaneLayout = std::conditional_t<BITS == 2 && M == 1, PairTableLayout, RowPairLayout<BITS, M>>;
-
 // ----------------------------------------------------------------------------- the k-tile loop
 
 // Accumulates this warp's share of k-tiles [kt_begin, kt_end) of row band `band` (n-tile *
@@ -276,13 +198,11 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
                                            int K, int warp, int lane, float4* __restrict__ a_stage, Fetch&& fetch,
                                            Widen&& widen, Ready&& ready, float (&acc)[kRowsPerLane][M]) {
   using Raw = decltype(fetch(0, 0));
-  using L = LaneLayout<BITS, M>;
   const LaneCodebook cb = lane_codebook<BITS>(codebook, lane);
-  float sums[L::kRows][M];
 #pragma unroll
-  for (int row = 0; row < L::kRows; ++row)
+  for (int row = 0; row < kRowsPerLane; ++row)
 #pragma unroll
-    for (int m = 0; m < M; ++m) sums[row][m] = 0.f;
+    for (int m = 0; m < M; ++m) acc[row][m] = 0.f;
 
   // Lane l fetches elements 4l..4l+3 of every activation row of k-tile kt. Elements past K (the
   // last k-tile's padding blocks, whose scales are 0) stay zero, so padding adds exactly nothing.
@@ -299,39 +219,43 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
   // its registers cost more than it saves (the 4-row grouped GEMV went from 168 to 249+
   // registers and 10% slower). Unrolled by two so the buffers swap roles without register copies.
   constexpr bool kPrefetchActivations = M <= 2;
-  const auto process = [&](const typename L::Tile& tile, Raw (&raw)[M], int kt) {
+  const auto process = [&](const uint4 (&pl)[kRowsPerLane][BITS], const uint32_t (&cd)[kRowsPerLane],
+                           Raw (&raw)[M], int kt) {
     if constexpr (!kPrefetchActivations) fetch_tile(raw, kt);
     // The tile's 128 x M activations, widened to fp32 once per warp instead of once per lane.
     __syncwarp();  // every lane is done reading the previous tile's activations
 #pragma unroll
     for (int m = 0; m < M; ++m) a_stage[m * 32 + lane] = widen(m, raw[m]);
     __syncwarp();
-    L::multiply(a_stage, cb, tile, lane, sums);
+    dot_block<BITS, M, 0>(a_stage, cb, pl, cd, acc);
+    dot_block<BITS, M, 1>(a_stage, cb, pl, cd, acc);
+    dot_block<BITS, M, 2>(a_stage, cb, pl, cd, acc);
+    dot_block<BITS, M, 3>(a_stage, cb, pl, cd, acc);
   };
-  typename L::Tile tile0, tile1;
+  uint4 planes0[kRowsPerLane][BITS], planes1[kRowsPerLane][BITS];
+  uint32_t codes0[kRowsPerLane], codes1[kRowsPerLane];
   Raw raw0[M], raw1[M];
   int kt = kt_begin + warp;
-  if (kt < kt_end) L::load(qweight, absmax, band + kt, lane, tile0);
+  if (kt < kt_end) load_tile<BITS>(qweight, absmax, band + kt, lane, planes0, codes0);
   ready();
   if constexpr (kPrefetchActivations) {
     if (kt < kt_end) fetch_tile(raw0, kt);
   }
   while (kt < kt_end) {
     if (kt + kWarps < kt_end) {
-      L::load(qweight, absmax, band + kt + kWarps, lane, tile1);
+      load_tile<BITS>(qweight, absmax, band + kt + kWarps, lane, planes1, codes1);
       if constexpr (kPrefetchActivations) fetch_tile(raw1, kt + kWarps);
     }
-    process(tile0, raw0, kt);
+    process(planes0, codes0, raw0, kt);
     kt += kWarps;
     if (kt >= kt_end) break;
     if (kt + kWarps < kt_end) {
-      L::load(qweight, absmax, band + kt + kWarps, lane, tile0);
+      load_tile<BITS>(qweight, absmax, band + kt + kWarps, lane, planes0, codes0);
       if constexpr (kPrefetchActivations) fetch_tile(raw0, kt + kWarps);
     }
-    process(tile1, raw1, kt);
+    process(planes1, codes1, raw1, kt);
     kt += kWarps;
   }
-  L::finish(sums, lane, acc);
 }
 
 // ----------------------------------------------------------------------------- reduction

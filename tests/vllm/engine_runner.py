@@ -26,6 +26,10 @@ def main(spec_path: str, out_path: str) -> None:
         # With a separate core process a loaded CPU saw steps start on part of the prompts, and a kbit engine
         # and its dequantized reference batched differently (MoE router near-ties flipped: 88-94% match).
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    else:
+        # The engine core as a spawned process: vLLM 0.26's MLA setup (glm4_moe_lite) initializes CUDA in this
+        # process, after which a forked core cannot ("Cannot re-initialize CUDA in forked subprocess").
+        os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     from vllm import LLM
 
     from vllm_kbit.vllm.compat import shutdown_engine
