@@ -164,8 +164,12 @@ def range_scale(amax: float) -> float:
 
 
 def weight_amax(W: torch.Tensor) -> float:
-    """W's largest |w| (0 when empty; NaN or Inf when W has them): one reduction, host sync, load time only."""
-    return W.detach().abs().amax().float().item() if W.numel() else 0.0
+    """W's largest |w| (0 when empty; NaN or Inf when W has them): one reduction, host sync, load time only.
+    min and max instead of abs().amax(): no temporary the size of W (a whole MoE layer's experts at load)."""
+    if not W.numel():
+        return 0.0
+    lo, hi = torch.aminmax(W.detach())
+    return torch.maximum(hi, -lo).float().item()
 
 
 def _check_finite(amax: float) -> None:
