@@ -157,13 +157,13 @@ def eager_overhead_us() -> dict:
 
 
 def wgmma_fn(x, w, warp_specialized=False):
-    return lambda: torch.ops.kbit._wgmma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, None,
-                                                warp_specialized)
+    op, path = torch.ops.kbit._linear_forced.default, torch.ops.kbit._linear_path_id("wgmma_ws" if warp_specialized else "wgmma")
+    return lambda: op(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, None, path, 0, 0)
 
 
 def mma_fn(x, w, row_groups=0):
-    op = torch.ops.kbit._mma_linear.default
-    return lambda: op(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, None, row_groups, 0)
+    op, path = torch.ops.kbit._linear_forced.default, torch.ops.kbit._linear_path_id("mma")
+    return lambda: op(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, None, path, row_groups, 0)
 
 
 def m_plan(args, k: int, regime: str) -> tuple:

@@ -58,14 +58,13 @@ def _variant(op: str, name: str, extra_args: str = "", returns: str | None = Non
 
 
 # Variants the C++ extension implements: its argument checks on any device (kbit::_check_<op>, for
-# the bad-input tests), one kernel forced (tests, benchmarks), and fused_moe's CUDA composition with
+# the bad-input tests), the dense plan forced (tests, benchmarks, sweeps), and fused_moe's CUDA composition with
 # a forced path. The extension's C++-only ops (plans, routing pieces) are defined in csrc/.
 _VARIANTS = {
     **{f"_check_{op}": _variant(op, f"_check_{op}", returns="()")
        for op in ("quantize", "dequantize", "repack", "dequantize_runtime", "linear")},
-    "_gemv_linear": _variant("linear", "_gemv_linear", ", int splits=0"),
-    "_mma_linear": _variant("linear", "_mma_linear", ", int row_groups=0, int splits=0"),
-    "_wgmma_linear": _variant("linear", "_wgmma_linear", ", bool warp_specialized=False"),
+    # kbit::linear with its plan forced (path: kbit::_linear_path_id, -1 = auto; 0 = the rule for the rest).
+    "_linear_forced": _variant("linear", "_linear_forced", ", int path=-1, int row_groups=0, int splits=0"),
     "_fused_moe_cuda": _variant("fused_moe", "_fused_moe_cuda", ", int path=0"),  # kbit::_moe_path_id; 0: auto
     # quantize's compiled CPU kernel (vllm_kbit._cpu, csrc/cpu/): the reference's bits, fast.
     "_quantize_cpu": _variant("quantize", "_quantize_cpu"),

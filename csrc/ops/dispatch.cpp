@@ -26,7 +26,7 @@ LinearPlanTuple as_tuple(const LinearPlan& p) {
 LinearPlanTuple linear_plan_op(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t sm_major, int64_t num_sms,
                                int64_t ctas_per_sm, const std::string& path) {
   LinearForced forced;
-  forced.path = path;
+  forced.path = linear_path_id(path);
   return as_tuple(linear_plan(M, N, K, dtype, /*bits=*/0, given_facts(sm_major, num_sms, ctas_per_sm), forced));
 }
 
@@ -42,7 +42,7 @@ LinearPlanTuple linear_plan_device_op(int64_t M, int64_t N, int64_t K, at::Scala
   KBIT_CHECK_VALUE(bits >= kMinBits && bits <= kMaxBits, "kbit linear_plan: k=", bits, " is not supported; supported: ",
                    kMinBits, "..", kMaxBits);
   LinearForced forced;
-  forced.path = path;
+  forced.path = linear_path_id(path);
   forced.row_groups = row_groups;
   forced.splits = splits;
   return as_tuple(linear_plan(M, N, K, dtype, bits, device_facts(gpu_index(device, "linear_plan")), forced));
@@ -88,6 +88,7 @@ launch_record_op() {
 }
 
 int64_t moe_path_id_op(const std::string& name) { return static_cast<int64_t>(moe_path_from_name(name)); }
+int64_t linear_path_id_op(const std::string& name) { return linear_path_id(name); }
 
 // The heuristics divide by the SM count and the chunk height: the ops refuse what they cannot plan for.
 void check_num_sms(const char* op, int64_t num_sms) {
@@ -140,6 +141,7 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
         "str path=\"auto\") -> (str path, int chunk_rows, int max_chunks, int expected_chunks, int[] gate_up, int[] down)",
         &kbit::moe_plan_device_op);
   m.def("_launch_record() -> (str[] kernel, int[] p, int[] r, int[] m_blocks, int[] splits)", &kbit::launch_record_op);
+  m.def("_linear_path_id(str path) -> int", &kbit::linear_path_id_op);
   m.def("_moe_path_id(str path) -> int", &kbit::moe_path_id_op);
   m.def("_moe_path_override() -> int", &kbit::moe_path_override_id);
   m.def("_gemv_splits(int n_tiles, int k_tiles, int num_sms) -> int", &kbit::gemv_splits_op);

@@ -118,54 +118,30 @@ at::Tensor forced_kernel_input(const char* op, const at::Tensor& x, const at::Te
   return as_matrix(x, M, K);
 }
 
-// One kernel forced, with the planner's rules for what is not forced (row_groups / splits 0), for tests and
-// benchmarks; kbit::linear is the entry point.
-at::Tensor forced_linear(const char* op, const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
-                         const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
-                         const char* path, int64_t row_groups, int64_t splits, int64_t max_m = INT32_MAX) {
+// kbit::_linear_forced: the kernel of path id `path` (kbit::_linear_path_id; -1: the rules) with the
+// planner's rules for what is not forced (row_groups / splits 0), for tests, benchmarks and sweeps;
+// kbit::linear is the entry point. x: 16-bit, at least one row (GEMV: at most kGemvMaxM).
+at::Tensor linear_forced_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                              const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
+                              int64_t path, int64_t row_groups, int64_t splits) {
   const c10::DeviceGuard guard(x.device());
-  const at::Tensor A = forced_kernel_input(op, x, qweight_rt, absmax_rt, codebook, N, K, bias);
-  KBIT_CHECK(A.size(0) <= max_m, op, ": x has ", A.size(0), " rows; supported: 1..", max_m);
+  const at::Tensor A = forced_kernel_input("kbit _linear_forced", x, qweight_rt, absmax_rt, codebook, N, K, bias);
   LinearForced forced;
   forced.path = path;
   forced.row_groups = row_groups;
   forced.splits = splits;
   const LinearPlan plan = linear_plan(A.size(0), N, K, x.scalar_type(), qweight_rt.size(2),
                                       device_facts(x.get_device()), forced);
+  KBIT_CHECK(plan.path != LinearPath::kGemv || A.size(0) <= kGemvMaxM, "kbit _linear_forced: x has ", A.size(0),
+             " rows; the GEMV supports 1..", kGemvMaxM);
   return launch_plan(A, qweight_rt, absmax_rt, codebook, N, K, bias, plan);
-}
-
-// The MMA kernel at any M >= 1 with a forced tile shape / split count (0: the rules).
-at::Tensor mma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
-                           const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
-                           int64_t row_groups, int64_t splits) {
-  return forced_linear("kbit _mma_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias, "mma", row_groups, splits);
-}
-
-// The GEMV at M = 1..4 with a forced K split count (0: the rule).
-at::Tensor gemv_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
-                            const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
-                            int64_t splits) {
-  return forced_linear("kbit _gemv_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias, "gemv", 0, splits,
-                       kGemvMaxM);
-}
-
-// The fused dequant + wgmma kernels at any M >= 1 (Hopper): the register-fragment one (warp_specialized =
-// false) or the warp-specialized one.
-at::Tensor wgmma_linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
-                             const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
-                             bool warp_specialized) {
-  return forced_linear("kbit _wgmma_linear", x, qweight_rt, absmax_rt, codebook, N, K, bias,
-                       warp_specialized ? "wgmma_ws" : "wgmma", 0, 0);
 }
 
 }  // namespace
 }  // namespace kbit
 
-// Schemas: vllm_kbit/ops.py (the forced-kernel ops are kbit::linear's with their extra arguments).
+// Schemas: vllm_kbit/ops.py (the forced-plan op is kbit::linear's with its extra arguments).
 TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
   m.impl("linear", &kbit::linear_cuda);
-  m.impl("_mma_linear", &kbit::mma_linear_cuda);
-  m.impl("_gemv_linear", &kbit::gemv_linear_cuda);
-  m.impl("_wgmma_linear", &kbit::wgmma_linear_cuda);
+  m.impl("_linear_forced", &kbit::linear_forced_cuda);
 }

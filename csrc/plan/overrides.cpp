@@ -36,7 +36,7 @@ int64_t mma_max_m() {
 }
 
 int64_t moe_gemv_splits(bool gate_up) {
-  // Read at every launch, not once: benchmarks/sweep_moe_gemv_splits.py changes it between calls.
+  // Read at every launch, not once: benchmarks/sweep_plan.py moe_gemv_splits changes it between calls.
   const std::string s = read("VLLM_KBIT_MOE_GEMV_SPLITS");
   int g = 0, d = 0;
   if (!s.empty()) std::sscanf(s.c_str(), "%d,%d", &g, &d);

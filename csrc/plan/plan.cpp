@@ -129,7 +129,7 @@ int mma_grouped_r(int p, int64_t n_tiles, int64_t k_tiles, int bits, int64_t exp
   // narrow grid's quarter-size CTAs even out the SMs' load. Measured to pay at k = 4 with one n8 tile
   // (8-row chunks: a few tokens per expert) and long experts (>= 16 k-tiles); at k = 2 and 3, and on
   // short K, four times the per-CTA table and pipeline fills cost more than the tail
-  // (benchmarks/sweep_moe_grid.py; docs/decisions.md, "Grouped MMA: narrow warps for light last waves").
+  // (benchmarks/sweep_plan.py moe_grid; docs/decisions.md, "Grouped MMA: narrow warps for light last waves").
   if (bits == 4 && p == 1 && k_tiles >= 16) {
     const int64_t slots = num_sms * mma_resident_ctas(4, 1, 4);
     const int64_t ctas = (n_tiles + wide - 1) / wide * expected_chunks;
@@ -172,7 +172,7 @@ int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
   // kCtaOverhead, times the warps), slowed down when fewer than kStreamingWarps warps per SM have loads
   // in flight. The overhead is what a CTA costs beyond its tiles: its first tile's load, which nothing
   // hides, and the split-K reduction; without it the model split few-row MoE GEMVs 4-8 ways where 1-2
-  // run up to 25% faster (benchmarks/sweep_moe_gemv_splits.py). Cost = num / den; the smallest wins,
+  // run up to 25% faster (benchmarks/sweep_plan.py moe_gemv_splits). Cost = num / den; the smallest wins,
   // ties to fewer splits.
   constexpr int64_t kWarps = kGemvWarps;
   constexpr int64_t kResidentCtas = 8;      // CTAs of kThreads one SM holds at once (registers)
@@ -205,7 +205,7 @@ int64_t moe_chunk_rows(int64_t tokens) { return tokens == 1 ? 1 : kMoeChunkRows;
 // (mma_kernel.cuh, uses_lut), which makes 16 rows cheap: from 8 average rows (many experts past 8) 16
 // wins, and stays best up to 32 average rows except at k = 5, whose wider decode favours 32; past 32, 64.
 // At k = 2 the 8-row table decode is cheap enough that re-decoding beats padding up to 8 average rows.
-// Measured per T and k: benchmarks/sweep_moe_chunk_rows.py (docs/decisions.md, "Grouped MMA chunk height").
+// Measured per T and k: benchmarks/sweep_plan.py moe_chunk_rows (docs/decisions.md, "Grouped MMA chunk height").
 int64_t moe_mma_chunk_rows(int64_t slots, int64_t experts, int bits) {
   const int64_t busy = std::max<int64_t>(1, std::min(experts, slots));
   const int64_t avg = (slots + busy - 1) / busy;
@@ -244,6 +244,15 @@ int64_t moe_expected_chunks(int64_t slots, int64_t experts, int64_t chunk_rows) 
 
 const char* linear_path_name(LinearPath path) { return kLinearPathNames[static_cast<int>(path)]; }
 
+int64_t linear_path_id(const std::string& name) {
+  if (name == "auto") return -1;
+  const auto* names = std::begin(kLinearPathNames);
+  const auto* it = std::find(names, std::end(kLinearPathNames), name);
+  KBIT_CHECK_VALUE(it != std::end(kLinearPathNames), "kbit linear_plan: path '", name, "' is not one of auto, ",
+                   joined(kLinearPathNames));
+  return it - names;
+}
+
 int64_t mma_max_m() {
   const int64_t forced = overrides::mma_max_m();
   return forced >= 0 ? forced : kMmaMaxM;
@@ -266,30 +275,28 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
                    "kbit linear_plan: needs M, N, num_sms, ctas_per_sm >= 1 and K a positive multiple of ", kBlockSize,
                    ", got M=", M, " N=", N, " K=", K, " num_sms=", facts.num_sms, " ctas_per_sm=", facts.ctas_per_sm);
   LinearPlan plan{linear_path(M, N, K, dtype, facts.sm_major), 1, 1, 0, 0, 0};
-  if (forced.path != "auto") {
-    const auto* names = std::begin(kLinearPathNames);
-    const auto* it = std::find(names, std::end(kLinearPathNames), forced.path);
-    KBIT_CHECK_VALUE(it != std::end(kLinearPathNames), "kbit linear_plan: path '", forced.path,
-                     "' is not one of auto, ", joined(kLinearPathNames));
-    plan.path = static_cast<LinearPath>(it - names);
+  if (forced.path >= 0) {
+    KBIT_CHECK_VALUE(forced.path < static_cast<int64_t>(std::size(kLinearPathNames)), "kbit linear_plan: path id ",
+                     forced.path, " is not one kbit::_linear_path_id returns");
+    plan.path = static_cast<LinearPath>(forced.path);
   }
   const int64_t n_tiles = n_tiles_of(N), k_tiles = k_tiles_of(K);
   if (plan.path == LinearPath::kGemv) {
     plan.max_splits = std::min<int64_t>(kGemvMaxSplits, k_tiles);
-    KBIT_CHECK(forced.splits >= 0 && forced.splits <= plan.max_splits, "kbit gemv: splits=", forced.splits,
+    KBIT_CHECK(forced.splits >= 0 && forced.splits <= plan.max_splits, "kbit linear_plan: gemv splits=", forced.splits,
                      " outside 0 (heuristic) .. ", plan.max_splits);
     plan.splits = forced.splits > 0 ? forced.splits : gemv_splits(n_tiles, k_tiles, facts.num_sms);
   } else if (plan.path == LinearPath::kMma) {
     const int p = mma_config(M, n_tiles).p;
     KBIT_CHECK(forced.row_groups == 0 || mma_built(p, static_cast<int>(forced.row_groups)),
-                     "kbit _mma_linear: row_groups=", forced.row_groups, " is not built for M=", M,
+                     "kbit linear_plan: row_groups=", forced.row_groups, " is not built for M=", M,
                      "; supported: 0 (heuristic), 1, ", p == kMmaMaxRowTiles ? 2 : 4);
     const MmaConfig c = mma_config(M, n_tiles, forced.row_groups);
     plan.p = c.p;
     plan.r = c.r;
     plan.m_blocks = c.m_blocks;
     plan.max_splits = std::min<int64_t>(kMmaMaxSplits, k_tiles);
-    KBIT_CHECK(forced.splits >= 0 && forced.splits <= plan.max_splits, "kbit _mma_linear: splits=", forced.splits,
+    KBIT_CHECK(forced.splits >= 0 && forced.splits <= plan.max_splits, "kbit linear_plan: mma splits=", forced.splits,
                      " outside 0 (heuristic) .. ", plan.max_splits);
     if (forced.splits > 0) {
       plan.splits = forced.splits;

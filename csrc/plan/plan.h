@@ -98,7 +98,7 @@ int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms,
 // split_cost of the two launch kinds. Grouped (routed-expert) CTAs are short (an expert's K) and every
 // further split repeats the table fill and pipeline fill of a whole 64r-row tile and adds a cluster
 // reduction of it, so splits cost far more there than the dense kernel's model assumes; both values
-// measured with benchmarks/sweep_splits.py and benchmarks/sweep_moe_grid.py (docs/decisions.md, "Grouped MMA grid" and "Dense MMA split
+// measured with benchmarks/sweep_plan.py dense_splits and moe_grid (docs/decisions.md, "Grouped MMA grid" and "Dense MMA split
 // count by cluster waves").
 constexpr int kMmaSplitCostDense = 2;
 constexpr int kMmaSplitCostGrouped = 16;
@@ -145,11 +145,16 @@ struct LinearPlan {
   int64_t p, r, m_blocks;  // the MMA tile shape (MmaConfig); 0 for the other paths
 };
 
-// What a caller forces instead of the rules (forced-plan op, sweeps); 0 / "auto": the rule.
+// -1 for "auto", else the id (LinearPath) of a linear_path_name; anything else raises a one-line ValueError.
+// Kernels take ids (a `str` argument of a C++ kernel brings libstdc++ stream code into the extension
+// through torch's argument unboxing); kbit::_linear_path_id gives them to Python.
+int64_t linear_path_id(const std::string& name);
+
+// What a caller forces instead of the rules (kbit::_linear_forced, sweeps); -1 / 0: the rule.
 struct LinearForced {
-  std::string path = "auto";  // "auto" or a linear_path_name
-  int64_t row_groups = 0;     // MMA r
-  int64_t splits = 0;         // GEMV / MMA K splits
+  int64_t path = -1;        // -1 (auto) or a LinearPath
+  int64_t row_groups = 0;   // MMA r
+  int64_t splits = 0;       // GEMV / MMA K splits
 };
 
 // The plan of kbit::linear for M rows of x (dtype) and an [N, K] weight of k-bit codes on the GPU the

@@ -26,6 +26,11 @@ def random_runtime(E: int | None, N: int, K: int, k: int):
     return q, a
 
 
+def path(name: str) -> int:
+    """kbit::_linear_forced's id of a dense path."""
+    return torch.ops.kbit._linear_path_id(name)
+
+
 def check(name: str, out: torch.Tensor) -> None:
     torch.cuda.synchronize()
     assert torch.isfinite(out).all(), f"{name}: non-finite output"
@@ -40,17 +45,17 @@ def dense(k: int, quick: bool) -> None:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             for splits in range(0, 3 if quick else K // 128 + 1):
                 check(f"gemv k={k} M={M} N={N} S={splits}",
-                      torch.ops.kbit._gemv_linear(x, q, a, cb, N, K, None, splits))
+                      torch.ops.kbit._linear_forced(x, q, a, cb, N, K, None, path("gemv"), 0, splits))
         for M in ([1, 9, 33] if quick else [1, 3, 8, 9, 16, 17, 32, 33, 64]):
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             p = torch.ops.kbit.linear_plan(M, N, K, torch.bfloat16, 9, 132, 1, "mma")[3]  # p: rows / 8 per CTA
             for r in [0, 1, 2 if p == 8 else 4]:
-                out = torch.ops.kbit._mma_linear(x, q, a, cb, N, K, None, r, 0)
+                out = torch.ops.kbit._linear_forced(x, q, a, cb, N, K, None, path("mma"), r, 0)
                 check(f"mma k={k} M={M} N={N} r={r}", out)
         if not quick:
             x = torch.randn(80, K, device="cuda", dtype=torch.bfloat16)
-            check(f"wgmma k={k}", torch.ops.kbit._wgmma_linear(x, q, a, cb, N, K, None, False))
-            check(f"wgmma_ws k={k}", torch.ops.kbit._wgmma_linear(x, q, a, cb, N, K, None, True))
+            check(f"wgmma k={k}", torch.ops.kbit._linear_forced(x, q, a, cb, N, K, None, path("wgmma")))
+            check(f"wgmma_ws k={k}", torch.ops.kbit._linear_forced(x, q, a, cb, N, K, None, path("wgmma_ws")))
 
 
 def grouped(k: int, quick: bool) -> None:

@@ -1,7 +1,7 @@
 """kbit::linear on CUDA (GEMV for M <= 2, fused dequant + MMA up to M = 64, on large weights the fused
 dequant + wgmma kernels up to 128 (register-fragment) and 512 (warp-specialized), dequantize + cuBLAS
-elsewhere) and the kernels on their own (kbit::_gemv_linear, kbit::_mma_linear at any M and tile shape,
-kbit::_wgmma_linear) against the fp32 reference.
+elsewhere) and the kernels on their own (kbit::_linear_forced: the GEMV, the MMA at any M and tile shape, the
+wgmma kernels) against the fp32 reference.
 
 Reference: A.float() @ dequant(W).float().T (+ bias), with dequant from vllm_kbit.reference.
 Outputs are checked everywhere: the allocator's cache is poisoned with NaN before each call
@@ -117,8 +117,15 @@ def test_random_cases_match_reference(seed):
     _check(out, _reference(x, flat, bias), dtype)
 
 
+def _forced(x, w, path, bias=None, row_groups=0, splits=0):
+    """kbit::_linear_forced: the kernel of `path` with row_groups / splits forced (0: the planner's rules)."""
+    path_id = torch.ops.kbit._linear_path_id(path)
+    return torch.ops.kbit._linear_forced(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, bias, path_id, row_groups,
+                                         splits)
+
+
 def _mma(x, w, bias=None, row_groups=0, splits=0):
-    return torch.ops.kbit._mma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, bias, row_groups, splits)
+    return _forced(x, w, "mma", bias, row_groups, splits)
 
 
 def _built_row_groups(M):
@@ -175,7 +182,7 @@ def test_design_shapes_every_m(K, N):
             _check(kbit_linear(x[:M], w), ref[:M], torch.bfloat16, f"kbit_linear M={M} k={k} ({_plan(M, N, K)[0]})")
         for M in MMA_MS:
             _poison_cache(M * N * 2)
-            _check(_mma(x[:M], w), ref[:M], torch.bfloat16, f"_mma_linear M={M} k={k} config={_plan(M, N, K, 'mma')[3:]}")
+            _check(_mma(x[:M], w), ref[:M], torch.bfloat16, f"mma M={M} k={k} config={_plan(M, N, K, 'mma')[3:]}")
         del w, flat, ref
         torch.cuda.empty_cache()
 
@@ -186,7 +193,7 @@ requires_hopper = pytest.mark.skipif(
 
 
 def _wgmma(x, w, bias=None, warp_specialized=False):
-    return torch.ops.kbit._wgmma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, bias, warp_specialized)
+    return _forced(x, w, "wgmma_ws" if warp_specialized else "wgmma", bias)
 
 
 def _random_wgmma_case(seed):
@@ -228,7 +235,7 @@ def test_wgmma_design_shapes(K, N):
         for M in (128, 300, 600):
             for ws in (False, True):
                 _poison_cache(M * N * 2 + M * K * 2)
-                _check(_wgmma(x[:M], w, None, ws), ref[:M], torch.bfloat16, f"_wgmma_linear M={M} k={k} ws={ws}")
+                _check(_wgmma(x[:M], w, None, ws), ref[:M], torch.bfloat16, f"wgmma M={M} k={k} ws={ws}")
         del w, flat, ref
         torch.cuda.empty_cache()
 
@@ -273,8 +280,8 @@ def test_gemv_every_split_count(N, K, k):
     for M in (1, 2, 3, 4):
         for splits in range(0, _plan(M, N, K, "gemv")[2] + 1):
             _poison_cache(M * N * 2)
-            out = torch.ops.kbit._gemv_linear(x[:M], w.qweight_rt, w.absmax_rt, w.codebook, N, K, bias, splits)
-            _check(out, ref[:M], torch.float16, f"_gemv_linear M={M} S={splits}")
+            out = _forced(x[:M], w, "gemv", bias, splits=splits)
+            _check(out, ref[:M], torch.float16, f"gemv M={M} S={splits}")
 
 
 @pytest.mark.gpu
@@ -285,7 +292,7 @@ def test_gemv_refuses_bad_splits_and_rows():
     for M, s in ((1, 3), (1, -1), (5, 0)):
         x = torch.randn(M, 256, generator=gen).to(torch.bfloat16).cuda()
         with pytest.raises(RuntimeError, match="splits|rows"):
-            torch.ops.kbit._gemv_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, 64, 256, None, s)
+            _forced(x, w, "gemv", splits=s)
 
 
 @pytest.mark.gpu

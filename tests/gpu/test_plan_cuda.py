@@ -20,6 +20,13 @@ def launched():
     return list(zip(*torch.ops.kbit._launch_record()))
 
 
+def forced(x, w, path, row_groups=0, splits=0):
+    """kbit::_linear_forced (the forced-plan op) on a KbitLinearWeight."""
+    path_id = torch.ops.kbit._linear_path_id(path)
+    return torch.ops.kbit._linear_forced(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, None, path_id, row_groups,
+                                         splits)
+
+
 def expected_linear(plan):
     path, splits, _, p, r, m_blocks = plan
     if path == "gemv":
@@ -57,6 +64,7 @@ def test_linear_launches_its_plan(dtype):
 
 
 def test_forced_linear_launches_its_plan():
+    """kbit::_linear_forced launches what linear_plan.device plans with the same forced fields."""
     torch.cuda.set_device(DEVICE)
     launched()
     for K, N, k, w in _weights():
@@ -71,15 +79,28 @@ def test_forced_linear_launches_its_plan():
                     if splits > k_tiles:
                         continue
                     plan = torch.ops.kbit.linear_plan.device(M, N, K, torch.bfloat16, k, DEVICE, "mma", row_groups, splits)
-                    torch.ops.kbit._mma_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, row_groups, splits)
+                    forced(x, w, "mma", row_groups, splits)
                     assert launched() == expected_linear(plan), (M, N, K, k, row_groups, splits, plan)
             if M <= 4:
                 for splits in (0, 1, 3):
                     if splits > k_tiles:
                         continue
                     plan = torch.ops.kbit.linear_plan.device(M, N, K, torch.bfloat16, k, DEVICE, "gemv", 0, splits)
-                    torch.ops.kbit._gemv_linear(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, splits)
+                    forced(x, w, "gemv", 0, splits)
                     assert launched() == expected_linear(plan), (M, N, K, k, splits, plan)
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability()[0] != 9, reason="wgmma: Hopper")
+def test_forced_paths_launch_their_kernel():
+    torch.cuda.set_device(DEVICE)
+    launched()
+    w = _random_weight(10240, 2048, 4, torch.Generator().manual_seed(1))[0]
+    for M in (1, 80, 300):
+        x = torch.randn(M, 2048, dtype=torch.bfloat16, device=DEVICE)
+        for path in ("wgmma", "wgmma_ws", "dequant_cublas", "mma") + (("gemv",) if M == 1 else ()):
+            plan = torch.ops.kbit.linear_plan.device(M, 10240, 2048, torch.bfloat16, 4, DEVICE, path)
+            forced(x, w, path)
+            assert launched() == expected_linear(plan), (M, path, plan)
 
 
 def expected_moe(plan):
