@@ -15,9 +15,9 @@ only difference. Methods (rows, per model):
 - kbit k = 2..5 online (what ``--quantization kbit`` does at load: the reference quantizer, default
   codebook and scale search);
 - kbit k = 3, 4 ``--gptq``: ``vllm-kbit convert --gptq --calibration-file`` on the calibration tokens;
-  the packed checkpoint is read back and decoded. On the MoE it rounds with GPTQ only what transformers
-  runs as ``nn.Linear`` (attention): transformers keeps Mixtral's experts as 3-D tensors, so convert
-  rounds them as online does (the record says how many tensors GPTQ changed);
+  the packed checkpoint is read back and decoded. On the MoE every expert is rounded on the tokens routed
+  to it (all of them here: top-8 of 8); before issue 42's item 4 convert rounded the experts as online
+  (the record says how many tensors GPTQ changed);
 - llm-compressor GPTQ W4A16 / W3A16 (symmetric int, group 64) and AWQ W4A16 / W3A16 (asymmetric int,
   group 64; AWQ's examples use the asymmetric preset), same calibration tokens. Group 128, the presets'
   size, does not divide SmolLM2's hidden size 576 (nor the experts' 192): llm-compressor refuses it, and
@@ -529,8 +529,7 @@ def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pat
         stored += 8 * (q.nbytes + a.nbytes)
         out[n] = fmt.dequantize(q, a, cb, torch.bfloat16)
         gptq_rounded += not torch.equal(out[n], rm.kbit_fake_weight(ev.state[n].contiguous(), k))
-    note = (f"vllm-kbit convert --gptq; {gptq_rounded} of {len(ev.names)} quantized tensors differ from online rounding "
-            "(the others were rounded as online: convert's GPTQ reaches only what transformers runs as nn.Linear)")
+    note = f"vllm-kbit convert --gptq; {gptq_rounded} of {len(ev.names)} quantized tensors differ from online rounding"
     return out, {"seconds": seconds, "stored_bits": stored, "notes": [note], "gptq_rounded": gptq_rounded,
                  "tensors": len(ev.names), "command": shlex.join(cmd), "checkpoint": str(out_dir)}
 
@@ -801,9 +800,8 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
         "",
         "- kbit online: the reference quantizer per tensor (default codebook, scale search), what `--quantization kbit` "
         "does at load. kbit `--gptq`: `vllm-kbit convert --bits k --gptq --calibration-file` (act-order, GPTQ-weighted "
-        "scale choice), the packed checkpoint read back. On the MoE, convert's GPTQ reaches only the layers transformers "
-        "runs as `nn.Linear` (attention): transformers 5 keeps Mixtral's experts as 3-D tensors, so every expert is "
-        "rounded as online (see the per-row notes: how many tensors differ from online rounding).",
+        "scale choice), the packed checkpoint read back; on the MoE each expert is rounded on the tokens routed to it "
+        "(see the per-row notes: how many tensors differ from online rounding).",
         "- llm-compressor: group 64, not the presets' 128, because 128 does not divide SmolLM2's hidden size 576 (nor "
         "the experts' 192): llm-compressor 0.14 refuses it and, with `bypass_divisibility_checks`, fails in its observer. "
         "GPTQ: symmetric int (W4A16 / W3A16 presets' settings, default actorder static, dampening 0.01); AWQ: asymmetric "

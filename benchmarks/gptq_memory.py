@@ -1,7 +1,7 @@
 """Peak device memory and time of `vllm-kbit convert --gptq` (one decoder layer at a time) on a Qwen3-30B-A3B-shaped
 checkpoint of random bf16 weights.
 
-    python3 benchmarks/gptq_memory.py [--layers 3] [--tokens 16384] [--bits 4] [--out benchmarks/results]
+    python3 benchmarks/gptq_memory.py [--layers 4] [--tokens 16384] [--bits 4] [--out benchmarks/results]
     python3 benchmarks/gptq_memory.py --shape tiny --device cpu --out /tmp/gptq-memory   # a CPU check, ~1 minute
 
 Writes the checkpoint (Qwen3-30B-A3B's shape: hidden 2048, 128 experts top-8, expert intermediate 768,
@@ -260,7 +260,7 @@ def _version(package: str) -> str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
-    parser.add_argument("--layers", type=int, default=3, help="decoder layers (the real model has 48)")
+    parser.add_argument("--layers", type=int, default=4, help="decoder layers (the real model has 48)")
     parser.add_argument("--tokens", type=int, default=16384, help="calibration tokens (convert --gptq's default)")
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--device", default="auto", help="auto, cuda, cuda:1 or cpu")

@@ -267,3 +267,10 @@ def test_a_model_without_decoder_layers_is_refused():
 
     with pytest.raises(ValueError, match=r"Flat has no decoder layer list \(model.layers\)"):
         gptq.quantize_model(Flat(), Tok(), lambda n: None, "x", n_tokens=64, window=32)
+
+
+def test_cli_calibration_tokens_needs_gptq(tmp_path, capsys):
+    from vllm_kbit import cli
+
+    assert cli.main(["convert", str(tmp_path / "in"), str(tmp_path / "out"), "--calibration-tokens", "1024"]) == 2
+    assert "--calibration-tokens needs --gptq" in capsys.readouterr().err

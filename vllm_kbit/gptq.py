@@ -20,13 +20,14 @@ near zero like the largest one.
 
 :func:`quantize_model` calibrates one decoder layer at a time, as llm-compressor's sequential
 pipeline does: the model stays where it was loaded (the CPU), a forward of the decoder with every layer
-passing its input through records each layer's inputs on the compute device, then layer i alone goes to
-the device, runs once on all calibration tokens and goes to the meta device. In that run each linear layer
+passing its input through records the first layer's input and every layer's other arguments (masks,
+position embeddings) on the compute device, then layer i alone goes to the device, runs once on all
+calibration tokens and goes to the meta device. In that run each linear layer
 is GPTQ-rounded when its input first arrives (a pre-hook), so every layer is calibrated on the outputs of
 the already rounded ones, and the run's output, computed with the rounded weights, is layer i + 1's input.
-Routed experts (transformers' 3-D expert tensors) are rounded one expert at a time, each on the Hessian of
-the tokens the router sends it; an expert with fewer than :func:`expert_min_tokens` is rounded on the
-Hessian of every token entering the layer. Device memory peaks at one decoder layer plus the calibration
+Routed experts (transformers' 3-D expert tensors) are rounded :data:`EXPERT_GROUP` at a time
+(:func:`gptq_quantize_experts`), each on the Hessian of the tokens the router sends it; an expert with
+fewer than :func:`expert_min_tokens` is rounded on the Hessian of every token entering the layer. Device memory peaks at one decoder layer plus the calibration
 activations. Calibration text defaults to :func:`calibration_text` (docstrings of Python's standard
 library, which every CPython ships).
 """
@@ -144,7 +145,7 @@ def gptq_quantize(
                 cols = pos[blk * fmt.BLOCK_SIZE : (blk + 1) * fmt.BLOCK_SIZE]
                 block = _current_columns(Wf, Wb, Eb, Hinv, cols, c0, c1)
                 weight = None if col_weight is None else col_weight[blk * fmt.BLOCK_SIZE : (blk + 1) * fmt.BLOCK_SIZE]
-                codes[:, blk] = fmt.block_scales(block, cb, search_scale, weight)[:, 0]
+                codes[:, blk] = _block_scales(block, cb, search_scale, None if weight is None else weight.expand_as(block))
                 scales[blk] = fmt.e4m4_decode(codes[:, blk])
                 products[blk] = thresholds.unsqueeze(0) * scales[blk].unsqueeze(-1)  # fp32(t_i * s), as the reference
             w = Wb[:, j]
@@ -249,7 +250,7 @@ def gptq_quantize_experts(
 def _block_scales(block: torch.Tensor, codebook: torch.Tensor, search: bool, col_weight: torch.Tensor | None) -> torch.Tensor:
     """:func:`reference.block_scales` of blocks [R, 32] (per-row column weights [R, 32] or None) -> codes [R]: the
     same candidates, indices, errors and first-smallest rule, with every candidate at once (a few dozen ops
-    instead of a loop of a thousand, which the experts' column loop would pay at each scale decision)."""
+    instead of a loop of a thousand, which the column loop would pay at each of its scale decisions)."""
     absmax_code = fmt.block_absmax_codes(block)[:, 0]
     if not search:
         return absmax_code
