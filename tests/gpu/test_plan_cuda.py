@@ -5,8 +5,8 @@ recorded (kbit::_launch_record: kernel, p, r, grid rows, K splits of every launc
 import pytest
 import torch
 
-from gpu.test_linear_cuda import DESIGN_SHAPES, _random_weight
-from gpu.test_moe_cuda import Experts, random_routing
+from test_linear_cuda import DESIGN_SHAPES, _random_weight  # a sibling: pytest puts tests/gpu on sys.path
+from test_moe_cuda import Experts, random_routing
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = [pytest.mark.gpu, requires_cuda]
