@@ -51,7 +51,12 @@ def write_checkpoint(out_dir: str, shape: dict, layers: int, seed: int = 0) -> d
     tensors are in memory at a time."""
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-    from transformers.core_model_loading import revert_weight_conversion
+
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: the model's names are the checkpoint's
+        def revert_weight_conversion(model, state_dict):
+            return state_dict
 
     from vllm_kbit.testing import tiny_models
 

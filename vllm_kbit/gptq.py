@@ -369,7 +369,9 @@ def quantize_model(model, tokenizer, select, text: str | None = None, n_tokens: 
             torch.cuda.synchronize(device)
         report.layer_seconds.append(time.perf_counter() - t0)
         if progress is not None:
-            progress(f"layer {i + 1}/{len(layers)}: {len(packed)} weights in {report.layer_seconds[-1]:.1f} s")
+            peak = (f", device peak {torch.cuda.max_memory_allocated(device) / 1024**3:.2f} GiB"
+                    if device.type == "cuda" else "")
+            progress(f"layer {i + 1}/{len(layers)}: {len(packed)} weights in {report.layer_seconds[-1]:.1f} s{peak}")
     return results
 
 
