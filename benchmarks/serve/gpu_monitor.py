@@ -50,6 +50,16 @@ def parse(text: str) -> dict:
     }
 
 
+def stop(proc: subprocess.Popen) -> None:
+    """Ends a sampling nvidia-smi: terminate, and kill it if it has not exited within 10 s."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 class GpuMonitor:
     """Context manager: samples GPU 0 (the one a single-GPU server runs on) every `period_ms` while the
     block runs; `summary` holds parse()'s result afterwards ({} without nvidia-smi or a readable sample).
@@ -75,12 +85,7 @@ class GpuMonitor:
     def __exit__(self, *exc) -> None:
         if self._proc is None:
             return
-        self._proc.terminate()
-        try:
-            self._proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self._proc.kill()
-            self._proc.wait()
+        stop(self._proc)
         self._out.seek(0)
         self.summary = parse(self._out.read())
         self._out.close()
@@ -137,12 +142,7 @@ class MemorySampler:
 
     def __exit__(self, *exc) -> None:
         if self._proc is not None:
-            self._proc.terminate()
-            try:
-                self._proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+            stop(self._proc)
             self._proc = None
 
     def close(self) -> None:
