@@ -337,6 +337,14 @@ def test_memory_samples_give_the_peak_per_gpu_up_to_a_time():
     assert gpu_monitor.parse_memory("") == {}
 
 
+@pytest.mark.parametrize("visible, ids", [("2,3", "2,3"), (" 1 ", "1"), ("", None), ("GPU-5b1c", None)])
+def test_samplers_read_only_the_gpus_named_by_index_in_cuda_visible_devices(monkeypatch, visible, ids):
+    import gpu_monitor
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    assert gpu_monitor.visible_ids() == ids
+
+
 def _big_row(monkeypatch, tmp_path, argv):
     import big
 
@@ -366,6 +374,10 @@ def test_big_row_serves_dummy_weights_with_the_method_and_the_gdn_backend(tmp_pa
     assert args[args.index("--tensor-parallel-size") + 1] == "4" and "--gdn-prefill-backend" not in args
     assert "--quantization" not in args
     assert big.weight_load_s("(Worker_TP0) Model loading took 88.12 GiB memory and 312.5 seconds") == 312.5
+    log = ("kbit: quantized 10 linear layers ...; peak GPU memory so far: 95.5 GiB allocated, 120 GiB reserved\n"
+           "kbit: quantized 10 linear layers ...; peak GPU memory so far: 96.25 GiB allocated, 118 GiB reserved")
+    assert big.torch_peak_gib(log) == {"torch_peak_allocated_gib": 96.25, "torch_peak_reserved_gib": 120.0}
+    assert big.torch_peak_gib("no kbit line") == {}
 
 
 def test_big_rows_report_load_memory_and_throughput_per_gpu(tmp_path, monkeypatch):

@@ -56,6 +56,8 @@ from methods import METHODS, Method  # noqa: E402
 
 _WEIGHT_LOAD_S = re.compile(r"Model loading took [0-9.]+ GiB(?: memory)? and ([0-9.]+) seconds")
 _LOADED = "Model loading took"
+# The kbit load line's torch figures: peak allocated (what loading needed) and reserved (what the allocator held).
+_TORCH_PEAK = re.compile(r"peak GPU memory so far: ([0-9.]+) GiB allocated, ([0-9.]+) GiB reserved")
 # Bits per quantized weight for the weight estimate: kbit k + one E4M4 byte per 32; GPTQ 4 bits + an fp16 scale and
 # a packed zero per group of 128 (about 4.16); bf16 16.
 _BITS = {"gptq-int4": 4 + (16 + 4) / 128, "bf16": 16.0}
@@ -69,6 +71,14 @@ def weight_load_s(log_text: str) -> float | None:
     """The seconds of vLLM's "Model loading took X GiB memory and N seconds" (the largest over the workers)."""
     values = [float(v) for v in _WEIGHT_LOAD_S.findall(log_text)]
     return max(values) if values else None
+
+
+def torch_peak_gib(log_text: str) -> dict:
+    """The largest peak allocated / reserved GiB over the kbit load lines of the log (one per worker), or {}."""
+    found = [(float(a), float(r)) for a, r in _TORCH_PEAK.findall(log_text)]
+    if not found:
+        return {}
+    return {"torch_peak_allocated_gib": max(a for a, _ in found), "torch_peak_reserved_gib": max(r for _, r in found)}
 
 
 def model_type(name: str) -> str:
@@ -133,7 +143,7 @@ class BigRun(bench_serve.Run):
                 text = server.log_text()
                 load = memory.peak_gib(loaded_at[0]) if loaded_at else {}
                 start = memory.peak_gib()
-                return {**facts, **vllm_server.log_facts(text), "weight_load_s": weight_load_s(text),
+                return {**facts, **vllm_server.log_facts(text), **torch_peak_gib(text), "weight_load_s": weight_load_s(text),
                         "peak_load_gib": round(max(load.values()), 2) if load else None,
                         "peak_start_gib": round(max(start.values()), 2) if start else None,
                         "peak_load_gib_per_gpu": [round(load[i], 2) for i in sorted(load)] if load else None}
@@ -217,7 +227,8 @@ def markdown(recs: list[dict]) -> str:
         f"{first['input_len']} in / {first['output_len']} out, `--ignore-eos`. Weight GiB: vLLM's \"Model loading took\" "
         "(per GPU; estimate from the config in brackets); KV tokens: the engine's; load s: server start to healthy "
         "(weights alone in brackets); peak load GiB: largest nvidia-smi memory.used of a GPU until the weights were "
-        "loaded (whole start-up in brackets). Per concurrency c: output tok/s, tok/s per GPU, mean TPOT ms, mean TTFT ms.",
+        "loaded (whole start-up in brackets; torch's peak allocated / reserved while kbit loaded, from its load line, in "
+        "square brackets: allocated is what loading needed, reserved minus allocated is the allocator's slack). Per concurrency c: output tok/s, tok/s per GPU, mean TPOT ms, mean TTFT ms.",
         "",
         "| model | method | GPUs | weight GiB | KV tokens | load s | peak load GiB | "
         + " | ".join(f"c={c} tok/s | per GPU | TPOT | TTFT" for c in concs) + " |",
@@ -231,7 +242,9 @@ def markdown(recs: list[dict]) -> str:
                  f"{_f(facts.get('weight_gib'), '.2f')} ({_f(facts.get('weight_gib_estimate'))})",
                  _f(facts.get("kv_cache_tokens"), ","),
                  f"{_load_s(facts)} ({_f(facts.get('weight_load_s'), '.0f')})",
-                 f"{_f(facts.get('peak_load_gib'))} ({_f(facts.get('peak_start_gib'))})"]
+                 f"{_f(facts.get('peak_load_gib'))} ({_f(facts.get('peak_start_gib'))})"
+                 + (f" [{_f(facts['torch_peak_allocated_gib'])} / {_f(facts.get('torch_peak_reserved_gib'))}]"
+                    if facts.get("torch_peak_allocated_gib") is not None else "")]
         for c in concs:
             r = by_c.get(c)
             if r is None or r.get("output_tok_s") is None:

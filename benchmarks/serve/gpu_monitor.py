@@ -12,6 +12,7 @@ from __future__ import annotations
 import datetime
 import functools
 import operator
+import os
 import shutil
 import statistics
 import subprocess
@@ -19,6 +20,14 @@ import tempfile
 
 FIELDS = "clocks.sm,power.draw,temperature.gpu,utilization.gpu,clocks_event_reasons.active"
 POWER_CAP = 0x4  # nvidia-smi's "SW power cap" clock-event reason bit
+
+
+def visible_ids() -> str | None:
+    """The GPUs this process may use, as nvidia-smi's --id list: CUDA_VISIBLE_DEVICES when it names GPUs by index
+    (nvidia-smi ignores it, so rows run side by side on one host would otherwise read each other's GPUs), else
+    None (every GPU)."""
+    ids = [i.strip() for i in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if i.strip()]
+    return ",".join(ids) if ids and all(i.isdigit() for i in ids) else None
 
 
 def parse(text: str) -> dict:
@@ -61,7 +70,7 @@ def stop(proc: subprocess.Popen) -> None:
 
 
 class GpuMonitor:
-    """Context manager: samples GPU 0 (the one a single-GPU server runs on) every `period_ms` while the
+    """Context manager: samples the first visible GPU (the one a single-GPU server runs on) every `period_ms` while the
     block runs; `summary` holds parse()'s result afterwards ({} without nvidia-smi or a readable sample).
     The sampler also stops by itself after `max_s` (coreutils `timeout`), so a parent killed without a
     chance to clean up does not leave it running on a machine that stays warm."""
@@ -78,7 +87,8 @@ class GpuMonitor:
         if smi is not None:
             self._out = tempfile.TemporaryFile(mode="w+")
             limit = ["timeout", str(max(1, round(self.max_s)))] if shutil.which("timeout") else []
-            self._proc = subprocess.Popen([*limit, smi, "--id=0", f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits",
+            self._proc = subprocess.Popen([*limit, smi, f"--id={(visible_ids() or '0').split(',')[0]}",
+                                           f"--query-gpu={FIELDS}", "--format=csv,noheader,nounits",
                                            f"--loop-ms={self.period_ms}"], stdout=self._out, stderr=subprocess.STDOUT)
         return self
 
@@ -114,7 +124,7 @@ def parse_memory(text: str, until: datetime.datetime | None = None) -> dict[int,
 
 
 class MemorySampler:
-    """Context manager: samples every GPU's memory.used every `period_ms` (nvidia-smi, timestamped) while the block
+    """Context manager: samples every visible GPU's memory.used every `period_ms` (nvidia-smi, timestamped) while the block
     runs, e.g. a server's start-up; :meth:`peak_gib` reads the samples so far, up to a time if given (the moment the
     server logged that its weights were loaded), as {GPU index: GiB}. Without nvidia-smi every peak is {}. Like
     GpuMonitor the sampler stops by itself after `max_s`."""
@@ -130,7 +140,8 @@ class MemorySampler:
         if smi is not None:
             self._out = tempfile.NamedTemporaryFile(mode="w+", prefix="kbit_gpu_memory_", suffix=".csv")
             limit = ["timeout", str(max(1, round(self.max_s)))] if shutil.which("timeout") else []
-            self._proc = subprocess.Popen([*limit, smi, f"--query-gpu={MEMORY_FIELDS}", "--format=csv,noheader,nounits",
+            ids = [f"--id={visible_ids()}"] if visible_ids() else []
+            self._proc = subprocess.Popen([*limit, smi, *ids, f"--query-gpu={MEMORY_FIELDS}", "--format=csv,noheader,nounits",
                                            f"--loop-ms={self.period_ms}"], stdout=self._out, stderr=subprocess.STDOUT)
         return self
 

@@ -76,6 +76,7 @@ class LoadReport:
         self.left: dict[str, dict[str, int]] = {}
         self.range_scaled: list[str] = []  # layers quantized with a range scale != 1 (reference.range_scale)
         self.cpu_decode_cache = False
+        self.device: torch.device | None = None
 
     def plan(self, layer: torch.nn.Module) -> None:
         """The config gave ``layer`` a kbit method; the line waits for it."""
@@ -101,6 +102,7 @@ class LoadReport:
         self.bytes_before += bytes_before
         self.bytes_after += _nbytes(packed)
         self.cpu_decode_cache |= ops.cpu_decode_cache_on(packed[0])
+        self.device = packed[0].device
         self._done(layer)
 
     def finish_unquantized(self, layer: torch.nn.Module, kind: str, reason: str) -> None:
@@ -142,6 +144,13 @@ class LoadReport:
             n = len(self.range_scaled)
             names = ", ".join(self.range_scaled[:3]) + (f" and {n - 3} more" if n > 3 else "")
             line += f"; range-scaled (max |w| outside [2^-4, 31]): {n} ({names})"
+        if self.device is not None and self.device.type == "cuda":
+            # What loading needed at its peak (allocated) against what the caching allocator held (reserved):
+            # a gap between the two is fragmentation, not data.
+            line += (
+                f"; peak GPU memory so far: {_gib(torch.cuda.max_memory_allocated(self.device))} allocated, "
+                f"{_gib(torch.cuda.max_memory_reserved(self.device))} reserved"
+            )
         if self.cpu_decode_cache:
             line += (
                 "; on CPU each kbit layer also keeps its weights decoded after its first forward "
