@@ -30,11 +30,12 @@ def _import_torch():
 
 
 def cpu_extension(cpp_extension):
-    """``vllm_kbit._cpu``: the CPU kernels (csrc/cpu/), built with the host C++ compiler wherever torch is."""
+    """``vllm_kbit._cpu``: the CPU kernels (csrc/cpu/) and the ops' argument checks (csrc/ops/checks.cpp, as
+    kbit::_check_*), built with the host C++ compiler wherever torch is."""
     return cpp_extension.CppExtension(
         name="vllm_kbit._cpu",
-        sources=sorted(glob.glob("csrc/cpu/*.cpp")),
-        include_dirs=[os.path.abspath("csrc/common"), os.path.abspath("vllm_kbit")],
+        sources=[*sorted(glob.glob("csrc/cpu/*.cpp")), "csrc/ops/checks.cpp"],
+        include_dirs=[os.path.abspath("csrc/common"), os.path.abspath("csrc/ops"), os.path.abspath("vllm_kbit")],
         # -ffp-contract=off: no fused multiply-add, so every fp32 operation rounds once, as the reference's;
         # -fopenmp: at::parallel_for spreads the blocks over torch's threads.
         extra_compile_args=["-O3", "-std=c++17", "-fno-ipa-sra", "-ffp-contract=off", "-fopenmp"],

@@ -1,14 +1,15 @@
 """Bad input for every torch.ops.kbit op, as one table run three ways:
 
 * through the CPU implementations (tests/test_bad_input.py, in CI);
-* through the C++ checks of the CUDA implementations on CPU tensors, ``kbit::_check_<op>``
-  (tests/test_bad_input.py, in a subprocess that loads the extension, where it is built);
+* through the C++ checks as ops on CPU tensors, ``kbit::_check_<op>`` (tests/test_bad_input.py, in a
+  subprocess);
 * through the CUDA implementations, one subprocess per case, so a crash fails one test instead of
   killing the run (tests/gpu/test_bad_input_cuda.py; tests/gpu/run_reliability.sh).
 
 Each case builds the op's arguments on a device, and names the exception and a fragment of the
-one-line message both implementations raise. Routing ids outside the local experts are not errors:
-ROUTING_CASES check that such slots contribute zero.
+one-line message every implementation raises: the rules are csrc/ops/checks.cpp's, which the CUDA ops
+run and the reference asks (vllm_kbit.reference.check). Routing ids outside the local experts are not
+errors: ROUTING_CASES check that such slots contribute zero.
 
 As a script: ``python tests/bad_input_cases.py [--device cuda] [--check-op] [CASE ...]`` runs the
 given cases (default: all) in this process and exits 0 when every one raised as expected (ROUTING
@@ -38,7 +39,7 @@ class Case:
     error: type
     match: str  # regex searched in the message
     cuda_only: bool = False  # needs tensors on two devices
-    cpp_check: bool = True  # kbit::_check_<op> covers it (metadata; value checks run in the op only)
+    cpp_check: bool = True  # kbit::_check_<op> covers it (metadata; the weight's values are checked in the op)
 
 
 def _weight(device, k=KBITS, n=N, kk=K, seed=0):
@@ -155,8 +156,8 @@ CASES: list[Case] = [
     Case("repack-noncontiguous", "repack", lambda d: (lambda q, a, cb: (_noncontig(q), a))(*_weight(d)), ValueError, "qweight must be contiguous"),
     Case("repack-absmax-on-cpu", "repack", lambda d: (lambda q, a, cb: (q, a.cpu()))(*_weight(d)), ValueError, "absmax is on cpu but qweight is on cuda", cuda_only=True),
     # unrepack(qweight_rt, absmax_rt, N, K): the reference on every device
-    Case("unrepack-N", "unrepack", lambda d: (*_runtime(d)[:2], 100, K), ValueError, r"runtime tensors for \[100, 64\]", cpp_check=False),
-    Case("unrepack-K", "unrepack", lambda d: (*_runtime(d)[:2], N, 65), ValueError, "K a positive multiple of 32", cpp_check=False),
+    Case("unrepack-N", "unrepack", lambda d: (*_runtime(d)[:2], 100, K), ValueError, r"runtime tensors for \[100, 64\]"),
+    Case("unrepack-K", "unrepack", lambda d: (*_runtime(d)[:2], N, 65), ValueError, "K a positive multiple of 32"),
     # dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, dtype)
     Case("dequantize_runtime-K", "dequantize_runtime", lambda d: (*_runtime(d), N, 544, torch.float32), ValueError, r"runtime tensors for \[8, 544\] must be int32 \[1, 5, 4, 64, 4\]"),
     Case("dequantize_runtime-N", "dequantize_runtime", lambda d: (*_runtime(d), 100, K, torch.float32), ValueError, r"runtime tensors for \[100, 64\]"),
@@ -192,19 +193,18 @@ CASES: list[Case] = [
     Case("linear-qweight-on-cpu", "linear", lambda d: (lambda a: _linear(d, q=a[1].cpu()))(_linear(d)), ValueError, "runtime qweight is on cpu but x is on cuda", cuda_only=True),
     Case("linear-codebook-on-cpu", "linear", lambda d: _linear(d, cb=_cb("cpu", 4)), ValueError, "codebook is on cpu but x is on cuda", cuda_only=True),
     Case("linear-bias-on-cpu", "linear", lambda d: _linear(d, bias=torch.zeros(N, dtype=torch.bfloat16)), ValueError, "bias is on cpu but x is on cuda", cuda_only=True),
-    # fused_moe(x, topk_ids, topk_weights, w13_q, w13_a, w2_q, w2_a, codebook, I, expert_map, on_input): checked in
-    # Python (vllm_kbit.moe.check_inputs) for both devices
-    Case("fused_moe-topk_weights-int64", "fused_moe", lambda d: _moe(d, weights=torch.ones(T, TOP_K, dtype=torch.int64, device=d)), TypeError, "topk_weights must be a float tensor, got torch.int64", cpp_check=False),
-    Case("fused_moe-topk_ids-float", "fused_moe", lambda d: _moe(d, ids=torch.zeros(T, TOP_K, device=d)), TypeError, "topk_ids must be an integer tensor", cpp_check=False),
-    Case("fused_moe-topk-shape", "fused_moe", lambda d: _moe(d, ids=torch.zeros(T, TOP_K + 1, dtype=torch.int32, device=d)), ValueError, r"needs x \[T, H\] and topk_ids/topk_weights \[T, top_k\]", cpp_check=False),
-    Case("fused_moe-tokens", "fused_moe", lambda d: _moe(d, x=_x(d, T + 1, H)), ValueError, r"needs x \[T, H\]", cpp_check=False),
-    Case("fused_moe-hidden-size", "fused_moe", lambda d: _moe(d, x=_x(d, T, 2 * H)), ValueError, "w2_qweight/w2_absmax for 4 experts of \\[128, 32\\]", cpp_check=False),
-    Case("fused_moe-intermediate-size", "fused_moe", lambda d: _moe(d, I_=64), ValueError, "w13_qweight/w13_absmax for 4 experts", cpp_check=False),
-    Case("fused_moe-intermediate-not-multiple", "fused_moe", lambda d: _moe(d, I_=33), ValueError, "must be positive multiples of 32", cpp_check=False),
-    Case("fused_moe-x-int8", "fused_moe", lambda d: _moe(d, x=_x(d, T, H).to(torch.int8)), TypeError, "x has dtype torch.int8", cpp_check=False),
-    Case("fused_moe-codebook-size", "fused_moe", lambda d: _moe(d, cb=_cb(d, 3)), ValueError, r"codebook must be float32 \[16\]", cpp_check=False),
-    Case("fused_moe-expert_map-float", "fused_moe", lambda d: _moe(d, expert_map=torch.zeros(E, device=d)), ValueError, "expert_map must be a 1-D integer tensor", cpp_check=False),
-    Case("fused_moe-ids-on-cpu", "fused_moe", lambda d: _moe(d, ids=torch.zeros(T, TOP_K, dtype=torch.int32)), ValueError, "needs every tensor on x's device", cuda_only=True, cpp_check=False),
+    # fused_moe(x, topk_ids, topk_weights, w13_q, w13_a, w2_q, w2_a, codebook, I, expert_map, on_input)
+    Case("fused_moe-topk_weights-int64", "fused_moe", lambda d: _moe(d, weights=torch.ones(T, TOP_K, dtype=torch.int64, device=d)), TypeError, "topk_weights must be a float tensor, got torch.int64"),
+    Case("fused_moe-topk_ids-float", "fused_moe", lambda d: _moe(d, ids=torch.zeros(T, TOP_K, device=d)), TypeError, "topk_ids must be an integer tensor"),
+    Case("fused_moe-topk-shape", "fused_moe", lambda d: _moe(d, ids=torch.zeros(T, TOP_K + 1, dtype=torch.int32, device=d)), ValueError, r"needs x \[T, H\] and topk_ids/topk_weights \[T, top_k\]"),
+    Case("fused_moe-tokens", "fused_moe", lambda d: _moe(d, x=_x(d, T + 1, H)), ValueError, r"needs x \[T, H\]"),
+    Case("fused_moe-hidden-size", "fused_moe", lambda d: _moe(d, x=_x(d, T, 2 * H)), ValueError, "w2_qweight/w2_absmax for 4 experts of \\[128, 32\\]"),
+    Case("fused_moe-intermediate-size", "fused_moe", lambda d: _moe(d, I_=64), ValueError, "w13_qweight/w13_absmax for 4 experts"),
+    Case("fused_moe-intermediate-not-multiple", "fused_moe", lambda d: _moe(d, I_=33), ValueError, "must be positive multiples of 32"),
+    Case("fused_moe-x-int8", "fused_moe", lambda d: _moe(d, x=_x(d, T, H).to(torch.int8)), TypeError, "x has dtype torch.int8"),
+    Case("fused_moe-codebook-size", "fused_moe", lambda d: _moe(d, cb=_cb(d, 3)), ValueError, r"codebook must be float32 \[16\]"),
+    Case("fused_moe-expert_map-float", "fused_moe", lambda d: _moe(d, expert_map=torch.zeros(E, device=d)), ValueError, "expert_map must be a 1-D integer tensor"),
+    Case("fused_moe-ids-on-cpu", "fused_moe", lambda d: _moe(d, ids=torch.zeros(T, TOP_K, dtype=torch.int32)), ValueError, "needs every tensor on x's device", cuda_only=True),
 ]
 
 CASES_BY_ID = {c.id: c for c in CASES}
@@ -267,15 +267,18 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("cases", nargs="*", help="case ids (default: every case for the device)")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--check-op", action="store_true", help="call kbit::_check_<op> instead of the op (needs the extension)")
+    parser.add_argument("--check-op", action="store_true", help="call kbit::_check_<op> instead of the op")
     parser.add_argument("--list", action="store_true")
     args = parser.parse_args(argv)
     import vllm_kbit.moe  # noqa: F401  (registers kbit::fused_moe)
     from vllm_kbit import ops
 
     on_cuda = args.device.startswith("cuda")
-    if (on_cuda and not ops.HAS_CUDA_KERNELS) or (args.check_op and not ops.HAS_EXTENSION):
+    if on_cuda and not ops.HAS_CUDA_KERNELS:
         print("the CUDA extension (vllm_kbit/_C*.so) is not loaded: nothing of it to test", file=sys.stderr)
+        return 2
+    if not ops.HAS_CPU_KERNELS:
+        print("the CPU extension (vllm_kbit/_cpu*.so, with the argument checks) is not loaded", file=sys.stderr)
         return 2
     ids = args.cases or [
         c.id for c in CASES if (on_cuda or not c.cuda_only) and (c.cpp_check or not args.check_op)

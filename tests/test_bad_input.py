@@ -1,9 +1,8 @@
 """Bad input gets a one-line error saying what is wrong and what is supported.
 
-The table in bad_input_cases.py runs here through the CPU implementations and, where the CUDA
-extension is built, through the C++ checks of the CUDA implementations (kbit::_check_<op> on CPU
-tensors, in a subprocess that loads the extension); tests/gpu/test_bad_input_cuda.py runs it through
-the CUDA implementations.
+The table in bad_input_cases.py runs here through the CPU implementations and through the C++ checks
+as ops (kbit::_check_<op> on CPU tensors, in a subprocess); tests/gpu/test_bad_input_cuda.py runs it
+through the CUDA implementations. Every one of them raises what csrc/ops/checks.cpp states.
 """
 
 import glob
@@ -24,6 +23,12 @@ from child_env import child_env
 
 _CASES_FILE = os.path.join(os.path.dirname(__file__), "bad_input_cases.py")
 _EXTENSION = glob.glob(os.path.join(os.path.dirname(vllm_kbit.__file__), "_C*.so"))
+_CPU_EXTENSION = glob.glob(os.path.join(os.path.dirname(vllm_kbit.__file__), "_cpu*.so"))
+pytestmark = pytest.mark.skipif(not _CPU_EXTENSION, reason="vllm_kbit._cpu (the argument checks) is not built")
+
+
+def test_the_reference_asks_the_cpp_checks():
+    assert fmt.CHECKS_LOADED
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.cuda_only], ids=lambda c: c.id)
@@ -36,18 +41,10 @@ def test_cpu_routing_ids_outside_the_local_experts_contribute_zero(case_id):
     assert run_routing_case(case_id, "cpu") is None
 
 
-@pytest.mark.skipif(not _EXTENSION, reason="the CUDA extension is not built")
-def test_cpp_checks_raise_what_the_reference_raises():
-    """The C++ checks the CUDA ops run first, on the table's CPU tensors; a crash fails the test."""
-    env = child_env(VLLM_KBIT_LOAD_EXTENSION="1")
-    probe = subprocess.run(
-        [sys.executable, "-c", "import torch, vllm_kbit.ops as o; assert o.HAS_EXTENSION; torch.ops.kbit._check_repack"],
-        env=env, capture_output=True, text=True,
-    )
-    if probe.returncode != 0 and "libcudart" in probe.stderr:
-        pytest.skip("the extension needs libcudart, which this machine lacks")
-    assert probe.returncode == 0, probe.stderr[-2000:]
-    run = subprocess.run([sys.executable, _CASES_FILE, "--check-op"], env=env, capture_output=True, text=True, timeout=600)
+def test_cpp_checks_as_ops_raise_what_the_ops_raise():
+    """kbit::_check_<op> on the table's CPU tensors, in a child process: a crash fails this test alone."""
+    run = subprocess.run([sys.executable, _CASES_FILE, "--check-op"], env=child_env(VLLM_KBIT_LOAD_EXTENSION="1"),
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, (run.returncode, run.stdout[-4000:], run.stderr[-4000:])
     assert run.stdout.count(": ok") == sum(c.cpp_check and not c.cuda_only for c in CASES)
 
@@ -147,10 +144,11 @@ def test_mismatched_runtime_tensors_and_activations():
         torch.ops.kbit.linear(torch.ones(2, 64, dtype=torch.long), q_rt, a_rt, w.codebook, 8, 64, None)
 
 
-@pytest.mark.skipif(not _EXTENSION or not shutil.which("nm"), reason="the CUDA extension is not built (or no nm)")
-def test_extension_has_no_iostream_code_of_its_own():
+@pytest.mark.skipif(not shutil.which("nm"), reason="no nm")
+@pytest.mark.parametrize("so", _EXTENSION + _CPU_EXTENSION, ids=os.path.basename)
+def test_extension_has_no_iostream_code_of_its_own(so):
     """Messages go through csrc/common/check.h: no stream template of libstdc++ is instantiated in the .so (those
     copies crashed the process when a check fired, with a g++ other than the process's libstdc++)."""
-    symbols = subprocess.run(["nm", "-C", "--defined-only", _EXTENSION[0]], capture_output=True, text=True, check=True).stdout
+    symbols = subprocess.run(["nm", "-C", "--defined-only", so], capture_output=True, text=True, check=True).stdout
     streams = [line for line in symbols.splitlines() if "ostream" in line or "num_put" in line]
     assert not streams, "stream code in the extension (use KBIT_CHECK*, not TORCH_CHECK):\n" + "\n".join(streams[:10])

@@ -107,9 +107,7 @@ def gptq_quantize(
     see :data:`SCALE_RULES`). Inputs that never fire (H[i, i] == 0) get H[i, i] = 1, so their
     columns are rounded to nearest with nothing to compensate.
     """
-    fmt.check_weight(W)
-    fmt.check_codebook(codebook, k)
-    fmt.check_representable(W)
+    fmt.check_quantize(W, codebook, k)
     N, K = W.shape
     if H.shape != (K, K):
         raise ValueError(f"kbit gptq: H has shape {list(H.shape)}, weight {list(W.shape)} needs [{K}, {K}]")
@@ -182,8 +180,7 @@ def gptq_quantize_experts(
         raise ValueError(f"kbit gptq: experts' weight must be 3-D [B, N, K], got shape {list(W.shape)}")
     B, N, K = W.shape
     for b in range(B):
-        fmt.check_weight(W[b])
-    fmt.check_codebook(codebook, k)
+        fmt.check("quantize", W[b], codebook, k)
     fmt.check_representable(W)
     if H.shape != (B, K, K):
         raise ValueError(f"kbit gptq: H has shape {list(H.shape)}, weights {list(W.shape)} need [{B}, {K}, {K}]")

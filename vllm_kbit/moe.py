@@ -35,44 +35,6 @@ _lib = torch.library.Library("kbit", "FRAGMENT")  # kbit::fused_moe's schema: vl
 _MOE_PATH = torch.ops.kbit._moe_path_override() if ops.HAS_EXTENSION else 0  # 0: auto
 
 
-def check_inputs(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
-                 expert_map) -> int:
-    """Shapes, dtypes and devices of a fused_moe call (one-line errors); returns k."""
-    fmt.check_float_dtype(x, "x")
-    if x.dim() != 2 or topk_ids.dim() != 2 or topk_ids.shape != topk_weights.shape or topk_ids.shape[0] != x.shape[0]:
-        raise ValueError(
-            f"kbit: fused_moe needs x [T, H] and topk_ids/topk_weights [T, top_k], got {list(x.shape)}, "
-            f"{list(topk_ids.shape)} and {list(topk_weights.shape)}"
-        )
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype == torch.bool:
-        raise TypeError(f"kbit: fused_moe topk_ids must be an integer tensor, got {topk_ids.dtype}")
-    if not topk_weights.dtype.is_floating_point:
-        raise TypeError(f"kbit: fused_moe topk_weights must be a float tensor, got {topk_weights.dtype}")
-    H, I = x.shape[1], int(intermediate_size)
-    if H <= 0 or I <= 0 or H % fmt.BLOCK_SIZE or I % fmt.BLOCK_SIZE:
-        raise ValueError(f"kbit: fused_moe hidden size {H} and intermediate size {I} must be positive multiples of 32")
-    if w13_qweight.dim() != 6 or w13_qweight.shape[0] < 1:
-        raise ValueError(f"kbit: fused_moe w13_qweight must be stacked runtime tensors [E, ...], got {list(w13_qweight.shape)}")
-    E, k = w13_qweight.shape[0], w13_qweight.shape[3]
-    fmt.check_bits(k)
-    for name, q, a, N, K in (("w13", w13_qweight, w13_absmax, 2 * I, H), ("w2", w2_qweight, w2_absmax, H, I)):
-        q_shape, a_shape = fmt.runtime_shapes(N, K, k)
-        if q.dtype != torch.int32 or tuple(q.shape) != (E, *q_shape) or a.dtype != torch.uint8 or tuple(a.shape) != (E, *a_shape):
-            raise ValueError(
-                f"kbit: fused_moe {name}_qweight/{name}_absmax for {E} experts of [{N}, {K}] (intermediate size {I}, "
-                f"k={k}) must be int32 {[E, *q_shape]} and uint8 {[E, *a_shape]}, got {q.dtype} {list(q.shape)} and "
-                f"{a.dtype} {list(a.shape)}"
-            )
-    if codebook.dtype != torch.float32 or tuple(codebook.shape) != (2**k,):
-        raise ValueError(f"kbit: fused_moe codebook must be float32 [{2**k}], got {codebook.dtype} {list(codebook.shape)}")
-    if expert_map is not None and (expert_map.dim() != 1 or expert_map.dtype.is_floating_point):
-        raise ValueError(f"kbit: fused_moe expert_map must be a 1-D integer tensor, got {expert_map.dtype} {list(expert_map.shape)}")
-    tensors = [topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook]
-    if any(t.device != x.device for t in tensors + ([expert_map] if expert_map is not None else [])):
-        raise ValueError(f"kbit: fused_moe needs every tensor on x's device {x.device}")
-    return k
-
-
 def _fused_moe_reference(
     x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size, expert_map,
     apply_router_weight_on_input,
@@ -83,8 +45,8 @@ def _fused_moe_reference(
     runs on every token and a per-token combine weight (zero where the expert was
     not picked) selects the result.
     """
-    check_inputs(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
-                 expert_map)
+    fmt.check("fused_moe", x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook,
+              intermediate_size, expert_map, apply_router_weight_on_input)
     T, H = x.shape
     I = intermediate_size
     E = w13_qweight.shape[0]
@@ -132,16 +94,12 @@ def _fused_moe_cuda(
 ):
     """CUDA: the fused kernels for bf16/fp16 activations, the reference for fp32 (or without the extension).
 
-    check_inputs is the op's one validation, shared with the CPU implementation; kbit::_fused_moe_cuda
-    repeats the checks its memory accesses depend on for direct callers.
-    """
+    Both check the arguments with the same rules (check_fused_moe, csrc/ops/checks.cpp)."""
     if x.dtype == torch.float32 or not ops.HAS_CUDA_KERNELS:
         return _fused_moe_reference(
             x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
             expert_map, apply_router_weight_on_input,
         )
-    check_inputs(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
-                 expert_map)
     return torch.ops.kbit._fused_moe_cuda(
         x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, int(intermediate_size),
         expert_map, apply_router_weight_on_input, _MOE_PATH,

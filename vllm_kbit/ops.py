@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import glob
 import os
+import warnings
 import weakref
 from typing import Callable
 
@@ -57,12 +58,15 @@ def _variant(op: str, name: str, extra_args: str = "", returns: str | None = Non
     return f"{name}({args[len(op) + 1 : -1]}{extra_args}) -> {returns or ret}"
 
 
-# Variants the C++ extension implements: its argument checks on any device (kbit::_check_<op>, for
-# the bad-input tests), the dense plan forced (tests, benchmarks, sweeps), and fused_moe's CUDA composition with
-# a forced path. The extension's C++-only ops (plans, routing pieces) are defined in csrc/.
+# Variants the C++ extensions implement: the argument checks on any device (csrc/ops/checks.cpp, registered
+# by vllm_kbit._cpu; reference.check asks them): each op's, with its arguments and no outputs, and the rules
+# the reference also asks alone; the dense plan forced (tests, benchmarks, sweeps), and fused_moe's CUDA
+# composition with a forced path. The CUDA extension's C++-only ops (plans, routing pieces) are defined in csrc/.
 _VARIANTS = {
-    **{f"_check_{op}": _variant(op, f"_check_{op}", returns="()")
-       for op in ("quantize", "dequantize", "repack", "dequantize_runtime", "linear")},
+    **{f"_check_{op}": _variant(op, f"_check_{op}", returns="()") for op in _SCHEMAS},
+    "_check_bits": "_check_bits(Scalar k) -> ()",
+    "_check_codebook": "_check_codebook(Tensor codebook, int k) -> ()",
+    "_check_weight_amax": "_check_weight_amax(float amax, bool bounded) -> ()",
     # kbit::linear with its plan forced (path: kbit::_linear_path_id, -1 = auto; 0 = the rule for the rest).
     "_linear_forced": _variant("linear", "_linear_forced", ", int path=-1, int row_groups=0, int splits=0"),
     "_fused_moe_cuda": _variant("fused_moe", "_fused_moe_cuda", ", int path=0"),  # kbit::_moe_path_id; 0: auto
@@ -148,15 +152,7 @@ def cpu_decode_cache_nbytes() -> int:
 
 def _linear_reference(x, qweight_rt, absmax_rt, codebook, N, K, bias):
     """out[..., N] = x[..., K] @ dequant(W).T (+ bias), in x's dtype."""
-    fmt.check_float_dtype(x, "x")
-    if x.dim() == 0:
-        raise ValueError(f"kbit: x must be [..., K] with K={K}, got a 0-d tensor")
-    if x.shape[-1] != K:
-        raise ValueError(f"kbit: x has {x.shape[-1]} features but the weight has K={K}")
-    fmt.check_runtime(qweight_rt, absmax_rt, N, K)
-    fmt.check_codebook(codebook, qweight_rt.shape[2])
-    if bias is not None and (bias.dim() != 1 or bias.shape[0] != N or bias.dtype != x.dtype):
-        raise ValueError(f"kbit: bias must be [{N}] of x's dtype {x.dtype}, got {bias.dtype} {list(bias.shape)}")
+    fmt.check("linear", x, qweight_rt, absmax_rt, codebook, N, K, bias)
     W = cpu_decoded(
         (qweight_rt, absmax_rt, codebook),
         ("linear", x.dtype, N, K),
@@ -166,29 +162,34 @@ def _linear_reference(x, qweight_rt, absmax_rt, codebook, N, K, bias):
 
 
 def _load_cpu_extension() -> bool:
-    """Loads vllm_kbit/_cpu*.so (the CPU kernels) where it is built; False leaves quantize to the reference."""
+    """Loads vllm_kbit/_cpu*.so (the CPU kernels and the argument checks) where it is built; False leaves
+    quantize to the reference and the ops unchecked."""
     candidates = sorted(glob.glob(os.path.join(os.path.dirname(__file__), "_cpu*.so")))
     if not candidates or not envs.load_extension():
         return False
     try:
         torch.ops.load_library(candidates[0])
-    except OSError:  # built against another torch: the reference still serves quantize, slower
+    except OSError as e:  # built against another torch: the reference still serves every op, slower
+        warnings.warn(
+            f"vllm-kbit: cannot load {candidates[0]} with torch {torch.__version__} ({e}): quantize runs the slow "
+            "reference and bad arguments are not checked; reinstall with `pip install --no-build-isolation "
+            "--no-deps --force-reinstall vllm-kbit`", stacklevel=2,
+        )
         return False
     return True
 
 
-# HAS_CPU_KERNELS: kbit::quantize on CPU tensors runs the compiled kernel (kbit::_quantize_cpu).
-HAS_CPU_KERNELS = _load_cpu_extension()
+# HAS_CPU_KERNELS: kbit::quantize on CPU tensors runs the compiled kernel (kbit::_quantize_cpu), and the
+# reference's checks ask the C++ ones (reference.check).
+HAS_CPU_KERNELS = fmt.CHECKS_LOADED = _load_cpu_extension()
 
 
 def _quantize_cpu(W, codebook, k, search_scale=fmt.DEFAULT_SEARCH_SCALE):
-    """kbit::quantize on CPU: the reference's checks, then the compiled kernel (bit-identical to
+    """kbit::quantize on CPU: the op's checks, then the compiled kernel (bit-identical to
     :func:`reference.quantize`, which serves where the kernel is not built)."""
     if not HAS_CPU_KERNELS:
         return fmt.quantize(W, codebook, k, search_scale)
-    fmt.check_weight(W)
-    fmt.check_codebook(codebook, k)
-    fmt.check_representable(W)
+    fmt.check_quantize(W, codebook, k, search_scale)
     return torch.ops.kbit._quantize_cpu(W, codebook, k, search_scale)
 
 

@@ -62,44 +62,32 @@ TILE_KB = _FORMAT["kTileKB"]
 
 
 # ----------------------------------------------------------------------------- checks
+# Every op's argument rules and their one-line messages are stated once, in C++ (csrc/ops/checks.cpp): the CUDA
+# ops run them, and the CPU extension (vllm_kbit._cpu) registers them as kbit::_check_<rule>, which the
+# functions here ask. vllm_kbit.ops sets CHECKS_LOADED when it loads that extension; without it nothing is
+# checked (docs/development.md, "Argument checks").
+CHECKS_LOADED = False
+
+
+def check(rule: str, *args) -> None:
+    """Raises what kbit::_check_<rule> raises for ``args`` (a one-line ValueError or TypeError)."""
+    if CHECKS_LOADED:
+        getattr(torch.ops.kbit, "_check_" + rule)(*args)
 
 
 def check_bits(k: int) -> None:
-    if not isinstance(k, int) or k not in SUPPORTED_BITS:
-        raise ValueError(f"kbit: k={k!r} is not supported; k must be one of {SUPPORTED_BITS}")
-
-
-def check_float_dtype(t: torch.Tensor, what: str) -> None:
-    if t.dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"kbit: {what} has dtype {t.dtype}; supported: float16, bfloat16, float32")
-
-
-def check_contiguous(t: torch.Tensor, what: str) -> None:
-    if not t.is_contiguous():
-        raise ValueError(f"kbit: {what} must be contiguous (call .contiguous() first)")
-
-
-def check_weight(W: torch.Tensor) -> None:
-    check_float_dtype(W, "weight")
-    if W.dim() != 2:
-        raise ValueError(f"kbit: weight must be 2-D [N, K], got shape {list(W.shape)}")
-    if W.shape[1] % BLOCK_SIZE != 0 or W.shape[1] == 0:
-        raise ValueError(
-            f"kbit: weight K={W.shape[1]} (shape {list(W.shape)}) is not a positive multiple of {BLOCK_SIZE}"
-        )
-    check_contiguous(W, "weight")
+    check("bits", k)
 
 
 def check_codebook(codebook: torch.Tensor, k: int) -> None:
-    """A codebook is 2**k float32 values, strictly ascending, finite, with max |c| == 1."""
-    check_bits(k)
-    if codebook.dtype != torch.float32 or codebook.dim() != 1:
-        raise TypeError(
-            f"kbit: codebook must be a 1-D float32 tensor, got {codebook.dtype} of shape {list(codebook.shape)}"
-        )
-    if codebook.numel() != 2**k:
-        raise ValueError(f"kbit: codebook has {codebook.numel()} entries but k={k} needs {2**k}")
-    check_contiguous(codebook, "codebook")
+    """A codebook for k bits: 2**k float32 values, 1-D, contiguous (its values: :func:`check_codebook_values`)."""
+    check("codebook", codebook, k)
+
+
+def check_quantize(W: torch.Tensor, codebook: torch.Tensor, k: int, search_scale: bool = DEFAULT_SEARCH_SCALE) -> None:
+    """kbit::quantize's checks: its arguments, then W's values (:func:`check_representable`)."""
+    check("quantize", W, codebook, k, search_scale)
+    check_representable(W)
 
 
 def check_codebook_values(codebook: torch.Tensor) -> None:
@@ -119,13 +107,7 @@ def check_representable(W: torch.Tensor) -> None:
 
     Syncs with the host (one reduction): a load-time check, never on a forward path.
     """
-    amax = weight_amax(W)
-    _check_finite(amax)
-    if amax > RANGE_MAX:
-        raise ValueError(
-            f"kbit: weight has |w| = {amax:.4g}, above the largest E4M4 block scale {E4M4_MAX}; "
-            "leave this module unquantized (modules_to_not_convert)"
-        )
+    check("weight_amax", weight_amax(W), True)
 
 
 def range_scale(amax: float) -> float:
@@ -155,7 +137,7 @@ def range_scale(amax: float) -> float:
     Non-finite amax raises (NaN / Inf weights cannot be quantized at any scale).
     """
     amax = float(amax)
-    _check_finite(amax)
+    check("weight_amax", amax, False)
     if amax == 0.0 or RANGE_MIN <= amax <= RANGE_MAX:
         return 1.0
     m, e = math.frexp(amax / RANGE_TARGET)  # = m * 2^e, 0.5 <= m < 1: ceil(log2) is e, or e - 1 for m = 0.5
@@ -172,11 +154,6 @@ def weight_amax(W: torch.Tensor) -> float:
     return torch.maximum(hi, -lo).float().item()
 
 
-def _check_finite(amax: float) -> None:
-    if not math.isfinite(amax):
-        raise ValueError("kbit: weight has NaN or Inf values; cannot quantize")
-
-
 def weight_range_scale(W: torch.Tensor) -> float:
     """:func:`range_scale` of W's largest |w| (one reduction, host sync: a load-time call)."""
     return range_scale(weight_amax(W))
@@ -186,25 +163,6 @@ def range_scaled(W: torch.Tensor, s: float) -> torch.Tensor:
     """W / s, exact (s a power of two): W itself for s = 1, else in float32 so that no element's exponent
     leaves the dtype's range."""
     return W if s == 1.0 else W.float() / s
-
-
-def check_packed(qweight: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor) -> int:
-    """Checks a flat-layout (qweight, absmax, codebook) triple; returns k."""
-    if qweight.dtype != torch.int32 or qweight.dim() != 3:
-        raise TypeError(
-            f"kbit: qweight must be int32 [N, K/32, k], got {qweight.dtype} of shape {list(qweight.shape)}"
-        )
-    k = qweight.shape[2]
-    check_bits(k)
-    if absmax.dtype != torch.uint8 or tuple(absmax.shape) != tuple(qweight.shape[:2]):
-        raise ValueError(
-            f"kbit: absmax must be uint8 {list(qweight.shape[:2])} to match qweight {list(qweight.shape)}, "
-            f"got {absmax.dtype} {list(absmax.shape)}"
-        )
-    check_codebook(codebook, k)
-    check_contiguous(qweight, "qweight")
-    check_contiguous(absmax, "absmax")
-    return k
 
 
 # ----------------------------------------------------------------------------- codebook
@@ -399,9 +357,7 @@ def quantize(
     W: torch.Tensor, codebook: torch.Tensor, k: int, search_scale: bool = DEFAULT_SEARCH_SCALE
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """W[N, K] (fp16/bf16/fp32) -> (qweight int32 [N, K/32, k], absmax uint8 [N, K/32])."""
-    check_weight(W)
-    check_codebook(codebook, k)
-    check_representable(W)
+    check_quantize(W, codebook, k, search_scale)
     absmax = block_scales(W, codebook, search_scale)
     idx = choose_indices(W, e4m4_decode(absmax), codebook)
     return pack_bitplanes(idx, k), absmax
@@ -411,9 +367,11 @@ def dequantize(
     qweight: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, dtype: torch.dtype
 ) -> torch.Tensor:
     """Flat layout -> W[N, K] in dtype: fp32(codebook[idx] * scale), then rounded to dtype."""
-    check_packed(qweight, absmax, codebook)
-    if dtype not in SUPPORTED_DTYPES:
-        raise TypeError(f"kbit: output dtype {dtype} is not supported; supported: float16, bfloat16, float32")
+    check("dequantize", qweight, absmax, codebook, dtype)
+    return _dequantize(qweight, absmax, codebook, dtype)
+
+
+def _dequantize(qweight, absmax, codebook, dtype):
     N, KB, _ = qweight.shape
     idx = unpack_bitplanes(qweight)
     values = codebook.to(qweight.device)[idx] * e4m4_decode(absmax).unsqueeze(-1)
@@ -503,18 +461,8 @@ def repack(qweight: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, t
     contiguous bytes. Padding rows/blocks hold zero words and scale code 0, so
     they dequantize to 0.
     """
-    if qweight.dtype != torch.int32 or qweight.dim() != 3:
-        raise TypeError(
-            f"kbit: qweight must be int32 [N, K/32, k], got {qweight.dtype} of shape {list(qweight.shape)}"
-        )
+    check("repack", qweight, absmax)
     N, KB, k = qweight.shape
-    check_bits(k)
-    if absmax.dtype != torch.uint8 or tuple(absmax.shape) != (N, KB):
-        raise ValueError(
-            f"kbit: absmax must be uint8 {[N, KB]} to match qweight {[N, KB, k]}, got {absmax.dtype} {list(absmax.shape)}"
-        )
-    check_contiguous(qweight, "qweight")
-    check_contiguous(absmax, "absmax")
     q_shape, a_shape = runtime_shapes(N, KB * BLOCK_SIZE, k)
     nt, kt = q_shape[0], q_shape[1]
     q = qweight.new_zeros(nt * TILE_N, kt * TILE_KB, k)
@@ -528,7 +476,11 @@ def repack(qweight: torch.Tensor, absmax: torch.Tensor) -> tuple[torch.Tensor, t
 
 def unrepack(qweight_rt: torch.Tensor, absmax_rt: torch.Tensor, N: int, K: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Runtime -> flat layout (inverse of :func:`repack`), for a weight of shape [N, K]."""
-    check_runtime(qweight_rt, absmax_rt, N, K)
+    check("unrepack", qweight_rt, absmax_rt, N, K)
+    return _unrepack(qweight_rt, absmax_rt, N, K)
+
+
+def _unrepack(qweight_rt, absmax_rt, N, K):
     nt, kt, k = qweight_rt.shape[:3]
     q = runtime_words_to_planes(qweight_rt.permute(0, 3, 1, 4, 2).reshape(nt * TILE_N, kt * TILE_KB, k))
     a = absmax_rt.permute(0, 2, 1, 3).reshape(nt * TILE_N, kt * TILE_KB)
@@ -536,31 +488,9 @@ def unrepack(qweight_rt: torch.Tensor, absmax_rt: torch.Tensor, N: int, K: int) 
     return q[:N, :KB].contiguous(), a[:N, :KB].contiguous()
 
 
-def check_runtime(qweight_rt: torch.Tensor, absmax_rt: torch.Tensor, N: int, K: int) -> int:
-    """Checks a runtime-layout pair against the weight shape [N, K]; returns k."""
-    if N <= 0 or K <= 0 or K % BLOCK_SIZE != 0:
-        raise ValueError(f"kbit: weight shape [{N}, {K}] needs N > 0 and K a positive multiple of {BLOCK_SIZE}")
-    if qweight_rt.dtype != torch.int32 or qweight_rt.dim() != 5:
-        raise TypeError(
-            f"kbit: runtime qweight must be int32 [N/{TILE_N}, K/{32 * TILE_KB}, k, {TILE_N}, {TILE_KB}], "
-            f"got {qweight_rt.dtype} of shape {list(qweight_rt.shape)}"
-        )
-    k = qweight_rt.shape[2]
-    check_bits(k)
-    q_shape, a_shape = runtime_shapes(N, K, k)
-    if tuple(qweight_rt.shape) != q_shape or absmax_rt.dtype != torch.uint8 or tuple(absmax_rt.shape) != a_shape:
-        raise ValueError(
-            f"kbit: runtime tensors for [{N}, {K}] must be int32 {list(q_shape)} and uint8 {list(a_shape)}, got "
-            f"{qweight_rt.dtype} {list(qweight_rt.shape)} and {absmax_rt.dtype} {list(absmax_rt.shape)}"
-        )
-    check_contiguous(qweight_rt, "runtime qweight")
-    check_contiguous(absmax_rt, "runtime absmax")
-    return k
-
-
 def dequantize_runtime(
     qweight_rt: torch.Tensor, absmax_rt: torch.Tensor, codebook: torch.Tensor, N: int, K: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """Runtime layout -> W[N, K] in dtype (same values as :func:`dequantize`)."""
-    q, a = unrepack(qweight_rt, absmax_rt, N, K)
-    return dequantize(q, a, codebook, dtype)
+    check("dequantize_runtime", qweight_rt, absmax_rt, codebook, N, K, dtype)
+    return _dequantize(*_unrepack(qweight_rt, absmax_rt, N, K), codebook, dtype)

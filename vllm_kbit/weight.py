@@ -51,13 +51,11 @@ def quantize(
     codebook times s, so ``dequantize`` and the ops give back W's scale; NaN / Inf weights raise.
     """
     fmt.check_bits(k)
-    fmt.check_weight(W)
     if codebook is None:
         codebook = fmt.default_codebook(k, W.device)
-    else:
-        fmt.check_codebook(codebook, k)
-        fmt.check_codebook_values(codebook)
-        codebook = codebook.to(W.device)
+    fmt.check("quantize", W, codebook, k, search_scale)  # W's rules, then the codebook's
+    fmt.check_codebook_values(codebook)
+    codebook = codebook.to(W.device)
     scale = fmt.weight_range_scale(W)
     qweight, absmax = torch.ops.kbit.quantize(fmt.range_scaled(W, scale), codebook, k, search_scale)
     return KbitWeight(qweight, absmax, codebook * scale if scale != 1.0 else codebook, k, (W.shape[0], W.shape[1]))

@@ -21,6 +21,7 @@
 #include <cstdint>
 
 #include "check.h"
+#include "checks.h"
 #include "format_constants.h"
 
 namespace kbit {
@@ -152,20 +153,14 @@ void quantize_dispatch_bits(const T* W, const float* cb, int64_t k, bool search,
   }
 }
 
-// kbit::_quantize_cpu: kbit::quantize's CPU kernel. vllm_kbit.ops runs the reference's argument and
-// range checks before calling it; the checks here keep a direct call from reading out of bounds.
+// kbit::_quantize_cpu: kbit::quantize's CPU kernel. vllm_kbit.ops checks W's values before calling it
+// (reference.check_quantize); the argument checks here keep a direct call from reading out of bounds.
 std::tuple<at::Tensor, at::Tensor> quantize_cpu(const at::Tensor& W, const at::Tensor& codebook, int64_t k,
                                                 bool search_scale) {
-  KBIT_CHECK_VALUE(k >= kMinBits && k <= kMaxBits, "kbit: k=", k, " is not supported; k must be one of (2, 3, 4, 5)");
+  check_quantize(W, codebook, k);
+  KBIT_CHECK_VALUE(W.is_cpu() && codebook.is_cpu(), "kbit: _quantize_cpu needs CPU tensors, got ", W.device(), " and ",
+                   codebook.device());
   const auto dtype = W.scalar_type();
-  KBIT_CHECK_TYPE(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16, "kbit: weight has dtype ", dtype,
-                  "; supported: float16, bfloat16, float32");
-  KBIT_CHECK_VALUE(W.dim() == 2 && W.size(1) > 0 && W.size(1) % kBlockSize == 0 && W.is_contiguous() && W.is_cpu(),
-                   "kbit: weight must be a contiguous CPU tensor [N, K] with K a positive multiple of 32, got shape ",
-                   W.sizes());
-  KBIT_CHECK_TYPE(codebook.scalar_type() == at::kFloat && codebook.dim() == 1 && codebook.numel() == (int64_t{1} << k) &&
-                      codebook.is_contiguous() && codebook.is_cpu(),
-                  "kbit: codebook must be a contiguous 1-D float32 CPU tensor of 2**k = ", int64_t{1} << k, " entries");
   const int64_t N = W.size(0), KB = W.size(1) / kBlockSize;
   at::Tensor qweight = at::empty({N, KB, k}, W.options().dtype(at::kInt));
   at::Tensor absmax = at::empty({N, KB}, W.options().dtype(at::kByte));

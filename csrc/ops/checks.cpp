@@ -1,11 +1,13 @@
-// Argument checks of the torch.ops.kbit ops (see checks.h), in the order and with the messages of
-// vllm_kbit/reference.py. Plain C++ compiled by the host compiler; messages through check.h.
+// Argument checks of the torch.ops.kbit ops (see checks.h): the one statement of each rule and message.
+// Plain C++ compiled by the host compiler into both extensions; messages through check.h.
 #include "checks.h"
 
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <string>
 
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
 #include "check.h"
 #include "format_constants.h"
@@ -13,11 +15,21 @@
 namespace kbit {
 namespace {
 
-void check_bits(int64_t k) {
-  if (k >= kMinBits && k <= kMaxBits) return;
-  std::string bits = "(";  // Python's tuple repr, as reference.SUPPORTED_BITS prints
-  for (int b = kMinBits; b <= kMaxBits; ++b) bits += std::to_string(b) + (b < kMaxBits ? ", " : ")");
-  KBIT_CHECK_VALUE(false, "kbit: k=", k, " is not supported; k must be one of ", bits);
+// Python's repr of a number that is not an int (the k a Python caller passed): 4.0, 2.5, True.
+std::string python_repr(const c10::Scalar& v) {
+  if (v.isBoolean()) return v.toBool() ? "True" : "False";
+  if (v.isIntegral(false)) return std::to_string(v.toLong());
+  const double d = v.toDouble();
+  char text[32];
+  if (std::isfinite(d) && d == std::floor(d) && std::fabs(d) < 1e16) {
+    std::snprintf(text, sizeof(text), "%.1f", d);
+    return text;
+  }
+  for (int digits = 1; digits <= 17; ++digits) {  // the shortest text that reads back as d
+    std::snprintf(text, sizeof(text), "%.*g", digits, d);
+    if (std::strtod(text, nullptr) == d) break;
+  }
+  return std::isnan(d) ? "nan" : std::isinf(d) ? (d > 0 ? "inf" : "-inf") : text;
 }
 
 bool is_float_dtype(at::ScalarType t) { return t == at::kHalf || t == at::kBFloat16 || t == at::kFloat; }
@@ -31,22 +43,12 @@ void check_contiguous(const at::Tensor& t, const char* what) {
   KBIT_CHECK_VALUE(t.is_contiguous(), "kbit: ", what, " must be contiguous (call .contiguous() first)");
 }
 
-void check_codebook(const at::Tensor& codebook, int64_t k) {
-  check_bits(k);
-  KBIT_CHECK_TYPE(codebook.scalar_type() == at::kFloat && codebook.dim() == 1,
-                  "kbit: codebook must be a 1-D float32 tensor, got ", codebook.scalar_type(), " of shape ",
-                  codebook.sizes());
-  KBIT_CHECK_VALUE(codebook.numel() == (int64_t{1} << k), "kbit: codebook has ", codebook.numel(), " entries but k=", k,
-                   " needs ", int64_t{1} << k);
-  check_contiguous(codebook, "codebook");
-}
-
 void check_out_dtype(at::ScalarType dtype) {
   KBIT_CHECK_TYPE(is_float_dtype(dtype), "kbit: output dtype ", dtype,
                   " is not supported; supported: float16, bfloat16, float32");
 }
 
-// qweight int32 [N, KB, k] and absmax uint8 [N, KB] (reference.repack's checks); returns k.
+// qweight int32 [N, KB, k] and absmax uint8 [N, KB]; returns k.
 int64_t check_flat(const at::Tensor& qweight, const at::Tensor& absmax) {
   KBIT_CHECK_TYPE(qweight.scalar_type() == at::kInt && qweight.dim() == 3, "kbit: qweight must be int32 [N, K/32, k], got ",
                   qweight.scalar_type(), " of shape ", qweight.sizes());
@@ -58,18 +60,24 @@ int64_t check_flat(const at::Tensor& qweight, const at::Tensor& absmax) {
   return k;
 }
 
-// A runtime-layout pair for a [N, K] weight (reference.check_runtime); returns k.
+// The runtime-layout shapes of a [N, K] weight at k bits (reference.runtime_shapes).
+std::vector<int64_t> runtime_qweight_shape(int64_t N, int64_t K, int64_t k) {
+  return {(N + kTileN - 1) / kTileN, (K / kBlockSize + kTileKB - 1) / kTileKB, k, kTileN, kTileKB};
+}
+std::vector<int64_t> runtime_absmax_shape(int64_t N, int64_t K) {
+  return {(N + kTileN - 1) / kTileN, (K / kBlockSize + kTileKB - 1) / kTileKB, kTileN, kTileKB};
+}
+
+// A runtime-layout pair for a [N, K] weight; returns k.
 int64_t check_runtime(const at::Tensor& qweight_rt, const at::Tensor& absmax_rt, int64_t N, int64_t K) {
   KBIT_CHECK_VALUE(N > 0 && K > 0 && K % kBlockSize == 0, "kbit: weight shape [", N, ", ", K,
                    "] needs N > 0 and K a positive multiple of ", kBlockSize);
-  KBIT_CHECK_TYPE(qweight_rt.scalar_type() == at::kInt && qweight_rt.dim() == 5,
-                  "kbit: runtime qweight must be int32 [N/64, K/128, k, 64, 4], got ", qweight_rt.scalar_type(),
-                  " of shape ", qweight_rt.sizes());
+  KBIT_CHECK_TYPE(qweight_rt.scalar_type() == at::kInt && qweight_rt.dim() == 5, "kbit: runtime qweight must be int32 [N/",
+                  kTileN, ", K/", kBlockSize * kTileKB, ", k, ", kTileN, ", ", kTileKB, "], got ",
+                  qweight_rt.scalar_type(), " of shape ", qweight_rt.sizes());
   const int64_t k = qweight_rt.size(2);
   check_bits(k);
-  const int64_t KB = K / kBlockSize;
-  const int64_t NT = (N + kTileN - 1) / kTileN, KT = (KB + kTileKB - 1) / kTileKB;
-  const std::vector<int64_t> q_shape{NT, KT, k, kTileN, kTileKB}, a_shape{NT, KT, kTileN, kTileKB};
+  const std::vector<int64_t> q_shape = runtime_qweight_shape(N, K, k), a_shape = runtime_absmax_shape(N, K);
   KBIT_CHECK_VALUE(qweight_rt.sizes() == at::IntArrayRef(q_shape) && absmax_rt.scalar_type() == at::kByte &&
                        absmax_rt.sizes() == at::IntArrayRef(a_shape),
                    "kbit: runtime tensors for [", N, ", ", K, "] must be int32 ", q_shape, " and uint8 ", a_shape,
@@ -81,6 +89,23 @@ int64_t check_runtime(const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
 }
 
 }  // namespace
+
+void check_bits(const c10::Scalar& k) {
+  if (k.isIntegral(false) && k.toLong() >= kMinBits && k.toLong() <= kMaxBits) return;
+  std::string bits = "(";  // Python's tuple repr, as reference.SUPPORTED_BITS prints
+  for (int b = kMinBits; b <= kMaxBits; ++b) bits += std::to_string(b) + (b < kMaxBits ? ", " : ")");
+  KBIT_CHECK_VALUE(false, "kbit: k=", python_repr(k), " is not supported; k must be one of ", bits);
+}
+
+void check_codebook(const at::Tensor& codebook, int64_t k) {
+  check_bits(k);
+  KBIT_CHECK_TYPE(codebook.scalar_type() == at::kFloat && codebook.dim() == 1,
+                  "kbit: codebook must be a 1-D float32 tensor, got ", codebook.scalar_type(), " of shape ",
+                  codebook.sizes());
+  KBIT_CHECK_VALUE(codebook.numel() == (int64_t{1} << k), "kbit: codebook has ", codebook.numel(), " entries but k=", k,
+                   " needs ", int64_t{1} << k);
+  check_contiguous(codebook, "codebook");
+}
 
 void check_cuda(const at::Tensor& t, const char* what) {
   KBIT_CHECK_VALUE(t.is_cuda(), "kbit: ", what, " is on ", t.device(), "; the CUDA kernels need CUDA tensors");
@@ -122,6 +147,10 @@ int64_t check_repack(const at::Tensor& qweight, const at::Tensor& absmax) {
   return k;
 }
 
+int64_t check_unrepack(const at::Tensor& qweight_rt, const at::Tensor& absmax_rt, int64_t N, int64_t K) {
+  return check_runtime(qweight_rt, absmax_rt, N, K);
+}
+
 int64_t check_dequantize_runtime(const at::Tensor& qweight_rt, const at::Tensor& absmax_rt, const at::Tensor& codebook,
                                  int64_t N, int64_t K, at::ScalarType dtype) {
   const int64_t k = check_runtime(qweight_rt, absmax_rt, N, K);
@@ -144,31 +173,72 @@ int64_t check_linear(const at::Tensor& x, const at::Tensor& qweight_rt, const at
   return k;
 }
 
-namespace {
+// Stacked runtime weights of E experts: w13 [E, *runtime shape of (2I, H)], w2 [E, *runtime shape of (H, I)].
+int64_t check_fused_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                        const at::Tensor& w13_qweight, const at::Tensor& w13_absmax, const at::Tensor& w2_qweight,
+                        const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
+                        const std::optional<at::Tensor>& expert_map) {
+  check_float_dtype(x, "x");
+  KBIT_CHECK_VALUE(x.dim() == 2 && topk_ids.dim() == 2 && topk_ids.sizes() == topk_weights.sizes() &&
+                       topk_ids.size(0) == x.size(0),
+                   "kbit: fused_moe needs x [T, H] and topk_ids/topk_weights [T, top_k], got ", x.sizes(), ", ",
+                   topk_ids.sizes(), " and ", topk_weights.sizes());
+  KBIT_CHECK_TYPE(!at::isFloatingType(topk_ids.scalar_type()) && topk_ids.scalar_type() != at::kBool,
+                  "kbit: fused_moe topk_ids must be an integer tensor, got ", topk_ids.scalar_type());
+  KBIT_CHECK_TYPE(at::isFloatingType(topk_weights.scalar_type()), "kbit: fused_moe topk_weights must be a float tensor, got ",
+                  topk_weights.scalar_type());
+  const int64_t H = x.size(1);
+  KBIT_CHECK_VALUE(H > 0 && I > 0 && H % kBlockSize == 0 && I % kBlockSize == 0, "kbit: fused_moe hidden size ", H,
+                   " and intermediate size ", I, " must be positive multiples of ", kBlockSize);
+  KBIT_CHECK_VALUE(w13_qweight.dim() == 6 && w13_qweight.size(0) >= 1,
+                   "kbit: fused_moe w13_qweight must be stacked runtime tensors [E, ...], got ", w13_qweight.sizes());
+  const int64_t E = w13_qweight.size(0), k = w13_qweight.size(3);
+  check_bits(k);
+  struct Stack {
+    const char* name;
+    const at::Tensor &q, &a;
+    int64_t N, K;
+  };
+  for (const Stack& w : {Stack{"w13", w13_qweight, w13_absmax, 2 * I, H}, Stack{"w2", w2_qweight, w2_absmax, H, I}}) {
+    std::vector<int64_t> q_shape = runtime_qweight_shape(w.N, w.K, k), a_shape = runtime_absmax_shape(w.N, w.K);
+    q_shape.insert(q_shape.begin(), E);
+    a_shape.insert(a_shape.begin(), E);
+    KBIT_CHECK_VALUE(w.q.scalar_type() == at::kInt && w.q.sizes() == at::IntArrayRef(q_shape) &&
+                         w.a.scalar_type() == at::kByte && w.a.sizes() == at::IntArrayRef(a_shape),
+                     "kbit: fused_moe ", w.name, "_qweight/", w.name, "_absmax for ", E, " experts of [", w.N, ", ", w.K,
+                     "] (intermediate size ", I, ", k=", k, ") must be int32 ", q_shape, " and uint8 ", a_shape, ", got ",
+                     w.q.scalar_type(), " ", w.q.sizes(), " and ", w.a.scalar_type(), " ", w.a.sizes());
+  }
+  KBIT_CHECK_VALUE(codebook.scalar_type() == at::kFloat && codebook.dim() == 1 && codebook.numel() == (int64_t{1} << k),
+                   "kbit: fused_moe codebook must be float32 [", int64_t{1} << k, "], got ", codebook.scalar_type(), " ",
+                   codebook.sizes());
+  if (expert_map.has_value()) {
+    KBIT_CHECK_VALUE(expert_map->dim() == 1 && !at::isFloatingType(expert_map->scalar_type()),
+                     "kbit: fused_moe expert_map must be a 1-D integer tensor, got ", expert_map->scalar_type(), " ",
+                     expert_map->sizes());
+  }
+  for (const at::Tensor* t : {&topk_ids, &topk_weights, &w13_qweight, &w13_absmax, &w2_qweight, &w2_absmax, &codebook}) {
+    KBIT_CHECK_VALUE(t->device() == x.device(), "kbit: fused_moe needs every tensor on x's device ", x.device());
+  }
+  KBIT_CHECK_VALUE(!expert_map.has_value() || expert_map->device() == x.device(),
+                   "kbit: fused_moe needs every tensor on x's device ", x.device());
+  return k;
+}
 
-// The checks as ops (kbit::_check_<op>, any device), for the tests.
-void check_quantize_op(const at::Tensor& W, const at::Tensor& codebook, int64_t k, bool) { check_quantize(W, codebook, k); }
-void check_dequantize_op(const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, at::ScalarType dtype) {
-  check_dequantize(q, a, cb, dtype);
-}
-void check_repack_op(const at::Tensor& q, const at::Tensor& a) { check_repack(q, a); }
-void check_dequantize_runtime_op(const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, int64_t N, int64_t K,
-                                 at::ScalarType dtype) {
-  check_dequantize_runtime(q, a, cb, N, K, dtype);
-}
-void check_linear_op(const at::Tensor& x, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, int64_t N,
-                     int64_t K, const std::optional<at::Tensor>& bias) {
-  check_linear(x, q, a, cb, N, K, bias);
+void check_weight_amax(double amax, bool bounded) {
+  KBIT_CHECK_VALUE(std::isfinite(amax), "kbit: weight has NaN or Inf values; cannot quantize");
+  // The largest scale, code 255: 2^(15 - bias) * (1 + 15/16); up to 1/64 above it still rounds to it.
+  constexpr double kE4M4Max = (1 << (15 - kE4M4Bias)) * (1 + 15 / 16.0);
+  if (!bounded || amax <= kE4M4Max * (1 + 1.0 / 64)) return;
+  char amax_text[32], max_text[32];
+  std::snprintf(amax_text, sizeof(amax_text), "%.4g", amax);
+  std::snprintf(max_text, sizeof(max_text), "%.1f", kE4M4Max);
+  KBIT_CHECK_VALUE(false, "kbit: weight has |w| = ", std::string(amax_text), ", above the largest E4M4 block scale ",
+                   std::string(max_text), "; leave this module unquantized (modules_to_not_convert)");
 }
 
-}  // namespace
+void check_representable(const at::Tensor& W) {
+  if (W.numel() > 0) check_weight_amax(W.abs().amax().item<double>(), true);
+}
+
 }  // namespace kbit
-
-// Schemas: vllm_kbit/ops.py (each public op's, with `_check_` and no outputs). Any device.
-TORCH_LIBRARY_IMPL(kbit, CompositeExplicitAutograd, m) {
-  m.impl("_check_quantize", &kbit::check_quantize_op);
-  m.impl("_check_dequantize", &kbit::check_dequantize_op);
-  m.impl("_check_repack", &kbit::check_repack_op);
-  m.impl("_check_dequantize_runtime", &kbit::check_dequantize_runtime_op);
-  m.impl("_check_linear", &kbit::check_linear_op);
-}

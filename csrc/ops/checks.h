@@ -1,25 +1,42 @@
-// Argument checks of the torch.ops.kbit ops, one function per op, run by their CUDA implementations
-// before any allocation or launch. Metadata only (dtypes, shapes, contiguity, devices among the
-// tensors), device-agnostic: the same functions are registered as kbit::_check_<op> so the CPU test
-// suite runs them on CPU tensors. They raise what vllm_kbit/reference.py raises for the same input
-// (exception type and message), which tests/bad_input_cases.py holds both to.
+// Argument checks of the torch.ops.kbit ops: every rule and its one-line message, stated once.
+// Metadata only (dtypes, shapes, contiguity, devices among the tensors), device-agnostic, except the
+// weight-value check at the end. Compiled into both extensions: the CUDA ops run them before any
+// allocation or launch, and the CPU extension registers them as kbit::_check_<rule>
+// (csrc/cpu/check_ops.cpp), which vllm_kbit/reference.py asks; tests/bad_input_cases.py holds the messages.
 #pragma once
 
 #include <optional>
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Scalar.h>
 
 namespace kbit {
 
-// Each returns k (bits per weight).
+// k is an integer in kMinBits..kMaxBits; a Scalar, as Python's quantize(W, k) may get any number.
+void check_bits(const c10::Scalar& k);
+// A codebook for k bits: 1-D float32, 2^k entries, contiguous.
+void check_codebook(const at::Tensor& codebook, int64_t k);
+
+// One per op; each returns k (bits per weight).
 int64_t check_quantize(const at::Tensor& W, const at::Tensor& codebook, int64_t k);
 int64_t check_dequantize(const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook,
                          at::ScalarType dtype);
 int64_t check_repack(const at::Tensor& qweight, const at::Tensor& absmax);
+int64_t check_unrepack(const at::Tensor& qweight_rt, const at::Tensor& absmax_rt, int64_t N, int64_t K);
 int64_t check_dequantize_runtime(const at::Tensor& qweight_rt, const at::Tensor& absmax_rt, const at::Tensor& codebook,
                                  int64_t N, int64_t K, at::ScalarType dtype);
 int64_t check_linear(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                      const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias);
+int64_t check_fused_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                        const at::Tensor& w13_qweight, const at::Tensor& w13_absmax, const at::Tensor& w2_qweight,
+                        const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
+                        const std::optional<at::Tensor>& expert_map);
+
+// A weight's largest |w|: finite, and with bounded at most what the largest E4M4 scale holds (quantize
+// at range scale 1; reference.range_scale asks only for finite).
+void check_weight_amax(double amax, bool bounded);
+// check_weight_amax(max |W|, true): one reduction and a host sync, a load-time check.
+void check_representable(const at::Tensor& W);
 
 // For the CUDA implementations: t is a CUDA tensor; t is on ref's device.
 void check_cuda(const at::Tensor& t, const char* what);

@@ -16,6 +16,7 @@
 //                SiLU * up -> dequantize -> torch._grouped_mm -> combine.
 // The planner's moe_plan (csrc/plan/plan.h) picks the path, sizes the routing and plans each projection's
 // kernel; this file launches the plan. The last two run fp16 inputs in bf16.
+#include "checks.h"
 #include "plan.h"
 #include "mma.cuh"
 #include "moe.cuh"
@@ -88,30 +89,17 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
                           const at::Tensor& w13_qweight, const at::Tensor& w13_absmax, const at::Tensor& w2_qweight,
                           const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
                           const std::optional<at::Tensor>& expert_map, bool on_input, int64_t path_id) {
-  KBIT_CHECK(x.is_cuda() && x.dim() == 2, "kbit fused_moe: x must be a 2-D CUDA tensor [T, H], got ", x.sizes(),
-              " on ", x.device());
+  const int64_t k = check_fused_moe(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook,
+                                    I, expert_map);
+  // What the kernels need beyond the op's rules: CUDA, 16-bit activations, contiguous weights, E they index.
+  check_cuda(x, "x");
   KBIT_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "kbit fused_moe: x has dtype ",
               x.scalar_type(), "; the CUDA kernels support bfloat16 and float16");
-  const int64_t T = x.size(0), H = x.size(1);
-  KBIT_CHECK(topk_ids.dim() == 2 && topk_ids.size(0) == T && topk_weights.sizes() == topk_ids.sizes() &&
-                  !at::isFloatingType(topk_ids.scalar_type()),
-              "kbit fused_moe: topk_ids (integer) and topk_weights must both be [T=", T, ", top_k], got ",
-              topk_ids.sizes(), " and ", topk_weights.sizes());
-  KBIT_CHECK_TYPE(at::isFloatingType(topk_weights.scalar_type()), "kbit: fused_moe topk_weights must be a float tensor, got ",
-                  topk_weights.scalar_type());
-  KBIT_CHECK(H > 0 && H % kBlockSize == 0 && I > 0 && I % kBlockSize == 0, "kbit fused_moe: hidden size ", H,
-              " and intermediate size ", I, " must be positive multiples of ", kBlockSize);
-  const int64_t E = w13_qweight.dim() == 6 ? w13_qweight.size(0) : 0, top_k = topk_ids.size(1);
-  KBIT_CHECK_VALUE(E >= 1 && E <= kMaxLocalExperts, "kbit fused_moe: w13_qweight must be [E, ...] with 1 <= E <= ",
+  const int64_t T = x.size(0), H = x.size(1), E = w13_qweight.size(0), top_k = topk_ids.size(1);
+  KBIT_CHECK_VALUE(E <= kMaxLocalExperts, "kbit fused_moe: w13_qweight must be [E, ...] with 1 <= E <= ",
               kMaxLocalExperts, " local experts, got ", w13_qweight.sizes());
-  const int64_t k = check_stacked(w13_qweight, w13_absmax, E, 2 * I, H, "w13");
-  KBIT_CHECK(check_stacked(w2_qweight, w2_absmax, E, H, I, "w2") == k, "kbit fused_moe: w13 and w2 have different k");
-  KBIT_CHECK(codebook.scalar_type() == at::kFloat && codebook.dim() == 1 && codebook.numel() == (int64_t{1} << k) &&
-                  codebook.is_contiguous(),
-              "kbit fused_moe: codebook must be float32 [", int64_t{1} << k, "]");
-  for (const at::Tensor* t : {&topk_ids, &topk_weights, &w13_qweight, &w13_absmax, &w2_qweight, &w2_absmax, &codebook}) {
-    KBIT_CHECK(t->device() == x.device(), "kbit fused_moe: all tensors must be on ", x.device(), ", one is on ",
-                t->device());
+  for (const at::Tensor* t : {&w13_qweight, &w13_absmax, &w2_qweight, &w2_absmax, &codebook}) {
+    KBIT_CHECK(t->is_contiguous(), "kbit fused_moe: the weight tensors and the codebook must be contiguous");
   }
   const c10::DeviceGuard guard(x.device());
   const MoePlan plan = moe_plan(T, top_k, E, k, moe_path_from_id(path_id), H, I, device_facts(x.get_device()));

@@ -1,14 +1,11 @@
 // CUDA implementations of the torch.ops.kbit ops whose schemas vllm_kbit/ops.py defines.
-// Each op runs its checks (checks.cpp: what vllm_kbit/reference.py raises for the same input) and the
+// Each op runs its checks (checks.cpp, which vllm_kbit/reference.py asks too) and the
 // CUDA-only ones (devices, index limits), allocates its outputs and calls a launcher.
 // Plain C++ with no CUDA headers (c10::DeviceGuard selects the tensors' GPU).
 #include <ATen/ATen.h>
 #include <c10/core/DeviceGuard.h>
 #include <torch/library.h>
 
-#include <cmath>
-#include <cstdio>
-#include <string>
 #include <tuple>
 
 #include "check.h"
@@ -19,23 +16,6 @@
 namespace kbit {
 namespace {
 
-// Non-finite values and |w| beyond the largest E4M4 scale (reference.check_representable). One
-// reduction and a host sync: quantize is a load-time op, never captured in a graph.
-void check_representable(const at::Tensor& W) {
-  if (W.numel() == 0) return;
-  const double amax = W.abs().amax().item<double>();
-  KBIT_CHECK_VALUE(std::isfinite(amax), "kbit: weight has NaN or Inf values; cannot quantize");
-  char amax_text[32];
-  std::snprintf(amax_text, sizeof(amax_text), "%.4g", amax);
-  // The largest scale, code 255: 2^(15 - bias) * (1 + 15/16); up to 1/64 above it still rounds to it.
-  constexpr double kE4M4Max = (1 << (15 - kE4M4Bias)) * (1 + 15 / 16.0);
-  char max_text[32];
-  std::snprintf(max_text, sizeof(max_text), "%.1f", kE4M4Max);
-  KBIT_CHECK_VALUE(amax <= kE4M4Max * (1 + 1.0 / 64), "kbit: weight has |w| = ", std::string(amax_text),
-                   ", above the largest E4M4 block scale ", std::string(max_text),
-                   "; leave this module unquantized (modules_to_not_convert)");
-}
-
 std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& W, const at::Tensor& codebook, int64_t k,
                                             bool search_scale) {
   check_quantize(W, codebook, k);
@@ -44,7 +24,7 @@ std::tuple<at::Tensor, at::Tensor> quantize(const at::Tensor& W, const at::Tenso
   const int64_t N = W.size(0), KB = W.size(1) / kBlockSize;
   check_block_count(N * KB);
   const c10::DeviceGuard guard(W.device());
-  check_representable(W);
+  check_representable(W);  // one reduction and a host sync: quantize is a load-time op, never in a graph
   // The kernel reads whole blocks with 16-byte loads; a view at an odd offset is copied once.
   const at::Tensor Wa = reinterpret_cast<uintptr_t>(W.data_ptr()) % 16 == 0 ? W : W.clone();
   at::Tensor qweight = at::empty({N, KB, k}, W.options().dtype(at::kInt));
