@@ -26,7 +26,7 @@ that no longer fits, is recorded as failed with the reason and the load facts fo
 finish still leaves what it measured. bash benchmarks/serve/big.sh wraps this (builds the CUDA extension if
 missing, installs the plugin entry point). Rows measured in separate calls (each writing its own folder) go into one
 file with `python3 benchmarks/serve/big.py merge STEM A/serve_big_<date>.jsonl B/serve_big_<date>.jsonl ...`
-(writes STEM.jsonl and STEM.md). Without a GPU, check it on vLLM's CPU build with the CPU-sized shape:
+(writes STEM.jsonl, STEM.md and, where matplotlib imports, STEM.png). Without a GPU, check it on vLLM's CPU build with the CPU-sized shape:
 
     python benchmarks/serve/big.py --model tiny --method kbit-4 --concurrency 1 --input-len 32 --output-len 8 \
         --max-model-len 256 --gpu-memory-utilization 0.3 --server-args=--enforce-eager --out /tmp/x
@@ -297,19 +297,50 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def plot(recs: list[dict], path: str) -> bool:
+    """Output tok/s per GPU of every row at each concurrency above 1, one bar group per row (False without
+    matplotlib: the plot is optional)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    table = dict(sorted(rows(recs).items(), key=lambda kv: kv[0][0]))  # one model's rows side by side
+    concs = sorted({c for by_c in table.values() for c in by_c if c > 1})
+    labels = [f"{m}\n{x}, {g} GPU{'s' if g > 1 else ''}" for m, x, g in table]
+    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(labels)), 5))
+    width = 0.8 / max(1, len(concs))
+    for j, c in enumerate(concs):
+        vals = [(by_c[c]["output_tok_s"] or 0) / g if c in by_c else 0 for (_, _, g), by_c in table.items()]
+        ax.bar([i + j * width for i in range(len(labels))], vals, width, label=f"c = {c}")
+    ax.set_xticks([i + width * (len(concs) - 1) / 2 for i in range(len(labels))], labels, fontsize=7)
+    ax.set_ylabel("output tok/s per GPU")
+    ax.set_title(f"Full-shape MoE models, dummy weights, {recs[0]['gpu']}, {recs[0]['input_len']} in / "
+                 f"{recs[0]['output_len']} out")
+    ax.legend()
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    return True
+
+
 def merge(paths: list[str], stem: str) -> str:
-    """Writes STEM.jsonl (the records of the given JSONL files, in order: e.g. one file per GPU call) and STEM.md."""
+    """Writes STEM.jsonl (the records of the given JSONL files, in order: e.g. one file per GPU call), STEM.md and,
+    where matplotlib imports, STEM.png."""
     recs = records.load(paths)
     os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
     with open(stem + ".jsonl", "w") as f:
         f.writelines(json.dumps(r) + "\n" for r in recs)
+    plot(recs, stem + ".png")
     return write(recs, stem)
 
 
 def main() -> None:
     if sys.argv[1:2] == ["merge"]:  # big.py merge STEM A.jsonl [B.jsonl ...]
         if len(sys.argv) < 4:
-            sys.exit("usage: big.py merge STEM RESULTS.jsonl [MORE.jsonl ...]  (writes STEM.jsonl and STEM.md)")
+            sys.exit("usage: big.py merge STEM RESULTS.jsonl [MORE.jsonl ...]  (writes STEM.jsonl, STEM.md, STEM.png)")
         print("wrote", merge(sys.argv[3:], sys.argv[2]))
         return
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds, so the server is stopped on the way out
