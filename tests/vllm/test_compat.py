@@ -48,3 +48,37 @@ def test_cpu_select_experts_is_softmax_top_k():
     ref_w = torch.softmax(ref_vals, dim=-1).gather(1, ref_ids.sort(dim=-1).indices)
     torch.testing.assert_close(weights.gather(1, order), ref_w)
     assert weights.dtype == torch.float32 and ids.dtype == torch.int32
+
+
+def test_loads_per_expert_3d_tensors_matches_routed_experts_load_weights():
+    """LOADS_PER_EXPERT_3D_TENSORS says whether vLLM's RoutedExperts.load_weights hands a 3-D tensor named for one
+    expert (a kbit qweight, [N, K/32, k]) to its parameter's weight_loader whole, as that expert's; where it does
+    not, the kbit MoE method loads per expert itself (vllm_kbit.vllm.moe_method)."""
+    import types
+
+    from vllm_kbit.vllm.compat import LOADS_PER_EXPERT_3D_TENSORS, RoutedExperts
+
+    calls = []
+
+    def weight_loader(param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
+        calls.append((weight_name, shard_id, expert_id, tuple(loaded_weight.shape)))
+        return True
+
+    param = torch.nn.Parameter(torch.empty(2, 12, 8, dtype=torch.int32), requires_grad=False)
+    param.weight_loader = weight_loader
+    mapping = [(f"experts.{'w2' if s == 'w2' else 'w13'}_", f"experts.{e}.{n}.", e, s)
+               for e in range(2) for s, n in (("w1", "gate_proj"), ("w2", "down_proj"), ("w3", "up_proj"))]
+    layer = types.SimpleNamespace(
+        layer_name="model.layers.0.mlp.experts", w13_qweight=param, is_fused_checkpoint_transposed=False,
+        get_expert_mapping=lambda **_: mapping,
+        moe_config=types.SimpleNamespace(hidden_dim_unpadded=64, is_act_and_mul=True),
+    )
+    qweight = torch.zeros(6, 2, 4, dtype=torch.int32)  # one expert's up_proj: N=6, K=64 (2 blocks), k=4
+    try:
+        # Names reach a layer's load_weights relative to it (AutoWeightsLoader).
+        list(RoutedExperts.load_weights(layer, [("1.up_proj.qweight", qweight)]))
+    except (IndexError, RuntimeError, ValueError):  # a release taking it for a stack of experts may fail here
+        assert not LOADS_PER_EXPERT_3D_TENSORS
+        return
+    per_expert = calls == [("model.layers.0.mlp.experts.w13_qweight", "w3", 1, (6, 2, 4))]
+    assert per_expert == LOADS_PER_EXPERT_3D_TENSORS, calls

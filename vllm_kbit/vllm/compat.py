@@ -15,6 +15,15 @@ renames something is handled here, in one place. What differs between the suppor
   ``maybe_make_prepare_finalize`` / ``select_gemm_impl`` hooks from 0.28: kbit uses none of them, and its
   methods keep the base class's defaults for the attributes later releases added
   (``supports_pre_processed_weights``, ``requires_device_loading``).
+* ``RoutedExperts.load_weights`` takes a 3-D checkpoint tensor named for one expert
+  (``experts.5.up_proj.qweight``, ``[N, K/32, k]``) as that expert's from 0.32
+  (:data:`LOADS_PER_EXPERT_3D_TENSORS`); up to 0.31 it takes every 3-D tensor for a stack of all experts,
+  so there the kbit MoE method hands each tensor to the expert loader itself.
+
+The kbit MoE methods load through what ``RoutedExperts`` offers every quantization method in every release:
+each parameter's ``weight_loader`` attribute (called by ``load_weights`` with the checkpoint name, expert and
+shard), the layer's expert ``weight_loader`` (tensor-parallel slices, expert-parallel ids) and the
+``quant_method`` parameter attribute (:class:`FusedMoeWeightScaleSupported`) for the block scales.
 
 Everything else the package needs (``LinearMethodBase``, ``FusedMoEMethodBase``, ``ParallelLMHead``,
 ``get_current_vllm_config``,
@@ -31,7 +40,7 @@ from typing import Any
 import vllm
 from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger as _vllm_init_logger
-from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, RoutedExperts
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, FusedMoeWeightScaleSupported, RoutedExperts
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.linear import (
@@ -57,8 +66,10 @@ __all__ = [
     "OLDEST_SUPPORTED",
     "NEWEST_TESTED",
     "FusedMoEMethodBase",
+    "FusedMoeWeightScaleSupported",
     "LinearBase",
     "LinearMethodBase",
+    "LOADS_PER_EXPERT_3D_TENSORS",
     "ModelWeightParameter",
     "MoEActivation",
     "ParallelLMHead",
@@ -113,6 +124,9 @@ if VLLM_VERSION > NEWEST_TESTED:
         *NEWEST_TESTED,
         vllm.__version__,
     )
+
+# vLLM 0.32 added the per-expert case to RoutedExperts.load_weights (an expert number in the name: one expert).
+LOADS_PER_EXPERT_3D_TENSORS = VLLM_VERSION >= (0, 32)
 
 # Newest location first: the first module that has the function is used.
 _CPU_SELECT_EXPERTS_MODULES = (

@@ -3,8 +3,10 @@
 * :class:`KbitMoEMethod` loads a pre-quantized checkpoint: per expert
   ``w13_qweight`` int32 ``[E, 2I, H/32, k]`` (gate rows, then up rows),
   ``w2_qweight`` ``[E, H, I/32, k]`` and the matching uint8 ``*_absmax``
-  (qweights held as ``[E, N, K/32 * k]`` while loading). Every
-  tensor goes through the layer's own expert ``weight_loader``, so tensor
+  (qweights held as ``[E, N, K/32 * k]`` while loading). vLLM's
+  ``RoutedExperts.load_weights`` maps each checkpoint name to a parameter, expert and shard and calls
+  that parameter's ``weight_loader``, which checks the tensor and hands it to the layer's own expert
+  ``weight_loader`` (the absmax as a group scale, ``quant_method`` ``group``), so tensor
   parallel sharding (w1/w3 along rows, w2 along I/32) and expert-parallel maps
   (global -> local expert id, experts of other ranks skipped) are vLLM's.
 * :class:`KbitOnlineMoEMethod` loads bf16/fp16 experts on the meta device;
@@ -32,7 +34,9 @@ from vllm_kbit import reference as fmt
 from vllm_kbit.moe import kbit_fused_moe, stack_runtime
 from vllm_kbit.vllm.checkpoint import CheckpointFiles
 from vllm_kbit.vllm.compat import (
+    LOADS_PER_EXPERT_3D_TENSORS,
     FusedMoEMethodBase,
+    FusedMoeWeightScaleSupported,
     MoEActivation,
     cpu_select_experts,
     current_platform,
@@ -65,8 +69,9 @@ def check_moe_layer(layer: torch.nn.Module, prefix: str) -> None:
 
 
 def _load_per_expert_tensors(layer: torch.nn.Module, weights):
-    """``load_weights`` of a RoutedExperts holding kbit experts: each checkpoint tensor is one expert's
-    ``qweight``/``absmax``, handed to the layer's expert loader with vLLM's (physical) expert mapping."""
+    """``load_weights`` of a RoutedExperts holding kbit experts, for vLLM before 0.32: each checkpoint tensor is
+    one expert's ``qweight``/``absmax``, handed to its parameter's loader with vLLM's (physical) expert mapping,
+    as vLLM 0.32's ``load_weights`` does for a 3-D tensor whose name holds an expert number."""
     mapping = layer.get_expert_mapping()
     for expert_name, loaded_weight in weights:
         qual_name = f"{layer.layer_name}.{expert_name}"
@@ -106,6 +111,8 @@ class _KbitMoEBase(FusedMoEMethodBase):
         self.report = report if report is not None else LoadReport()
 
     def get_fused_moe_quant_config(self, layer: torch.nn.Module):
+        # No modular kernel: kbit_fused_moe is one op that takes vLLM's routing and expert_map as they are (the
+        # FusedMoEExpertsModular interface differs between 0.26 and 0.32); without one vLLM calls apply().
         return None
 
     def _install(self, layer: torch.nn.Module, w13: list, w2: list, bytes_before: int, dtype: torch.dtype,
@@ -197,14 +204,17 @@ class KbitMoEMethod(_KbitMoEBase):
         }
         layer.kbit_loaded = {name: set() for name in shapes}
         layer.kbit_dense_dtype = params_dtype  # what the experts would be unquantized, for the load's summary
-        # vLLM's RoutedExperts.load_weights takes every 3-D checkpoint tensor for a stack of experts; a kbit
-        # expert's qweight is 3-D ([N, K/32, k]) but holds one expert, so this layer loads per expert.
-        layer.load_weights = functools.partial(_load_per_expert_tensors, layer)
+        if not LOADS_PER_EXPERT_3D_TENSORS:
+            # Up to vLLM 0.31 load_weights takes any 3-D tensor for all experts; a kbit qweight is one expert's.
+            layer.load_weights = functools.partial(_load_per_expert_tensors, layer)
         expert_loader = extra_weight_attrs["weight_loader"]
         for name, (shape, dtype) in shapes.items():
             param = torch.nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
             layer.register_parameter(name, param)
-            set_weight_attrs(param, {**extra_weight_attrs, "weight_loader": functools.partial(self._load, layer, name, expert_loader)})
+            attrs = {**extra_weight_attrs, "weight_loader": functools.partial(self._load, layer, name, expert_loader)}
+            if name.endswith("absmax"):
+                attrs["quant_method"] = FusedMoeWeightScaleSupported.GROUP.value  # one scale per block of 32
+            set_weight_attrs(param, attrs)
 
     def _load(self, layer, name, expert_loader, param, loaded_weight, weight_name, shard_id, expert_id, return_success=False):
         """Checks one expert's checkpoint tensor, then hands it to the layer's expert loader (TP / EP aware)."""
@@ -226,11 +236,11 @@ class KbitMoEMethod(_KbitMoEBase):
                 f"{loaded_weight.dtype} {list(loaded_weight.shape)}, expected {want_dtype} {want}: "
                 "corrupted or mismatched checkpoint"
             )
-        # The expert loader dispatches on the tensor name: present absmax as a plain (unscaled) weight.
+        # The expert loader tells weights from scales by name: it needs "scale" in an absmax's (vLLM's GPTQ "scales").
         try:
             ok = expert_loader(
                 param, loaded_weight.reshape(loaded_weight.shape[0], -1),
-                weight_name.replace("absmax", "absmax_weight"), shard_id, expert_id, return_success=True,
+                weight_name if is_q else f"{weight_name}_scale", shard_id, expert_id, return_success=True,
             )
         except RuntimeError as e:
             tensor = self._tensor_name(layer, expert_id, shard_id, name.split("_", 1)[1])
@@ -296,6 +306,7 @@ class KbitOnlineMoEMethod(_KbitMoEBase):
             layer.register_parameter(name, param)
             set_weight_attrs(param, extra_weight_attrs)
         initialize_online_processing(layer)
+        # No hook drops tensors that arrive after processing, and vLLM's loader needs w13_weight for them.
         layer.load_weights = functools.partial(_skip_after_processing, layer, layer.load_weights)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
