@@ -96,8 +96,9 @@ def qwen3_dense_config(hidden: int = 256, layers: int = 2, intermediate: int | N
 def glm4_moe_lite_config(hidden: int = 256, layers: int = 2, experts: int = 8, top_k: int = 2,
                          moe_intermediate: int = 128):
     """GLM-4.7-Flash (``Glm4MoeLiteForCausalLM``): multi-head latent attention (MLA), first layer dense, then
-    shared + routed experts. kv_lora_rank 512 and qk_rope_head_dim 64 are the real model's and the only latent
-    size vLLM's CPU MLA kernels take; every linear's K (hidden, q_lora_rank, kv_lora_rank, heads x v_head_dim,
+    shared + routed experts. The MLA sizes are the real model's: kv_lora_rank 512 and qk_rope_head_dim 64 are the
+    only latent size vLLM's CPU MLA kernels take, and qk_nope / v head dims 192 / 256 one that its GPU MLA prefill
+    backends take (64 / 64 is refused); every linear's K (hidden, q_lora_rank, kv_lora_rank, heads x v_head_dim,
     intermediate sizes) is a multiple of 32."""
     from transformers import Glm4MoeLiteConfig
 
@@ -118,9 +119,9 @@ def glm4_moe_lite_config(hidden: int = 256, layers: int = 2, experts: int = 8, t
         routed_scaling_factor=1.0,
         q_lora_rank=128,
         kv_lora_rank=512,
-        qk_nope_head_dim=64,
+        qk_nope_head_dim=192,
         qk_rope_head_dim=64,
-        v_head_dim=64,
+        v_head_dim=256,
     )
 
 
