@@ -334,4 +334,8 @@ class KbitOnlineMoEMethod(_KbitMoEBase):
         bytes_before = sum(w.numel() * w.element_size() for w in (w13_full, w2_full))
         dtype = w13_full.dtype
         del layer.w13_weight, layer.w2_weight, w13_full, w2_full, W
+        if codebook.is_cuda:
+            # Give the freed bf16 experts back before stacking: else the stacked packed weights are carved out of
+            # their blocks, the next layer's bf16 experts need a new segment, and reserved memory grows each layer.
+            torch.cuda.empty_cache()
         self._install(layer, packed["w13"], packed["w2"], bytes_before, dtype, scale)
