@@ -260,6 +260,10 @@ def markdown(recs: list[dict]) -> str:
         commands.append(f"- {model} {method} GPUs={gpus}: `{last['command']}`")
     if notes:
         out += ["", "Failed or flagged steps:", "", *notes]
+    remarks = [f"- {m} {x} GPUs={g}: {r['note']}" for (m, x, g), by_c in table.items()
+               for r in [by_c[max(by_c)]] if r.get("note")]  # a row's free-text remark, e.g. how it was recovered
+    if remarks:
+        out += ["", "Remarks:", "", *remarks]
     out += ["", "Command lines (server, then the last bench):", "", *commands]
     return "\n".join(out) + "\n"
 
