@@ -55,6 +55,7 @@ Rules for layers the format cannot hold
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -219,5 +220,11 @@ class KbitSettings:
 
 
 def _check_bits(k: Any, what: str) -> None:
-    if isinstance(k, bool) or not isinstance(k, int) or k not in fmt.SUPPORTED_BITS:
-        raise ValueError(f"kbit: {what}={k!r} is not supported; bits must be one of {fmt.SUPPORTED_BITS}")
+    """The format's bits rule (:func:`reference.check_bits`: C++ decides), its message naming the config key ``what``."""
+    # A config value that no C++ Scalar holds (a string, null, a list, a huge int) goes to the rule as NaN, which it refuses.
+    number = isinstance(k, (int, float)) and -(2**63) <= k < 2**63
+    try:
+        fmt.check_bits(k if number else math.nan)
+    except ValueError as e:  # "kbit: k=9 is not supported; k must be one of (2, 3, 4, 5)"
+        rule = str(e).partition("; k ")[2]
+        raise ValueError(f"kbit: {what}={k!r} is not supported; bits {rule}") from None
