@@ -39,10 +39,6 @@ void check_float_dtype(const at::Tensor& t, const char* what) {
                   "; supported: float16, bfloat16, float32");
 }
 
-void check_contiguous(const at::Tensor& t, const char* what) {
-  KBIT_CHECK_VALUE(t.is_contiguous(), "kbit: ", what, " must be contiguous (call .contiguous() first)");
-}
-
 void check_out_dtype(at::ScalarType dtype) {
   KBIT_CHECK_TYPE(is_float_dtype(dtype), "kbit: output dtype ", dtype,
                   " is not supported; supported: float16, bfloat16, float32");
@@ -70,8 +66,7 @@ std::vector<int64_t> runtime_absmax_shape(int64_t N, int64_t K) {
 
 // A runtime-layout pair for a [N, K] weight; returns k.
 int64_t check_runtime(const at::Tensor& qweight_rt, const at::Tensor& absmax_rt, int64_t N, int64_t K) {
-  KBIT_CHECK_VALUE(N > 0 && K > 0 && K % kBlockSize == 0, "kbit: weight shape [", N, ", ", K,
-                   "] needs N > 0 and K a positive multiple of ", kBlockSize);
+  check_weight_shape(N, K);
   KBIT_CHECK_TYPE(qweight_rt.scalar_type() == at::kInt && qweight_rt.dim() == 5, "kbit: runtime qweight must be int32 [N/",
                   kTileN, ", K/", kBlockSize * kTileKB, ", k, ", kTileN, ", ", kTileKB, "], got ",
                   qweight_rt.scalar_type(), " of shape ", qweight_rt.sizes());
@@ -105,6 +100,35 @@ void check_codebook(const at::Tensor& codebook, int64_t k) {
   KBIT_CHECK_VALUE(codebook.numel() == (int64_t{1} << k), "kbit: codebook has ", codebook.numel(), " entries but k=", k,
                    " needs ", int64_t{1} << k);
   check_contiguous(codebook, "codebook");
+}
+
+void check_contiguous(const at::Tensor& t, const char* what) {
+  KBIT_CHECK_VALUE(t.is_contiguous(), "kbit: ", what, " must be contiguous (call .contiguous() first)");
+}
+
+void check_weight_shape(int64_t N, int64_t K) {
+  KBIT_CHECK_VALUE(N > 0 && K > 0 && K % kBlockSize == 0, "kbit: weight shape [", N, ", ", K,
+                   "] needs N > 0 and K a positive multiple of ", kBlockSize);
+}
+
+int64_t check_stacked_bits(const at::Tensor& qweight, const char* op, const char* prefix) {
+  KBIT_CHECK_VALUE(qweight.dim() == 6 && qweight.size(0) >= 1, "kbit: ", op, " ", prefix,
+                   "qweight must be stacked runtime tensors [E, ...], got ", qweight.sizes());
+  const int64_t k = qweight.size(3);
+  check_bits(k);
+  return k;
+}
+
+void check_stacked(const at::Tensor& qweight, const at::Tensor& absmax, int64_t E, int64_t N, int64_t K, int64_t k,
+                   const char* op, const char* prefix, const std::string& note) {
+  std::vector<int64_t> q_shape = runtime_qweight_shape(N, K, k), a_shape = runtime_absmax_shape(N, K);
+  q_shape.insert(q_shape.begin(), E);
+  a_shape.insert(a_shape.begin(), E);
+  KBIT_CHECK_VALUE(qweight.scalar_type() == at::kInt && qweight.sizes() == at::IntArrayRef(q_shape) &&
+                       absmax.scalar_type() == at::kByte && absmax.sizes() == at::IntArrayRef(a_shape),
+                   "kbit: ", op, " ", prefix, "qweight/", prefix, "absmax for ", E, " experts of [", N, ", ", K, "] (",
+                   note, "k=", k, ") must be int32 ", q_shape, " and uint8 ", a_shape, ", got ", qweight.scalar_type(),
+                   " ", qweight.sizes(), " and ", absmax.scalar_type(), " ", absmax.sizes());
 }
 
 void check_cuda(const at::Tensor& t, const char* what) {
@@ -190,25 +214,10 @@ int64_t check_fused_moe(const at::Tensor& x, const at::Tensor& topk_ids, const a
   const int64_t H = x.size(1);
   KBIT_CHECK_VALUE(H > 0 && I > 0 && H % kBlockSize == 0 && I % kBlockSize == 0, "kbit: fused_moe hidden size ", H,
                    " and intermediate size ", I, " must be positive multiples of ", kBlockSize);
-  KBIT_CHECK_VALUE(w13_qweight.dim() == 6 && w13_qweight.size(0) >= 1,
-                   "kbit: fused_moe w13_qweight must be stacked runtime tensors [E, ...], got ", w13_qweight.sizes());
-  const int64_t E = w13_qweight.size(0), k = w13_qweight.size(3);
-  check_bits(k);
-  struct Stack {
-    const char* name;
-    const at::Tensor &q, &a;
-    int64_t N, K;
-  };
-  for (const Stack& w : {Stack{"w13", w13_qweight, w13_absmax, 2 * I, H}, Stack{"w2", w2_qweight, w2_absmax, H, I}}) {
-    std::vector<int64_t> q_shape = runtime_qweight_shape(w.N, w.K, k), a_shape = runtime_absmax_shape(w.N, w.K);
-    q_shape.insert(q_shape.begin(), E);
-    a_shape.insert(a_shape.begin(), E);
-    KBIT_CHECK_VALUE(w.q.scalar_type() == at::kInt && w.q.sizes() == at::IntArrayRef(q_shape) &&
-                         w.a.scalar_type() == at::kByte && w.a.sizes() == at::IntArrayRef(a_shape),
-                     "kbit: fused_moe ", w.name, "_qweight/", w.name, "_absmax for ", E, " experts of [", w.N, ", ", w.K,
-                     "] (intermediate size ", I, ", k=", k, ") must be int32 ", q_shape, " and uint8 ", a_shape, ", got ",
-                     w.q.scalar_type(), " ", w.q.sizes(), " and ", w.a.scalar_type(), " ", w.a.sizes());
-  }
+  const int64_t E = w13_qweight.size(0), k = check_stacked_bits(w13_qweight, "fused_moe", "w13_");
+  const std::string note = msg::build("intermediate size ", I, ", ");
+  check_stacked(w13_qweight, w13_absmax, E, 2 * I, H, k, "fused_moe", "w13_", note);
+  check_stacked(w2_qweight, w2_absmax, E, H, I, k, "fused_moe", "w2_", note);
   KBIT_CHECK_VALUE(codebook.scalar_type() == at::kFloat && codebook.dim() == 1 && codebook.numel() == (int64_t{1} << k),
                    "kbit: fused_moe codebook must be float32 [", int64_t{1} << k, "], got ", codebook.scalar_type(), " ",
                    codebook.sizes());

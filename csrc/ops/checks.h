@@ -6,6 +6,7 @@
 #pragma once
 
 #include <optional>
+#include <string>
 
 #include <ATen/core/Tensor.h>
 #include <c10/core/Scalar.h>
@@ -37,6 +38,17 @@ int64_t check_fused_moe(const at::Tensor& x, const at::Tensor& topk_ids, const a
 void check_weight_amax(double amax, bool bounded);
 // check_weight_amax(max |W|, true): one reduction and a host sync, a load-time check.
 void check_representable(const at::Tensor& W);
+
+// Pieces of the rules above, for the C++-only ops (csrc/ops/moe_ops.cpp): t is contiguous; a [N, K] weight has
+// N > 0 and K a positive multiple of the block size.
+void check_contiguous(const at::Tensor& t, const char* what);
+void check_weight_shape(int64_t N, int64_t K);
+// Stacked runtime weights of E experts (kbit::fused_moe's w13 / w2): <prefix>qweight is [E >= 1, ...] with 6 dims,
+// returns its k; check_stacked: <prefix>qweight int32 [E, *runtime shape of [N, K] at k bits], <prefix>absmax uint8
+// [E, *its runtime shape]. op and prefix name them in the message, note goes before "k=" in its parenthesis.
+int64_t check_stacked_bits(const at::Tensor& qweight, const char* op, const char* prefix);
+void check_stacked(const at::Tensor& qweight, const at::Tensor& absmax, int64_t E, int64_t N, int64_t K, int64_t k,
+                   const char* op, const char* prefix, const std::string& note = "");
 
 // For the CUDA implementations: t is a CUDA tensor; t is on ref's device.
 void check_cuda(const at::Tensor& t, const char* what);

@@ -55,22 +55,6 @@ std::optional<at::Tensor> int32_map(const std::optional<at::Tensor>& expert_map,
   return expert_map->to(at::kInt).contiguous();
 }
 
-// Checks one stacked runtime weight [E, ceil(N/64), ceil(K/128), k, 64, 4] (+ absmax); returns k.
-int64_t check_stacked(const at::Tensor& q, const at::Tensor& a, int64_t E, int64_t N, int64_t K, const char* what) {
-  const int64_t nt = (N + kTileN - 1) / kTileN, kt = (K / kBlockSize + kTileKB - 1) / kTileKB;
-  KBIT_CHECK(q.scalar_type() == at::kInt && q.dim() == 6 && q.size(0) == E && q.size(1) == nt && q.size(2) == kt &&
-                  q.size(3) >= kMinBits && q.size(3) <= kMaxBits && q.size(4) == kTileN && q.size(5) == kTileKB,
-              "kbit fused_moe: ", what, "_qweight must be int32 [", E, ", ", nt, ", ", kt, ", k, ", kTileN, ", ", kTileKB,
-              "] (k in ", kMinBits, "..", kMaxBits, ") for [", N, ", ", K, "] experts, got ", q.scalar_type(), " ",
-              q.sizes());
-  KBIT_CHECK(a.scalar_type() == at::kByte && a.dim() == 5 && a.size(0) == E && a.size(1) == nt && a.size(2) == kt &&
-                  a.size(3) == kTileN && a.size(4) == kTileKB,
-              "kbit fused_moe: ", what, "_absmax must be uint8 [", E, ", ", nt, ", ", kt, ", ", kTileN, ", ", kTileKB,
-              "], got ", a.scalar_type(), " ", a.sizes());
-  KBIT_CHECK(q.is_contiguous() && a.is_contiguous(), "kbit fused_moe: ", what, " tensors must be contiguous");
-  return q.size(3);
-}
-
 // All E experts of a stacked runtime weight as bf16 [E, N, K]: the stack is the runtime layout
 // of one [E * n_tiles * 64, K] weight, so one dequantize launch covers it.
 at::Tensor dequantize_stacked(const at::Tensor& q, const at::Tensor& a, const at::Tensor& codebook, int64_t N,
@@ -193,13 +177,16 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
   KBIT_CHECK(A.is_cuda() && A.dim() == 2 && A.size(1) == K && A.is_contiguous() &&
                   (A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf),
               "kbit _moe_grouped_linear: A must be contiguous bf16/fp16 [rows, K=", K, "], got ", A.sizes());
-  KBIT_CHECK(K % kBlockSize == 0, "kbit _moe_grouped_linear: K must be a multiple of ", kBlockSize);
+  check_weight_shape(N, K);
   KBIT_CHECK(chunks.scalar_type() == at::kInt && chunks.dim() == 2 && chunks.size(1) == 4 && chunks.is_contiguous() &&
                   num_chunks.scalar_type() == at::kInt && num_chunks.numel() == 1,
               "kbit _moe_grouped_linear: chunks/num_chunks as _moe_route returns them");
-  const int64_t k = check_stacked(qweight, absmax, qweight.size(0), N, K, "w");
-  KBIT_CHECK(codebook.scalar_type() == at::kFloat && codebook.numel() == (int64_t{1} << k) && codebook.is_contiguous(),
-              "kbit _moe_grouped_linear: codebook must be float32 [", int64_t{1} << k, "]");
+  // The experts' weights and codebook by checks.cpp's rules (kbit::fused_moe's stacks), contiguous for the kernels.
+  const int64_t k = check_stacked_bits(qweight, "_moe_grouped_linear", "");
+  check_stacked(qweight, absmax, qweight.size(0), N, K, k, "_moe_grouped_linear", "");
+  check_contiguous(qweight, "qweight");
+  check_contiguous(absmax, "absmax");
+  check_codebook(codebook, k);
   const c10::DeviceGuard guard(A.device());
   at::Tensor C = at::empty({A.size(0), N}, A.options());
   const bool mma = chunk_rows == 8 || chunk_rows == 16 || chunk_rows == 32 || chunk_rows == 64;
