@@ -279,32 +279,41 @@ class Run:
         self.say(f"done; {self.stem}.md")
 
 
+def add_serve_options(ap: argparse.ArgumentParser, *, concurrency: str, stem: str, work: str, deadline_help: str,
+                      deadline: float, start_timeout: float, bench_timeout: float, min_bench_s: float) -> None:
+    """The options this script and big.py share (the server, the benches, the output, the time limits), with
+    each one's defaults."""
+    ap.add_argument("--concurrency", default=concurrency)
+    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: `vllm serve --tensor-parallel-size` (GPUs)")
+    ap.add_argument("--max-model-len", type=int, default=4096)
+    ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
+    ap.add_argument("--server-args", default="", help="extra `vllm serve` arguments, one shell-quoted string")
+    ap.add_argument("--out", help="output folder (default: benchmarks/results)")
+    ap.add_argument("--tag", help=f"output file stem (default: {stem})")
+    ap.add_argument("--work", default=work, help="model directories, server logs, raw bench JSON")
+    ap.add_argument("--deadline", type=float, default=deadline, help=deadline_help)
+    ap.add_argument("--start-timeout", type=float, default=start_timeout, help="seconds for a server to become healthy")
+    ap.add_argument("--bench-timeout", type=float, default=bench_timeout, help="seconds for one `vllm bench serve`")
+    ap.add_argument("--min-bench-s", type=float, default=min_bench_s, help="do not start a bench with less time left")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--methods", default="bf16,kbit-4,gptq-int4,kbit-2,kbit-3,kbit-5",
                     help="comma-separated, run in this order, or 'all' (bf16,gptq-int4,kbit-2..5)")
     ap.add_argument("--settings", default="1024/256,128/1024:2",
                     help="IN/OUT lengths, comma-separated; IN/OUT:P runs max(8, P x concurrency) prompts at that setting")
-    ap.add_argument("--concurrency", default="1,4,16,64,128")
     ap.add_argument("--prompts-per-concurrency", type=int, default=4,
                     help="P of the settings without their own: prompts per bench = max(8, P x concurrency)")
     ap.add_argument("--repeats", type=int, default=1,
                     help="run each setting x concurrency this many times back to back on the same server")
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(model_dir.SHAPES))
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size: `vllm serve --tensor-parallel-size` (GPUs)")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
-    ap.add_argument("--server-args", default="", help="extra `vllm serve` arguments, one shell-quoted string")
-    ap.add_argument("--out", help="output folder (default: benchmarks/results)")
-    ap.add_argument("--tag", help="output file stem (default: serve_<gpu>_<date>)")
-    ap.add_argument("--work", default="/tmp/kbit_serve", help="model directories, server logs, raw bench JSON")
+    add_serve_options(ap, concurrency="1,4,16,64,128", stem="serve_<gpu>_<date>", work="/tmp/kbit_serve",
+                      deadline=86400, deadline_help="seconds for the whole run (default: no practical limit)",
+                      start_timeout=420, bench_timeout=300, min_bench_s=20)
     ap.add_argument("--skip-done", metavar="JSONL[,JSONL]",
                     help="skip the steps these results files already hold for this commit (resume a sweep across runs)")
-    ap.add_argument("--deadline", type=float, default=86400, help="seconds for the whole run (default: no practical limit)")
-    ap.add_argument("--start-timeout", type=float, default=420, help="seconds for a server to become healthy")
-    ap.add_argument("--bench-timeout", type=float, default=300, help="seconds for one `vllm bench serve`")
     ap.add_argument("--min-start-s", type=float, default=150, help="do not start a server with less time left")
-    ap.add_argument("--min-bench-s", type=float, default=20, help="do not start a bench with less time left")
     # A SIGTERM (e.g. `timeout`) unwinds like an exception, so the running server is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = ap.parse_args()

@@ -278,23 +278,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, choices=model_dir.names())
     ap.add_argument("--method", required=True, choices=sorted(METHODS))
-    ap.add_argument("--tp", type=int, default=1, help="tensor-parallel size (GPUs)")
-    ap.add_argument("--concurrency", default="1,16,64")
     ap.add_argument("--input-len", type=int, default=1024)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--prompts-per-concurrency", type=int, default=2, help="prompts per bench: P x concurrency ...")
     ap.add_argument("--min-prompts", type=int, default=4, help="... and at least this many")
-    ap.add_argument("--max-model-len", type=int, default=4096)
-    ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
-    ap.add_argument("--server-args", default="", help="extra `vllm serve` arguments, one shell-quoted string")
-    ap.add_argument("--out", help="output folder (default: benchmarks/results)")
-    ap.add_argument("--tag", help="output file stem (default: serve_big_<date>)")
-    ap.add_argument("--work", default="/tmp/kbit_serve_big", help="model directories, server logs, raw bench JSON")
-    ap.add_argument("--deadline", type=float, default=float(os.environ.get("DEADLINE", 86400)),
-                    help="seconds for the whole row (default: $DEADLINE, else no practical limit)")
-    ap.add_argument("--start-timeout", type=float, default=1500, help="seconds for the server to become healthy")
-    ap.add_argument("--bench-timeout", type=float, default=420, help="seconds for one `vllm bench serve`")
-    ap.add_argument("--min-bench-s", type=float, default=30, help="do not start a bench with less time left")
+    bench_serve.add_serve_options(
+        ap, concurrency="1,16,64", stem="serve_big_<date>", work="/tmp/kbit_serve_big",
+        deadline=float(os.environ.get("DEADLINE", 86400)),
+        deadline_help="seconds for the whole row (default: $DEADLINE, else no practical limit)",
+        start_timeout=1500, bench_timeout=420, min_bench_s=30)
     args = ap.parse_args(argv)
     if args.tp < 1 or args.min_prompts < 1 or args.prompts_per_concurrency < 1:
         ap.error("--tp, --min-prompts and --prompts-per-concurrency must be at least 1")
