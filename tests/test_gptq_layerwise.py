@@ -274,3 +274,84 @@ def test_cli_calibration_tokens_needs_gptq(tmp_path, capsys):
 
     assert cli.main(["convert", str(tmp_path / "in"), str(tmp_path / "out"), "--calibration-tokens", "1024"]) == 2
     assert "--calibration-tokens needs --gptq" in capsys.readouterr().err
+
+
+def _experts_forward_at_09e7264(mod, name, plan, packed, rounded, min_expert_tokens, report):
+    """gptq._experts_forward as committed in 09e7264 (before the routed experts' memory was bounded), verbatim:
+    the reference the restructured forward must reproduce bit for bit."""
+    E, two_i, K = mod.gate_up_proj.shape
+    names = (f"{name}.gate_up_proj", f"{name}.down_proj")
+    threshold = gptq.expert_min_tokens(K) if min_expert_tokens is None else min_expert_tokens
+    report.min_expert_tokens.append(threshold)
+    for param_name, param in zip(names, (mod.gate_up_proj, mod.down_proj)):
+        if param_name in plan:
+            k = plan[param_name][0]
+            N, KB = param.shape[1], param.shape[2] // fmt.BLOCK_SIZE
+            packed[param_name] = (torch.empty(E, N, KB, k, dtype=torch.int32), torch.empty(E, N, KB, dtype=torch.uint8))
+
+    def round_experts(param_name, param, group, Hs):
+        experts = slice(group[0], group[-1] + 1)
+        if param_name in plan:
+            qweight, absmax, W_hat = rounded(param_name, param[experts].detach(), torch.stack(Hs))
+            param[experts].copy_(W_hat)
+            packed[param_name][0][experts], packed[param_name][1][experts] = qweight.cpu(), absmax.cpu()
+        return param[experts]
+
+    def forward(hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        H_all = None
+        for e0 in range(0, E, gptq.EXPERT_GROUP):
+            group = list(range(e0, min(e0 + gptq.EXPERT_GROUP, E)))
+            routes = [torch.where(top_k_index == e) for e in group]
+            few = [token_idx.numel() < threshold for token_idx, _ in routes]
+            if any(few) and H_all is None:
+                H_all = gptq._linear_inputs_hessian(hidden_states)
+            xs = [hidden_states if f else hidden_states[token_idx] for f, (token_idx, _) in zip(few, routes)]
+            report.experts += len(group)
+            report.experts_fallback += sum(few)
+            W_up = round_experts(names[0], mod.gate_up_proj, group,
+                                 [H_all if f else gptq._linear_inputs_hessian(x) for f, x in zip(few, xs)])
+            acts = []
+            for i, x in enumerate(xs):
+                gate, up = torch.nn.functional.linear(x, W_up[i]).chunk(2, dim=-1)
+                acts.append(mod.act_fn(gate) * up)
+            W_down = round_experts(names[1], mod.down_proj, group, [gptq._linear_inputs_hessian(a) for a in acts])
+            for i, (f, (token_idx, pos)) in enumerate(zip(few, routes)):
+                act = acts[i][token_idx] if f else acts[i]
+                y = torch.nn.functional.linear(act, W_down[i]) * top_k_weights[token_idx, pos, None]
+                out.index_add_(0, token_idx, y.to(out.dtype))
+        return out
+
+    return forward
+
+
+@pytest.mark.parametrize("min_expert_tokens", [256, 10**9])
+def test_bounded_memory_experts_equal_the_committed_calibration(tmp_path, monkeypatch, min_expert_tokens):
+    """The routed experts' Hessians built one group at a time into one buffer, only the routed tokens'
+    activations kept, packing and decoding a few rows at a time: every packed weight of a 2-layer random
+    Qwen3-MoE with 16 experts (two groups; some or every expert falling back to all tokens) is bit
+    for bit what the forward committed in 09e7264, packing and decoding in one call, gives."""
+    from vllm_kbit.testing import tiny_models
+
+    src = tiny_models.build("qwen3_moe", str(tmp_path / "src"), hidden=128, layers=2, experts=16, top_k=2,
+                            moe_intermediate=64)
+    select = _select(4)
+
+    def calibrate():
+        report = gptq.CalibrationReport()
+        result = gptq.quantize_model(*_load(src), select, _text(), n_tokens=2048, window=512,
+                                     min_expert_tokens=min_expert_tokens, report=report)
+        return result, report
+
+    with monkeypatch.context() as m:  # the committed code: one pack / decode per call
+        m.setattr(gptq, "_experts_forward", _experts_forward_at_09e7264)
+        m.setattr(gptq, "PACK_CHUNK_WEIGHTS", 1 << 40)
+        want, want_report = calibrate()
+    monkeypatch.setattr(gptq, "PACK_CHUNK_WEIGHTS", 1000)  # several chunks per weight, a short last one
+    got, report = calibrate()
+    assert report.experts == want_report.experts == 32
+    assert report.experts_fallback == want_report.experts_fallback
+    assert 0 < report.experts_fallback < 32 if min_expert_tokens == 256 else report.experts_fallback == 32
+    assert sorted(got) == sorted(want) and sum(".experts." in n for n in want) == 2 * 16 * 3
+    for name in want:
+        assert torch.equal(got[name][0], want[name][0]) and torch.equal(got[name][1], want[name][1]), name

@@ -55,6 +55,10 @@ DEFAULT_SCALE_RULE = "gptq"
 # rounded on the Hessian of every token entering its layer (see expert_min_tokens).
 EXPERT_MIN_TOKENS_PER_BLOCK = 4
 EXPERT_GROUP = 8  # routed experts rounded together (gptq_quantize_experts): a few hundred MiB of H and H^-1
+# Weights packed into bit-planes and decoded back this many at a time (whole rows): the reference's pack and
+# decode go through int64 tensors of k (decode: 2 x k) x 8 bytes per weight, 1.7 GiB for a group of 8 of
+# Qwen3-30B-A3B's gate_up at k = 4 in one call; per chunk of 2^20 weights at most 80 MiB (k = 5).
+PACK_CHUNK_WEIGHTS = 1 << 20
 # Modules whose docstrings make up the default calibration text (prose with some code, like the
 # instructions and documentation a language model reads). Fixed, so a Python version always gives
 # the same text.
@@ -155,7 +159,7 @@ def gptq_quantize(
             Eb[:, j] = err
         Wf[:, c1:] -= Eb @ Hinv[c0:c1, c1:]
     idx = idx[:, pos]  # back to the original column order
-    qweight = fmt.pack_bitplanes(idx.view(N, KB, fmt.BLOCK_SIZE), k)
+    qweight = _pack_bitplanes(idx.view(N, KB, fmt.BLOCK_SIZE), k)
     return qweight, codes
 
 
@@ -241,7 +245,33 @@ def gptq_quantize_experts(
         for b in range(B):  # one product per weight, as gptq_quantize computes it
             Wf[b, :, c1:] -= Eb[b] @ Hinv[b, c0:c1, c1:]
     idx = idx.gather(2, pos.unsqueeze(1).expand(B, N, K))  # back to the original column order
-    return fmt.pack_bitplanes(idx.view(B, N, KB, bs), k), codes
+    return _pack_bitplanes(idx.view(B * N, KB, bs), k).view(B, N, KB, k), codes
+
+
+def _row_chunks(rows: int, row_weights: int):
+    """Row slices of at most :data:`PACK_CHUNK_WEIGHTS` weights (at least one row each)."""
+    step = max(1, PACK_CHUNK_WEIGHTS // row_weights)
+    return (slice(r, min(r + step, rows)) for r in range(0, rows, step))
+
+
+def _pack_bitplanes(idx: torch.Tensor, k: int) -> torch.Tensor:
+    """:func:`reference.pack_bitplanes` of indices [R, K/32, 32], a few rows at a time (the same words: each
+    word is its own block's), so its int64 temporaries stay bounded."""
+    R, KB, bs = idx.shape
+    out = torch.empty(R, KB, k, dtype=torch.int32, device=idx.device)
+    for rows in _row_chunks(R, KB * bs):
+        out[rows] = fmt.pack_bitplanes(idx[rows], k)
+    return out
+
+
+def _dequantize(qweight: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """:func:`reference.dequantize` of the flat layout [R, K/32, k] a few rows at a time (the same values, row
+    for row), so its int64 temporaries stay bounded."""
+    R, KB, _ = qweight.shape
+    out = torch.empty(R, KB * fmt.BLOCK_SIZE, dtype=dtype, device=qweight.device)
+    for rows in _row_chunks(R, KB * fmt.BLOCK_SIZE):
+        out[rows] = fmt.dequantize(qweight[rows], absmax[rows], codebook, dtype)
+    return out
 
 
 def _block_scales(block: torch.Tensor, codebook: torch.Tensor, search: bool, col_weight: torch.Tensor | None) -> torch.Tensor:
@@ -526,7 +556,7 @@ def _calibrate_layer(layer, prefix, hidden, call, plan, packed, options, min_exp
         else:
             qweight, absmax = gptq_quantize(W, H, cb, k, **options)
         shape = qweight.shape
-        W_hat = fmt.dequantize(qweight.reshape(-1, *shape[-2:]), absmax.reshape(-1, shape[-2]), cb, W.dtype)
+        W_hat = _dequantize(qweight.reshape(-1, *shape[-2:]), absmax.reshape(-1, shape[-2]), cb, W.dtype)
         return qweight, absmax, W_hat.view(W.shape)
 
     def linear_hook(name):
@@ -574,16 +604,20 @@ def _experts_forward(mod, name, plan, packed, rounded, min_expert_tokens, report
             N, KB = param.shape[1], param.shape[2] // fmt.BLOCK_SIZE
             packed[param_name] = (torch.empty(E, N, KB, k, dtype=torch.int32), torch.empty(E, N, KB, dtype=torch.uint8))
 
-    def round_experts(param_name, param, group, Hs):
-        """The group's weights [G, N, K] (a view of the layer's), rounded in place when planned."""
+    def round_experts(param_name, param, group, H):
+        """The group's weights [G, N, K] (a view of the layer's), rounded in place when planned; H [G, K, K]."""
         experts = slice(group[0], group[-1] + 1)
         if param_name in plan:
-            qweight, absmax, W_hat = rounded(param_name, param[experts].detach(), torch.stack(Hs))
+            qweight, absmax, W_hat = rounded(param_name, param[experts].detach(), H)
             param[experts].copy_(W_hat)
             packed[param_name][0][experts], packed[param_name][1][experts] = qweight.cpu(), absmax.cpu()
         return param[experts]
 
     def forward(hidden_states, top_k_index, top_k_weights):
+        # Alive across the layer: the input, the routing, the output and (once an expert falls back) the Hessian of
+        # all tokens. Per group: its G Hessians (one buffer, gate_up's then down's), the routed tokens of the
+        # experts that have their own Hessian, and each expert's activations on its routed tokens only (a
+        # fallback expert's activations on all tokens live while its down Hessian is summed, then are cut).
         out = torch.zeros_like(hidden_states)
         H_all = None
         for e0 in range(0, E, EXPERT_GROUP):
@@ -595,17 +629,26 @@ def _experts_forward(mod, name, plan, packed, rounded, min_expert_tokens, report
             xs = [hidden_states if f else hidden_states[token_idx] for f, (token_idx, _) in zip(few, routes)]
             report.experts += len(group)
             report.experts_fallback += sum(few)
-            W_up = round_experts(names[0], mod.gate_up_proj, group,
-                                 [H_all if f else _linear_inputs_hessian(x) for f, x in zip(few, xs)])
-            acts = []
-            for i, x in enumerate(xs):
+            H = hidden_states.new_empty(len(group), K, K, dtype=torch.float32)
+            for i, (f, x) in enumerate(zip(few, xs)):
+                H[i] = H_all if f else _linear_inputs_hessian(x)
+            W_up = round_experts(names[0], mod.gate_up_proj, group, H)
+            del H
+            H_down, acts = hidden_states.new_empty(len(group), two_i // 2, two_i // 2, dtype=torch.float32), []
+            for i, (f, x, (token_idx, _)) in enumerate(zip(few, xs, routes)):
                 gate, up = torch.nn.functional.linear(x, W_up[i]).chunk(2, dim=-1)
-                acts.append(mod.act_fn(gate) * up)
-            W_down = round_experts(names[1], mod.down_proj, group, [_linear_inputs_hessian(a) for a in acts])
-            for i, (f, (token_idx, pos)) in enumerate(zip(few, routes)):
-                act = acts[i][token_idx] if f else acts[i]
-                y = torch.nn.functional.linear(act, W_down[i]) * top_k_weights[token_idx, pos, None]
+                act = mod.act_fn(gate) * up
+                del gate, up
+                H_down[i] = _linear_inputs_hessian(act)
+                acts.append(act[token_idx] if f else act)  # what the expert outputs: its routed tokens
+                del act
+            del xs
+            W_down = round_experts(names[1], mod.down_proj, group, H_down)
+            del H_down
+            for i, (token_idx, pos) in enumerate(routes):
+                y = torch.nn.functional.linear(acts[i], W_down[i]) * top_k_weights[token_idx, pos, None]
                 out.index_add_(0, token_idx, y.to(out.dtype))
+            del acts
         return out
 
     return forward
