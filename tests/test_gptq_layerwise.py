@@ -129,20 +129,18 @@ def test_one_decoder_layer_on_the_device_at_a_time(tmp_path, monkeypatch):
         live.remove(layer)
         layer.to("meta")
 
-    def spy(W, H, *args, real=None, **kwargs):
+    def spy(W, H, *args, **kwargs):  # every rounding, dense (as B = 1) or routed experts, goes through here
         storages = [{p.untyped_storage().data_ptr() for p in layer.parameters()} for layer in live]
         rounded.append([W.untyped_storage().data_ptr() in s for s in storages])
         idx = layers.index(live[0]) if live else -1
         assert all(p.device.type == "meta" for layer in layers[:idx] for p in layer.parameters())
         assert all(p.device.type != "meta" for layer in layers[idx:] for p in layer.parameters())
-        return (real or real_linear)(W, H, *args, **kwargs)
+        return real_experts(W, H, *args, **kwargs)
 
-    real_linear = gptq.gptq_quantize
     monkeypatch.setattr(gptq, "_onload", onload)
     monkeypatch.setattr(gptq, "_release", release)
     real_experts = gptq.gptq_quantize_experts
-    monkeypatch.setattr(gptq, "gptq_quantize", spy)
-    monkeypatch.setattr(gptq, "gptq_quantize_experts", lambda W, H, *a, **kw: spy(W, H, *a, real=real_experts, **kw))
+    monkeypatch.setattr(gptq, "gptq_quantize_experts", spy)
     got = gptq.quantize_model(model, tokenizer, _select(), _text(), n_tokens=1024, window=512)
     assert most[0] == 1 and not live
     assert len(rounded) == 3 * (4 + 2) and all(r == [True] for r in rounded)  # q, k, v, o; the experts' gate_up, down

@@ -115,52 +115,10 @@ def gptq_quantize(
     N, K = W.shape
     if H.shape != (K, K):
         raise ValueError(f"kbit gptq: H has shape {list(H.shape)}, weight {list(W.shape)} needs [{K}, {K}]")
-    if lazy_cols % fmt.BLOCK_SIZE:
-        raise ValueError(f"kbit gptq: lazy_cols={lazy_cols} is not a multiple of {fmt.BLOCK_SIZE}")
-    if scale_rule not in SCALE_RULES:
-        raise ValueError(f"kbit gptq: scale_rule={scale_rule!r}, expected one of {sorted(SCALE_RULES)}")
-    dev = W.device
-    H = _damped(H.to(dev, torch.float32), damp)
-    perm = torch.argsort(torch.diag(H), descending=True, stable=True) if act_order else torch.arange(K, device=dev)
-    # Upper Cholesky factor of H^-1 in processing order: row i holds the update of the columns
-    # processed after i once column i is rounded.
-    Hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(H[perm][:, perm])), upper=True)
-    col_weight = _column_weights(H, Hinv, perm, scale_rule)
-
-    Wf = W.float()[:, perm].contiguous()  # processing order
-    pos = torch.argsort(perm)  # processing position of each original column
-    block_of = (perm // fmt.BLOCK_SIZE).tolist()
-    cb = codebook.to(dev)
-    thresholds = fmt.codebook_thresholds(cb)
-    KB = K // fmt.BLOCK_SIZE
-    idx = torch.empty(N, K, dtype=torch.uint8, device=dev)  # processing order
-    codes = torch.empty(N, KB, dtype=torch.uint8, device=dev)
-    scales, products = {}, {}  # per block, once decided: decoded scale [N], fp32(t_i * s) [N, 2^k - 1]
-    for c0 in range(0, K, lazy_cols):
-        c1 = min(c0 + lazy_cols, K)
-        Wb = Wf[:, c0:c1].clone()
-        Eb = torch.zeros_like(Wb)
-        Hb = Hinv[c0:c1, c0:c1]
-        for j in range(c1 - c0):
-            blk = block_of[c0 + j]
-            if blk not in scales:  # the first column of this block: its scale from the updated weights
-                cols = pos[blk * fmt.BLOCK_SIZE : (blk + 1) * fmt.BLOCK_SIZE]
-                block = _current_columns(Wf, Wb, Eb, Hinv, cols, c0, c1)
-                weight = None if col_weight is None else col_weight[blk * fmt.BLOCK_SIZE : (blk + 1) * fmt.BLOCK_SIZE]
-                codes[:, blk] = _block_scales(block, cb, search_scale, None if weight is None else weight.expand_as(block))
-                scales[blk] = fmt.e4m4_decode(codes[:, blk])
-                products[blk] = thresholds.unsqueeze(0) * scales[blk].unsqueeze(-1)  # fp32(t_i * s), as the reference
-            w = Wb[:, j]
-            q_idx = (w.unsqueeze(-1) > products[blk]).sum(-1)
-            idx[:, c0 + j] = q_idx.to(torch.uint8)
-            q = cb[q_idx] * scales[blk]
-            err = (w - q) / Hb[j, j]
-            Wb[:, j:] -= err.unsqueeze(-1) * Hb[j, j:].unsqueeze(0)
-            Eb[:, j] = err
-        Wf[:, c1:] -= Eb @ Hinv[c0:c1, c1:]
-    idx = idx[:, pos]  # back to the original column order
-    qweight = _pack_bitplanes(idx.view(N, KB, fmt.BLOCK_SIZE), k)
-    return qweight, codes
+    # One weight is the experts' loop with B = 1: the algorithm is written once.
+    qweight, codes = gptq_quantize_experts(W.unsqueeze(0), H.unsqueeze(0), codebook, k, search_scale, damp, lazy_cols,
+                                           act_order, scale_rule)
+    return qweight[0], codes[0]
 
 
 def gptq_quantize_experts(
@@ -177,9 +135,9 @@ def gptq_quantize_experts(
     """:func:`gptq_quantize` of B weights W[B, N, K], each with its own H[B, K, K] (routed experts), in one
     column loop: every weight is processed in its own order, so position j of the loop is column perm_b[j] of
     weight b, and a block's scale is decided at the position that first reaches it in that weight. Each
-    weight's arithmetic is :func:`gptq_quantize`'s, element for element (its matrix products one weight at a
-    time). Returns qweight [B, N, K/32, k] and absmax [B, N, K/32]; the loop's Python work is paid once for
-    all B instead of B times."""
+    weight's arithmetic is what it would be alone (its matrix products one weight at a time), so B = 1 is
+    :func:`gptq_quantize`. Returns qweight [B, N, K/32, k] and absmax [B, N, K/32]; the loop's Python work is
+    paid once for all B instead of B times."""
     if W.dim() != 3:
         raise ValueError(f"kbit gptq: experts' weight must be 3-D [B, N, K], got shape {list(W.shape)}")
     B, N, K = W.shape
@@ -194,7 +152,7 @@ def gptq_quantize_experts(
         raise ValueError(f"kbit gptq: scale_rule={scale_rule!r}, expected one of {sorted(SCALE_RULES)}")
     dev, KB, bs = W.device, K // fmt.BLOCK_SIZE, fmt.BLOCK_SIZE
     perms, Hinv, col_weight = [], torch.empty(B, K, K, device=dev), []
-    for b in range(B):  # the factorizations one weight at a time: gptq_quantize's values, and one H in memory
+    for b in range(B):  # the factorizations one weight at a time: its values alone, and one H in memory
         Hb_ = _damped(H[b].to(dev, torch.float32), damp)
         perm = torch.argsort(torch.diag(Hb_), descending=True, stable=True) if act_order else torch.arange(K, device=dev)
         Hinv[b] = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(Hb_[perm][:, perm])), upper=True)
@@ -242,7 +200,7 @@ def gptq_quantize_experts(
             err = (w - q) / Hb[:, j, j].unsqueeze(-1)
             Wb[:, :, j:] -= err.unsqueeze(-1) * Hb[:, j, j:].unsqueeze(1)
             Eb[:, :, j] = err
-        for b in range(B):  # one product per weight, as gptq_quantize computes it
+        for b in range(B):  # one product per weight, as it would be alone
             Wf[b, :, c1:] -= Eb[b] @ Hinv[b, c0:c1, c1:]
     idx = idx.gather(2, pos.unsqueeze(1).expand(B, N, K))  # back to the original column order
     return _pack_bitplanes(idx.view(B * N, KB, bs), k).view(B, N, KB, k), codes
