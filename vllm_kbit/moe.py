@@ -30,7 +30,7 @@ from vllm_kbit import ops
 _lib = torch.library.Library("kbit", "FRAGMENT")  # kbit::fused_moe's schema: vllm_kbit/ops.py
 
 # VLLM_KBIT_MOE_PATH forces one CUDA path for every call (benchmarks, bisecting a numerical difference):
-# auto (default), gemv, grouped_mm, grouped_mma or gemv_direct; the extension reads and checks it
+# auto (default), gemv, grouped_mm, grouped_mma, gemv_direct or grouped_wgmma; the extension reads and checks it
 # (csrc/plan/overrides.h) and this asks which path.
 _MOE_PATH = torch.ops.kbit._moe_path_override() if ops.HAS_EXTENSION else 0  # 0: auto
 

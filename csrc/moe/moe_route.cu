@@ -234,8 +234,8 @@ void launch_moe_route(const at::Tensor& topk_ids, const std::optional<at::Tensor
               " local experts; supported: 1..", kRouteMaxExperts);
   const int64_t S = topk_ids.numel();
   KBIT_CHECK(S <= INT32_MAX / 2, "kbit fused_moe: too many slots (", S, ")");
-  KBIT_CHECK(chunk_rows >= 1 && chunk_rows <= kMoeMaxChunkRows, "kbit fused_moe: chunk_rows must be in 1..",
-              kMoeMaxChunkRows);
+  KBIT_CHECK(chunk_rows >= 1 && chunk_rows <= kMoeWsChunkRows, "kbit fused_moe: chunk_rows must be in 1..",
+              kMoeWsChunkRows);
   const int E = static_cast<int>(num_experts);
   const size_t smem = (2 * static_cast<size_t>(E) + 1) * sizeof(int);
   launch_kernel(moe_route_kernel, dim3(1), dim3(kRouteThreads), smem, at::cuda::getCurrentCUDAStream(), 0,

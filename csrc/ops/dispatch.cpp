@@ -48,9 +48,12 @@ LinearPlanTuple linear_plan_device_op(int64_t M, int64_t N, int64_t K, at::Scala
   return as_tuple(linear_plan(M, N, K, dtype, bits, device_facts(gpu_index(device, "linear_plan")), forced));
 }
 
+// On a GPU of compute capability major sm_major (the auto path depends on it: Hopper has the grouped wgmma).
 std::tuple<std::string, int64_t, int64_t> moe_plan_op(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits,
-                                                      const std::string& path) {
-  const MoePlan p = moe_plan(tokens, top_k, experts, bits, moe_path_from_name(path));
+                                                      const std::string& path, int64_t sm_major) {
+  DeviceFacts facts;
+  facts.sm_major = sm_major;
+  const MoePlan p = moe_plan(tokens, top_k, experts, bits, moe_path_from_name(path), 0, 0, facts);
   return {moe_path_name(p.path), p.chunk_rows, p.max_chunks};
 }
 
@@ -135,7 +138,8 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("linear_plan.device(int M, int N, int K, ScalarType dtype, int bits, Device device, str path=\"auto\", "
         "int row_groups=0, int splits=0) -> (str path, int splits, int max_splits, int p, int r, int m_blocks)",
         &kbit::linear_plan_device_op);
-  m.def("moe_plan(int tokens, int top_k, int experts, int bits, str path=\"auto\") -> (str path, int chunk_rows, int max_chunks)",
+  m.def("moe_plan(int tokens, int top_k, int experts, int bits, str path=\"auto\", int sm_major=0) -> "
+        "(str path, int chunk_rows, int max_chunks)",
         &kbit::moe_plan_op);
   m.def("moe_plan.device(int tokens, int top_k, int experts, int bits, int hidden, int intermediate, Device device, "
         "str path=\"auto\") -> (str path, int chunk_rows, int max_chunks, int expected_chunks, int[] gate_up, int[] down)",

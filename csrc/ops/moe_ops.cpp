@@ -14,12 +14,16 @@
 //                got tokens, each weight tile once per chunk of up to 64 rows (the GEMV: per 4).
 //   grouped mm   route -> gather x (bf16) -> dequantize all experts to bf16 -> torch._grouped_mm ->
 //                SiLU * up -> dequantize -> torch._grouped_mm -> combine.
+//   grouped wgmma  (Hopper) as grouped MMA, with chunks of up to 256 rows and the warp-specialized
+//                dequant + wgmma kernel (wgmma_ws.cu): each weight tile dequantized once per chunk into
+//                shared memory, wgmma at full rate. Many rows per expert (prefill-sized batches).
 // The planner's moe_plan (csrc/plan/plan.h) picks the path, sizes the routing and plans each projection's
-// kernel; this file launches the plan. The last two run fp16 inputs in bf16.
+// kernel; this file launches the plan. The grouped paths (MMA, mm, wgmma) run fp16 inputs in bf16.
 #include "checks.h"
 #include "plan.h"
 #include "mma.cuh"
 #include "moe.cuh"
+#include "wgmma.cuh"
 
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
@@ -121,6 +125,24 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     launch_moe_combine(y, r.pos, output_weights, top_k, out);
     return out;
   }
+  if (plan.path == MoePath::kGroupedWgmma) {
+    const DeviceFacts facts = device_facts(x.get_device());
+    KBIT_CHECK_VALUE(facts.sm_major == 9, "kbit fused_moe: path grouped_wgmma needs a Hopper GPU (sm_90), this one is sm_",
+                     facts.sm_major, "x; supported there: auto, gemv, grouped_mm, grouped_mma, gemv_direct");
+    KBIT_CHECK(max_chunks <= kMmaMaxGridRows, "kbit fused_moe: ", S, " slots need up to ", max_chunks,
+                " chunks of ", rows, " rows; the grouped wgmma launches at most ", kMmaMaxGridRows);
+    const Routing r = route(ids, map, E, rows, max_chunks);
+    at::Tensor xp = at::empty({S, H}, x.options().dtype(at::kBFloat16));
+    launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp);
+    at::Tensor g = at::empty({S, 2 * I}, xp.options());
+    launch_wgmma_ws_grouped(xp, r.chunks, w13_qweight, w13_absmax, codebook, 2 * I, H, g);
+    at::Tensor h = at::empty({S, I}, xp.options());
+    launch_moe_silu_mul(g, h);  // rows past the chunks are garbage in g and h and never read again
+    at::Tensor y = at::empty({S, H}, xp.options());
+    launch_wgmma_ws_grouped(h, r.chunks, w2_qweight, w2_absmax, codebook, H, I, y);
+    launch_moe_combine(y, r.pos, output_weights, top_k, out);
+    return out;
+  }
   if (plan.path == MoePath::kGroupedMma) {
     KBIT_CHECK(max_chunks <= kMmaMaxGridRows, "kbit fused_moe: ", S, " slots need up to ", max_chunks,
                 " chunks of ", rows, " rows; the grouped MMA launches at most ", kMmaMaxGridRows);
@@ -156,9 +178,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route
     int64_t max_chunks) {
   KBIT_CHECK(topk_ids.is_cuda() && !at::isFloatingType(topk_ids.scalar_type()),
               "kbit _moe_route: topk_ids must be an integer CUDA tensor");
-  KBIT_CHECK(max_chunks >= 0 && chunk_rows >= 1 && chunk_rows <= kMoeMaxChunkRows && num_experts >= 1 &&
+  KBIT_CHECK(max_chunks >= 0 && chunk_rows >= 1 && chunk_rows <= kMoeWsChunkRows && num_experts >= 1 &&
                   num_experts <= kMaxLocalExperts,
-              "kbit _moe_route: needs max_chunks >= 0, chunk_rows in 1..", kMoeMaxChunkRows, " and 1..",
+              "kbit _moe_route: needs max_chunks >= 0, chunk_rows in 1..", kMoeWsChunkRows, " and 1..",
               kMaxLocalExperts, " experts");
   const c10::DeviceGuard guard(topk_ids.device());
   const Routing r = route(topk_ids.to(at::kInt).contiguous().view({-1}), int32_map(expert_map, topk_ids), num_experts,
@@ -168,7 +190,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route
 
 // One grouped projection on rows that are already grouped by expert (chunks from _moe_route):
 // C[p] = A[p] @ dequant(W_e)^T; rows outside the chunks are left unwritten. The chunk height picks
-// the kernel: 1 or 4 rows the grouped GEMV, 8/16/32/64 the grouped MMA. splits forces the K split
+// the kernel: 1 or 4 rows the grouped GEMV, 8/16/32/64 the grouped MMA, 256 the grouped wgmma (Hopper).
+// splits forces the K split
 // count (GEMV: CTAs per row block; MMA: cluster size), row_groups the MMA's row groups per warp (0:
 // the rules, for sweeps against them).
 at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
@@ -190,8 +213,10 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
   const c10::DeviceGuard guard(A.device());
   at::Tensor C = at::empty({A.size(0), N}, A.options());
   const bool mma = chunk_rows == 8 || chunk_rows == 16 || chunk_rows == 32 || chunk_rows == 64;
-  KBIT_CHECK(chunk_rows == 1 || chunk_rows == kMoeChunkRows || mma, "kbit _moe_grouped_linear: chunk_rows must be 1 or ",
-              kMoeChunkRows, " (GEMV) or 8, 16, 32, 64 (MMA), as given to _moe_route");
+  const bool wgmma = chunk_rows == kMoeWsChunkRows;
+  KBIT_CHECK(chunk_rows == 1 || chunk_rows == kMoeChunkRows || mma || wgmma,
+              "kbit _moe_grouped_linear: chunk_rows must be 1 or ", kMoeChunkRows, " (GEMV), 8, 16, 32, 64 (MMA) or ",
+              kMoeWsChunkRows, " (wgmma, Hopper), as given to _moe_route");
   KBIT_CHECK(chunks.size(0) <= kMmaMaxGridRows, "kbit _moe_grouped_linear: at most ", kMmaMaxGridRows, " chunks");
   KBIT_CHECK(!mma || A.scalar_type() == at::kBFloat16, "kbit _moe_grouped_linear: the grouped MMA takes bf16 A");
   const int64_t k_tiles = qweight.size(2);
@@ -202,7 +227,13 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
               "kbit _moe_grouped_linear: row_groups=", row_groups, " is not a built grouped MMA shape for chunk_rows=",
               chunk_rows, " (0: the rule)");
   const DeviceFacts facts = device_facts(A.get_device());
-  if (mma) {
+  if (wgmma) {
+    KBIT_CHECK_VALUE(facts.sm_major == 9, "kbit _moe_grouped_linear: chunk_rows=", kMoeWsChunkRows,
+                     " (the grouped wgmma) needs a Hopper GPU (sm_90), this one is sm_", facts.sm_major, "x");
+    KBIT_CHECK_VALUE(splits == 0 && row_groups == 0, "kbit _moe_grouped_linear: splits and row_groups do not apply ",
+                     "to the grouped wgmma (chunk_rows=", kMoeWsChunkRows, "); pass 0");
+    launch_wgmma_ws_grouped(A, chunks, qweight, absmax, codebook, N, K, C);
+  } else if (mma) {
     const MoeProjPlan plan = moe_grouped_mma_plan(A.size(0), qweight.size(0), chunk_rows, chunks.size(0), qweight.size(1),
                                                   k_tiles, k, facts, row_groups, splits);
     launch_mma_grouped(A, chunks, num_chunks, qweight, absmax, codebook, N, K, chunk_rows, C, plan);

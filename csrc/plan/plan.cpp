@@ -40,11 +40,14 @@ constexpr int64_t kWgmmaWsMinWeight = int64_t{1} << 25;
 // "Three paths, picked by slots per expert" and "Few slots: two launches".
 constexpr int64_t kGemvMaxSlots = 16;
 constexpr int64_t kMmaMaxSlotsPerExpert = 256;
+// On Hopper, from this many slots per expert the grouped wgmma (a weight tile dequantized once per 256
+// rows of an expert, wgmma at full rate) replaces the grouped MMA and grouped mm.
+constexpr int64_t kWgmmaMinSlotsPerExpert = 64;
 
 constexpr int kMaxDevices = 64;  // devices whose facts are cached
 
 constexpr const char* kLinearPathNames[] = {"gemv", "mma", "wgmma", "wgmma_ws", "dequant_cublas"};
-constexpr const char* kMoePathNames[] = {"auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct"};
+constexpr const char* kMoePathNames[] = {"auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct", "grouped_wgmma"};
 
 template <size_t N>
 std::string joined(const char* const (&names)[N]) {
@@ -383,9 +386,10 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, M
                    kMinBits, "..", kMaxBits);
   const int64_t S = tokens * top_k;
   if (path == MoePath::kAuto) {
-    path = S <= kGemvMaxSlots && 2 * S <= experts ? MoePath::kGemvDirect
-           : S <= kMmaMaxSlotsPerExpert * experts ? MoePath::kGroupedMma
-                                                  : MoePath::kGroupedMm;
+    path = S <= kGemvMaxSlots && 2 * S <= experts                            ? MoePath::kGemvDirect
+           : facts.sm_major == 9 && S >= kWgmmaMinSlotsPerExpert * experts ? MoePath::kGroupedWgmma
+           : S <= kMmaMaxSlotsPerExpert * experts                          ? MoePath::kGroupedMma
+                                                                           : MoePath::kGroupedMm;
   }
   MoePlan plan{path, kMoeChunkRows, 0, 0, {}, {}};  // grouped mm: the routing's offsets only, no chunk list
   if (path == MoePath::kGemvDirect) {
@@ -396,6 +400,10 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, M
     plan.max_chunks = moe_max_chunks(S, experts, plan.chunk_rows);
   } else if (path == MoePath::kGroupedMma) {
     plan.chunk_rows = moe_mma_chunk_rows(S, experts, static_cast<int>(bits));
+    plan.max_chunks = moe_max_chunks(S, experts, plan.chunk_rows);
+    plan.expected_chunks = moe_expected_chunks(S, experts, plan.chunk_rows);
+  } else if (path == MoePath::kGroupedWgmma) {
+    plan.chunk_rows = kMoeWsChunkRows;
     plan.max_chunks = moe_max_chunks(S, experts, plan.chunk_rows);
     plan.expected_chunks = moe_expected_chunks(S, experts, plan.chunk_rows);
   }
@@ -415,6 +423,10 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, M
   } else if (path == MoePath::kGroupedMma) {
     plan.gate_up = moe_grouped_mma_plan(S, experts, plan.chunk_rows, plan.max_chunks, gu_n, gu_k, bits, facts);
     plan.down = moe_grouped_mma_plan(S, experts, plan.chunk_rows, plan.max_chunks, dn_n, dn_k, bits, facts);
+  } else if (path == MoePath::kGroupedWgmma) {
+    // One CTA per chunk and pair of n-tiles, no splits: the grid rows are the whole plan.
+    plan.gate_up.m_blocks = plan.down.m_blocks = plan.max_chunks;
+    plan.gate_up.splits = plan.down.splits = 1;
   }
   return plan;
 }

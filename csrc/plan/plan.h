@@ -26,6 +26,7 @@ constexpr int kMmaWideTiles = 128;  // runtime n-tiles from which warps take wid
 constexpr int kMmaWideMinRowTiles = 4;  // ... and activation tiles per CTA (p) from which they do
 constexpr int kMoeChunkRows = 4;      // most rows of one expert a grouped-GEMV CTA multiplies (the GEMV's M)
 constexpr int kMoeMaxChunkRows = 64;  // most rows of one chunk: a grouped-MMA CTA covers 8p <= 64 rows
+constexpr int kMoeWsChunkRows = 256;  // rows of one chunk of the grouped wgmma (wgmma_ws.cu: a CTA's 256 rows of A)
 constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memory counters (2 ints each)
 
 // The (p, r) MMA instances built for every k, dtype and launch kind (dense and grouped): narrow warps
@@ -165,11 +166,13 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
 // ----------------------------------------------------------------------------- routed experts (MoE)
 
 // kGemvDirect: the grouped GEMV without routing (one chunk per slot) and with the combine folded into
-// the down projection: two launches in all (moe_ops.cpp).
-enum class MoePath : int64_t { kAuto = 0, kGemv = 1, kGroupedMm = 2, kGroupedMma = 3, kGemvDirect = 4 };
+// the down projection: two launches in all (moe_ops.cpp). kGroupedWgmma: the warp-specialized dequant +
+// wgmma kernel over chunks of up to kMoeWsChunkRows rows (Hopper only).
+enum class MoePath : int64_t { kAuto = 0, kGemv = 1, kGroupedMm = 2, kGroupedMma = 3, kGemvDirect = 4, kGroupedWgmma = 5 };
 
 const char* moe_path_name(MoePath path);
-// "auto", "gemv", "grouped_mm", "grouped_mma" or "gemv_direct"; anything else raises a one-line ValueError.
+// "auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct" or "grouped_wgmma"; anything else raises a
+// one-line ValueError.
 MoePath moe_path_from_name(const std::string& name);
 // The path of an id kbit::_moe_path_id returned (kernels take ids: a `str` argument of a C++ kernel
 // brings libstdc++ stream code into the extension through torch's argument unboxing).
@@ -194,7 +197,8 @@ struct MoePlan {
 };
 
 // The plan of kbit::fused_moe for T tokens with top_k picks each over E local experts of k-bit weights
-// ("auto" or a forced path), hidden size H and intermediate size I (0: the projections are not planned).
+// ("auto" or a forced path), hidden size H and intermediate size I (0: the projections are not planned),
+// on the GPU the facts describe (auto takes the grouped wgmma on Hopper only: facts.sm_major == 9).
 MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, MoePath path, int64_t hidden = 0,
                  int64_t intermediate = 0, const DeviceFacts& facts = {});
 

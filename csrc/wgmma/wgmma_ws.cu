@@ -19,6 +19,7 @@
 #include "wgmma.cuh"
 
 #include "dequant_core.cuh"
+#include "plan.h"  // kMoeWsChunkRows, record_launch
 #include "wgmma_core.cuh"
 
 
@@ -36,11 +37,13 @@ constexpr int kWeightRows = 2 * kTileN;                 // per CTA: two runtime 
 constexpr int kConsumers = 2;
 constexpr int kConsumerRows = 128;                      // activation rows per consumer warpgroup
 constexpr int kActRows = kConsumers * kConsumerRows;    // per CTA
+static_assert(kActRows == kMoeWsChunkRows, "a grouped chunk is one CTA's rows of A");
 constexpr int kThreads = 128 * (1 + kConsumers);
 constexpr int kWeightBytes = kWeightRows * kTileK * 2;  // one stage's weight tile (16-bit)
 constexpr int kActBytes = kActRows * kTileK * 2;        // one stage's activation tile
 constexpr int kStageBytes = kWeightBytes + kActBytes;
 constexpr int kStages = 2;
+constexpr int kProducerAhead = 3;  // k-tiles the producer's weight loads run ahead (register ring)
 constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // + mbarriers + alignment slack
 
 // ----------------------------------------------------------------------------- the MMA
@@ -96,26 +99,41 @@ __device__ __forceinline__ void st_shared16(uint32_t addr, uint32_t a, uint32_t 
 template <typename T>
 struct WsParams {
   const T* A;              // [M, K]
-  const uint4* qweight;    // runtime layout as 16-byte plane vectors
-  const uint32_t* absmax;  // runtime scale codes, 4 per word
+  const uint4* qweight;    // runtime layout as 16-byte plane vectors (grouped: expert 0's)
+  const uint32_t* absmax;  // runtime scale codes, 4 per word (grouped: expert 0's)
   const float* codebook;
   const T* bias;
   T* C;
   int M, N, K, n_tiles, k_tiles;
+  // Grouped (routed experts): CTA row y multiplies chunk y = {expert, first row, rows, 0} of A's rows
+  // (moe_route), with that expert's weights; nullptr for a dense launch.
+  const int4* chunks;
+  int64_t expert_vectors, expert_words;  // plane vectors / scale words of one expert's weight
+};
+
+// What one CTA multiplies: rows [row0, row_end) of A and C with the weight at (qweight, absmax).
+struct WsWork {
+  const uint4* qweight;
+  const uint32_t* absmax;
+  int row0, row_end;
 };
 
 // The producer: thread r (0..127) dequantizes weight row r of the CTA, every k-tile, into the stages.
+// Its loads run kAhead k-tiles ahead in a register ring: one CTA per SM with 128 loading threads
+// needs several k-tiles of weight bytes in flight to cover HBM latency.
 template <typename T, int BITS>
-__device__ __forceinline__ void produce(const WsParams<T>& prm, uint32_t smem, uint32_t full, uint32_t empty) {
+__device__ __forceinline__ void produce(const WsParams<T>& prm, const WsWork& work, uint32_t smem, uint32_t full,
+                                        uint32_t empty) {
   constexpr int F = Fields<BITS>::kBits;
+  constexpr int kAhead = kProducerAhead;
   const int r = threadIdx.x, lane = r % 32;
   // A row of an n-tile past the last one reads the last tile (its outputs are never stored).
   const int n_tile = min(static_cast<int>(blockIdx.x) * 2 + r / kTileN, prm.n_tiles - 1), tile_row = r % kTileN;
   const int k_tiles = prm.k_tiles;
   const float codebook_reg = __ldg(prm.codebook + (lane & ((1 << BITS) - 1)));
   // Plane b of runtime tile (n, kt) is 64 consecutive 16-byte vectors, one per row (word j = block j).
-  const uint4* planes = prm.qweight + static_cast<int64_t>(n_tile) * k_tiles * BITS * kTileN + tile_row;
-  const uint32_t* codes = prm.absmax + static_cast<int64_t>(n_tile) * k_tiles * kTileN + tile_row;
+  const uint4* planes = work.qweight + static_cast<int64_t>(n_tile) * k_tiles * BITS * kTileN + tile_row;
+  const uint32_t* codes = work.absmax + static_cast<int64_t>(n_tile) * k_tiles * kTileN + tile_row;
   struct Row {
     uint4 plane[BITS];
     uint32_t codes;
@@ -147,44 +165,68 @@ __device__ __forceinline__ void produce(const WsParams<T>& prm, uint32_t smem, u
       }
     }
   };
-  Row w0, w1;
-  load(w0, 0);
-  for (int kt = 0; kt < k_tiles; kt += 2) {
-    // Two k-tiles per iteration so the two register buffers swap roles without copies.
+  Row ring[kAhead + 1];
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int k = kt + half;
+  for (int i = 0; i < kAhead; ++i) {
+    if (i < k_tiles) load(ring[i], i);
+  }
+  for (int kt = 0; kt < k_tiles; kt += kAhead + 1) {
+    // kAhead + 1 k-tiles per iteration, unrolled, so every ring slot is a fixed set of registers.
+#pragma unroll
+    for (int u = 0; u <= kAhead; ++u) {
+      const int k = kt + u;
       if (k >= k_tiles) break;
-      Row& cur = half == 0 ? w0 : w1;
-      Row& next = half == 0 ? w1 : w0;
-      if (k + 1 < k_tiles) load(next, k + 1);
+      if (k + kAhead < k_tiles) load(ring[(u + kAhead) % (kAhead + 1)], k + kAhead);
       const int s = k % kStages;
       if (k >= kStages) mbar_wait(empty + 8 * s, ((k / kStages) - 1) & 1);  // consumers done with k - kStages
-      store(cur, smem + s * kStageBytes);
+      store(ring[u], smem + s * kStageBytes);
       fence_proxy_async();
       mbar_arrive(full + 8 * s);
     }
   }
 }
 
-// A consumer: warpgroup c (0, 1) multiplies activation rows m0 + 128c .. +127 with the CTA's 128
-// weight rows; D = acc[h]: activation rows 64h + 16 warp + g (+8), weight rows 8i + 2t (+1).
+// One stage's wgmmas of consumer c over its first kHalves 64-row halves, then the wait for them.
+template <typename T, int kHalves>
+__device__ __forceinline__ void issue_stage(float (&acc)[2][64], uint32_t st, int c) {
+  wgmma_fence();
+#pragma unroll
+  for (int j = 0; j < kTileK / 16; ++j) {
+    const uint32_t k_off = (j % 4) * 32;  // k16 step inside its 64-wide slab
+    const uint64_t b_desc = smem_desc(st + (j / 4) * kWeightRows * 128 + k_off);
+#pragma unroll
+    for (int h = 0; h < kHalves; ++h) {
+      const uint32_t a = st + kWeightBytes + (j / 4) * kActRows * 128 + (c * kConsumerRows + 64 * h) * 128 + k_off;
+      mma_ss<T>(acc[h], smem_desc(a), b_desc);
+    }
+  }
+  wgmma_commit();
+  wgmma_wait_all();
+}
+
+// A consumer: warpgroup c (0, 1) multiplies activation rows row0 + 128c .. +127 (those below row_end)
+// with the CTA's 128 weight rows; D = acc[h]: activation rows 64h + 16 warp + g (+8), weight rows
+// 8i + 2t (+1). A 64-row half with no rows skips its wgmmas (a grouped chunk is often one or two
+// halves); the warpgroup still takes part in every stage's barriers.
 template <typename T>
-__device__ __forceinline__ void consume(const WsParams<T>& prm, uint32_t smem, uint32_t full, uint32_t empty, int c) {
+__device__ __forceinline__ void consume(const WsParams<T>& prm, const WsWork& work, uint32_t smem, uint32_t full,
+                                        uint32_t empty, int c) {
   const int ct = threadIdx.x % 128, warp = ct / 32, lane = ct % 32, g = lane / 4, t = lane % 4;
-  const int rows0 = blockIdx.y * kActRows + c * kConsumerRows;  // first activation row of this warpgroup
+  const int rows0 = work.row0 + c * kConsumerRows;  // first activation row of this warpgroup
+  const int halves = max(0, min(2, (work.row_end - rows0 + 63) / 64));
   const int k_tiles = prm.k_tiles;
 
   // Thread ct copies 16-byte chunk ct % 16 of rows ct / 16 + 8i (i < 16) of the warpgroup's rows.
   const int x_row = ct / 16, x_ch = ct % 16;
   const uint32_t x_dst = kWeightBytes + swizzled_chunk(kActRows, c * kConsumerRows + x_row, x_ch);
   const T* x_src = prm.A + static_cast<int64_t>(rows0 + x_row) * prm.K + x_ch * 8;
-  const int rows_valid = prm.M - rows0 - x_row;  // copies of rows x_row + 8i with 8i >= this read nothing
+  const int rows_valid = work.row_end - rows0 - x_row;  // copies of rows x_row + 8i with 8i >= this read nothing
   const auto load_acts = [&](int kt) {
     const uint32_t st = smem + (kt % kStages) * kStageBytes + x_dst;
     const bool k_valid = kt * kTileK + x_ch * 8 < prm.K;
 #pragma unroll
     for (int i = 0; i < kConsumerRows / 8; ++i) {
+      if (8 * i >= 64 * halves) break;  // rows of a skipped half are never read
       const bool valid = k_valid && 8 * i < rows_valid;
       cp_async16(st + 8 * i * 128, valid ? x_src + static_cast<int64_t>(8 * i) * prm.K + kt * kTileK : prm.A, valid);
     }
@@ -212,19 +254,13 @@ __device__ __forceinline__ void consume(const WsParams<T>& prm, uint32_t smem, u
     for (int h = 0; h < 2; ++h)
 #pragma unroll
       for (int i = 0; i < 64; ++i) pin(acc[h][i]);
-    wgmma_fence();
-#pragma unroll
-    for (int j = 0; j < kTileK / 16; ++j) {
-      const uint32_t k_off = (j % 4) * 32;  // k16 step inside its 64-wide slab
-      const uint64_t b_desc = smem_desc(st + (j / 4) * kWeightRows * 128 + k_off);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t a = st + kWeightBytes + (j / 4) * kActRows * 128 + (c * kConsumerRows + 64 * h) * 128 + k_off;
-        mma_ss<T>(acc[h], smem_desc(a), b_desc);
-      }
+    // Straight-line wgmma sequences per number of halves: a branch between wgmmas of one group
+    // would make ptxas serialize them (it injects warpgroup.arrive).
+    if (halves == 2) {
+      issue_stage<T, 2>(acc, st, c);
+    } else if (halves == 1) {
+      issue_stage<T, 1>(acc, st, c);
     }
-    wgmma_commit();
-    wgmma_wait_all();
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
@@ -236,30 +272,46 @@ __device__ __forceinline__ void consume(const WsParams<T>& prm, uint32_t smem, u
   }
   cp_async_wait<0>();
 
+  // Two adjacent weight rows of a thread are two adjacent outputs: one 32-bit store where both exist.
   const int n0 = blockIdx.x * kWeightRows;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
 #pragma unroll
     for (int v = 0; v < 2; ++v) {
       const int m = rows0 + 64 * h + 16 * warp + g + 8 * v;
-      if (m >= prm.M) continue;
+      if (m >= work.row_end) continue;
+      T* c_row = prm.C + static_cast<int64_t>(m) * prm.N;
 #pragma unroll
       for (int i = 0; i < kWeightRows / 8; ++i) {
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int n = n0 + 8 * i + 2 * t + u;
-          if (n >= prm.N) continue;
-          const float b = prm.bias != nullptr ? Half2<T>::to_float(prm.bias[n]) : 0.f;
-          prm.C[static_cast<int64_t>(m) * prm.N + n] = Half2<T>::narrow(acc[h][4 * i + 2 * v + u] + b);
+        const int n = n0 + 8 * i + 2 * t;
+        if (n >= prm.N) continue;
+        float y0 = acc[h][4 * i + 2 * v], y1 = acc[h][4 * i + 2 * v + 1];
+        if (prm.bias != nullptr) {
+          y0 += Half2<T>::to_float(prm.bias[n]);
+          if (n + 1 < prm.N) y1 += Half2<T>::to_float(prm.bias[n + 1]);
+        }
+        if (n + 1 < prm.N && prm.N % 2 == 0) {
+          *reinterpret_cast<uint32_t*>(c_row + n) = Half2<T>::pack(y0, y1);
+        } else {
+          c_row[n] = Half2<T>::narrow(y0);
+          if (n + 1 < prm.N) c_row[n + 1] = Half2<T>::narrow(y1);
         }
       }
     }
   }
 }
 
-// Grid: (ceil(n_tiles / 2), ceil(M / 256)).
+// Grid: (ceil(n_tiles / 2), ceil(M / 256)) dense, or (ceil(n_tiles / 2), chunks) grouped.
 template <typename T, int BITS>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_ws_kernel(const __grid_constant__ WsParams<T> prm) {
+  WsWork work{prm.qweight, prm.absmax, static_cast<int>(blockIdx.y) * kActRows, prm.M};
+  if (prm.chunks != nullptr) {
+    // Every chunk entry holds defined values; unused ones have expert -1 (moe_route).
+    const int4 chunk = prm.chunks[blockIdx.y];
+    if (chunk.x < 0 || chunk.z <= 0) return;
+    work = {prm.qweight + chunk.x * prm.expert_vectors, prm.absmax + chunk.x * prm.expert_words, chunk.y,
+            chunk.y + min(chunk.z, kActRows)};
+  }
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023) & ~1023u;
   const uint32_t full = smem + kStages * kStageBytes, empty = full + 8 * kStages;
@@ -274,26 +326,16 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_ws_kernel(const __grid_cons
   // stay plain warp-wide shuffles.
   const int role = __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x) / 128, 0);
   if (role == 0) {
-    produce<T, BITS>(prm, smem, full, empty);
+    produce<T, BITS>(prm, work, smem, full, empty);
   } else {
-    consume<T>(prm, smem, full, empty, role - 1);
+    consume<T>(prm, work, smem, full, empty, role - 1);
   }
 }
 
-// Grid: ceil(n_tiles / 2) x ceil(M / 256).
 template <typename T, int BITS>
-void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb,
-                  const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C) {
-  const WsParams<T> prm{reinterpret_cast<const T*>(A.data_ptr()),
-                        reinterpret_cast<const uint4*>(q.data_ptr()),
-                        reinterpret_cast<const uint32_t*>(a.data_ptr()),
-                        cb.data_ptr<float>(),
-                        bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
-                        reinterpret_cast<T*>(C.data_ptr()),
-                        static_cast<int>(A.size(0)), static_cast<int>(N), static_cast<int>(K),
-                        static_cast<int>(q.size(0)), static_cast<int>(q.size(1))};
-  opt_in_shared_memory<wgmma_ws_kernel<T, BITS>>(kSmemBytes, A.get_device());
-  const dim3 grid((prm.n_tiles + 1) / 2, (prm.M + kActRows - 1) / kActRows);
+void launch(const WsParams<T>& prm, int grid_rows, int device) {
+  opt_in_shared_memory<wgmma_ws_kernel<T, BITS>>(kSmemBytes, device);
+  const dim3 grid((prm.n_tiles + 1) / 2, grid_rows);
   wgmma_ws_kernel<T, BITS><<<grid, kThreads, kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(prm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -304,7 +346,38 @@ void launch_wgmma_ws(const at::Tensor& A, const at::Tensor& qweight_rt, const at
                      const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
                      at::Tensor& C) {
   dispatch_type_and_bits(A.scalar_type(), qweight_rt.size(2), "kbit wgmma_ws", [&](auto type, auto bits) {
-    launch_typed<decltype(type), decltype(bits)::value>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C);
+    using T = decltype(type);
+    const WsParams<T> prm{reinterpret_cast<const T*>(A.data_ptr()),
+                          reinterpret_cast<const uint4*>(qweight_rt.data_ptr()),
+                          reinterpret_cast<const uint32_t*>(absmax_rt.data_ptr()),
+                          codebook.data_ptr<float>(),
+                          bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
+                          reinterpret_cast<T*>(C.data_ptr()),
+                          static_cast<int>(A.size(0)), static_cast<int>(N), static_cast<int>(K),
+                          static_cast<int>(qweight_rt.size(0)), static_cast<int>(qweight_rt.size(1)),
+                          nullptr, 0, 0};
+    launch<T, decltype(bits)::value>(prm, static_cast<int>((prm.M + kActRows - 1) / kActRows), A.get_device());
+  });
+}
+
+void launch_wgmma_ws_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& qweight,
+                             const at::Tensor& absmax, const at::Tensor& codebook, int64_t N, int64_t K,
+                             at::Tensor& C) {
+  record_launch("wgmma_ws_grouped", 0, 0, chunks.size(0), 1);
+  if (chunks.size(0) == 0) return;
+  dispatch_type_and_bits(A.scalar_type(), qweight.size(3), "kbit wgmma_ws grouped", [&](auto type, auto bits) {
+    using T = decltype(type);
+    const WsParams<T> prm{reinterpret_cast<const T*>(A.data_ptr()),
+                          reinterpret_cast<const uint4*>(qweight.data_ptr()),
+                          reinterpret_cast<const uint32_t*>(absmax.data_ptr()),
+                          codebook.data_ptr<float>(),
+                          nullptr,
+                          reinterpret_cast<T*>(C.data_ptr()),
+                          static_cast<int>(A.size(0)), static_cast<int>(N), static_cast<int>(K),
+                          static_cast<int>(qweight.size(1)), static_cast<int>(qweight.size(2)),
+                          reinterpret_cast<const int4*>(chunks.data_ptr<int>()),
+                          qweight.numel() / qweight.size(0) / 4, absmax.numel() / absmax.size(0) / 4};
+    launch<T, decltype(bits)::value>(prm, static_cast<int>(chunks.size(0)), A.get_device());
   });
 }
 

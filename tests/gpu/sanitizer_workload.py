@@ -70,6 +70,15 @@ def grouped(k: int, quick: bool) -> None:
         grouped_mma = torch.ops.kbit._moe_path_id("grouped_mma")
         out = torch.ops.kbit._fused_moe_cuda(x, ids, w, q13, a13, q2, a2, cb, I, None, False, grouped_mma)
         check(f"grouped mma k={k} T={T}", out)
+    # The grouped wgmma (Hopper): one or two 64-row halves per chunk, and experts of several chunks.
+    if torch.cuda.get_device_capability()[0] == 9:
+        grouped_wgmma = torch.ops.kbit._moe_path_id("grouped_wgmma")
+        for T in ([300] if quick else [40, 300, 1100]):
+            ids = torch.topk(torch.rand(T, E, device="cuda"), top_k, dim=1).indices.to(torch.int32)
+            w = torch.softmax(torch.randn(T, top_k, device="cuda"), -1)
+            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+            out = torch.ops.kbit._fused_moe_cuda(x, ids, w, q13, a13, q2, a2, cb, I, None, False, grouped_wgmma)
+            check(f"grouped wgmma k={k} T={T}", out)
     # The direct GEMV: one token (its automatic path), and several tokens forced (the combine counters).
     gemv_direct = torch.ops.kbit._moe_path_id("gemv_direct")
     for T in (1, 3):

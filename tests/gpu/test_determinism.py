@@ -32,7 +32,7 @@ def assert_same_bits(outs, what):
 
 @pytest.mark.parametrize("E,top_k,H,I,T", [(8, 2, 256, 128, T) for T in (1, 2, 8, 36, 288, 512)]
                          + [(128, 8, 2048, 768, T) for T in (1, 16, 64, 300)])
-@pytest.mark.parametrize("path", ("auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct"))
+@pytest.mark.parametrize("path", ("auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct", "grouped_wgmma"))
 def test_fused_moe_repeats_bitwise(E, top_k, H, I, T, path):
     gen = torch.Generator().manual_seed(T * 131 + E)
     ex = Experts(E, H, I, 4, gen)
@@ -42,7 +42,7 @@ def test_fused_moe_repeats_bitwise(E, top_k, H, I, T, path):
 
 
 @pytest.mark.parametrize("E,top_k,H,I,T", [(8, 2, 256, 128, 8), (8, 2, 256, 128, 96), (128, 8, 2048, 768, 16)])
-@pytest.mark.parametrize("path", ("auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct"))
+@pytest.mark.parametrize("path", ("auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct", "grouped_wgmma"))
 def test_fused_moe_rows_ignore_the_rest_of_the_batch(E, top_k, H, I, T, path):
     gen = torch.Generator().manual_seed(T + E + len(path))
     ex = Experts(E, H, I, 4, gen)

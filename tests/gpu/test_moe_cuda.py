@@ -4,7 +4,8 @@ paths) against an fp32 reference: dequantized weights, a loop over experts, fp32
 Every call runs on an allocator cache poisoned with NaN, so an unwritten output shows up.
 Every path is checked on every random case (gemv = grouped GEMV, gemv_direct = grouped GEMV without
 routing and with the combine in the down projection, grouped_mm = dequantize + torch._grouped_mm,
-grouped_mma = grouped dequant + MMA, auto = the choice of torch.ops.kbit.fused_moe).
+grouped_mma = grouped dequant + MMA, grouped_wgmma = grouped dequant + wgmma on Hopper, auto = the choice
+of torch.ops.kbit.fused_moe).
 """
 
 import functools
@@ -18,7 +19,7 @@ from vllm_kbit import reference as fmt
 from vllm_kbit.moe import kbit_fused_moe, route_reference, stack_runtime
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-PATHS = ("auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct")
+PATHS = ("auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct", "grouped_wgmma")
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 
@@ -270,15 +271,18 @@ def test_routing_matches_reference(seed):
     assert S >= n_local
 
 
-@pytest.mark.parametrize("rows", [1, 4, 8, 16, 32, 64])
-@pytest.mark.parametrize("M", [1, 3, 16, 37, 130])
+@pytest.mark.parametrize("rows", [1, 4, 8, 16, 32, 64, 256])
+@pytest.mark.parametrize("M", [1, 3, 16, 37, 130, 600])
 def test_grouped_single_projection(rows, M):
     """_moe_grouped_linear on rows already grouped by expert (the single-GEMM benchmark's op): the
     grouped GEMV for 1- and 4-row chunks (at every K split count), the grouped MMA for 8..64 (several
-    chunks per expert at M=130) at forced K splits and row groups per warp; a split count the kernel
+    chunks per expert at M=130) at forced K splits and row groups per warp, the grouped wgmma for 256
+    (three chunks per expert at M=600, the last a partial 64-row half); a split count the kernel
     cannot take is refused."""
     if rows == 1 and M != 1:
         pytest.skip("one-row chunks are for one token per expert")
+    if M == 600 and rows not in (64, 256):
+        pytest.skip("600 rows per expert: the two tallest chunk heights")
     gen = torch.Generator().manual_seed(M)
     E, N, K, k = 8, 320, 512, 4
     ex = Experts(E, K, N // 2, k, gen)  # w13 is [2I, H] = [N, K]
@@ -288,12 +292,17 @@ def test_grouped_single_projection(rows, M):
     ref = torch.einsum("emk,enk->emn", A.float().view(E, M, K), ex.W13).reshape(E * M, N)
     wide = 2 if rows == 64 else 4  # the MMA's built row groups per warp besides 1
     # K split count forced (K=512: 4 k-tiles); for the MMA with the row groups per warp (0: the rules)
-    cases = [(s, 0) for s in (0, 1, 2, 3, 4)] if rows <= 4 else [(0, 0), (1, 1), (2, wide), (3, 1), (4, wide), (0, 1)]
+    cases = ([(s, 0) for s in (0, 1, 2, 3, 4)] if rows <= 4 else [(0, 0)] if rows == 256
+             else [(0, 0), (1, 1), (2, wide), (3, 1), (4, wide), (0, 1)])
     for splits, row_groups in cases:
         poison_cache()
         C = torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, splits,
                                                row_groups)
         check(C, ref, torch.bfloat16, "gemv" if rows <= 4 else "mma")
+    if rows == 256:  # the grouped wgmma plans nothing a caller could force
+        with pytest.raises(ValueError, match="do not apply to the grouped wgmma"):
+            torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, 2)
+        return
     with pytest.raises(RuntimeError, match="splits"):  # 5 > the 4 k-tiles
         torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, 5)
     with pytest.raises(RuntimeError, match="row_groups"):  # 3 row groups per warp: no such instance
@@ -309,8 +318,10 @@ def test_cuda_graph_capture_and_replay():
     ex = Experts(E, H, I, 4, gen)
     expert_map = None
     # auto at one token (the direct GEMV), the routed GEMV's 4-row chunks, grouped mm, grouped MMA, the
-    # direct GEMV's combine counters over several tokens (each path named: auto picks by slots per expert)
-    for T, path in ((1, "auto"), (8, "gemv"), (200, "grouped_mm"), (40, "grouped_mma"), (5, "gemv_direct")):
+    # direct GEMV's combine counters over several tokens, the grouped wgmma's 256-row chunks (each path named:
+    # auto picks by slots per expert)
+    for T, path in ((1, "auto"), (8, "gemv"), (200, "grouped_mm"), (40, "grouped_mma"), (5, "gemv_direct"),
+                    (300, "grouped_wgmma")):
         ids, weights = random_routing(T, E, 4, gen, "random")
         x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
 

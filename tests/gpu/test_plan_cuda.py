@@ -107,7 +107,8 @@ def expected_moe(plan):
     path, _, _, _, gate_up, down = plan
     if path == "grouped_mm":
         return [("grouped_mm", 0, 0, 0, 0)]
-    kernel = {"gemv_direct": "moe_gemv_direct", "gemv": "moe_gemv", "grouped_mma": "mma_grouped"}[path]
+    kernel = {"gemv_direct": "moe_gemv_direct", "gemv": "moe_gemv", "grouped_mma": "mma_grouped",
+              "grouped_wgmma": "wgmma_ws_grouped"}[path]
     return [(kernel, proj[1], proj[2], proj[3], proj[0]) for proj in (gate_up, down)]
 
 
@@ -121,14 +122,15 @@ def test_fused_moe_launches_its_plan(E, top_k, H, I):
     gen = torch.Generator().manual_seed(E + H)
     for k in (2, 3, 4, 5) if H * I <= 512 * 256 else (2, 4, 5):
         ex = Experts(E, H, I, k, gen)
-        for T in (1, 2, 3, 8, 16, 33, 64, 256, 1024):
+        for T in (1, 2, 3, 8, 16, 33, 64, 256, 1024, 2048):
             x = torch.randn(T, H, dtype=torch.bfloat16, generator=gen).cuda() / 4
             ids, weights = random_routing(T, E, top_k, gen, "random")
-            for path in ("auto", "gemv_direct", "gemv", "grouped_mma", "grouped_mm"):
+            for path in ("auto", "gemv_direct", "gemv", "grouped_mma", "grouped_mm", "grouped_wgmma"):
                 plan = torch.ops.kbit.moe_plan.device(T, top_k, E, k, H, I, DEVICE, path)
                 launched()
                 path_id = torch.ops.kbit._moe_path_id(path)
                 torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, None, False, path_id)
                 assert launched() == expected_moe(plan), (T, top_k, E, H, I, k, path, plan)
                 # The plan without sizes names the same path and routing workspace.
-                assert torch.ops.kbit.moe_plan(T, top_k, E, k, path) == plan[:3]
+                sm_major = torch.cuda.get_device_capability(DEVICE)[0]
+                assert torch.ops.kbit.moe_plan(T, top_k, E, k, path, sm_major) == plan[:3]

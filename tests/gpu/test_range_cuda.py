@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.gpu, requires_cuda]
 # (M, N, K): GEMV (M = 1), MMA table decode (M = 4, p = 1), MMA shuffle decode (M = 40, p = 8), wgmma
 # (M = 100 on >= 10240 rows), dequantize + cuBLAS (M = 600 on a small weight).
 DENSE_CASES = [(1, 1024, 2048), (4, 1024, 2048), (40, 1024, 2048), (100, 10240, 2048), (600, 512, 1024)]
-MOE_PATHS = ("auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct")
+MOE_PATHS = ("auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct", "grouped_wgmma")
 
 
 def _rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
