@@ -44,7 +44,19 @@ constexpr int kActBytes = kActRows * kTileK * 2;        // one stage's activatio
 constexpr int kStageBytes = kWeightBytes + kActBytes;
 constexpr int kStages = 2;
 constexpr int kProducerAhead = 3;  // k-tiles the producer's weight loads run ahead (register ring)
-constexpr int kSmemBytes = kStages * kStageBytes + 2 * kStages * 8 + 1024;  // + mbarriers + alignment slack
+constexpr int kBarrierBytes = 64;  // 2 * kStages mbarriers, rounded up
+// k = 2..4 decode through the per-lane table of pairs / quads (dequant_core.cuh: Lut), which sits after
+// the stages and barriers: one shared load per two or four weights instead of a shuffle, a conversion
+// and a multiply per weight. k = 5 (a 1024-entry pair table would not fit) keeps the shuffle decode.
+template <int BITS>
+constexpr bool producer_uses_lut() { return BITS <= 4; }
+template <int BITS>
+constexpr int smem_bytes() {  // stages + mbarriers + table + alignment slack
+  int lut = 0;
+  if constexpr (producer_uses_lut<BITS>()) lut = Lut<BITS>::kBytes;
+  return kStages * kStageBytes + kBarrierBytes + lut + 1024;
+}
+static_assert(smem_bytes<4>() <= 227 * 1024, "one CTA's shared memory must fit an SM (227 KB on Hopper)");
 
 // ----------------------------------------------------------------------------- the MMA
 
@@ -123,7 +135,7 @@ struct WsWork {
 // needs several k-tiles of weight bytes in flight to cover HBM latency.
 template <typename T, int BITS>
 __device__ __forceinline__ void produce(const WsParams<T>& prm, const WsWork& work, uint32_t smem, uint32_t full,
-                                        uint32_t empty) {
+                                        uint32_t empty, uint8_t* lut) {
   constexpr int F = Fields<BITS>::kBits;
   constexpr int kAhead = kProducerAhead;
   const int r = threadIdx.x, lane = r % 32;
@@ -145,7 +157,7 @@ __device__ __forceinline__ void produce(const WsParams<T>& prm, const WsWork& wo
   };
   // Block j of the row: index words, scale, then 4 chunks of 8 weights rounded to T and scaled in
   // pairs (as mma_kernel.cuh), each stored as one 16-byte swizzled chunk.
-  const auto store = [&](const Row& w, uint32_t tile) {
+  const auto store_shuffle = [&](const Row& w, uint32_t tile) {
 #pragma unroll
     for (int j = 0; j < kTileKB; ++j) {
       uint32_t plane[BITS], q[F];
@@ -165,10 +177,55 @@ __device__ __forceinline__ void produce(const WsParams<T>& prm, const WsWork& wo
       }
     }
   };
+  // The same chunks from the table: chunk c of block j is elements 8c .. 8c + 7, i.e. byte c of the
+  // index words 0, 2, 1, 3 (pairs e, e + 2, e + 4, e + 6: kbit_format.cuh's runtime words) or of words 0, 1
+  // (k = 2 quads e, e + 4). The table holds the codebook rounded to T, so the products equal the shuffle
+  // path's bit for bit.
+  constexpr int LB = BITS < 2 ? 2 : (BITS > 4 ? 4 : BITS);  // the table's k (unused at k = 5)
+  const uint32_t lut_lane = lut_lane_offset<LB>(lane);
+  const auto store_lut = [&](const Row& w, uint32_t tile) {
+#pragma unroll
+    for (int j = 0; j < kTileKB; ++j) {
+      uint32_t words[LB], q[Lut<LB>::kWords];
+#pragma unroll
+      for (int b = 0; b < LB; ++b) words[b] = j == 0 ? w.plane[b].x : j == 1 ? w.plane[b].y : j == 2 ? w.plane[b].z : w.plane[b].w;
+      lut_indices<LB>(words, q);
+      const float sc = decode_scale(w.codes, j);
+      const uint32_t scale = Half2<T>::pack(sc, sc);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint32_t v[4];
+        if constexpr (Lut<LB>::kQuad) {
+          const uint2 lo = *reinterpret_cast<const uint2*>(lut + lut_offset<LB>(q[0], c, lut_lane));
+          const uint2 hi = *reinterpret_cast<const uint2*>(lut + lut_offset<LB>(q[1], c, lut_lane));
+          v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+        } else {
+          v[0] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[0], c, lut_lane));
+          v[1] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[2], c, lut_lane));
+          v[2] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[1], c, lut_lane));
+          v[3] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[3], c, lut_lane));
+        }
+        st_shared16(tile + swizzled_chunk(kWeightRows, r, 4 * j + c), Half2<T>::scale2(v[0], scale),
+                    Half2<T>::scale2(v[1], scale), Half2<T>::scale2(v[2], scale), Half2<T>::scale2(v[3], scale));
+      }
+    }
+  };
+  const auto store = [&](const Row& w, uint32_t tile) {
+    if constexpr (producer_uses_lut<BITS>()) {
+      store_lut(w, tile);
+    } else {
+      store_shuffle(w, tile);
+    }
+  };
   Row ring[kAhead + 1];
 #pragma unroll
   for (int i = 0; i < kAhead; ++i) {
     if (i < k_tiles) load(ring[i], i);
+  }
+  if constexpr (producer_uses_lut<BITS>()) {
+    // While the first loads fly: the table, filled by the producer's 128 threads (a barrier of their own).
+    lut_fill<T, LB>(lut, prm.codebook, r, 128);
+    asm volatile("bar.sync 3, 128;" ::: "memory");
   }
   for (int kt = 0; kt < k_tiles; kt += kAhead + 1) {
     // kAhead + 1 k-tiles per iteration, unrolled, so every ring slot is a fixed set of registers.
@@ -313,8 +370,10 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_ws_kernel(const __grid_cons
             chunk.y + min(chunk.z, kActRows)};
   }
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023) & ~1023u;
+  const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
+  const uint32_t smem = (raw + 1023) & ~1023u;
   const uint32_t full = smem + kStages * kStageBytes, empty = full + 8 * kStages;
+  uint8_t* lut = smem_raw + (smem - raw) + kStages * kStageBytes + kBarrierBytes;  // k <= 4 only
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full + 8 * s, 128);
@@ -326,7 +385,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_ws_kernel(const __grid_cons
   // stay plain warp-wide shuffles.
   const int role = __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x) / 128, 0);
   if (role == 0) {
-    produce<T, BITS>(prm, work, smem, full, empty);
+    produce<T, BITS>(prm, work, smem, full, empty, lut);
   } else {
     consume<T>(prm, work, smem, full, empty, role - 1);
   }
@@ -334,9 +393,9 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_ws_kernel(const __grid_cons
 
 template <typename T, int BITS>
 void launch(const WsParams<T>& prm, int grid_rows, int device) {
-  opt_in_shared_memory<wgmma_ws_kernel<T, BITS>>(kSmemBytes, device);
+  opt_in_shared_memory<wgmma_ws_kernel<T, BITS>>(smem_bytes<BITS>(), device);
   const dim3 grid((prm.n_tiles + 1) / 2, grid_rows);
-  wgmma_ws_kernel<T, BITS><<<grid, kThreads, kSmemBytes, at::cuda::getCurrentCUDAStream()>>>(prm);
+  wgmma_ws_kernel<T, BITS><<<grid, kThreads, smem_bytes<BITS>(), at::cuda::getCurrentCUDAStream()>>>(prm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
