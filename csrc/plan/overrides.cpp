@@ -48,5 +48,14 @@ const std::string& moe_path() {
   return path;
 }
 
+int64_t ws_producers() {
+  static const int64_t n = [] {
+    const std::string s = read("VLLM_KBIT_WS_PRODUCERS");
+    KBIT_CHECK(s.empty() || s == "1" || s == "2", "kbit: VLLM_KBIT_WS_PRODUCERS=", s, " is not supported; supported: 1 or 2");
+    return s == "1" ? int64_t{1} : int64_t{2};
+  }();
+  return n;
+}
+
 }  // namespace overrides
 }  // namespace kbit

@@ -17,6 +17,8 @@ int64_t mma_max_m();
 int64_t moe_gemv_splits(bool gate_up);
 // VLLM_KBIT_MOE_PATH: the MoE path forced for every call ("" when unset; dispatch.cpp checks the name).
 const std::string& moe_path();
+// VLLM_KBIT_WS_PRODUCERS: producer warpgroups of the warp-specialized wgmma kernel, 1 or 2 (default).
+int64_t ws_producers();
 
 }  // namespace overrides
 }  // namespace kbit

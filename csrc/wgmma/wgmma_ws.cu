@@ -19,6 +19,7 @@
 #include "wgmma.cuh"
 
 #include "dequant_core.cuh"
+#include "overrides.h"
 #include "plan.h"  // kMoeWsChunkRows, record_launch
 #include "wgmma_core.cuh"
 
@@ -38,12 +39,17 @@ constexpr int kConsumers = 2;
 constexpr int kConsumerRows = 128;                      // activation rows per consumer warpgroup
 constexpr int kActRows = kConsumers * kConsumerRows;    // per CTA
 static_assert(kActRows == kMoeWsChunkRows, "a grouped chunk is one CTA's rows of A");
-constexpr int kThreads = 128 * (1 + kConsumers);
+// Producer warpgroups: 1, or 2 taking alternate k-tiles (registers moved to the consumers by setmaxnreg).
+template <int NP>
+constexpr int kThreads = 128 * (NP + kConsumers);
+constexpr int kProducerRegs = 88, kConsumerRegs = 168;  // NP = 2: 256 x 88 + 256 x 168 = 64 K registers
+static_assert(2 * 128 * (kProducerRegs + kConsumerRegs) <= 65536, "the register file of an SM");
 constexpr int kWeightBytes = kWeightRows * kTileK * 2;  // one stage's weight tile (16-bit)
 constexpr int kActBytes = kActRows * kTileK * 2;        // one stage's activation tile
 constexpr int kStageBytes = kWeightBytes + kActBytes;
 constexpr int kStages = 2;
-constexpr int kProducerAhead = 3;  // k-tiles the producer's weight loads run ahead (register ring)
+template <int NP>
+constexpr int kProducerAhead = NP == 1 ? 3 : 2;  // a producer's own k-tiles its loads run ahead (register ring)
 constexpr int kBarrierBytes = 64;  // 2 * kStages mbarriers, rounded up
 // k = 2..4 decode through the per-lane table of pairs / quads (dequant_core.cuh: Lut), which sits after
 // the stages and barriers: one shared load per two or four weights instead of a shuffle, a conversion
@@ -133,12 +139,12 @@ struct WsWork {
 // The producer: thread r (0..127) dequantizes weight row r of the CTA, every k-tile, into the stages.
 // Its loads run kAhead k-tiles ahead in a register ring: one CTA per SM with 128 loading threads
 // needs several k-tiles of weight bytes in flight to cover HBM latency.
-template <typename T, int BITS>
+template <typename T, int BITS, int NP>
 __device__ __forceinline__ void produce(const WsParams<T>& prm, const WsWork& work, uint32_t smem, uint32_t full,
-                                        uint32_t empty, uint8_t* lut) {
+                                        uint32_t empty, uint8_t* lut, int p) {
   constexpr int F = Fields<BITS>::kBits;
-  constexpr int kAhead = kProducerAhead;
-  const int r = threadIdx.x, lane = r % 32;
+  constexpr int kAhead = kProducerAhead<NP>;
+  const int r = threadIdx.x % 128, lane = r % 32;
   // A row of an n-tile past the last one reads the last tile (its outputs are never stored).
   const int n_tile = min(static_cast<int>(blockIdx.x) * 2 + r / kTileN, prm.n_tiles - 1), tile_row = r % kTileN;
   const int k_tiles = prm.k_tiles;
@@ -217,23 +223,24 @@ __device__ __forceinline__ void produce(const WsParams<T>& prm, const WsWork& wo
       store_shuffle(w, tile);
     }
   };
+  // Producer p of NP takes k-tiles p, p + NP, p + 2 NP, ...
   Row ring[kAhead + 1];
 #pragma unroll
   for (int i = 0; i < kAhead; ++i) {
-    if (i < k_tiles) load(ring[i], i);
+    if (p + NP * i < k_tiles) load(ring[i], p + NP * i);
   }
   if constexpr (producer_uses_lut<BITS>()) {
-    // While the first loads fly: the table, filled by the producer's 128 threads (a barrier of their own).
-    lut_fill<T, LB>(lut, prm.codebook, r, 128);
-    asm volatile("bar.sync 3, 128;" ::: "memory");
+    // While the first loads fly: the table, filled by the producers' threads (a barrier of their own).
+    lut_fill<T, LB>(lut, prm.codebook, static_cast<int>(threadIdx.x), 128 * NP);
+    asm volatile("bar.sync 3, %0;" ::"n"(128 * NP) : "memory");
   }
-  for (int kt = 0; kt < k_tiles; kt += kAhead + 1) {
-    // kAhead + 1 k-tiles per iteration, unrolled, so every ring slot is a fixed set of registers.
+  for (int i0 = 0; p + NP * i0 < k_tiles; i0 += kAhead + 1) {
+    // kAhead + 1 of its k-tiles per iteration, unrolled, so every ring slot is a fixed set of registers.
 #pragma unroll
     for (int u = 0; u <= kAhead; ++u) {
-      const int k = kt + u;
+      const int k = p + NP * (i0 + u);
       if (k >= k_tiles) break;
-      if (k + kAhead < k_tiles) load(ring[(u + kAhead) % (kAhead + 1)], k + kAhead);
+      if (k + NP * kAhead < k_tiles) load(ring[(u + kAhead) % (kAhead + 1)], k + NP * kAhead);
       const int s = k % kStages;
       if (k >= kStages) mbar_wait(empty + 8 * s, ((k / kStages) - 1) & 1);  // consumers done with k - kStages
       store(ring[u], smem + s * kStageBytes);
@@ -359,8 +366,8 @@ __device__ __forceinline__ void consume(const WsParams<T>& prm, const WsWork& wo
 }
 
 // Grid: (ceil(n_tiles / 2), ceil(M / 256)) dense, or (ceil(n_tiles / 2), chunks) grouped.
-template <typename T, int BITS>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_ws_kernel(const __grid_constant__ WsParams<T> prm) {
+template <typename T, int BITS, int NP>
+__global__ void __launch_bounds__(kThreads<NP>, 1) wgmma_ws_kernel(const __grid_constant__ WsParams<T> prm) {
   WsWork work{prm.qweight, prm.absmax, static_cast<int>(blockIdx.y) * kActRows, prm.M};
   if (prm.chunks != nullptr) {
     // Every chunk entry holds defined values; unused ones have expert -1 (moe_route).
@@ -384,19 +391,35 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_ws_kernel(const __grid_cons
   // The role through a shuffle from lane 0: warp-uniform to the compiler, so the producer's lookups
   // stay plain warp-wide shuffles.
   const int role = __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x) / 128, 0);
-  if (role == 0) {
-    produce<T, BITS>(prm, work, smem, full, empty, lut);
+  if (role < NP) {
+    if constexpr (NP == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
+    produce<T, BITS, NP>(prm, work, smem, full, empty, lut, role);
   } else {
-    consume<T>(prm, work, smem, full, empty, role - 1);
+    if constexpr (NP == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
+    consume<T>(prm, work, smem, full, empty, role - NP);
   }
+}
+
+template <typename T, int BITS, int NP>
+void launch_np(const WsParams<T>& prm, int grid_rows, int device) {
+  opt_in_shared_memory<wgmma_ws_kernel<T, BITS, NP>>(smem_bytes<BITS>(), device);
+  const dim3 grid((prm.n_tiles + 1) / 2, grid_rows);
+  wgmma_ws_kernel<T, BITS, NP><<<grid, kThreads<NP>, smem_bytes<BITS>(), at::cuda::getCurrentCUDAStream()>>>(prm);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T, int BITS>
 void launch(const WsParams<T>& prm, int grid_rows, int device) {
-  opt_in_shared_memory<wgmma_ws_kernel<T, BITS>>(smem_bytes<BITS>(), device);
-  const dim3 grid((prm.n_tiles + 1) / 2, grid_rows);
-  wgmma_ws_kernel<T, BITS><<<grid, kThreads, smem_bytes<BITS>(), at::cuda::getCurrentCUDAStream()>>>(prm);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  // k = 5's shuffle decode needs more registers than a second producer warpgroup leaves it.
+  if constexpr (BITS == 5) {
+    launch_np<T, BITS, 1>(prm, grid_rows, device);
+  } else {
+    if (overrides::ws_producers() == 1) {
+      launch_np<T, BITS, 1>(prm, grid_rows, device);
+    } else {
+      launch_np<T, BITS, 2>(prm, grid_rows, device);
+    }
+  }
 }
 
 }  // namespace
