@@ -182,15 +182,9 @@ __device__ __forceinline__ void produce(const WsParams<T>& prm, int total_g, uin
   };
   // Plane b of runtime tile (n, kt) is 64 consecutive 16-byte vectors, one per row (word j = block j).
   // A row of an n-tile past the last one reads the last tile (its outputs are never stored).
-  int ld_j = 0;  // the item of the k-tiles being loaded, read again only when the loads cross into the next
-  WsItem ld_it = item_of(prm, static_cast<int>(blockIdx.x));
   const auto load = [&](Row& w, int g) {
     const int j = g / k_tiles, kt = g - j * k_tiles;
-    if (j != ld_j) {
-      ld_j = j;
-      ld_it = item_of(prm, static_cast<int>(blockIdx.x) + j * static_cast<int>(gridDim.x));
-    }
-    const WsItem& it = ld_it;
+    const WsItem it = item_of(prm, static_cast<int>(blockIdx.x) + j * static_cast<int>(gridDim.x));
     const int64_t tile = static_cast<int64_t>(min(it.n_pair * 2 + r / kTileN, prm.n_tiles - 1)) * k_tiles + kt;
     const uint4* planes = it.qweight + tile * BITS * kTileN + tile_row;
 #pragma unroll
@@ -317,16 +311,9 @@ __device__ __forceinline__ void consume(const WsParams<T>& prm, int total_g, uin
   // Thread ct copies 16-byte chunk ct % 16 of rows ct / 16 + 8i (i < 16) of the warpgroup's rows.
   const int x_row = ct / 16, x_ch = ct % 16;
   const uint32_t x_dst = kWeightBytes + swizzled_chunk(kActRows, c * kConsumerRows + x_row, x_ch);
-  // The item of the k-tiles being loaded, read again only when the loads cross into the next item.
-  int ld_j = 0;
-  WsItem ld_it = item_of(prm, static_cast<int>(blockIdx.x));
   const auto load_acts = [&](int g) {
     const int j = g / k_tiles, kt = g - j * k_tiles;
-    if (j != ld_j) {
-      ld_j = j;
-      ld_it = item_of(prm, static_cast<int>(blockIdx.x) + j * static_cast<int>(gridDim.x));
-    }
-    const WsItem& it = ld_it;
+    const WsItem it = item_of(prm, static_cast<int>(blockIdx.x) + j * static_cast<int>(gridDim.x));
     const int rows0 = it.row0 + c * kConsumerRows, halves = halves_of(it);
     const int rows_valid = it.row_end - rows0 - x_row;  // copies of rows x_row + 8i with 8i >= this read nothing
     const T* x_src = prm.A + static_cast<int64_t>(rows0 + x_row) * prm.K + x_ch * 8 + kt * kTileK;
