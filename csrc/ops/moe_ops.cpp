@@ -135,11 +135,11 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     at::Tensor xp = at::empty({S, H}, x.options().dtype(at::kBFloat16));
     launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp);
     at::Tensor g = at::empty({S, 2 * I}, xp.options());
-    launch_wgmma_ws_grouped(xp, r.chunks, r.num_chunks, w13_qweight, w13_absmax, codebook, 2 * I, H, g);
+    launch_wgmma_ws_grouped(xp, r.chunks, w13_qweight, w13_absmax, codebook, 2 * I, H, g);
     at::Tensor h = at::empty({S, I}, xp.options());
     launch_moe_silu_mul(g, h);  // rows past the chunks are garbage in g and h and never read again
     at::Tensor y = at::empty({S, H}, xp.options());
-    launch_wgmma_ws_grouped(h, r.chunks, r.num_chunks, w2_qweight, w2_absmax, codebook, H, I, y);
+    launch_wgmma_ws_grouped(h, r.chunks, w2_qweight, w2_absmax, codebook, H, I, y);
     launch_moe_combine(y, r.pos, output_weights, top_k, out);
     return out;
   }
@@ -232,7 +232,7 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
                      " (the grouped wgmma) needs a Hopper GPU (sm_90), this one is sm_", facts.sm_major, "x");
     KBIT_CHECK_VALUE(splits == 0 && row_groups == 0, "kbit _moe_grouped_linear: splits and row_groups do not apply ",
                      "to the grouped wgmma (chunk_rows=", kMoeWsChunkRows, "); pass 0");
-    launch_wgmma_ws_grouped(A, chunks, num_chunks, qweight, absmax, codebook, N, K, C);
+    launch_wgmma_ws_grouped(A, chunks, qweight, absmax, codebook, N, K, C);
   } else if (mma) {
     const MoeProjPlan plan = moe_grouped_mma_plan(A.size(0), qweight.size(0), chunk_rows, chunks.size(0), qweight.size(1),
                                                   k_tiles, k, facts, row_groups, splits);

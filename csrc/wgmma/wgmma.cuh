@@ -22,12 +22,12 @@ void launch_wgmma_ws(const at::Tensor& A, const at::Tensor& qweight_rt, const at
                      at::Tensor& C);
 
 // Grouped (routed experts): C[p] = A[p] @ dequant(W_e)^T for the rows p of every chunk {e, first row,
-// rows <= kMoeWsChunkRows, 0} of the first num_chunks[0] entries of `chunks` (moe_route), W the stacked
+// rows <= kMoeWsChunkRows, 0} of `chunks` (moe_route; entries with e < 0 are skipped), W the stacked
 // runtime tensors [E, n_tiles, k_tiles, k, 64, 4] / [E, n_tiles, k_tiles, 64, 4]. A bf16/fp16 [rows, K]
 // contiguous, C [rows, N] of A's dtype; rows outside the chunks are not written. Hopper only; the
 // caller validates (moe_ops.cpp).
-void launch_wgmma_ws_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
-                             const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook,
-                             int64_t N, int64_t K, at::Tensor& C);
+void launch_wgmma_ws_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& qweight,
+                             const at::Tensor& absmax, const at::Tensor& codebook, int64_t N, int64_t K,
+                             at::Tensor& C);
 
 }  // namespace kbit

@@ -23,7 +23,6 @@
 #include "plan.h"  // kMoeWsChunkRows, record_launch
 #include "wgmma_core.cuh"
 
-#include <algorithm>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -124,72 +123,43 @@ struct WsParams {
   const T* bias;
   T* C;
   int M, N, K, n_tiles, k_tiles;
-  int n_pairs;     // 128-row weight tiles (pairs of runtime n-tiles)
-  int row_blocks;  // row blocks of A: ceil(M / 256), or the chunk list's length
-  // Grouped (routed experts): row block y is chunk y = {expert, first row, rows, 0} of A's rows (moe_route),
-  // multiplied with that expert's weights, and the first *num_chunks are valid; nullptr for a dense launch.
+  // Grouped (routed experts): CTA row y multiplies chunk y = {expert, first row, rows, 0} of A's rows
+  // (moe_route), with that expert's weights; nullptr for a dense launch.
   const int4* chunks;
-  const int* num_chunks;
   int64_t expert_vectors, expert_words;  // plane vectors / scale words of one expert's weight
 };
 
-// A work item: one 128-row weight tile (n_pair) times one row block of A, rows [row0, row_end).
-struct WsItem {
+// What one CTA multiplies: rows [row0, row_end) of A and C with the weight at (qweight, absmax).
+struct WsWork {
   const uint4* qweight;
   const uint32_t* absmax;
-  int n_pair, row0, row_end;
+  int row0, row_end;
 };
 
-// The CTAs are persistent: CTA b takes items b, b + gridDim.x, ... of the launch's items (row-block major,
-// so CTAs running at once share a row block's activations in L2), and its pipeline runs on from one item
-// into the next: a CTA pays the pipeline fill once, not once per item (short-K and few-row items are
-// mostly fill). Global k-tile g of a CTA is k-tile g % k_tiles of its item g / k_tiles.
-template <typename T>
-__device__ __forceinline__ int item_count(const WsParams<T>& prm) {
-  const int blocks = prm.chunks != nullptr ? min(__ldg(prm.num_chunks), prm.row_blocks) : prm.row_blocks;
-  return blocks * prm.n_pairs;
-}
-
-template <typename T>
-__device__ __forceinline__ WsItem item_of(const WsParams<T>& prm, int item) {
-  const int blk = item / prm.n_pairs;
-  WsItem w{prm.qweight, prm.absmax, item - blk * prm.n_pairs, blk * kActRows, min(prm.M, (blk + 1) * kActRows)};
-  if (prm.chunks != nullptr) {
-    const int4 c = __ldg(prm.chunks + blk);  // a valid chunk: blk < num_chunks
-    w.qweight += c.x * prm.expert_vectors;
-    w.absmax += c.x * prm.expert_words;
-    w.row0 = c.y;
-    w.row_end = c.y + min(c.z, kActRows);
-  }
-  return w;
-}
-
-// The producers: thread r (0..127) of each dequantizes weight row r of its items' tiles into the stages;
-// producer p of NP takes the CTA's global k-tiles p, p + NP, ... Its loads run kAhead of its own k-tiles
-// ahead in a register ring: one CTA per SM needs several k-tiles of weight bytes in flight to cover HBM
-// latency.
+// The producer: thread r (0..127) dequantizes weight row r of the CTA, every k-tile, into the stages.
+// Its loads run kAhead k-tiles ahead in a register ring: one CTA per SM with 128 loading threads
+// needs several k-tiles of weight bytes in flight to cover HBM latency.
 template <typename T, int BITS, int NP>
-__device__ __forceinline__ void produce(const WsParams<T>& prm, int total_g, uint32_t smem, uint32_t full,
+__device__ __forceinline__ void produce(const WsParams<T>& prm, const WsWork& work, uint32_t smem, uint32_t full,
                                         uint32_t empty, uint8_t* lut, int p) {
   constexpr int F = Fields<BITS>::kBits;
   constexpr int kAhead = kProducerAhead<NP>;
-  const int r = threadIdx.x % 128, lane = r % 32, tile_row = r % kTileN;
+  const int r = threadIdx.x % 128, lane = r % 32;
+  // A row of an n-tile past the last one reads the last tile (its outputs are never stored).
+  const int n_tile = min(static_cast<int>(blockIdx.x) * 2 + r / kTileN, prm.n_tiles - 1), tile_row = r % kTileN;
   const int k_tiles = prm.k_tiles;
   const float codebook_reg = __ldg(prm.codebook + (lane & ((1 << BITS) - 1)));
+  // Plane b of runtime tile (n, kt) is 64 consecutive 16-byte vectors, one per row (word j = block j).
+  const uint4* planes = work.qweight + static_cast<int64_t>(n_tile) * k_tiles * BITS * kTileN + tile_row;
+  const uint32_t* codes = work.absmax + static_cast<int64_t>(n_tile) * k_tiles * kTileN + tile_row;
   struct Row {
     uint4 plane[BITS];
     uint32_t codes;
   };
-  // Plane b of runtime tile (n, kt) is 64 consecutive 16-byte vectors, one per row (word j = block j).
-  // A row of an n-tile past the last one reads the last tile (its outputs are never stored).
-  const auto load = [&](Row& w, int g) {
-    const int j = g / k_tiles, kt = g - j * k_tiles;
-    const WsItem it = item_of(prm, static_cast<int>(blockIdx.x) + j * static_cast<int>(gridDim.x));
-    const int64_t tile = static_cast<int64_t>(min(it.n_pair * 2 + r / kTileN, prm.n_tiles - 1)) * k_tiles + kt;
-    const uint4* planes = it.qweight + tile * BITS * kTileN + tile_row;
+  const auto load = [&](Row& w, int kt) {
 #pragma unroll
-    for (int b = 0; b < BITS; ++b) w.plane[b] = __ldg(planes + b * kTileN);
-    w.codes = __ldg(it.absmax + tile * kTileN + tile_row);
+    for (int b = 0; b < BITS; ++b) w.plane[b] = __ldg(planes + (static_cast<int64_t>(kt) * BITS + b) * kTileN);
+    w.codes = __ldg(codes + static_cast<int64_t>(kt) * kTileN);
   };
   // Block j of the row: index words, scale, then 4 chunks of 8 weights rounded to T and scaled in
   // pairs (as mma_kernel.cuh), each stored as one 16-byte swizzled chunk.
@@ -253,25 +223,26 @@ __device__ __forceinline__ void produce(const WsParams<T>& prm, int total_g, uin
       store_shuffle(w, tile);
     }
   };
+  // Producer p of NP takes k-tiles p, p + NP, p + 2 NP, ...
   Row ring[kAhead + 1];
 #pragma unroll
   for (int i = 0; i < kAhead; ++i) {
-    if (p + NP * i < total_g) load(ring[i], p + NP * i);
+    if (p + NP * i < k_tiles) load(ring[i], p + NP * i);
   }
   if constexpr (producer_uses_lut<BITS>()) {
     // While the first loads fly: the table, filled by the producers' threads (a barrier of their own).
     lut_fill<T, LB>(lut, prm.codebook, static_cast<int>(threadIdx.x), 128 * NP);
     asm volatile("bar.sync 3, %0;" ::"n"(128 * NP) : "memory");
   }
-  for (int i0 = 0; p + NP * i0 < total_g; i0 += kAhead + 1) {
+  for (int i0 = 0; p + NP * i0 < k_tiles; i0 += kAhead + 1) {
     // kAhead + 1 of its k-tiles per iteration, unrolled, so every ring slot is a fixed set of registers.
 #pragma unroll
     for (int u = 0; u <= kAhead; ++u) {
-      const int g = p + NP * (i0 + u);
-      if (g >= total_g) break;
-      if (g + NP * kAhead < total_g) load(ring[(u + kAhead) % (kAhead + 1)], g + NP * kAhead);
-      const int s = g % kStages;
-      if (g >= kStages) mbar_wait(empty + 8 * s, ((g / kStages) - 1) & 1);  // consumers done with g - kStages
+      const int k = p + NP * (i0 + u);
+      if (k >= k_tiles) break;
+      if (k + NP * kAhead < k_tiles) load(ring[(u + kAhead) % (kAhead + 1)], k + NP * kAhead);
+      const int s = k % kStages;
+      if (k >= kStages) mbar_wait(empty + 8 * s, ((k / kStages) - 1) & 1);  // consumers done with k - kStages
       store(ring[u], smem + s * kStageBytes);
       fence_proxy_async();
       mbar_arrive(full + 8 * s);
@@ -297,116 +268,114 @@ __device__ __forceinline__ void issue_stage(float (&acc)[2][64], uint32_t st, in
   wgmma_wait_all();
 }
 
-// A consumer: warpgroup c (0, 1) multiplies activation rows row0 + 128c .. +127 of each item (those below
-// row_end) with the item's 128 weight rows; D = acc[h]: activation rows 64h + 16 warp + g (+8), weight
-// rows 8i + 2t (+1). A 64-row half with no rows skips its wgmmas (a grouped chunk is often one or two
+// A consumer: warpgroup c (0, 1) multiplies activation rows row0 + 128c .. +127 (those below row_end)
+// with the CTA's 128 weight rows; D = acc[h]: activation rows 64h + 16 warp + g (+8), weight rows
+// 8i + 2t (+1). A 64-row half with no rows skips its wgmmas (a grouped chunk is often one or two
 // halves); the warpgroup still takes part in every stage's barriers.
 template <typename T>
-__device__ __forceinline__ void consume(const WsParams<T>& prm, int total_g, uint32_t smem, uint32_t full,
+__device__ __forceinline__ void consume(const WsParams<T>& prm, const WsWork& work, uint32_t smem, uint32_t full,
                                         uint32_t empty, int c) {
-  const int ct = threadIdx.x % 128, warp = ct / 32, lane = ct % 32, g8 = lane / 4, t = lane % 4;
+  const int ct = threadIdx.x % 128, warp = ct / 32, lane = ct % 32, g = lane / 4, t = lane % 4;
+  const int rows0 = work.row0 + c * kConsumerRows;  // first activation row of this warpgroup
+  const int halves = max(0, min(2, (work.row_end - rows0 + 63) / 64));
   const int k_tiles = prm.k_tiles;
-  const auto halves_of = [&](const WsItem& it) { return max(0, min(2, (it.row_end - it.row0 - c * kConsumerRows + 63) / 64)); };
 
   // Thread ct copies 16-byte chunk ct % 16 of rows ct / 16 + 8i (i < 16) of the warpgroup's rows.
   const int x_row = ct / 16, x_ch = ct % 16;
   const uint32_t x_dst = kWeightBytes + swizzled_chunk(kActRows, c * kConsumerRows + x_row, x_ch);
-  const auto load_acts = [&](int g) {
-    const int j = g / k_tiles, kt = g - j * k_tiles;
-    const WsItem it = item_of(prm, static_cast<int>(blockIdx.x) + j * static_cast<int>(gridDim.x));
-    const int rows0 = it.row0 + c * kConsumerRows, halves = halves_of(it);
-    const int rows_valid = it.row_end - rows0 - x_row;  // copies of rows x_row + 8i with 8i >= this read nothing
-    const T* x_src = prm.A + static_cast<int64_t>(rows0 + x_row) * prm.K + x_ch * 8 + kt * kTileK;
-    const uint32_t st = smem + (g % kStages) * kStageBytes + x_dst;
+  const T* x_src = prm.A + static_cast<int64_t>(rows0 + x_row) * prm.K + x_ch * 8;
+  const int rows_valid = work.row_end - rows0 - x_row;  // copies of rows x_row + 8i with 8i >= this read nothing
+  const auto load_acts = [&](int kt) {
+    const uint32_t st = smem + (kt % kStages) * kStageBytes + x_dst;
     const bool k_valid = kt * kTileK + x_ch * 8 < prm.K;
 #pragma unroll
     for (int i = 0; i < kConsumerRows / 8; ++i) {
       if (8 * i >= 64 * halves) break;  // rows of a skipped half are never read
       const bool valid = k_valid && 8 * i < rows_valid;
-      cp_async16(st + 8 * i * 128, valid ? x_src + static_cast<int64_t>(8 * i) * prm.K : prm.A, valid);
+      cp_async16(st + 8 * i * 128, valid ? x_src + static_cast<int64_t>(8 * i) * prm.K + kt * kTileK : prm.A, valid);
     }
   };
 
+  float acc[2][64];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
+
 #pragma unroll
   for (int s = 0; s < kStages; ++s) {
-    if (s < total_g) load_acts(s);
+    if (s < k_tiles) load_acts(s);
     cp_async_commit();
   }
-  float acc[2][64];
-  for (int g0 = 0; g0 < total_g; g0 += k_tiles) {
-    const WsItem it = item_of(prm, static_cast<int>(blockIdx.x) + (g0 / k_tiles) * static_cast<int>(gridDim.x));
-    const int rows0 = it.row0 + c * kConsumerRows, halves = halves_of(it);
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const int s = kt % kStages;
+    const uint32_t st = smem + s * kStageBytes;
+    cp_async_wait<kStages - 1>();  // this k-tile's activations (one group per k-tile, always committed)
+    fence_proxy_async();
+    warpgroup_sync(1 + c);
+    mbar_wait(full + 8 * s, (kt / kStages) & 1);
 #pragma unroll
     for (int h = 0; h < 2; ++h)
 #pragma unroll
-      for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
-    for (int g = g0; g < g0 + k_tiles; ++g) {
-      const int s = g % kStages;
-      const uint32_t st = smem + s * kStageBytes;
-      cp_async_wait<kStages - 1>();  // this k-tile's activations (one group per k-tile, always committed)
-      fence_proxy_async();
-      warpgroup_sync(1 + c);
-      mbar_wait(full + 8 * s, (g / kStages) & 1);
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int i = 0; i < 64; ++i) pin(acc[h][i]);
-      // Straight-line wgmma sequences per number of halves: a branch between wgmmas of one group
-      // would make ptxas serialize them (it injects warpgroup.arrive).
-      if (halves == 2) {
-        issue_stage<T, 2>(acc, st, c);
-      } else if (halves == 1) {
-        issue_stage<T, 1>(acc, st, c);
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int i = 0; i < 64; ++i) pin(acc[h][i]);
-      mbar_arrive(empty + 8 * s);
-      // Stage s's activation slice of this warpgroup is free (its wgmmas are complete): refill it, with
-      // the next item's rows once this item's k-tiles run out.
-      if (g + kStages < total_g) load_acts(g + kStages);
-      cp_async_commit();
+      for (int i = 0; i < 64; ++i) pin(acc[h][i]);
+    // Straight-line wgmma sequences per number of halves: a branch between wgmmas of one group
+    // would make ptxas serialize them (it injects warpgroup.arrive).
+    if (halves == 2) {
+      issue_stage<T, 2>(acc, st, c);
+    } else if (halves == 1) {
+      issue_stage<T, 1>(acc, st, c);
     }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 64; ++i) pin(acc[h][i]);
+    mbar_arrive(empty + 8 * s);
+    // Stage s's activation slice of this warpgroup is free (its wgmmas are complete): refill it.
+    if (kt + kStages < k_tiles) load_acts(kt + kStages);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
 
-    // Two adjacent weight rows of a thread are two adjacent outputs: one 32-bit store where both exist.
-    const int n0 = it.n_pair * kWeightRows;
+  // Two adjacent weight rows of a thread are two adjacent outputs: one 32-bit store where both exist.
+  const int n0 = blockIdx.x * kWeightRows;
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < 2; ++h) {
 #pragma unroll
-      for (int v = 0; v < 2; ++v) {
-        const int m = rows0 + 64 * h + 16 * warp + g8 + 8 * v;
-        if (m >= it.row_end) continue;
-        T* c_row = prm.C + static_cast<int64_t>(m) * prm.N;
+    for (int v = 0; v < 2; ++v) {
+      const int m = rows0 + 64 * h + 16 * warp + g + 8 * v;
+      if (m >= work.row_end) continue;
+      T* c_row = prm.C + static_cast<int64_t>(m) * prm.N;
 #pragma unroll
-        for (int i = 0; i < kWeightRows / 8; ++i) {
-          const int n = n0 + 8 * i + 2 * t;
-          if (n >= prm.N) continue;
-          float y0 = acc[h][4 * i + 2 * v], y1 = acc[h][4 * i + 2 * v + 1];
-          if (prm.bias != nullptr) {
-            y0 += Half2<T>::to_float(prm.bias[n]);
-            if (n + 1 < prm.N) y1 += Half2<T>::to_float(prm.bias[n + 1]);
-          }
-          if (n + 1 < prm.N && prm.N % 2 == 0) {
-            *reinterpret_cast<uint32_t*>(c_row + n) = Half2<T>::pack(y0, y1);
-          } else {
-            c_row[n] = Half2<T>::narrow(y0);
-            if (n + 1 < prm.N) c_row[n + 1] = Half2<T>::narrow(y1);
-          }
+      for (int i = 0; i < kWeightRows / 8; ++i) {
+        const int n = n0 + 8 * i + 2 * t;
+        if (n >= prm.N) continue;
+        float y0 = acc[h][4 * i + 2 * v], y1 = acc[h][4 * i + 2 * v + 1];
+        if (prm.bias != nullptr) {
+          y0 += Half2<T>::to_float(prm.bias[n]);
+          if (n + 1 < prm.N) y1 += Half2<T>::to_float(prm.bias[n + 1]);
+        }
+        if (n + 1 < prm.N && prm.N % 2 == 0) {
+          *reinterpret_cast<uint32_t*>(c_row + n) = Half2<T>::pack(y0, y1);
+        } else {
+          c_row[n] = Half2<T>::narrow(y0);
+          if (n + 1 < prm.N) c_row[n + 1] = Half2<T>::narrow(y1);
         }
       }
     }
   }
-  cp_async_wait<0>();
 }
 
-// Grid: min(items, SMs) persistent CTAs (items = ceil(n_tiles / 2) x row blocks).
+// Grid: (ceil(n_tiles / 2), ceil(M / 256)) dense, or (ceil(n_tiles / 2), chunks) grouped.
 template <typename T, int BITS, int NP>
 __global__ void __launch_bounds__(kThreads<NP>, 1) wgmma_ws_kernel(const __grid_constant__ WsParams<T> prm) {
-  const int items = item_count(prm);
-  if (static_cast<int>(blockIdx.x) >= items) return;  // fewer valid chunks than the grid was sized for
-  const int total_g = ((items - static_cast<int>(blockIdx.x) + static_cast<int>(gridDim.x) - 1) /
-                       static_cast<int>(gridDim.x)) * prm.k_tiles;
+  WsWork work{prm.qweight, prm.absmax, static_cast<int>(blockIdx.y) * kActRows, prm.M};
+  if (prm.chunks != nullptr) {
+    // Every chunk entry holds defined values; unused ones have expert -1 (moe_route).
+    const int4 chunk = prm.chunks[blockIdx.y];
+    if (chunk.x < 0 || chunk.z <= 0) return;
+    work = {prm.qweight + chunk.x * prm.expert_vectors, prm.absmax + chunk.x * prm.expert_words, chunk.y,
+            chunk.y + min(chunk.z, kActRows)};
+  }
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t smem = (raw + 1023) & ~1023u;
@@ -424,32 +393,31 @@ __global__ void __launch_bounds__(kThreads<NP>, 1) wgmma_ws_kernel(const __grid_
   const int role = __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x) / 128, 0);
   if (role < NP) {
     if constexpr (NP == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    produce<T, BITS, NP>(prm, total_g, smem, full, empty, lut, role);
+    produce<T, BITS, NP>(prm, work, smem, full, empty, lut, role);
   } else {
     if constexpr (NP == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume<T>(prm, total_g, smem, full, empty, role - NP);
+    consume<T>(prm, work, smem, full, empty, role - NP);
   }
 }
 
 template <typename T, int BITS, int NP>
-void launch_np(const WsParams<T>& prm, int device) {
+void launch_np(const WsParams<T>& prm, int grid_rows, int device) {
   opt_in_shared_memory<wgmma_ws_kernel<T, BITS, NP>>(smem_bytes<BITS>(), device);
-  const int64_t items = static_cast<int64_t>(prm.n_pairs) * prm.row_blocks;
-  const dim3 grid(static_cast<unsigned>(std::min<int64_t>(items, device_facts(device).num_sms)));
+  const dim3 grid((prm.n_tiles + 1) / 2, grid_rows);
   wgmma_ws_kernel<T, BITS, NP><<<grid, kThreads<NP>, smem_bytes<BITS>(), at::cuda::getCurrentCUDAStream()>>>(prm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 template <typename T, int BITS>
-void launch(const WsParams<T>& prm, int device) {
+void launch(const WsParams<T>& prm, int grid_rows, int device) {
   // k = 5's shuffle decode needs more registers than a second producer warpgroup leaves it.
   if constexpr (BITS == 5) {
-    launch_np<T, BITS, 1>(prm, device);
+    launch_np<T, BITS, 1>(prm, grid_rows, device);
   } else {
     if (overrides::ws_producers() == 1) {
-      launch_np<T, BITS, 1>(prm, device);
+      launch_np<T, BITS, 1>(prm, grid_rows, device);
     } else {
-      launch_np<T, BITS, 2>(prm, device);
+      launch_np<T, BITS, 2>(prm, grid_rows, device);
     }
   }
 }
@@ -461,39 +429,37 @@ void launch_wgmma_ws(const at::Tensor& A, const at::Tensor& qweight_rt, const at
                      at::Tensor& C) {
   dispatch_type_and_bits(A.scalar_type(), qweight_rt.size(2), "kbit wgmma_ws", [&](auto type, auto bits) {
     using T = decltype(type);
-    const int M = static_cast<int>(A.size(0)), n_tiles = static_cast<int>(qweight_rt.size(0));
     const WsParams<T> prm{reinterpret_cast<const T*>(A.data_ptr()),
                           reinterpret_cast<const uint4*>(qweight_rt.data_ptr()),
                           reinterpret_cast<const uint32_t*>(absmax_rt.data_ptr()),
                           codebook.data_ptr<float>(),
                           bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
                           reinterpret_cast<T*>(C.data_ptr()),
-                          M, static_cast<int>(N), static_cast<int>(K), n_tiles, static_cast<int>(qweight_rt.size(1)),
-                          (n_tiles + 1) / 2, (M + kActRows - 1) / kActRows,
-                          nullptr, nullptr, 0, 0};
-    if (M > 0) launch<T, decltype(bits)::value>(prm, A.get_device());
+                          static_cast<int>(A.size(0)), static_cast<int>(N), static_cast<int>(K),
+                          static_cast<int>(qweight_rt.size(0)), static_cast<int>(qweight_rt.size(1)),
+                          nullptr, 0, 0};
+    launch<T, decltype(bits)::value>(prm, static_cast<int>((prm.M + kActRows - 1) / kActRows), A.get_device());
   });
 }
 
-void launch_wgmma_ws_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
-                             const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook,
-                             int64_t N, int64_t K, at::Tensor& C) {
+void launch_wgmma_ws_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& qweight,
+                             const at::Tensor& absmax, const at::Tensor& codebook, int64_t N, int64_t K,
+                             at::Tensor& C) {
   record_launch("wgmma_ws_grouped", 0, 0, chunks.size(0), 1);
   if (chunks.size(0) == 0) return;
   dispatch_type_and_bits(A.scalar_type(), qweight.size(3), "kbit wgmma_ws grouped", [&](auto type, auto bits) {
     using T = decltype(type);
-    const int n_tiles = static_cast<int>(qweight.size(1));
     const WsParams<T> prm{reinterpret_cast<const T*>(A.data_ptr()),
                           reinterpret_cast<const uint4*>(qweight.data_ptr()),
                           reinterpret_cast<const uint32_t*>(absmax.data_ptr()),
                           codebook.data_ptr<float>(),
                           nullptr,
                           reinterpret_cast<T*>(C.data_ptr()),
-                          static_cast<int>(A.size(0)), static_cast<int>(N), static_cast<int>(K), n_tiles,
-                          static_cast<int>(qweight.size(2)), (n_tiles + 1) / 2, static_cast<int>(chunks.size(0)),
-                          reinterpret_cast<const int4*>(chunks.data_ptr<int>()), num_chunks.data_ptr<int>(),
+                          static_cast<int>(A.size(0)), static_cast<int>(N), static_cast<int>(K),
+                          static_cast<int>(qweight.size(1)), static_cast<int>(qweight.size(2)),
+                          reinterpret_cast<const int4*>(chunks.data_ptr<int>()),
                           qweight.numel() / qweight.size(0) / 4, absmax.numel() / absmax.size(0) / 4};
-    launch<T, decltype(bits)::value>(prm, A.get_device());
+    launch<T, decltype(bits)::value>(prm, static_cast<int>(chunks.size(0)), A.get_device());
   });
 }
 
