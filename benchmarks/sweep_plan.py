@@ -18,6 +18,11 @@ is a subcommand; each writes <out>/<stem>_<gpu>_<date>.{json,md} (the stems the 
         The direct MoE GEMV's K splits per projection (gemv_splits with its per-CTA overhead), whole fused_moe
         calls with VLLM_KBIT_MOE_GEMV_SPLITS forcing one projection's count. Stem sweep_moe_gemv_splits.
 
+    python benchmarks/sweep_plan.py moe_paths [--layers ...] [--bits 2,4,5] [--tokens 128,...,4096]
+        [--paths grouped_mma,grouped_wgmma]
+        The routed experts' path at many slots per expert: whole fused_moe calls per forced path (the data for
+        moe_plan's grouped wgmma bound, kWgmmaMinSlotsPerExpert; Hopper). Stem moe_paths.
+
 Common options: --out DIR (default benchmarks/results), --commit SHA.
 """
 from __future__ import annotations
@@ -445,8 +450,66 @@ def moe_gemv_splits_report(args, meta: Meta, records: list) -> list[str]:
             *per_layer(args, records, table)]
 
 
+# ----------------------------------------------------------------------------- routed experts: path by slots
+
+
+PATH_TS = (128, 256, 512, 1024, 2048, 4096)
+PATH_NAMES = ("grouped_mma", "grouped_wgmma")
+PATH_CHECK_TOL = 1e-2  # relative difference between two paths' outputs (both round gate_up and h to bf16)
+
+
+def sweep_moe_paths(argv: list[str]) -> None:
+    args = sweep_args("moe_paths", argv, {**MOE_OPTIONS, "--bits": dict(default="2,4,5"),
+                                          "--tokens": dict(default=",".join(map(str, PATH_TS))),
+                                          "--paths": dict(default=",".join(PATH_NAMES))})
+    run(args, "moe_paths", moe_paths_measure, moe_paths_report)
+
+
+def moe_paths_measure(args, meta: Meta):
+    paths = args.paths.split(",")
+    ids = {p: torch.ops.kbit._moe_path_id(p) for p in paths}
+
+    def measure(layer, E, top_k, H, I, k, cb, W):
+        for T in (int(t) for t in args.tokens.split(",")):
+            x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16) / 4
+            routes = [topk_routing(T, E, top_k) for _ in range(2)]
+            rec = dict(layer=layer, k=k, T=T, auto=torch.ops.kbit.moe_plan.device(T, top_k, E, k, H, I, x.device)[0])
+            outs = {}
+            for p in paths:
+                def call(w, r, p=p):
+                    return torch.ops.kbit._fused_moe_cuda(x, r[0], r[1], *w, cb, I, None, False, ids[p])
+                outs[p] = call(W[0], routes[0]).float()
+                rec[p] = round(graph_time_us(rotated(call, W, routes), min_calls=8, replays=10), 1)
+            ref = outs[paths[0]]
+            for p in paths[1:]:
+                err = float((outs[p] - ref).norm() / ref.norm())
+                if not err <= PATH_CHECK_TOL:
+                    raise RuntimeError(f"{layer} k={k} T={T}: {p} differs from {paths[0]} by {err:.3g}")
+            yield rec
+
+    return moe_layers(args, meta, measure)
+
+
+def moe_paths_report(args, meta: Meta, records: list) -> list[str]:
+    paths = args.paths.split(",")
+
+    def table(recs):
+        lines = table_head(["k", "T", "slots / expert", *(f"{p} µs" for p in paths), "auto"], left=("auto",))
+        for r in recs:
+            best = min(r[p] for p in paths)
+            E, top_k = LAYERS[r["layer"]][:2]
+            lines.append(f"| {r['k']} | {r['T']} | {r['T'] * top_k / E:.0f} | "
+                         + " | ".join(us_cell(r[p], best) for p in paths) + f" | {r['auto']} |")
+        return lines
+
+    return [title("Routed-expert path by slots per expert", meta), "",
+            f"`{meta.command}`. Whole fused_moe call per forced path (routing, gather, gate_up, SiLU * up, down, "
+            "combine), COLD, CUDA-graph replay, µs; outputs of the paths checked against each other first; best in "
+            "bold; auto = the planner's path on this GPU.", "", *per_layer(args, records, table)]
+
+
 SWEEPS = {"dense_splits": sweep_dense_splits, "dense_paths": sweep_dense_paths, "moe_chunk_rows": sweep_moe_chunk_rows,
-          "moe_grid": sweep_moe_grid, "moe_gemv_splits": sweep_moe_gemv_splits}
+          "moe_grid": sweep_moe_grid, "moe_gemv_splits": sweep_moe_gemv_splits, "moe_paths": sweep_moe_paths}
 
 
 def main() -> None:

@@ -1,17 +1,22 @@
 // kbit fused dequant + wgmma for large M, warp-specialized: C[M, N] = A[M, K] @ dequant(W)^T (+ bias),
 // Hopper only. A second design beside wgmma.cu (which dequantizes into each warpgroup's registers):
-// here one producer warpgroup dequantizes each weight tile once into shared memory and two consumer
+// here producer warpgroups dequantize each weight tile once into shared memory and two consumer
 // warpgroups multiply it with 128 activation rows each, so a weight is dequantized once per 256 rows
-// of A instead of once per 128, by warps that hold no accumulators.
+// of A instead of once per 128, by warps that hold no accumulators. Grouped (routed experts), CTA row y
+// is chunk y of the routing (one expert's rows, up to 256) with that expert's weights.
 //
-// Roles (CTA = 3 warpgroups; 128 weight rows = 2 runtime n-tiles, 256 activation rows):
-//   producer (warpgroup 0)  thread r owns weight row r: per k-tile it loads the row's bit-plane
-//                            vectors and scale codes (the GEMV's loads, one k-tile ahead), dequantizes
-//                            its 4 blocks (dequant_core.cuh), and stores them as bf16/fp16 into the
-//                            stage's weight tile in wgmma's K-major 128-byte-swizzled layout.
-//   consumers (1, 2)        each copies its 128 activation rows of the k-tile with cp.async into the
+// Roles (CTA = NP + 2 warpgroups; 128 weight rows = 2 runtime n-tiles, 256 activation rows):
+//   producers (0 .. NP-1)   thread r of each owns weight row r: producer p takes k-tiles p, p + NP, ...;
+//                            per k-tile it loads the row's runtime words and scale codes (a register
+//                            ring, several of its k-tiles ahead), decodes its 4 blocks (k = 2..4 through
+//                            the per-lane table of pairs / quads, k = 5 by shuffle; dequant_core.cuh), and
+//                            stores them as bf16/fp16 into the stage's weight tile in wgmma's K-major
+//                            128-byte-swizzled layout. NP = 2 (k = 2..4) moves registers from the
+//                            producers to the consumers with setmaxnreg.
+//   consumers (NP, NP + 1)  each copies its 128 activation rows of the k-tile with cp.async into the
 //                            same layout, then issues m64n128k16 wgmmas with both operands in shared
-//                            memory: A = 64 activation rows, B = the 128 weight rows.
+//                            memory: A = 64 activation rows, B = the 128 weight rows (none for a 64-row
+//                            half without rows).
 // Stages: kStages deep; per stage a `full` mbarrier (the producer's 128 threads arrive after their
 // stores and an async-proxy fence) and an `empty` mbarrier (the consumers' 256 threads arrive once
 // their wgmmas on the stage are complete, before the producer may overwrite its weights).
