@@ -140,7 +140,8 @@ class MemorySampler:
         if smi is not None:
             self._out = tempfile.NamedTemporaryFile(mode="w+", prefix="kbit_gpu_memory_", suffix=".csv")
             limit = ["timeout", str(max(1, round(self.max_s)))] if shutil.which("timeout") else []
-            ids = [f"--id={visible_ids()}"] if visible_ids() else []
+            visible = visible_ids()
+            ids = [f"--id={visible}"] if visible else []
             self._proc = subprocess.Popen([*limit, smi, *ids, f"--query-gpu={MEMORY_FIELDS}", "--format=csv,noheader,nounits",
                                            f"--loop-ms={self.period_ms}"], stdout=self._out, stderr=subprocess.STDOUT)
         return self
