@@ -90,7 +90,8 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     KBIT_CHECK(t->is_contiguous(), "kbit fused_moe: the weight tensors and the codebook must be contiguous");
   }
   const c10::DeviceGuard guard(x.device());
-  const MoePlan plan = moe_plan(T, top_k, E, k, moe_path_from_id(path_id), H, I, device_facts(x.get_device()));
+  const DeviceFacts facts = device_facts(x.get_device());
+  const MoePlan plan = moe_plan(T, top_k, E, k, moe_path_from_id(path_id), H, I, facts);
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0 || top_k == 0) return out.zero_();
 
@@ -125,38 +126,31 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     launch_moe_combine(y, r.pos, output_weights, top_k, out);
     return out;
   }
-  if (plan.path == MoePath::kGroupedWgmma) {
-    const DeviceFacts facts = device_facts(x.get_device());
-    KBIT_CHECK_VALUE(facts.sm_major == 9, "kbit fused_moe: path grouped_wgmma needs a Hopper GPU (sm_90), this one is sm_",
-                     facts.sm_major, "x; supported there: auto, gemv, grouped_mm, grouped_mma, gemv_direct");
+  if (plan.path == MoePath::kGroupedMma || plan.path == MoePath::kGroupedWgmma) {
+    const bool wgmma = plan.path == MoePath::kGroupedWgmma;
+    KBIT_CHECK_VALUE(!wgmma || facts.sm_major == 9, "kbit fused_moe: path grouped_wgmma needs a Hopper GPU (sm_90), ",
+                     "this one is sm_", facts.sm_major, "x; supported there: auto, gemv, grouped_mm, grouped_mma, gemv_direct");
     KBIT_CHECK(max_chunks <= kMmaMaxGridRows, "kbit fused_moe: ", S, " slots need up to ", max_chunks,
-                " chunks of ", rows, " rows; the grouped wgmma launches at most ", kMmaMaxGridRows);
+                " chunks of ", rows, " rows; the grouped ", wgmma ? "wgmma" : "MMA", " launches at most ", kMmaMaxGridRows);
     const Routing r = route(ids, map, E, rows, max_chunks);
     at::Tensor xp = at::empty({S, H}, x.options().dtype(at::kBFloat16));
     launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp);
+    // One projection over the routing's chunks. The routing ran before the gather (and before gate_up for
+    // down): the grouped MMA prefetches weights early.
+    const auto project = [&](const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, int64_t N, int64_t K,
+                             at::Tensor& C, const MoeProjPlan& proj) {
+      if (wgmma) {
+        launch_wgmma_ws_grouped(A, r.chunks, q, a, codebook, N, K, C);
+      } else {
+        launch_mma_grouped(A, r.chunks, r.num_chunks, q, a, codebook, N, K, rows, C, proj, true);
+      }
+    };
     at::Tensor g = at::empty({S, 2 * I}, xp.options());
-    launch_wgmma_ws_grouped(xp, r.chunks, w13_qweight, w13_absmax, codebook, 2 * I, H, g);
+    project(xp, w13_qweight, w13_absmax, 2 * I, H, g, plan.gate_up);
     at::Tensor h = at::empty({S, I}, xp.options());
     launch_moe_silu_mul(g, h);  // rows past the chunks are garbage in g and h and never read again
     at::Tensor y = at::empty({S, H}, xp.options());
-    launch_wgmma_ws_grouped(h, r.chunks, w2_qweight, w2_absmax, codebook, H, I, y);
-    launch_moe_combine(y, r.pos, output_weights, top_k, out);
-    return out;
-  }
-  if (plan.path == MoePath::kGroupedMma) {
-    KBIT_CHECK(max_chunks <= kMmaMaxGridRows, "kbit fused_moe: ", S, " slots need up to ", max_chunks,
-                " chunks of ", rows, " rows; the grouped MMA launches at most ", kMmaMaxGridRows);
-    const Routing r = route(ids, map, E, rows, max_chunks);
-    at::Tensor xp = at::empty({S, H}, x.options().dtype(at::kBFloat16));
-    launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp);
-    at::Tensor g = at::empty({S, 2 * I}, xp.options());
-    // The routing ran before the gather (and before gate_up for down): both MMAs prefetch weights early.
-    launch_mma_grouped(xp, r.chunks, r.num_chunks, w13_qweight, w13_absmax, codebook, 2 * I, H, rows, g, plan.gate_up,
-                       true);
-    at::Tensor h = at::empty({S, I}, xp.options());
-    launch_moe_silu_mul(g, h);  // rows past the chunks are garbage in g and h and never read again
-    at::Tensor y = at::empty({S, H}, xp.options());
-    launch_mma_grouped(h, r.chunks, r.num_chunks, w2_qweight, w2_absmax, codebook, H, I, rows, y, plan.down, true);
+    project(h, w2_qweight, w2_absmax, H, I, y, plan.down);
     launch_moe_combine(y, r.pos, output_weights, top_k, out);
     return out;
   }

@@ -25,7 +25,6 @@ constexpr int kMmaMaxRowTiles = 8;  // n8 activation tiles per CTA: one CTA cove
 constexpr int kMmaWideTiles = 128;  // runtime n-tiles from which warps take wide row groups (mma_config)
 constexpr int kMmaWideMinRowTiles = 4;  // ... and activation tiles per CTA (p) from which they do
 constexpr int kMoeChunkRows = 4;      // most rows of one expert a grouped-GEMV CTA multiplies (the GEMV's M)
-constexpr int kMoeMaxChunkRows = 64;  // most rows of one chunk: a grouped-MMA CTA covers 8p <= 64 rows
 constexpr int kMoeWsChunkRows = 256;  // rows of one chunk of the grouped wgmma (wgmma_ws.cu: a CTA's 256 rows of A)
 constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memory counters (2 ints each)
 

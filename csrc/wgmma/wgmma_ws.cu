@@ -429,22 +429,36 @@ void launch(const WsParams<T>& prm, int grid_rows, int device) {
 
 }  // namespace
 
-void launch_wgmma_ws(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
-                     const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
-                     at::Tensor& C) {
-  dispatch_type_and_bits(A.scalar_type(), qweight_rt.size(2), "kbit wgmma_ws", [&](auto type, auto bits) {
+namespace {
+
+// Both launches: a dense weight is a stack of one expert without a chunk list (chunks == nullptr).
+void launch_ws(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& codebook,
+               const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C, int64_t bits,
+               int64_t n_tiles, int64_t k_tiles, const at::Tensor* chunks, int64_t grid_rows, const char* what) {
+  dispatch_type_and_bits(A.scalar_type(), bits, what, [&](auto type, auto k) {
     using T = decltype(type);
     const WsParams<T> prm{reinterpret_cast<const T*>(A.data_ptr()),
-                          reinterpret_cast<const uint4*>(qweight_rt.data_ptr()),
-                          reinterpret_cast<const uint32_t*>(absmax_rt.data_ptr()),
+                          reinterpret_cast<const uint4*>(q.data_ptr()),
+                          reinterpret_cast<const uint32_t*>(a.data_ptr()),
                           codebook.data_ptr<float>(),
                           bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
                           reinterpret_cast<T*>(C.data_ptr()),
                           static_cast<int>(A.size(0)), static_cast<int>(N), static_cast<int>(K),
-                          static_cast<int>(qweight_rt.size(0)), static_cast<int>(qweight_rt.size(1)),
-                          nullptr, 0, 0};
-    launch<T, decltype(bits)::value>(prm, static_cast<int>((prm.M + kActRows - 1) / kActRows), A.get_device());
+                          static_cast<int>(n_tiles), static_cast<int>(k_tiles),
+                          chunks != nullptr ? reinterpret_cast<const int4*>(chunks->data_ptr<int>()) : nullptr,
+                          chunks != nullptr ? q.numel() / q.size(0) / 4 : 0,
+                          chunks != nullptr ? a.numel() / a.size(0) / 4 : 0};
+    launch<T, decltype(k)::value>(prm, static_cast<int>(grid_rows), A.get_device());
   });
+}
+
+}  // namespace
+
+void launch_wgmma_ws(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                     const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
+                     at::Tensor& C) {
+  launch_ws(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, qweight_rt.size(2), qweight_rt.size(0),
+            qweight_rt.size(1), nullptr, (A.size(0) + kActRows - 1) / kActRows, "kbit wgmma_ws");
 }
 
 void launch_wgmma_ws_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& qweight,
@@ -452,20 +466,8 @@ void launch_wgmma_ws_grouped(const at::Tensor& A, const at::Tensor& chunks, cons
                              at::Tensor& C) {
   record_launch("wgmma_ws_grouped", 0, 0, chunks.size(0), 1);
   if (chunks.size(0) == 0) return;
-  dispatch_type_and_bits(A.scalar_type(), qweight.size(3), "kbit wgmma_ws grouped", [&](auto type, auto bits) {
-    using T = decltype(type);
-    const WsParams<T> prm{reinterpret_cast<const T*>(A.data_ptr()),
-                          reinterpret_cast<const uint4*>(qweight.data_ptr()),
-                          reinterpret_cast<const uint32_t*>(absmax.data_ptr()),
-                          codebook.data_ptr<float>(),
-                          nullptr,
-                          reinterpret_cast<T*>(C.data_ptr()),
-                          static_cast<int>(A.size(0)), static_cast<int>(N), static_cast<int>(K),
-                          static_cast<int>(qweight.size(1)), static_cast<int>(qweight.size(2)),
-                          reinterpret_cast<const int4*>(chunks.data_ptr<int>()),
-                          qweight.numel() / qweight.size(0) / 4, absmax.numel() / absmax.size(0) / 4};
-    launch<T, decltype(bits)::value>(prm, static_cast<int>(chunks.size(0)), A.get_device());
-  });
+  launch_ws(A, qweight, absmax, codebook, std::nullopt, N, K, C, qweight.size(3), qweight.size(1), qweight.size(2),
+            &chunks, chunks.size(0), "kbit wgmma_ws grouped");
 }
 
 }  // namespace kbit
