@@ -227,7 +227,7 @@ def main() -> None:
         records.append(rec)
         return rec
 
-    def plan(M, N, K, dtype, path="auto"):  # (path, splits, max_splits, p, r, m_blocks) on this GPU
+    def plan(M, N, K, dtype, path="auto"):  # (path, splits, max_splits, p, r, m_blocks, producers) on this GPU
         return torch.ops.kbit.linear_plan(M, N, K, dtype, props.major, sms, 1, path)
 
     for name, K, N in shapes:

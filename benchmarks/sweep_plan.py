@@ -16,7 +16,7 @@ is a subcommand; each writes <out>/<stem>_<gpu>_<date>.{json,md} (the stems the 
         the planner's chunk height. Stem sweep_moe_grid.
     python benchmarks/sweep_plan.py moe_gemv_splits [--layers ...] [--bits 2,4]
         The direct MoE GEMV's K splits per projection (gemv_splits with its per-CTA overhead), whole fused_moe
-        calls with VLLM_KBIT_MOE_GEMV_SPLITS forcing one projection's count. Stem sweep_moe_gemv_splits.
+        calls through kbit::_fused_moe_cuda forcing one projection's count. Stem sweep_moe_gemv_splits.
 
     python benchmarks/sweep_plan.py moe_paths [--layers ...] [--bits 2,4,5] [--tokens 128,...,4096]
         [--paths grouped_mma,grouped_wgmma]
@@ -46,7 +46,6 @@ from bench_kernels import routing as topk_routing  # noqa: E402
 from bench_linear import SHAPES, copies_for, graph_time_us, random_runtime_weight  # noqa: E402
 from bench_moe import kbit_bytes, random_stacked  # noqa: E402
 from vllm_kbit import reference as fmt  # noqa: E402
-from vllm_kbit.moe import kbit_fused_moe  # noqa: E402
 
 
 # ----------------------------------------------------------------------------- what every sweep shares
@@ -194,7 +193,7 @@ def dense_splits_measure(args, meta: Meta):
         n_tiles, k_tiles = w0.qweight_rt.shape[0], w0.qweight_rt.shape[1]
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            _, _, max_splits, p, r_auto, m_blocks = torch.ops.kbit.linear_plan(
+            _, _, max_splits, p, r_auto, m_blocks, _ = torch.ops.kbit.linear_plan(
                 M, N, K, torch.bfloat16, props.major, props.multi_processor_count, 1, "gemv" if gemv else "mma")
             for r in [0] if gemv else sorted({1, r_auto}):
                 ctas_per_split = n_tiles if gemv else -(-n_tiles // r) * m_blocks
@@ -405,6 +404,7 @@ def sweep_moe_gemv_splits(argv: list[str]) -> None:
 
 def moe_gemv_splits_measure(args, meta: Meta):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    direct = torch.ops.kbit._moe_path_id("gemv_direct")
 
     def measure(layer, E, top_k, H, I, k, cb, W):
         # (n-tiles, k-tiles) of each projection: dims 1 and 2 of its stacked runtime qweight
@@ -417,12 +417,11 @@ def moe_gemv_splits_measure(args, meta: Meta):
             configs = [("auto", 0, 0)] + [("gate_up", s, 0) for s in GEMV_SPLITS if s <= tiles["gate_up"][1]] + \
                       [("down", 0, s) for s in GEMV_SPLITS if s <= tiles["down"][1]]
             for stage, g, d in configs:
-                os.environ["VLLM_KBIT_MOE_GEMV_SPLITS"] = f"{g},{d}"
-                us = graph_time_us(rotated(lambda w, r: kbit_fused_moe(x, r[0], r[1], *w, cb, I), W, routes),
-                                   min_calls=40, replays=10)
+                # kbit::_fused_moe_cuda with the direct GEMV's splits forced (0: the rule)
+                us = graph_time_us(rotated(lambda w, r: torch.ops.kbit._fused_moe_cuda(
+                    x, r[0], r[1], *w, cb, I, None, False, direct, g, d), W, routes), min_calls=40, replays=10)
                 yield dict(layer=layer, k=k, T=T, stage=stage, splits=g or d, auto_gate_up=auto["gate_up"],
                            auto_down=auto["down"], us=round(us, 2))
-            os.environ.pop("VLLM_KBIT_MOE_GEMV_SPLITS")
 
     return moe_layers(args, meta, measure)
 

@@ -34,18 +34,20 @@ def test_linear_plan_paths_on_both_sides_of_each_bound():
 
 
 def test_linear_plan_fields():
-    path, splits, max_splits, p, r, m_blocks = plan(1, 4096, 2048)
-    assert path == "gemv" and 1 < max_splits <= gemv_tiles(4096, 2048)[1] and (p, r, m_blocks) == (0, 0, 0)
+    path, splits, max_splits, p, r, m_blocks, producers = plan(1, 4096, 2048)
+    assert path == "gemv" and 1 < max_splits <= gemv_tiles(4096, 2048)[1] and (p, r, m_blocks, producers) == (0, 0, 0, 0)
     assert splits == torch.ops.kbit._gemv_splits(*gemv_tiles(4096, 2048), 132)
     for M, (want_p, want_blocks) in {1: (1, 1), 8: (1, 1), 9: (2, 1), 17: (4, 1), 33: (8, 1), 64: (8, 1)}.items():
-        path, splits, max_splits, p, r, m_blocks = plan(M, 14336, 4096, ctas_per_sm=3, path="mma")
+        path, splits, max_splits, p, r, m_blocks, _ = plan(M, 14336, 4096, ctas_per_sm=3, path="mma")
         assert (path, p, m_blocks) == ("mma", want_p, want_blocks)
         assert r == (1 if p < 4 else 4 if p == 4 else 2)  # wide warps on this 224-tile weight from p = 4
         n_tiles, k_tiles = gemv_tiles(14336, 4096)
         assert splits == torch.ops.kbit._mma_splits(-(-n_tiles // r), m_blocks, k_tiles, 132, 3, torch.ops.kbit._mma_split_cost(False))
-    assert plan(200, 14336, 2048, path="mma")[3:] == (8, 2, 4)  # 4 CTA rows of 64
+    assert plan(200, 14336, 2048, path="mma")[3:] == (8, 2, 4, 0)  # 4 CTA rows of 64
     assert plan(40, 64 * 127, 2048, path="mma")[4] == 1  # under 128 n-tiles: narrow warps
-    assert plan(600, 14336, 4096)[1:] == (1, 1, 0, 0, 0)
+    assert plan(600, 14336, 4096)[1:] == (1, 1, 0, 0, 0, 0)
+    # The warp-specialized kernel's producer warpgroups: two (given facts name no k, and k = 5's one is a device plan's).
+    assert plan(300, 14336, 4096)[0] == "wgmma_ws" and plan(300, 14336, 4096)[6] == 2
     with pytest.raises(ValueError, match="is not one of auto, gemv, mma, wgmma, wgmma_ws, dequant_cublas"):
         plan(1, 64, 128, path="fastest")
     with pytest.raises(ValueError, match="multiple of 32"):
@@ -81,7 +83,7 @@ def test_mma_split_heuristic_never_makes_an_empty_split(sms):
     for K, N in DESIGN_SHAPES:
         n_tiles, k_tiles = gemv_tiles(N, K)
         for M in (1, 5, 8, 16, 32, 64, 128, 256, 1024, 4096):
-            _, _, _, p, r, m_blocks = plan(M, N, K, path="mma")
+            _, _, _, p, r, m_blocks, _ = plan(M, N, K, path="mma")
             cases += [(-(-n_tiles // rg), m_blocks, k_tiles, sms, c) for rg in (r, 1, 2, 4) for c in range(1, 9)]
     rng = random.Random(sms)
     cases += [(rng.randint(1, 2000), rng.randint(1, 70), rng.randint(1, 400), sms, rng.randint(1, 8)) for _ in range(5000)]

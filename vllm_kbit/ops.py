@@ -60,16 +60,18 @@ def _variant(op: str, name: str, extra_args: str = "", returns: str | None = Non
 
 # Variants the C++ extensions implement: the argument checks on any device (csrc/ops/checks.cpp, registered
 # by vllm_kbit._cpu; reference.check asks them): each op's, with its arguments and no outputs, and the rules
-# the reference also asks alone; the dense plan forced (tests, benchmarks, sweeps), and fused_moe's CUDA
-# composition with a forced path. The CUDA extension's C++-only ops (plans, routing pieces) are defined in csrc/.
+# the reference also asks alone; the dense plan forced and fused_moe's CUDA composition with its plan forced
+# (tests, benchmarks, sweeps). The CUDA extension's C++-only ops (plans, routing pieces) are defined in csrc/.
 _VARIANTS = {
     **{f"_check_{op}": _variant(op, f"_check_{op}", returns="()") for op in _SCHEMAS},
     "_check_bits": "_check_bits(Scalar k) -> ()",
     "_check_codebook": "_check_codebook(Tensor codebook, int k) -> ()",
     "_check_weight_amax": "_check_weight_amax(float amax, bool bounded) -> ()",
-    # kbit::linear with its plan forced (path: kbit::_linear_path_id, -1 = auto; 0 = the rule for the rest).
-    "_linear_forced": _variant("linear", "_linear_forced", ", int path=-1, int row_groups=0, int splits=0"),
-    "_fused_moe_cuda": _variant("fused_moe", "_fused_moe_cuda", ", int path=0"),  # kbit::_moe_path_id; 0: auto
+    # kbit::linear and fused_moe's CUDA composition with their plans forced (path: kbit::_linear_path_id, -1 =
+    # auto / kbit::_moe_path_id, 0 = auto; 0 = the rule for the rest: csrc/plan/plan.h, LinearForced / MoeForced).
+    "_linear_forced": _variant("linear", "_linear_forced", ", int path=-1, int row_groups=0, int splits=0, int producers=0"),
+    "_fused_moe_cuda": _variant("fused_moe", "_fused_moe_cuda", ", int path=0, int gate_up_splits=0, int down_splits=0, "
+                                "int gate_up_row_groups=0, int down_row_groups=0, int producers=0"),
     # quantize's compiled CPU kernel (vllm_kbit._cpu, csrc/cpu/): the reference's bits, fast.
     "_quantize_cpu": _variant("quantize", "_quantize_cpu"),
 }

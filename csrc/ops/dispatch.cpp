@@ -16,10 +16,10 @@
 namespace kbit {
 namespace {
 
-using LinearPlanTuple = std::tuple<std::string, int64_t, int64_t, int64_t, int64_t, int64_t>;
+using LinearPlanTuple = std::tuple<std::string, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t>;
 
 LinearPlanTuple as_tuple(const LinearPlan& p) {
-  return {linear_path_name(p.path), p.splits, p.max_splits, p.p, p.r, p.m_blocks};
+  return {linear_path_name(p.path), p.splits, p.max_splits, p.p, p.r, p.m_blocks, p.producers};
 }
 
 // Given facts: every MMA instance holds ctas_per_sm CTAs per SM, cluster capacities unknown.
@@ -35,16 +35,18 @@ int gpu_index(const c10::Device& device, const char* op) {
   return device.has_index() ? device.index() : c10::cuda::current_device();
 }
 
-// On a GPU: what kbit::linear launches for k-bit weights there (row_groups / splits: forced, 0: the rules).
+// On a GPU: what kbit::linear launches for k-bit weights there (row_groups / splits / producers: forced, 0:
+// the rules).
 LinearPlanTuple linear_plan_device_op(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t bits,
                                       const c10::Device& device, const std::string& path, int64_t row_groups,
-                                      int64_t splits) {
+                                      int64_t splits, int64_t producers) {
   KBIT_CHECK_VALUE(bits >= kMinBits && bits <= kMaxBits, "kbit linear_plan: k=", bits, " is not supported; supported: ",
                    kMinBits, "..", kMaxBits);
   LinearForced forced;
   forced.path = linear_path_id(path);
   forced.row_groups = row_groups;
   forced.splits = splits;
+  forced.producers = producers;
   return as_tuple(linear_plan(M, N, K, dtype, bits, device_facts(gpu_index(device, "linear_plan")), forced));
 }
 
@@ -53,39 +55,49 @@ std::tuple<std::string, int64_t, int64_t> moe_plan_op(int64_t tokens, int64_t to
                                                       const std::string& path, int64_t sm_major) {
   DeviceFacts facts;
   facts.sm_major = sm_major;
-  const MoePlan p = moe_plan(tokens, top_k, experts, bits, moe_path_from_name(path), 0, 0, facts);
+  MoeForced forced;
+  forced.path = moe_path_from_name(path);
+  const MoePlan p = moe_plan(tokens, top_k, experts, bits, forced, 0, 0, facts);
   return {moe_path_name(p.path), p.chunk_rows, p.max_chunks};
 }
 
-std::vector<int64_t> proj_list(const MoeProjPlan& p) { return {p.splits, p.p, p.r, p.m_blocks}; }
+std::vector<int64_t> proj_list(const MoeProjPlan& p) { return {p.splits, p.p, p.r, p.m_blocks, p.producers}; }
 
-// On a GPU: what kbit::fused_moe launches for hidden size H and intermediate size I there; each projection
-// (gate_up, down) as [splits, p, r, m_blocks] (GEMV: splits and grid rows; grouped MMA: all four).
+// On a GPU: what kbit::fused_moe launches for hidden size H and intermediate size I there, with the fields
+// kbit::_fused_moe_cuda forces (0: the rules); each projection (gate_up, down) as [splits, p, r, m_blocks,
+// producers] (GEMV: splits and grid rows; grouped MMA: the first four; grouped wgmma: grid rows, producers).
 std::tuple<std::string, int64_t, int64_t, int64_t, std::vector<int64_t>, std::vector<int64_t>> moe_plan_device_op(
     int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, int64_t hidden, int64_t intermediate,
-    const c10::Device& device, const std::string& path) {
+    const c10::Device& device, const std::string& path, int64_t gate_up_splits, int64_t down_splits,
+    int64_t gate_up_row_groups, int64_t down_row_groups, int64_t producers) {
   KBIT_CHECK_VALUE(hidden >= 1 && intermediate >= 1, "kbit moe_plan: hidden and intermediate sizes must be >= 1, got ",
                    hidden, " and ", intermediate);
-  const MoePlan p = moe_plan(tokens, top_k, experts, bits, moe_path_from_name(path), hidden, intermediate,
+  MoeForced forced;
+  forced.path = moe_path_from_name(path);
+  forced.gate_up_splits = gate_up_splits;
+  forced.down_splits = down_splits;
+  forced.gate_up_row_groups = gate_up_row_groups;
+  forced.down_row_groups = down_row_groups;
+  forced.producers = producers;
+  const MoePlan p = moe_plan(tokens, top_k, experts, bits, forced, hidden, intermediate,
                              device_facts(gpu_index(device, "moe_plan")));
   return {moe_path_name(p.path), p.chunk_rows, p.max_chunks, p.expected_chunks, proj_list(p.gate_up), proj_list(p.down)};
 }
 
 // The launches recorded on this thread since the last call (oldest first, at most the last 16), then forgets them.
-std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
-           std::vector<int64_t>>
-launch_record_op() {
+using LaunchRecordLists = std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>,
+                                     std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>>;
+LaunchRecordLists launch_record_op() {
   LaunchRecord records[kLaunchRecords];
   const int n = take_launch_records(records);
-  std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
-             std::vector<int64_t>>
-      out;
+  LaunchRecordLists out;
   for (int i = 0; i < n; ++i) {
     std::get<0>(out).emplace_back(records[i].kernel);
     std::get<1>(out).push_back(records[i].p);
     std::get<2>(out).push_back(records[i].r);
     std::get<3>(out).push_back(records[i].m_blocks);
     std::get<4>(out).push_back(records[i].splits);
+    std::get<5>(out).push_back(records[i].producers);
   }
   return out;
 }
@@ -133,18 +145,20 @@ int64_t mma_grouped_r_op(int64_t p, int64_t n_tiles, int64_t k_tiles, int64_t bi
 // chunk bounds.
 TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("linear_plan(int M, int N, int K, ScalarType dtype, int sm_major, int num_sms, int ctas_per_sm=1, "
-        "str path=\"auto\") -> (str path, int splits, int max_splits, int p, int r, int m_blocks)",
+        "str path=\"auto\") -> (str path, int splits, int max_splits, int p, int r, int m_blocks, int producers)",
         &kbit::linear_plan_op);
   m.def("linear_plan.device(int M, int N, int K, ScalarType dtype, int bits, Device device, str path=\"auto\", "
-        "int row_groups=0, int splits=0) -> (str path, int splits, int max_splits, int p, int r, int m_blocks)",
+        "int row_groups=0, int splits=0, int producers=0) -> (str path, int splits, int max_splits, int p, int r, "
+        "int m_blocks, int producers)",
         &kbit::linear_plan_device_op);
   m.def("moe_plan(int tokens, int top_k, int experts, int bits, str path=\"auto\", int sm_major=0) -> "
         "(str path, int chunk_rows, int max_chunks)",
         &kbit::moe_plan_op);
   m.def("moe_plan.device(int tokens, int top_k, int experts, int bits, int hidden, int intermediate, Device device, "
-        "str path=\"auto\") -> (str path, int chunk_rows, int max_chunks, int expected_chunks, int[] gate_up, int[] down)",
+        "str path=\"auto\", int gate_up_splits=0, int down_splits=0, int gate_up_row_groups=0, int down_row_groups=0, "
+        "int producers=0) -> (str path, int chunk_rows, int max_chunks, int expected_chunks, int[] gate_up, int[] down)",
         &kbit::moe_plan_device_op);
-  m.def("_launch_record() -> (str[] kernel, int[] p, int[] r, int[] m_blocks, int[] splits)", &kbit::launch_record_op);
+  m.def("_launch_record() -> (str[] kernel, int[] p, int[] r, int[] m_blocks, int[] splits, int[] producers)", &kbit::launch_record_op);
   m.def("_linear_path_id(str path) -> int", &kbit::linear_path_id_op);
   m.def("_moe_path_id(str path) -> int", &kbit::moe_path_id_op);
   m.def("_moe_path_override() -> int", &kbit::moe_path_override_id);

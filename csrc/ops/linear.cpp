@@ -84,9 +84,9 @@ at::Tensor launch_plan(const at::Tensor& x, const at::Tensor& qweight_rt, const 
     if (plan.path == LinearPath::kWgmma) {
       launch_wgmma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
     } else {
-      launch_wgmma_ws(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+      launch_wgmma_ws(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, plan.producers);
     }
-    record_launch(linear_path_name(plan.path), 0, 0, 0, 1);
+    record_launch(linear_path_name(plan.path), 0, 0, 0, 1, plan.producers);
   }
   return C;
 }
@@ -119,17 +119,18 @@ at::Tensor forced_kernel_input(const char* op, const at::Tensor& x, const at::Te
 }
 
 // kbit::_linear_forced: the kernel of path id `path` (kbit::_linear_path_id; -1: the rules) with the
-// planner's rules for what is not forced (row_groups / splits 0), for tests, benchmarks and sweeps;
+// planner's rules for what is not forced (row_groups / splits / producers 0), for tests, benchmarks and sweeps;
 // kbit::linear is the entry point. x: 16-bit, at least one row (GEMV: at most kGemvMaxM).
 at::Tensor linear_forced_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                               const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
-                              int64_t path, int64_t row_groups, int64_t splits) {
+                              int64_t path, int64_t row_groups, int64_t splits, int64_t producers) {
   const c10::DeviceGuard guard(x.device());
   const at::Tensor A = forced_kernel_input("kbit _linear_forced", x, qweight_rt, absmax_rt, codebook, N, K, bias);
   LinearForced forced;
   forced.path = path;
   forced.row_groups = row_groups;
   forced.splits = splits;
+  forced.producers = producers;
   const LinearPlan plan = linear_plan(A.size(0), N, K, x.scalar_type(), qweight_rt.size(2),
                                       device_facts(x.get_device()), forced);
   KBIT_CHECK(plan.path != LinearPath::kGemv || A.size(0) <= kGemvMaxM, "kbit _linear_forced: x has ", A.size(0),

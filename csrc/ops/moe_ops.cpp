@@ -76,7 +76,9 @@ at::Tensor dequantize_stacked(const at::Tensor& q, const at::Tensor& a, const at
 at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                           const at::Tensor& w13_qweight, const at::Tensor& w13_absmax, const at::Tensor& w2_qweight,
                           const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
-                          const std::optional<at::Tensor>& expert_map, bool on_input, int64_t path_id) {
+                          const std::optional<at::Tensor>& expert_map, bool on_input, int64_t path_id,
+                          int64_t gate_up_splits, int64_t down_splits, int64_t gate_up_row_groups,
+                          int64_t down_row_groups, int64_t producers) {
   const int64_t k = check_fused_moe(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook,
                                     I, expert_map);
   // What the kernels need beyond the op's rules: CUDA, 16-bit activations, contiguous weights, E they index.
@@ -91,7 +93,14 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
   }
   const c10::DeviceGuard guard(x.device());
   const DeviceFacts facts = device_facts(x.get_device());
-  const MoePlan plan = moe_plan(T, top_k, E, k, moe_path_from_id(path_id), H, I, facts);
+  MoeForced forced;
+  forced.path = moe_path_from_id(path_id);
+  forced.gate_up_splits = gate_up_splits;
+  forced.down_splits = down_splits;
+  forced.gate_up_row_groups = gate_up_row_groups;
+  forced.down_row_groups = down_row_groups;
+  forced.producers = producers;
+  const MoePlan plan = moe_plan(T, top_k, E, k, forced, H, I, facts);
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0 || top_k == 0) return out.zero_();
 
@@ -140,7 +149,7 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     const auto project = [&](const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, int64_t N, int64_t K,
                              at::Tensor& C, const MoeProjPlan& proj) {
       if (wgmma) {
-        launch_wgmma_ws_grouped(A, r.chunks, q, a, codebook, N, K, C);
+        launch_wgmma_ws_grouped(A, r.chunks, q, a, codebook, N, K, C, proj.producers);
       } else {
         launch_mma_grouped(A, r.chunks, r.num_chunks, q, a, codebook, N, K, rows, C, proj, true);
       }
@@ -213,27 +222,22 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
               kMoeWsChunkRows, " (wgmma, Hopper), as given to _moe_route");
   KBIT_CHECK(chunks.size(0) <= kMmaMaxGridRows, "kbit _moe_grouped_linear: at most ", kMmaMaxGridRows, " chunks");
   KBIT_CHECK(!mma || A.scalar_type() == at::kBFloat16, "kbit _moe_grouped_linear: the grouped MMA takes bf16 A");
+  KBIT_CHECK_VALUE(mma || row_groups == 0, "kbit _moe_grouped_linear: row_groups apply to the grouped MMA ",
+                   "(chunk_rows 8, 16, 32, 64) only");
   const int64_t k_tiles = qweight.size(2);
-  KBIT_CHECK(!mma || (splits >= 0 && splits <= std::min<int64_t>(kMmaMaxSplits, k_tiles)),
-              "kbit _moe_grouped_linear: splits=", splits, " outside 0 (rule) .. ", std::min<int64_t>(kMmaMaxSplits, k_tiles),
-              " for the grouped MMA");
-  KBIT_CHECK(row_groups == 0 || (mma && mma_built(mma_config(chunk_rows, 1, 1).p, static_cast<int>(row_groups))),
-              "kbit _moe_grouped_linear: row_groups=", row_groups, " is not a built grouped MMA shape for chunk_rows=",
-              chunk_rows, " (0: the rule)");
   const DeviceFacts facts = device_facts(A.get_device());
+  // The forced splits and row groups are checked by the planner's functions, as fused_moe's are.
   if (wgmma) {
     KBIT_CHECK_VALUE(facts.sm_major == 9, "kbit _moe_grouped_linear: chunk_rows=", kMoeWsChunkRows,
                      " (the grouped wgmma) needs a Hopper GPU (sm_90), this one is sm_", facts.sm_major, "x");
-    KBIT_CHECK_VALUE(splits == 0 && row_groups == 0, "kbit _moe_grouped_linear: splits and row_groups do not apply ",
-                     "to the grouped wgmma (chunk_rows=", kMoeWsChunkRows, "); pass 0");
-    launch_wgmma_ws_grouped(A, chunks, qweight, absmax, codebook, N, K, C);
+    KBIT_CHECK_VALUE(splits == 0, "kbit _moe_grouped_linear: splits do not apply to the grouped wgmma (chunk_rows=",
+                     kMoeWsChunkRows, "); pass 0");
+    launch_wgmma_ws_grouped(A, chunks, qweight, absmax, codebook, N, K, C, ws_producers(k));
   } else if (mma) {
     const MoeProjPlan plan = moe_grouped_mma_plan(A.size(0), qweight.size(0), chunk_rows, chunks.size(0), qweight.size(1),
                                                   k_tiles, k, facts, row_groups, splits);
     launch_mma_grouped(A, chunks, num_chunks, qweight, absmax, codebook, N, K, chunk_rows, C, plan);
   } else if (chunks.size(0) > 0) {
-    KBIT_CHECK(splits >= 0 && splits <= std::min<int64_t>(kGemvMaxSplits, k_tiles), "kbit moe gemv: splits=", splits,
-               " outside 0 (heuristic) .. ", std::min<int64_t>(kGemvMaxSplits, k_tiles));
     const MoeProjPlan plan = moe_gemv_plan(chunks.size(0), qweight.size(1), k_tiles, facts, splits);
     launch_moe_gemv(MoeStage::kGather, A, std::nullopt, std::nullopt, 1, chunks, num_chunks, qweight, absmax, codebook,
                     N, K, chunk_rows, C, plan);

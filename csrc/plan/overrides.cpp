@@ -1,7 +1,6 @@
 // The one place the extension reads its environment (overrides.h says what each variable does).
 #include "overrides.h"
 
-#include <cstdio>
 #include <cstdlib>
 
 #include "check.h"
@@ -33,14 +32,6 @@ int64_t mma_max_m() {
     return s.empty() ? int64_t{-1} : static_cast<int64_t>(std::atoll(s.c_str()));
   }();
   return m;
-}
-
-int64_t moe_gemv_splits(bool gate_up) {
-  // Read at every launch, not once: benchmarks/sweep_plan.py moe_gemv_splits changes it between calls.
-  const std::string s = read("VLLM_KBIT_MOE_GEMV_SPLITS");
-  int g = 0, d = 0;
-  if (!s.empty()) std::sscanf(s.c_str(), "%d,%d", &g, &d);
-  return gate_up ? g : d;
 }
 
 const std::string& moe_path() {

@@ -13,11 +13,10 @@ namespace overrides {
 bool pdl();
 // VLLM_KBIT_MMA_MAX_M: the largest M the dense MMA path takes; -1 when unset.
 int64_t mma_max_m();
-// VLLM_KBIT_MOE_GEMV_SPLITS="G,D": K splits of the direct MoE GEMV's gate_up (G) and down (D); 0 = unset.
-int64_t moe_gemv_splits(bool gate_up);
 // VLLM_KBIT_MOE_PATH: the MoE path forced for every call ("" when unset; dispatch.cpp checks the name).
 const std::string& moe_path();
-// VLLM_KBIT_WS_PRODUCERS: producer warpgroups of the warp-specialized wgmma kernel, 1 or 2 (default).
+// VLLM_KBIT_WS_PRODUCERS: producer warpgroups of the warp-specialized wgmma kernel, 1 or 2 (default; the
+// planner's ws_producers keeps k = 5 at 1).
 int64_t ws_producers();
 
 }  // namespace overrides

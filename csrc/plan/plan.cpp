@@ -277,7 +277,7 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
   KBIT_CHECK_VALUE(M >= 1 && N >= 1 && K >= 1 && K % kBlockSize == 0 && facts.num_sms >= 1 && facts.ctas_per_sm >= 1,
                    "kbit linear_plan: needs M, N, num_sms, ctas_per_sm >= 1 and K a positive multiple of ", kBlockSize,
                    ", got M=", M, " N=", N, " K=", K, " num_sms=", facts.num_sms, " ctas_per_sm=", facts.ctas_per_sm);
-  LinearPlan plan{linear_path(M, N, K, dtype, facts.sm_major), 1, 1, 0, 0, 0};
+  LinearPlan plan{linear_path(M, N, K, dtype, facts.sm_major), 1, 1, 0, 0, 0, 0};
   if (forced.path >= 0) {
     KBIT_CHECK_VALUE(forced.path < static_cast<int64_t>(std::size(kLinearPathNames)), "kbit linear_plan: path id ",
                      forced.path, " is not one kbit::_linear_path_id returns");
@@ -313,7 +313,21 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
     KBIT_CHECK_VALUE(forced.splits == 0 && forced.row_groups == 0, "kbit linear_plan: splits and row_groups apply to ",
                      "the gemv and mma paths only, not ", linear_path_name(plan.path));
   }
+  if (plan.path == LinearPath::kWgmmaWs) {
+    plan.producers = ws_producers(bits, forced.producers);
+  } else {
+    KBIT_CHECK_VALUE(forced.producers == 0, "kbit linear_plan: producers apply to the wgmma_ws path only, not ",
+                     linear_path_name(plan.path));
+  }
   return plan;
+}
+
+int64_t ws_producers(int64_t bits, int64_t forced) {
+  const int64_t most = bits == 5 ? 1 : 2;
+  KBIT_CHECK_VALUE(forced >= 0 && forced <= most, "kbit: producers=", forced, " is not built for k=", bits,
+                   "; supported: 0 (the rule), 1", most == 2 ? ", 2" : "");
+  if (forced > 0) return forced;
+  return std::min(most, overrides::ws_producers());
 }
 
 // ----------------------------------------------------------------------------- routed experts
@@ -350,6 +364,11 @@ MoeProjPlan moe_grouped_mma_plan(int64_t rows, int64_t experts, int64_t chunk_ro
   MoeProjPlan plan;
   plan.p = mma_config(chunk_rows, n_tiles, 1).p;  // 8p == chunk_rows: one CTA row covers a chunk
   plan.m_blocks = grid_rows;
+  KBIT_CHECK_VALUE(row_groups == 0 || mma_built(static_cast<int>(plan.p), static_cast<int>(row_groups)),
+                   "kbit fused_moe: row_groups=", row_groups, " is not a built grouped MMA shape for ", chunk_rows,
+                   "-row chunks; supported: 0 (the rule), 1, ", plan.p == kMmaMaxRowTiles ? 2 : 4);
+  KBIT_CHECK_VALUE(splits >= 0 && splits <= std::min<int64_t>(kMmaMaxSplits, k_tiles), "kbit fused_moe: splits=",
+                   splits, " outside 0 (the rule) .. ", std::min<int64_t>(kMmaMaxSplits, k_tiles), " for the grouped MMA");
   // The grid holds the worst case's chunks (moe_max_chunks); the row groups and split count are
   // planned for the chunks a typical routing fills, since CTA rows past the device-side count leave at once.
   const int64_t expected = moe_expected_chunks(rows, experts, chunk_rows);
@@ -373,12 +392,31 @@ MoeProjPlan moe_gemv_plan(int64_t grid_rows, int64_t n_tiles, int64_t k_tiles, c
                           int64_t splits) {
   MoeProjPlan plan;
   plan.m_blocks = grid_rows;
+  KBIT_CHECK_VALUE(splits >= 0 && splits <= std::min<int64_t>(kGemvMaxSplits, k_tiles), "kbit fused_moe: splits=",
+                   splits, " outside 0 (the rule) .. ", std::min<int64_t>(kGemvMaxSplits, k_tiles), " for the GEMV");
   plan.splits = splits > 0 ? splits : gemv_splits(grid_rows * n_tiles, k_tiles, facts.num_sms);
   return plan;
 }
 
-MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, MoePath path, int64_t hidden,
+namespace {
+
+// Forced values where the path has no such field are refused, not ignored.
+void check_moe_forced_fields(const MoeForced& f, MoePath path) {
+  const bool splits = path == MoePath::kGemv || path == MoePath::kGemvDirect || path == MoePath::kGroupedMma;
+  const bool row_groups = path == MoePath::kGroupedMma, producers = path == MoePath::kGroupedWgmma;
+  KBIT_CHECK_VALUE(splits || (f.gate_up_splits == 0 && f.down_splits == 0), "kbit fused_moe: splits apply to the ",
+                   "gemv, gemv_direct and grouped_mma paths, not ", moe_path_name(path));
+  KBIT_CHECK_VALUE(row_groups || (f.gate_up_row_groups == 0 && f.down_row_groups == 0),
+                   "kbit fused_moe: row_groups apply to the grouped_mma path, not ", moe_path_name(path));
+  KBIT_CHECK_VALUE(producers || f.producers == 0, "kbit fused_moe: producers apply to the grouped_wgmma path, not ",
+                   moe_path_name(path));
+}
+
+}  // namespace
+
+MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, const MoeForced& forced, int64_t hidden,
                  int64_t intermediate, const DeviceFacts& facts) {
+  MoePath path = forced.path;
   KBIT_CHECK_VALUE(tokens >= 0 && top_k >= 0 && experts >= 1 && experts <= kMaxLocalExperts,
                    "kbit moe_plan: needs tokens, top_k >= 0 and 1..", kMaxLocalExperts, " local experts, got ", tokens,
                    ", ", top_k, " and ", experts);
@@ -391,6 +429,7 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, M
            : S <= kMmaMaxSlotsPerExpert * experts                          ? MoePath::kGroupedMma
                                                                            : MoePath::kGroupedMm;
   }
+  check_moe_forced_fields(forced, path);
   MoePlan plan{path, kMoeChunkRows, 0, 0, {}, {}};  // grouped mm: the routing's offsets only, no chunk list
   if (path == MoePath::kGemvDirect) {
     plan.chunk_rows = 1;  // CTA row s multiplies slot s's row
@@ -413,20 +452,21 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, M
   // gate_up: [2I, H] per expert; down: [H, I].
   const int64_t gu_n = n_tiles_of(2 * intermediate), gu_k = k_tiles_of(hidden);
   const int64_t dn_n = n_tiles_of(hidden), dn_k = k_tiles_of(intermediate);
-  if (path == MoePath::kGemvDirect) {
-    // VLLM_KBIT_MOE_GEMV_SPLITS forces the direct GEMV's splits (read per call: sweeps change it).
-    plan.gate_up = moe_gemv_plan(S, gu_n, gu_k, facts, overrides::moe_gemv_splits(true));
-    plan.down = moe_gemv_plan(S, dn_n, dn_k, facts, overrides::moe_gemv_splits(false));
-  } else if (path == MoePath::kGemv) {
-    plan.gate_up = moe_gemv_plan(plan.max_chunks, gu_n, gu_k, facts);
-    plan.down = moe_gemv_plan(plan.max_chunks, dn_n, dn_k, facts);
+  if (path == MoePath::kGemvDirect || path == MoePath::kGemv) {
+    // The direct GEMV has one CTA row per slot, the routed one one per chunk.
+    const int64_t grid_rows = path == MoePath::kGemvDirect ? S : plan.max_chunks;
+    plan.gate_up = moe_gemv_plan(grid_rows, gu_n, gu_k, facts, forced.gate_up_splits);
+    plan.down = moe_gemv_plan(grid_rows, dn_n, dn_k, facts, forced.down_splits);
   } else if (path == MoePath::kGroupedMma) {
-    plan.gate_up = moe_grouped_mma_plan(S, experts, plan.chunk_rows, plan.max_chunks, gu_n, gu_k, bits, facts);
-    plan.down = moe_grouped_mma_plan(S, experts, plan.chunk_rows, plan.max_chunks, dn_n, dn_k, bits, facts);
+    plan.gate_up = moe_grouped_mma_plan(S, experts, plan.chunk_rows, plan.max_chunks, gu_n, gu_k, bits, facts,
+                                        forced.gate_up_row_groups, forced.gate_up_splits);
+    plan.down = moe_grouped_mma_plan(S, experts, plan.chunk_rows, plan.max_chunks, dn_n, dn_k, bits, facts,
+                                     forced.down_row_groups, forced.down_splits);
   } else if (path == MoePath::kGroupedWgmma) {
-    // One CTA per chunk and pair of n-tiles, no splits: the grid rows are the whole plan.
+    // One CTA per chunk and pair of n-tiles, no splits: the grid rows and producers are the whole plan.
     plan.gate_up.m_blocks = plan.down.m_blocks = plan.max_chunks;
     plan.gate_up.splits = plan.down.splits = 1;
+    plan.gate_up.producers = plan.down.producers = ws_producers(bits, forced.producers);
   }
   return plan;
 }
@@ -441,8 +481,8 @@ struct LaunchRing {
 thread_local LaunchRing launch_ring;
 }  // namespace
 
-void record_launch(const char* kernel, int64_t p, int64_t r, int64_t m_blocks, int64_t splits) {
-  launch_ring.records[launch_ring.count % kLaunchRecords] = {kernel, p, r, m_blocks, splits};
+void record_launch(const char* kernel, int64_t p, int64_t r, int64_t m_blocks, int64_t splits, int64_t producers) {
+  launch_ring.records[launch_ring.count % kLaunchRecords] = {kernel, p, r, m_blocks, splits, producers};
   ++launch_ring.count;
 }
 

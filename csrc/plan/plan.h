@@ -143,6 +143,7 @@ struct LinearPlan {
   int64_t splits;          // K splits per n-tile (GEMV) or CTA column (MMA); 1 for the other paths
   int64_t max_splits;      // the most splits the kernel accepts for this weight
   int64_t p, r, m_blocks;  // the MMA tile shape (MmaConfig); 0 for the other paths
+  int64_t producers;       // wgmma_ws: producer warpgroups (ws_producers); 0 for the other paths
 };
 
 // -1 for "auto", else the id (LinearPath) of a linear_path_name; anything else raises a one-line ValueError.
@@ -155,7 +156,14 @@ struct LinearForced {
   int64_t path = -1;        // -1 (auto) or a LinearPath
   int64_t row_groups = 0;   // MMA r
   int64_t splits = 0;       // GEMV / MMA K splits
+  int64_t producers = 0;    // wgmma_ws producer warpgroups
 };
+
+// Producer warpgroups of the warp-specialized wgmma kernel (wgmma_ws.cu) for k-bit weights: two (alternate
+// k-tiles, setmaxnreg moves registers to the consumers) for k = 2..4, one for k = 5, whose shuffle decode
+// needs the registers a second one would take; VLLM_KBIT_WS_PRODUCERS=1 or `forced` (> 0) picks one.
+// Raises a one-line ValueError for a forced count the kernel is not built with.
+int64_t ws_producers(int64_t bits, int64_t forced = 0);
 
 // The plan of kbit::linear for M rows of x (dtype) and an [N, K] weight of k-bit codes on the GPU the
 // facts describe: exactly what launches. Raises a one-line ValueError for what no kernel serves.
@@ -180,10 +188,22 @@ MoePath moe_path_from_id(int64_t id);
 int64_t moe_path_override_id();
 
 // One projection of a grouped launch: the GEMV's K splits, or the grouped MMA's tile (p, r), grid rows
-// (m_blocks: the chunk list's length) and K splits; 0 where a field does not apply or is not planned.
+// (m_blocks: the chunk list's length) and K splits, or the grouped wgmma's grid rows and producer
+// warpgroups; 0 where a field does not apply or is not planned.
 struct MoeProjPlan {
   int64_t splits = 0;
   int64_t p = 0, r = 0, m_blocks = 0;
+  int64_t producers = 0;
+};
+
+// What a caller forces instead of the rules (kbit::_fused_moe_cuda, kbit::moe_plan.device, sweeps); 0: the
+// rule. Splits apply to the GEMV paths and the grouped MMA, row groups to the grouped MMA, producers to the
+// grouped wgmma; anything forced where it does not apply raises a one-line ValueError.
+struct MoeForced {
+  MoePath path = MoePath::kAuto;
+  int64_t gate_up_splits = 0, down_splits = 0;
+  int64_t gate_up_row_groups = 0, down_row_groups = 0;
+  int64_t producers = 0;
 };
 
 struct MoePlan {
@@ -196,10 +216,10 @@ struct MoePlan {
 };
 
 // The plan of kbit::fused_moe for T tokens with top_k picks each over E local experts of k-bit weights
-// ("auto" or a forced path), hidden size H and intermediate size I (0: the projections are not planned),
-// on the GPU the facts describe (auto takes the grouped wgmma on Hopper only: facts.sm_major == 9).
-MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, MoePath path, int64_t hidden = 0,
-                 int64_t intermediate = 0, const DeviceFacts& facts = {});
+// (the rules, or what `forced` fixes), hidden size H and intermediate size I (0: the projections are not
+// planned), on the GPU the facts describe (auto takes the grouped wgmma on Hopper only: facts.sm_major == 9).
+MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, const MoeForced& forced,
+                 int64_t hidden = 0, int64_t intermediate = 0, const DeviceFacts& facts = {});
 
 // The grouped MMA's plan for one projection of an expert's [N, K] weights (n_tiles x k_tiles) with
 // `rows` rows of A grouped into chunks of chunk_rows over `experts` experts, in a grid of grid_rows CTA
@@ -219,9 +239,9 @@ MoeProjPlan moe_gemv_plan(int64_t grid_rows, int64_t n_tiles, int64_t k_tiles, c
 // launches (kbit::_launch_record).
 struct LaunchRecord {
   const char* kernel;
-  int64_t p, r, m_blocks, splits;
+  int64_t p, r, m_blocks, splits, producers;
 };
-void record_launch(const char* kernel, int64_t p, int64_t r, int64_t m_blocks, int64_t splits);
+void record_launch(const char* kernel, int64_t p, int64_t r, int64_t m_blocks, int64_t splits, int64_t producers = 0);
 // The launches recorded on this thread since the last call, oldest first (at most kLaunchRecords).
 constexpr int kLaunchRecords = 16;
 int take_launch_records(LaunchRecord* out);

@@ -17,9 +17,10 @@ constexpr int kWgmmaRows = 128;  // rows of A one CTA multiplies (the wgmma N)
 void launch_wgmma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                   const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
                   at::Tensor& C);
+// producers: the plan's producer warpgroups (plan.h: ws_producers), 1 or 2 (k = 2..4).
 void launch_wgmma_ws(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                      const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
-                     at::Tensor& C);
+                     at::Tensor& C, int64_t producers);
 
 // Grouped (routed experts): C[p] = A[p] @ dequant(W_e)^T for the rows p of every chunk {e, first row,
 // rows <= kMoeWsChunkRows, 0} of `chunks` (moe_route; entries with e < 0 are skipped), W the stacked
@@ -28,6 +29,6 @@ void launch_wgmma_ws(const at::Tensor& A, const at::Tensor& qweight_rt, const at
 // caller validates (moe_ops.cpp).
 void launch_wgmma_ws_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& qweight,
                              const at::Tensor& absmax, const at::Tensor& codebook, int64_t N, int64_t K,
-                             at::Tensor& C);
+                             at::Tensor& C, int64_t producers);
 
 }  // namespace kbit

@@ -24,7 +24,6 @@
 #include "wgmma.cuh"
 
 #include "dequant_core.cuh"
-#include "overrides.h"
 #include "plan.h"  // kMoeWsChunkRows, record_launch
 #include "wgmma_core.cuh"
 
@@ -413,18 +412,16 @@ void launch_np(const WsParams<T>& prm, int grid_rows, int device) {
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
+// The plan's producer count (k = 5 is built with one: its shuffle decode needs the registers a second
+// producer warpgroup would take).
 template <typename T, int BITS>
-void launch(const WsParams<T>& prm, int grid_rows, int device) {
-  // k = 5's shuffle decode needs more registers than a second producer warpgroup leaves it.
-  if constexpr (BITS == 5) {
-    launch_np<T, BITS, 1>(prm, grid_rows, device);
-  } else {
-    if (overrides::ws_producers() == 1) {
-      launch_np<T, BITS, 1>(prm, grid_rows, device);
-    } else {
-      launch_np<T, BITS, 2>(prm, grid_rows, device);
-    }
+void launch(const WsParams<T>& prm, int grid_rows, int producers, int device) {
+  KBIT_CHECK(producers == 1 || (producers == 2 && BITS <= 4), "kbit wgmma_ws: no kernel with ", producers,
+             " producer warpgroups for k=", BITS);
+  if constexpr (BITS <= 4) {
+    if (producers == 2) return launch_np<T, BITS, 2>(prm, grid_rows, device);
   }
+  launch_np<T, BITS, 1>(prm, grid_rows, device);
 }
 
 }  // namespace
@@ -434,7 +431,8 @@ namespace {
 // Both launches: a dense weight is a stack of one expert without a chunk list (chunks == nullptr).
 void launch_ws(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& codebook,
                const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C, int64_t bits,
-               int64_t n_tiles, int64_t k_tiles, const at::Tensor* chunks, int64_t grid_rows, const char* what) {
+               int64_t n_tiles, int64_t k_tiles, const at::Tensor* chunks, int64_t grid_rows, int64_t producers,
+               const char* what) {
   dispatch_type_and_bits(A.scalar_type(), bits, what, [&](auto type, auto k) {
     using T = decltype(type);
     const WsParams<T> prm{reinterpret_cast<const T*>(A.data_ptr()),
@@ -448,7 +446,7 @@ void launch_ws(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, co
                           chunks != nullptr ? reinterpret_cast<const int4*>(chunks->data_ptr<int>()) : nullptr,
                           chunks != nullptr ? q.numel() / q.size(0) / 4 : 0,
                           chunks != nullptr ? a.numel() / a.size(0) / 4 : 0};
-    launch<T, decltype(k)::value>(prm, static_cast<int>(grid_rows), A.get_device());
+    launch<T, decltype(k)::value>(prm, static_cast<int>(grid_rows), static_cast<int>(producers), A.get_device());
   });
 }
 
@@ -456,18 +454,18 @@ void launch_ws(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, co
 
 void launch_wgmma_ws(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                      const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
-                     at::Tensor& C) {
+                     at::Tensor& C, int64_t producers) {
   launch_ws(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, qweight_rt.size(2), qweight_rt.size(0),
-            qweight_rt.size(1), nullptr, (A.size(0) + kActRows - 1) / kActRows, "kbit wgmma_ws");
+            qweight_rt.size(1), nullptr, (A.size(0) + kActRows - 1) / kActRows, producers, "kbit wgmma_ws");
 }
 
 void launch_wgmma_ws_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& qweight,
                              const at::Tensor& absmax, const at::Tensor& codebook, int64_t N, int64_t K,
-                             at::Tensor& C) {
-  record_launch("wgmma_ws_grouped", 0, 0, chunks.size(0), 1);
+                             at::Tensor& C, int64_t producers) {
+  record_launch("wgmma_ws_grouped", 0, 0, chunks.size(0), 1, producers);
   if (chunks.size(0) == 0) return;
   launch_ws(A, qweight, absmax, codebook, std::nullopt, N, K, C, qweight.size(3), qweight.size(1), qweight.size(2),
-            &chunks, chunks.size(0), "kbit wgmma_ws grouped");
+            &chunks, chunks.size(0), producers, "kbit wgmma_ws grouped");
 }
 
 }  // namespace kbit

@@ -22,7 +22,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 gpu = [pytest.mark.gpu, requires_cuda]
 
 def _plan(M, N, K, path="auto"):
-    """torch.ops.kbit.linear_plan on this GPU: (path, splits, max_splits, p, r, m_blocks)."""
+    """torch.ops.kbit.linear_plan on this GPU: (path, splits, max_splits, p, r, m_blocks, producers)."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     return torch.ops.kbit.linear_plan(M, N, K, torch.bfloat16, props.major, props.multi_processor_count, 1, path)
 

@@ -16,24 +16,24 @@ MS = (1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 100, 128, 129, 300, 512, 513)
 
 
 def launched():
-    """The launches since the last call, as (kernel, p, r, m_blocks, splits) tuples."""
+    """The launches since the last call, as (kernel, p, r, m_blocks, splits, producers) tuples."""
     return list(zip(*torch.ops.kbit._launch_record()))
 
 
-def forced(x, w, path, row_groups=0, splits=0):
+def forced(x, w, path, row_groups=0, splits=0, producers=0):
     """kbit::_linear_forced (the forced-plan op) on a KbitLinearWeight."""
     path_id = torch.ops.kbit._linear_path_id(path)
     return torch.ops.kbit._linear_forced(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, None, path_id, row_groups,
-                                         splits)
+                                         splits, producers)
 
 
 def expected_linear(plan):
-    path, splits, _, p, r, m_blocks = plan
+    path, splits, _, p, r, m_blocks, producers = plan
     if path == "gemv":
-        return [("gemv", 0, 0, 0, splits)]
+        return [("gemv", 0, 0, 0, splits, 0)]
     if path == "mma":
-        return [("mma", p, r, m_blocks, splits)]
-    return [(path, 0, 0, 0, 1)]
+        return [("mma", p, r, m_blocks, splits, 0)]
+    return [(path, 0, 0, 0, 1, producers)]
 
 
 def _weights():
@@ -58,7 +58,10 @@ def test_linear_launches_its_plan(dtype):
             assert got == expected_linear(plan), (M, N, K, k, dtype, plan)
             # The plan on given facts agrees but for the MMA split count (it cannot see cluster capacities).
             given = torch.ops.kbit.linear_plan(M, N, K, dtype, props.major, props.multi_processor_count)
-            assert given[0] == plan[0] and given[2:] == plan[2:], (M, N, K, given, plan)
+            # (and the wgmma_ws producer count at k = 5: given facts name no k)
+            assert given[0] == plan[0] and given[2:6] == plan[2:6], (M, N, K, given, plan)
+            if plan[0] == "wgmma_ws":
+                assert plan[6] == (1 if k == 5 else 2), (M, N, K, k, plan)
             if plan[0] == "gemv":
                 assert given[1] == plan[1]
 
@@ -101,15 +104,22 @@ def test_forced_paths_launch_their_kernel():
             plan = torch.ops.kbit.linear_plan.device(M, 10240, 2048, torch.bfloat16, 4, DEVICE, path)
             forced(x, w, path)
             assert launched() == expected_linear(plan), (M, path, plan)
+        plan = torch.ops.kbit.linear_plan.device(M, 10240, 2048, torch.bfloat16, 4, DEVICE, "wgmma_ws", 0, 0, 1)
+        forced(x, w, "wgmma_ws", producers=1)
+        assert plan[6] == 1 and launched() == expected_linear(plan), (M, plan)
+    with pytest.raises(ValueError, match="producers apply to the wgmma_ws path only"):
+        forced(x, w, "wgmma", producers=1)
+    with pytest.raises(ValueError, match="producers=3 is not built for k=4"):
+        forced(x, w, "wgmma_ws", producers=3)
 
 
 def expected_moe(plan):
     path, _, _, _, gate_up, down = plan
     if path == "grouped_mm":
-        return [("grouped_mm", 0, 0, 0, 0)]
+        return [("grouped_mm", 0, 0, 0, 0, 0)]
     kernel = {"gemv_direct": "moe_gemv_direct", "gemv": "moe_gemv", "grouped_mma": "mma_grouped",
               "grouped_wgmma": "wgmma_ws_grouped"}[path]
-    return [(kernel, proj[1], proj[2], proj[3], proj[0]) for proj in (gate_up, down)]
+    return [(kernel, proj[1], proj[2], proj[3], proj[0], proj[4]) for proj in (gate_up, down)]
 
 
 # (E, top_k, H, I): tiny, Qwen3-30B-A3B-like, GLM-4.7-Flash-like and a 4-expert rank.
@@ -134,3 +144,50 @@ def test_fused_moe_launches_its_plan(E, top_k, H, I):
                 # The plan without sizes names the same path and routing workspace.
                 sm_major = torch.cuda.get_device_capability(DEVICE)[0]
                 assert torch.ops.kbit.moe_plan(T, top_k, E, k, path, sm_major) == plan[:3]
+
+
+# Forced fields per path: (path, gate_up_splits, down_splits, gate_up_row_groups, down_row_groups, producers).
+# "W": the grouped MMA's wide row groups at the plan's p (4; 2 at p = 8).
+MOE_FORCED = [("gemv_direct", 1, 3, 0, 0, 0), ("gemv", 2, 1, 0, 0, 0), ("grouped_mma", 2, 1, 1, "W", 0),
+              ("grouped_mma", 0, 3, "W", 0, 0), ("grouped_wgmma", 0, 0, 0, 0, 1), ("grouped_wgmma", 0, 0, 0, 0, 2)]
+
+
+def test_forced_fused_moe_launches_its_plan():
+    """kbit::_fused_moe_cuda with forced splits / row groups / producers launches what moe_plan.device plans
+    with the same fields, and its output stays the auto plan's within rounding; a field the path does not
+    have, or a value no kernel is built for, is refused with a one-line ValueError."""
+    torch.cuda.set_device(DEVICE)
+    gen = torch.Generator().manual_seed(3)
+    E, top_k, H, I = 16, 4, 512, 512  # 4 k-tiles per projection
+    for k in (2, 4, 5):
+        ex = Experts(E, H, I, k, gen)
+        for T in (3, 40, 400):
+            x = torch.randn(T, H, dtype=torch.bfloat16, generator=gen).cuda() / 4
+            ids, weights = random_routing(T, E, top_k, gen, "random")
+            ref = torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, None, False, 0).float()
+            for path, *fields in MOE_FORCED:
+                wide = 2 if torch.ops.kbit.moe_plan.device(T, top_k, E, k, H, I, DEVICE, path)[4][1] == 8 else 4
+                fields = [wide if f == "W" else f for f in fields]
+                if path == "grouped_wgmma" and (torch.cuda.get_device_capability(DEVICE)[0] != 9 or
+                                                (k == 5 and fields[4] == 2)):
+                    continue
+                plan = torch.ops.kbit.moe_plan.device(T, top_k, E, k, H, I, DEVICE, path, *fields)
+                launched()
+                out = torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, None, False,
+                                                     torch.ops.kbit._moe_path_id(path), *fields)
+                assert launched() == expected_moe(plan), (T, k, path, fields, plan)
+                for proj, s, rg in ((plan[4], fields[0], fields[2]), (plan[5], fields[1], fields[3])):
+                    assert (s == 0 or proj[0] == s) and (rg == 0 or proj[2] == rg), (path, fields, plan)
+                assert fields[4] == 0 or plan[4][4] == plan[5][4] == fields[4], (path, fields, plan)
+                err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
+                assert err < 0.05, (T, k, path, fields, err)
+    x, ids, weights = x[:8], ids[:8], weights[:8]
+    direct = torch.ops.kbit._moe_path_id("gemv_direct")
+    for fields, match in (((0, 0, 1, 0, 0), "row_groups apply to the grouped_mma path, not gemv_direct"),
+                          ((0, 0, 0, 0, 2), "producers apply to the grouped_wgmma path, not gemv_direct"),
+                          ((9, 0, 0, 0, 0), "splits=9 outside 0 \\(the rule\\)")):
+        with pytest.raises(ValueError, match=match):
+            torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, None, False, direct, *fields)
+    with pytest.raises(ValueError, match="row_groups=3 is not a built grouped MMA shape"):
+        torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, None, False,
+                                       torch.ops.kbit._moe_path_id("grouped_mma"), 0, 0, 3, 0, 0)
