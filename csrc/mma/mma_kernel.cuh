@@ -60,7 +60,6 @@ constexpr int kLutSmemTarget = 20 * 1024;         // ... with a 32 KB table: 4 n
 constexpr int kSmemPerSm = 227 * 1024;            // shared memory an sm_90 SM gives its CTAs
 constexpr int kSmemReservedPerCta = 1024;         // of which the driver keeps this much per CTA
 constexpr int kMaxDevices = 64;                   // devices the per-device launch preparation tracks
-constexpr int kWideCtasPerSm = 3;                 // CTAs per SM wide-warp instances are built for (<= 168 registers)
 
 // Bytes of one runtime tile: BITS planes of 64 rows x 4 words, then 64 rows x 4 scale codes.
 template <int BITS>
@@ -89,13 +88,7 @@ struct Shape {
   static constexpr int kWBytes = R * tile_bytes<BITS>();
   static constexpr int kXBytes = 8 * P * kTileK * 2;
   static constexpr int kStageBytes = kWBytes + kXBytes;
-  // Narrow warps: the stages the targets above leave (several CTAs per SM keep bytes in flight). Wide
-  // warps run kWideCtasPerSm CTAs per SM (the register cap below), so their stages take all the shared
-  // memory those leave beside the table: a latency-bound CTA keeps (stages - 1) k-tiles in flight, and
-  // at k = 2 (small tiles) and on 64-row activation tiles two stages would leave most of it idle.
-  static constexpr int kWideStageBytes = kSmemPerSm / kWideCtasPerSm - kSmemReservedPerCta - kLutBytes;
-  static constexpr int kStages = std::max(
-      2, std::min(4, (R > 1 ? kWideStageBytes : kLut ? kLutSmemTarget : kSmemTarget) / kStageBytes));
+  static constexpr int kStages = std::max(2, std::min(4, (kLut ? kLutSmemTarget : kSmemTarget) / kStageBytes));
   static constexpr int kPartialUnits = kWarps * R * P * 32;  // float4 C fragments of one CTA
   static constexpr int kSmemBytes = kLutBytes + std::max(kStages * kStageBytes, kPartialUnits * 16);
   static constexpr int kSmemFit = kSmemPerSm / (kSmemBytes + kSmemReservedPerCta);  // CTAs shared memory holds
@@ -103,7 +96,7 @@ struct Shape {
   // holds (uncapped, ptxas trades CTAs for fewer re-computations). Wide warps: 3 (<= 168 registers;
   // shared memory allows 3 or 4, and a cap of 4 = 128 registers spills), except k = 5 with 16 MMA
   // tiles per warp, which spill under 168 too and are left uncapped (2 CTAs per SM).
-  static constexpr int kCtasPerSm = R == 1 ? std::min(16, kSmemFit) : BITS == 5 && P * R >= 16 ? 1 : kWideCtasPerSm;
+  static constexpr int kCtasPerSm = R == 1 ? std::min(16, kSmemFit) : BITS == 5 && P * R >= 16 ? 1 : 3;
   // CTAs an SM holds at once: the register cap or what shared memory allows, whichever is lower.
   static constexpr int kResident = std::min(kCtasPerSm, kSmemFit);
 };
