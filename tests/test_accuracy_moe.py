@@ -31,6 +31,8 @@ def test_bits_per_weight_counts_scales_and_zeros_per_group(acc):
     # int symmetric g64: a bf16 scale; asymmetric adds a k-bit packed zero point
     assert acc.bits_per_weight(SMOLLM2, 4, *acc.storage("llmc-gptq", 4)[:2]) == pytest.approx(4.25)
     assert acc.bits_per_weight(SMOLLM2, 3, *acc.storage("llmc-awq", 3)[:2]) == pytest.approx(3 + 19 / 64)
+    # GPTQModel's GPTQ checkpoint: an fp16 scale and a k-bit packed zero point per 64, symmetric or not
+    assert acc.bits_per_weight(SMOLLM2, 4, *acc.storage("gptqmodel-gptq", 4)[:2]) == pytest.approx(4 + 20 / 64)
     # HQQ: bf16 scale and bf16 zero per 64; NF4: fp32 absmax per 64
     assert acc.bits_per_weight(SMOLLM2, 3, *acc.storage("hqq", 3)[:2]) == pytest.approx(3.5)
     assert acc.bits_per_weight(SMOLLM2, 4, *acc.storage("nf4", 4)[:2]) == pytest.approx(4.5)
