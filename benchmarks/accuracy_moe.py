@@ -315,9 +315,8 @@ def _peer_gptqmodel(method: str, model_dir: str, out_dir: str, calib: list[int])
     out = {}
     for name, mod in qmodel.model.named_modules():
         if hasattr(mod, "dequantize_weight"):
-            W = mod.dequantize_weight()
-            if tuple(W.shape) != (mod.out_features, mod.in_features):  # its kernels keep [in, out]
-                W = W.t()
+            W = mod.dequantize_weight().t()  # its kernels keep weights as [in, out]
+            assert tuple(W.shape) == (mod.out_features, mod.in_features), (name, tuple(W.shape))
             out[canonical_module(name) + ".weight"] = W.to(torch.bfloat16).contiguous()
     notes = [f"GPTQModel QuantizeConfig(bits={k}, group_size={PEER_GROUP}), the rest its defaults (desc_act "
              f"{qcfg.get('desc_act')}, sym {qcfg.get('sym')}, damp {qcfg.get('meta', {}).get('damp_percent')}, act-group-aware "
