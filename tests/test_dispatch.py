@@ -101,4 +101,4 @@ def test_device_plans_and_launch_record_off_gpu():
         torch.ops.kbit.moe_plan.device(1, 1, 8, 4, 128, 64, torch.device("cpu"))
     with pytest.raises(ValueError, match="k=7 is not supported"):
         torch.ops.kbit.linear_plan.device(1, 64, 128, torch.bfloat16, 7, torch.device("cuda"))
-    assert torch.ops.kbit._launch_record() == ([], [], [], [], [])
+    assert torch.ops.kbit._launch_record() == ([], [], [], [], [], [])
