@@ -19,9 +19,10 @@ is a subcommand; each writes <out>/<stem>_<gpu>_<date>.{json,md} (the stems the 
         calls through kbit::_fused_moe_cuda forcing one projection's count. Stem sweep_moe_gemv_splits.
 
     python benchmarks/sweep_plan.py moe_paths [--layers ...] [--bits 2,4,5] [--tokens 128,...,4096]
-        [--paths grouped_mma,grouped_wgmma]
+        [--paths grouped_mma,grouped_wgmma,grouped_wgmma:1]
         The routed experts' path at many slots per expert: whole fused_moe calls per forced path (the data for
-        moe_plan's grouped wgmma bound, kWgmmaMinSlotsPerExpert; Hopper). Stem moe_paths.
+        moe_plan's grouped wgmma bound, kWgmmaMinSlotsPerExpert; Hopper); `path:N` also forces N producer
+        warpgroups of the grouped wgmma (ws_producers). Stem moe_paths.
 
 Common options: --out DIR (default benchmarks/results), --commit SHA.
 """
@@ -466,7 +467,8 @@ def sweep_moe_paths(argv: list[str]) -> None:
 
 def moe_paths_measure(args, meta: Meta):
     paths = args.paths.split(",")
-    ids = {p: torch.ops.kbit._moe_path_id(p) for p in paths}
+    # "name" or "name:producers": the path's id and the forced producer count (0: the rule)
+    ids = {p: (torch.ops.kbit._moe_path_id(p.split(":")[0]), int(p.split(":")[1]) if ":" in p else 0) for p in paths}
 
     def measure(layer, E, top_k, H, I, k, cb, W):
         for T in (int(t) for t in args.tokens.split(",")):
@@ -476,7 +478,9 @@ def moe_paths_measure(args, meta: Meta):
             outs = {}
             for p in paths:
                 def call(w, r, p=p):
-                    return torch.ops.kbit._fused_moe_cuda(x, r[0], r[1], *w, cb, I, None, False, ids[p])
+                    path_id, producers = ids[p]
+                    return torch.ops.kbit._fused_moe_cuda(x, r[0], r[1], *w, cb, I, None, False, path_id, 0, 0, 0, 0,
+                                                          producers)
                 outs[p] = call(W[0], routes[0]).float()
                 rec[p] = round(graph_time_us(rotated(call, W, routes), min_calls=8, replays=10), 1)
             ref = outs[paths[0]]
