@@ -600,9 +600,12 @@ def run_peer(python: str, method: str, model_dir: str, calib_json: str, threads:
     out = workdir / method
     cmd = [python, str(pathlib.Path(__file__).resolve()), "peer", method, model_dir, str(out), "--calib", calib_json,
            "--threads", str(threads)]
+    workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"{method}.log"
     with open(log, "w") as f:
-        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+        # in the work folder: GPTQModel writes its logs/ into the working directory
+        proc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": str(threads)},
+                              cwd=workdir)
     if proc.returncode:
         tail = log.read_text()[-3000:]
         raise RuntimeError(f"peer {method} failed (rc={proc.returncode}), log {log}:\n{tail}")
