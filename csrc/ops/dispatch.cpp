@@ -72,13 +72,8 @@ std::tuple<std::string, int64_t, int64_t, int64_t, std::vector<int64_t>, std::ve
     int64_t gate_up_row_groups, int64_t down_row_groups, int64_t producers) {
   KBIT_CHECK_VALUE(hidden >= 1 && intermediate >= 1, "kbit moe_plan: hidden and intermediate sizes must be >= 1, got ",
                    hidden, " and ", intermediate);
-  MoeForced forced;
-  forced.path = moe_path_from_name(path);
-  forced.gate_up_splits = gate_up_splits;
-  forced.down_splits = down_splits;
-  forced.gate_up_row_groups = gate_up_row_groups;
-  forced.down_row_groups = down_row_groups;
-  forced.producers = producers;
+  const MoeForced forced{moe_path_from_name(path), gate_up_splits, down_splits, gate_up_row_groups, down_row_groups,
+                         producers};
   const MoePlan p = moe_plan(tokens, top_k, experts, bits, forced, hidden, intermediate,
                              device_facts(gpu_index(device, "moe_plan")));
   return {moe_path_name(p.path), p.chunk_rows, p.max_chunks, p.expected_chunks, proj_list(p.gate_up), proj_list(p.down)};

@@ -93,13 +93,8 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
   }
   const c10::DeviceGuard guard(x.device());
   const DeviceFacts facts = device_facts(x.get_device());
-  MoeForced forced;
-  forced.path = moe_path_from_id(path_id);
-  forced.gate_up_splits = gate_up_splits;
-  forced.down_splits = down_splits;
-  forced.gate_up_row_groups = gate_up_row_groups;
-  forced.down_row_groups = down_row_groups;
-  forced.producers = producers;
+  const MoeForced forced{moe_path_from_id(path_id), gate_up_splits, down_splits, gate_up_row_groups, down_row_groups,
+                         producers};
   const MoePlan plan = moe_plan(T, top_k, E, k, forced, H, I, facts);
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0 || top_k == 0) return out.zero_();

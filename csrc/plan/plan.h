@@ -198,7 +198,8 @@ struct MoeProjPlan {
 
 // What a caller forces instead of the rules (kbit::_fused_moe_cuda, kbit::moe_plan.device, sweeps); 0: the
 // rule. Splits apply to the GEMV paths and the grouped MMA, row groups to the grouped MMA, producers to the
-// grouped wgmma; anything forced where it does not apply raises a one-line ValueError.
+// grouped wgmma; anything forced where it does not apply raises a one-line ValueError. Aggregate-initialized
+// in this field order (the ops' argument order).
 struct MoeForced {
   MoePath path = MoePath::kAuto;
   int64_t gate_up_splits = 0, down_splits = 0;
