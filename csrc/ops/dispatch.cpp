@@ -25,8 +25,7 @@ LinearPlanTuple as_tuple(const LinearPlan& p) {
 // Given facts: every MMA instance holds ctas_per_sm CTAs per SM, cluster capacities unknown.
 LinearPlanTuple linear_plan_op(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t sm_major, int64_t num_sms,
                                int64_t ctas_per_sm, const std::string& path) {
-  LinearForced forced;
-  forced.path = linear_path_id(path);
+  const LinearForced forced{linear_path_id(path)};
   return as_tuple(linear_plan(M, N, K, dtype, /*bits=*/0, given_facts(sm_major, num_sms, ctas_per_sm), forced));
 }
 
@@ -42,11 +41,7 @@ LinearPlanTuple linear_plan_device_op(int64_t M, int64_t N, int64_t K, at::Scala
                                       int64_t splits, int64_t producers) {
   KBIT_CHECK_VALUE(bits >= kMinBits && bits <= kMaxBits, "kbit linear_plan: k=", bits, " is not supported; supported: ",
                    kMinBits, "..", kMaxBits);
-  LinearForced forced;
-  forced.path = linear_path_id(path);
-  forced.row_groups = row_groups;
-  forced.splits = splits;
-  forced.producers = producers;
+  const LinearForced forced{linear_path_id(path), row_groups, splits, producers};
   return as_tuple(linear_plan(M, N, K, dtype, bits, device_facts(gpu_index(device, "linear_plan")), forced));
 }
 
@@ -55,8 +50,7 @@ std::tuple<std::string, int64_t, int64_t> moe_plan_op(int64_t tokens, int64_t to
                                                       const std::string& path, int64_t sm_major) {
   DeviceFacts facts;
   facts.sm_major = sm_major;
-  MoeForced forced;
-  forced.path = moe_path_from_name(path);
+  const MoeForced forced{moe_path_from_name(path)};
   const MoePlan p = moe_plan(tokens, top_k, experts, bits, forced, 0, 0, facts);
   return {moe_path_name(p.path), p.chunk_rows, p.max_chunks};
 }

@@ -126,11 +126,7 @@ at::Tensor linear_forced_cuda(const at::Tensor& x, const at::Tensor& qweight_rt,
                               int64_t path, int64_t row_groups, int64_t splits, int64_t producers) {
   const c10::DeviceGuard guard(x.device());
   const at::Tensor A = forced_kernel_input("kbit _linear_forced", x, qweight_rt, absmax_rt, codebook, N, K, bias);
-  LinearForced forced;
-  forced.path = path;
-  forced.row_groups = row_groups;
-  forced.splits = splits;
-  forced.producers = producers;
+  const LinearForced forced{path, row_groups, splits, producers};
   const LinearPlan plan = linear_plan(A.size(0), N, K, x.scalar_type(), qweight_rt.size(2),
                                       device_facts(x.get_device()), forced);
   KBIT_CHECK(plan.path != LinearPath::kGemv || A.size(0) <= kGemvMaxM, "kbit _linear_forced: x has ", A.size(0),

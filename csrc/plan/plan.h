@@ -151,7 +151,8 @@ struct LinearPlan {
 // through torch's argument unboxing); kbit::_linear_path_id gives them to Python.
 int64_t linear_path_id(const std::string& name);
 
-// What a caller forces instead of the rules (kbit::_linear_forced, sweeps); -1 / 0: the rule.
+// What a caller forces instead of the rules (kbit::_linear_forced, sweeps); -1 / 0: the rule. Aggregate-
+// initialized in this field order (the ops' argument order).
 struct LinearForced {
   int64_t path = -1;        // -1 (auto) or a LinearPath
   int64_t row_groups = 0;   // MMA r

@@ -424,10 +424,6 @@ void launch(const WsParams<T>& prm, int grid_rows, int producers, int device) {
   launch_np<T, BITS, 1>(prm, grid_rows, device);
 }
 
-}  // namespace
-
-namespace {
-
 // Both launches: a dense weight is a stack of one expert without a chunk list (chunks == nullptr).
 void launch_ws(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& codebook,
                const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C, int64_t bits,

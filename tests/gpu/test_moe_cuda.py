@@ -305,9 +305,7 @@ def test_grouped_single_projection(rows, M):
         return
     with pytest.raises(ValueError, match="splits=5 outside"):  # 5 > the 4 k-tiles
         torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, 5)
-    if rows <= 4:
-        return
-    with pytest.raises(ValueError, match="row_groups=3"):  # 3 row groups per warp: no such instance
+    with pytest.raises(ValueError, match="row_groups"):  # 3 row groups per warp: no such instance (GEMV: none)
         torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, 0, 3)
 
 
