@@ -27,7 +27,7 @@ only difference. Methods (rows, per model):
   compressed-tensors' own decompressor. On a machine without an accelerator llm-compressor 0.14's AWQ
   pins its cached activations (``pin_memory``), which raises; that call is made a no-op here (pinning
   only speeds host-to-device copies);
-- HQQ 4 / 3-bit: ``HQQLinear`` with ``BaseQuantizeConfig(nbits, group_size=64)`` (its default optimizer,
+- HQQ 5 / 4 / 3-bit: ``HQQLinear`` with ``BaseQuantizeConfig(nbits, group_size=64)`` (its default optimizer,
   calibration-free; group 64 as its examples; axis 1; bf16 scale and zero), dequantized by HQQ;
 - bitsandbytes NF4, blocksize 64, no double quantization (``bitsandbytes.functional.quantize_4bit``: the
   packed weights and fp32 absmax, decoded by bitsandbytes); where its CPU backend does not load, the exact
@@ -70,6 +70,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -183,7 +184,7 @@ PEER_METHODS = {
     "llmc-gptq-w4": ("llmc-gptq", 4), "llmc-gptq-w3": ("llmc-gptq", 3),
     "llmc-awq-w4": ("llmc-awq", 4), "llmc-awq-w3": ("llmc-awq", 3),
     "llmc-rtn-w4": ("llmc-rtn", 4),
-    "hqq-4": ("hqq", 4), "hqq-3": ("hqq", 3),
+    "hqq-5": ("hqq", 5), "hqq-4": ("hqq", 4), "hqq-3": ("hqq", 3),
     "bnb-nf4": ("nf4", 4),
     "gptqmodel-gptq-w4": ("gptqmodel-gptq", 4), "gptqmodel-gptq-w3": ("gptqmodel-gptq", 3),
 }
@@ -554,21 +555,46 @@ def kbit_online(ev: Evaluator, k: int) -> tuple[dict, dict]:
                  "weights": N}
 
 
-def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pathlib.Path) -> tuple[dict, dict]:
-    """``vllm-kbit convert --gptq`` on the calibration text, read back and decoded; counts the tensors whose
-    indices differ from online rounding (those GPTQ rounded)."""
-    import shutil
+def float32_copy(model_dir: str, out_dir: pathlib.Path) -> str:
+    """The checkpoint with every floating-point tensor in float32 (the same values: the bf16 ones are exact in
+    float32), so that ``convert --gptq``, which calibrates in the checkpoint's dtype, runs its forward in float32."""
+    from safetensors.torch import load_file, save_file
 
+    out_dir.mkdir(parents=True, exist_ok=True)
+    state = load_file(os.path.join(model_dir, "model.safetensors"))
+    save_file({n: (t.float() if t.is_floating_point() else t).contiguous() for n, t in state.items()},
+              str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads(pathlib.Path(model_dir, "config.json").read_text())
+    config["torch_dtype"] = config["dtype"] = "float32"
+    (out_dir / "config.json").write_text(json.dumps(config, indent=1))
+    for n in os.listdir(model_dir):
+        if n not in ("model.safetensors", "config.json") and os.path.isfile(os.path.join(model_dir, n)):
+            shutil.copy(os.path.join(model_dir, n), out_dir / n)
+    return str(out_dir)
+
+
+def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pathlib.Path,
+              expert_blocks: int = 0, float32: bool = False) -> tuple[dict, dict]:
+    """``vllm-kbit convert --gptq`` on the calibration text, read back and decoded; counts the tensors whose
+    indices differ from online rounding (those GPTQ rounded). ``expert_blocks`` E > 0 (the dense model's
+    control): every down projection's H keeps only its E diagonal blocks, what the MoE rewrite's experts each
+    see (:func:`convert_block_diagonal`). ``float32``: calibrated on the float32 copy of the checkpoint (a
+    forward that rounds differently, nothing else: how much the rounding depends on such noise)."""
     from safetensors import safe_open
 
     from vllm_kbit import reference as fmt
 
     rm = _real_model()
-    out_dir = workdir / f"kbit{k}-gptq"
+    out_dir = workdir / (f"kbit{k}-gptq" + (f"-blockdiag{expert_blocks}" if expert_blocks else "") + ("-fp32" if float32 else ""))
     if out_dir.exists():
         shutil.rmtree(out_dir)
-    cli = pathlib.Path(sys.executable).parent / "vllm-kbit"
-    cmd = [str(cli), "convert", ev.model_dir, str(out_dir), "--bits", str(k), "--gptq", "--calibration-file", calib_file,
+    model_dir = float32_copy(ev.model_dir, workdir / "float32-checkpoint") if float32 else ev.model_dir
+    cli = [str(pathlib.Path(sys.executable).parent / "vllm-kbit")]
+    if expert_blocks:
+        with open(os.path.join(ev.model_dir, "config.json")) as f:
+            inter = json.load(f)["intermediate_size"]
+        cli = [sys.executable, str(pathlib.Path(__file__).resolve()), "convert-block-diagonal", str(inter), str(expert_blocks)]
+    cmd = [*cli, "convert", model_dir, str(out_dir), "--bits", str(k), "--gptq", "--calibration-file", calib_file,
            "--device", "cpu", "--quiet"]
     t = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
@@ -594,6 +620,26 @@ def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pat
     note = f"vllm-kbit convert --gptq; {gptq_rounded} of {len(ev.names)} quantized tensors differ from online rounding"
     return out, {"seconds": seconds, "stored_bits": stored, "notes": [note], "gptq_rounded": gptq_rounded,
                  "tensors": len(ev.names), "command": shlex.join(cmd), "checkpoint": str(out_dir)}
+
+
+def convert_block_diagonal(argv: list[str]) -> int:
+    """``convert-block-diagonal I E convert ...``: ``vllm-kbit convert ...`` with the H of every linear whose input
+    has I features (the dense MLP's down projection) cut to its E diagonal blocks of I / E: the dense model
+    calibrated as its MoE rewrite's experts are, each down projection seeing only its own intermediate features."""
+    from vllm_kbit import cli, gptq
+
+    gptq._linear_inputs_hessian = block_diagonal(gptq._linear_inputs_hessian, int(argv[0]), int(argv[1]))
+    return cli.main(argv[2:])
+
+
+def block_diagonal(hessian, inter: int, blocks: int):
+    """``hessian`` (inputs -> H) with the H of inputs of ``inter`` features cut to its ``blocks`` diagonal blocks."""
+    def cut(x: torch.Tensor) -> torch.Tensor:
+        H = hessian(x)
+        if H.shape[0] != inter:
+            return H
+        return H * torch.block_diag(*[torch.ones(inter // blocks, inter // blocks)] * blocks).to(H)
+    return cut
 
 
 def run_peer(python: str, method: str, model_dir: str, calib_json: str, threads: int, workdir: pathlib.Path):
@@ -634,12 +680,14 @@ def method_specs(calibrated_tokens: int):
     rows = [("bf16", "bf16", 16, "bf16")]
     rows += [(f"kbit-{k}", "kbit", k, "kbit") for k in (5, 4, 3, 2)]
     rows += [(f"kbit-{k} --gptq", "kbit-gptq", k, "kbit-gptq") for k in (4, 3)]
+    rows += [(BLOCKDIAG_CONTROL.format(k=k), "kbit-gptq", k, "kbit-gptq-blockdiag") for k in (4, 3)]
+    rows += [(FP32_CONTROL.format(k=k), "kbit-gptq", k, "kbit-gptq-fp32") for k in (4, 3)]
     rows += [("llm-compressor GPTQ W4A16 g64", "llmc-gptq", 4, "llmc-gptq-w4"), ("llm-compressor GPTQ W3A16 g64", "llmc-gptq", 3, "llmc-gptq-w3"),
              ("llm-compressor AWQ W4A16 asym g64", "llmc-awq", 4, "llmc-awq-w4"), ("llm-compressor AWQ W3A16 asym g64", "llmc-awq", 3, "llmc-awq-w3"),
              (RTN_CONTROL, "llmc-rtn", 4, "llmc-rtn-w4"), (DOWN_DIAGNOSTIC, "llmc-gptq", 4, "diag-gptq-down-rtn"),
              ("GPTQModel GPTQ W4A16 g64", "gptqmodel-gptq", 4, "gptqmodel-gptq-w4"),
              ("GPTQModel GPTQ W3A16 g64", "gptqmodel-gptq", 3, "gptqmodel-gptq-w3"),
-             ("HQQ 4-bit g64", "hqq", 4, "hqq-4"), ("HQQ 3-bit g64", "hqq", 3, "hqq-3"),
+             ("HQQ 5-bit g64", "hqq", 5, "hqq-5"), ("HQQ 4-bit g64", "hqq", 4, "hqq-4"), ("HQQ 3-bit g64", "hqq", 3, "hqq-3"),
              ("bitsandbytes NF4 bs64", "nf4", 4, "bnb-nf4")]
     return rows
 
@@ -649,7 +697,12 @@ CALIBRATED = ("kbit-gptq", "llmc-gptq", "llmc-awq", "gptqmodel-gptq")
 # its GPTQ W4A16 weights with the MLP's down projections (dense down_proj, the experts' w2) taken from that RTN.
 RTN_CONTROL = "llm-compressor RTN W4A16 g64 (control)"
 DOWN_DIAGNOSTIC = "llm-compressor GPTQ W4A16 g64, down projections from its RTN (control)"
-CONTROLS = (RTN_CONTROL, DOWN_DIAGNOSTIC)
+# And kbit's: the dense model's --gptq with each down projection's H cut to the 8 experts' diagonal blocks, as the
+# rewrite's experts are calibrated (dense model only: the rewrite's experts already are).
+BLOCKDIAG_CONTROL = "kbit-{k} --gptq, down projections on the experts' H blocks (control)"
+# And how far calibration noise alone moves --gptq here: the dense model calibrated with a float32 forward.
+FP32_CONTROL = "kbit-{k} --gptq, calibrated in float32 (control)"
+CONTROLS = (RTN_CONTROL, DOWN_DIAGNOSTIC, *(c.format(k=k) for c in (BLOCKDIAG_CONTROL, FP32_CONTROL) for k in (4, 3)))
 _DOWN = re.compile(r"\.(mlp\.down_proj|w2)\.weight$")
 
 
@@ -659,6 +712,8 @@ def main(argv: list[str] | None = None) -> None:
         return peer_main(argv[1:])
     if argv[:1] == ["vllm"]:
         return vllm_main(argv[1:])
+    if argv[:1] == ["convert-block-diagonal"]:
+        return sys.exit(convert_block_diagonal(argv[1:]))
     if argv[:1] == ["render"]:  # the md (and png) again from a run's json: render JSON [--peer-python P]
         data = json.loads(pathlib.Path(argv[1]).read_text())
         meta = {k: v for k, v in data.items() if k not in ("records", "vllm", "failures")}
@@ -726,6 +781,16 @@ def main(argv: list[str] | None = None) -> None:
                     weights, info = cached(mkey, tag, lambda: kbit_online(ev, k))
                 elif kind == "kbit-gptq":
                     weights, info = cached(mkey, tag, lambda: kbit_gptq(ev, k, str(calib_file), args.threads, work / mkey))
+                elif kind == "kbit-gptq-blockdiag":
+                    if mkey != "dense":
+                        continue
+                    weights, info = cached(mkey, tag, lambda: kbit_gptq(ev, k, str(calib_file), args.threads, work / mkey,
+                                                                         expert_blocks=EXPERTS))
+                elif kind == "kbit-gptq-fp32":
+                    if mkey != "dense":
+                        continue
+                    weights, info = cached(mkey, tag, lambda: kbit_gptq(ev, k, str(calib_file), args.threads, work / mkey,
+                                                                         float32=True))
                 elif kind == "diag-gptq-down-rtn":
                     ctag_g = f"-c{args.calib_tokens}-t{args.threads}"
                     g, gi = cached(mkey, f"v{CACHE_VERSION}-llmc-gptq-w4{ctag_g}",
@@ -883,7 +948,7 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
         "made a no-op (pinning only speeds host-to-device copies). The packed checkpoint (`save_compressed`, "
         "pack-quantized) is decompressed by compressed-tensors.",
         "- HQQ: `HQQLinear` with `BaseQuantizeConfig(nbits, group_size=64)` (its default: optimize=True, axis 1; "
-        "calibration-free), compute dtype bf16, decoded by `HQQLinear.dequantize`. 3-bit values are packed 10 per int32.",
+        "calibration-free), compute dtype bf16, decoded by `HQQLinear.dequantize`. 3-bit values are packed 10 per int32, 5-bit ones one per byte (HQQ has no 5-bit packing).",
         "- GPTQModel: `QuantizeConfig(bits, group_size=64)`, its other settings at their defaults (symmetric, its "
         "act-group-aware ordering, dampening 0.05; the per-row note lists them), `GPTQModel.load` + `quantize` on the "
         "calibration windows, `save`; the packed GPTQ checkpoint is loaded back with its torch kernel and decoded by "
@@ -936,7 +1001,19 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
     if any(r.get("control") for r in records):
         lines += ["", "\\* control rows: llm-compressor's round-to-nearest at GPTQ W4A16's storage (no calibration), and "
                   "its GPTQ W4A16 weights with every down projection (dense `down_proj`, the experts' `w2`) taken from that "
-                  "RTN instead: which layers GPTQ helps or hurts."]
+                  "RTN instead: which layers GPTQ helps or hurts. kbit's: the dense model through `convert --gptq` with "
+                  "every down projection's input Hessian cut to the 8 diagonal blocks of 192 features that the MoE "
+                  "rewrite's experts each see (dense model only): if it lands on the MoE's `--gptq` perplexity, the "
+                  "MoE / dense gap is the experts' split Hessian, not a difference in how the MoE is calibrated. And the "
+                  "dense model's `--gptq` calibrated on a float32 copy of its checkpoint (convert calibrates in the "
+                  "checkpoint's dtype, bf16 otherwise): the same weights and tokens, a forward that only rounds "
+                  "differently, which is also all that separates the MoE rewrite's calibration forward from the dense "
+                  "one once the split Hessian is accounted for."]
+        for k in (4, 3):
+            c, m = by.get(("dense", BLOCKDIAG_CONTROL.format(k=k))), by.get(("moe", f"kbit-{k} --gptq"))
+            if c and m:
+                lines.append(f"- kbit-{k} --gptq: MoE rewrite {m['perplexity']:.3f} against the dense control's "
+                             f"{c['perplexity']:.3f}: {100 * (m['perplexity'] / c['perplexity'] - 1):+.2f}%.")
     lines += goals(records, served)
     lines += ["", "## Per row", ""]
     for r in records:
@@ -957,7 +1034,7 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
 def goals(records: list[dict], served: list[dict]) -> list[str]:
     """issue 42's goals, each comparison as measured here (lower perplexity wins; at equal or more bits for the peer)."""
     by = {(r["model"], r["method"]): r for r in records}
-    pairs = [("kbit-4", "HQQ 4-bit g64"), ("kbit-4", "bitsandbytes NF4 bs64"),
+    pairs = [("kbit-5", "HQQ 5-bit g64"), ("kbit-4", "HQQ 4-bit g64"), ("kbit-4", "bitsandbytes NF4 bs64"),
              ("kbit-3", "HQQ 3-bit g64"),
              ("kbit-4 --gptq", "llm-compressor GPTQ W4A16 g64"), ("kbit-4 --gptq", "llm-compressor AWQ W4A16 asym g64"),
              ("kbit-3 --gptq", "llm-compressor GPTQ W3A16 g64"), ("kbit-3 --gptq", "llm-compressor AWQ W3A16 asym g64"),

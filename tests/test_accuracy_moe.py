@@ -102,3 +102,36 @@ def test_every_method_quantizes_the_same_tensors_and_names_experts_alike(acc):
     assert acc.canonical_module("model.layers.3.block_sparse_moe.experts.7.up_proj") == "model.layers.3.block_sparse_moe.experts.7.w3"
     assert acc.canonical_module("model.layers.3.mlp.experts.0.down_proj") == "model.layers.3.block_sparse_moe.experts.0.w2"
     assert acc.canonical_module("model.layers.3.mlp.down_proj") == "model.layers.3.mlp.down_proj"  # dense: unchanged
+
+
+def test_block_diagonal_control_keeps_only_the_experts_blocks_of_the_down_projections_hessian(acc):
+    """The dense model's control calibrates each down projection on the 8 diagonal blocks of its H (what each
+    expert of the rewrite sees); inputs of any other width keep their whole H."""
+    from vllm_kbit import gptq
+
+    cut = acc.block_diagonal(gptq._linear_inputs_hessian, 48, 4)
+    x = torch.randn(64, 48)
+    H, full = cut(x), x.T @ x
+    for i in range(4):
+        for j in range(4):
+            blk = (slice(12 * i, 12 * i + 12), slice(12 * j, 12 * j + 12))
+            assert torch.equal(H[blk], full[blk] if i == j else torch.zeros(12, 12))
+    y = torch.randn(64, 32)
+    assert torch.equal(cut(y), y.T @ y)
+
+
+def test_float32_copy_holds_the_same_values_in_float32(acc, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "src"
+    src.mkdir()
+    state = {"a.weight": torch.randn(4, 32).bfloat16(), "ids": torch.arange(3)}
+    save_file(state, str(src / "model.safetensors"))
+    (src / "config.json").write_text('{"dtype": "bfloat16", "hidden_size": 32}')
+    (src / "tokenizer.json").write_text("{}")
+    out = acc.float32_copy(str(src), tmp_path / "out")
+    copy = load_file(os.path.join(out, "model.safetensors"))
+    assert copy["a.weight"].dtype == torch.float32 and torch.equal(copy["a.weight"], state["a.weight"].float())
+    assert torch.equal(copy["ids"], state["ids"])
+    assert '"float32"' in (tmp_path / "out" / "config.json").read_text()
+    assert (tmp_path / "out" / "tokenizer.json").exists()
