@@ -131,11 +131,16 @@ def fitted_codebook(original: dict, k: int, rounds: int = 6, n_blocks: int = 600
     return cb
 
 
+LP_RULES = {"l1": 1.0, "l3": 3.0, "l4": 4.0}  # lever scale rules: the block's sum of |error|^p
+
+
 def lever_fake_weight(W: torch.Tensor, k: int, cb: torch.Tensor, rule: str) -> torch.Tensor:
     """kbit fake quantization with a scale rule other than the reference's (same candidates as its search):
     ``wmse1``: block error weighted by |w| (the largest weights count most); ``up``: the block-error
     search over the absmax code and the offsets above it only (a scale never below the block's absmax
-    code, so its largest weight is not clipped by the search)."""
+    code, so its largest weight is not clipped by the search); ``l1``, ``l3``, ``l4``: the search ranked by
+    the block's sum of |error|^p instead of its squared error (p < 2 lets a few weights take large errors,
+    p > 2 weighs the largest errors more)."""
     from vllm_kbit import reference as fmt
 
     N, K = W.shape
@@ -147,9 +152,13 @@ def lever_fake_weight(W: torch.Tensor, k: int, cb: torch.Tensor, rule: str) -> t
         return cb[torch.searchsorted((thresholds * s).contiguous(), w)] * s
 
     def err(v):
-        return (w.abs() * (w - v).square()).sum(-1) if rule == "wmse1" else fmt.block_squared_error(w, v)
+        if rule == "wmse1":
+            return (w.abs() * (w - v).square()).sum(-1)
+        if rule in LP_RULES:
+            return (w - v).abs().pow(LP_RULES[rule]).sum(-1)
+        return fmt.block_squared_error(w, v)
 
-    offsets = {"wmse1": fmt.SCALE_SEARCH_OFFSETS, "up": tuple(o for o in fmt.SCALE_SEARCH_OFFSETS if o > 0)}[rule]
+    offsets = tuple(o for o in fmt.SCALE_SEARCH_OFFSETS if o > 0) if rule == "up" else fmt.SCALE_SEARCH_OFFSETS
     absmax_code = fmt.block_absmax_codes(W)
     best = values_for(absmax_code)
     best_err = err(best)
@@ -201,6 +210,8 @@ def lever_specs(original: dict, model_dir: str, bits=(3, 4, 5)):
             (f"kbit-{k} fitted codebook", "lever: codebook", False, cached(k, "fitted", every(k, lambda k=k: fitted_codebook(original, k), "mse"))),
             (f"kbit-{k} |w|-weighted scale", "lever: scale", False, cached(k, "nf0-wmse1", every(k, nf, "wmse1"))),
             (f"kbit-{k} scale >= absmax", "lever: scale", False, cached(k, "nf0-up", every(k, nf, "up"))),
+            *((f"kbit-{k} scale by sum |e|^{LP_RULES[r]:g}", "lever: scale", False, cached(k, f"nf0-{r}", every(k, nf, r)))
+              for r in LP_RULES),
             (f"kbit-{k} normal_float GPTQ natural order (calibrated)", "lever: GPTQ", False,
              cached(k, "gptq", lambda k=k: gptq_weights(original, model_dir, k, "normal_float", **GPTQ_NATURAL))),
         ]
@@ -468,8 +479,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--no-plot", action="store_true")
     parser.add_argument("--levers", action="store_true",
-                        help="also the accuracy levers at k = 3, 4, 5: NF+zero and fitted codebooks, |w|-weighted and "
-                             ">= absmax scale rules, GPTQ rounding (calibrated)")
+                        help="also the accuracy levers at k = 3, 4, 5: NF+zero and fitted codebooks, |w|-weighted, "
+                             ">= absmax and sum-|e|^p scale rules, GPTQ rounding (calibrated)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
