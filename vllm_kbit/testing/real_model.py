@@ -154,59 +154,6 @@ def convert_gguf(src: str, model_dir: str, name: str, meta: dict, verbose: bool 
         if os.path.exists(tmp):
             shutil.rmtree(tmp)
     return model_dir
-    src = gguf_path()
-    _check_readers()
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
-    if verbose:
-        print(f"real_model: converting {src} -> {model_dir} (once)", file=sys.stderr)
-    folder, name = os.path.split(src)
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-    # dequantize=True: every weight unpacked to a dense float32 tensor (exact Q4_1 / Q8_0 values,
-    # with the Q/K row order undone from llama.cpp's rotary layout by the loader).
-    gguf_model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=name, dtype=torch.float32, quantization_config=GgufConfig(dequantize=True)
-    )
-    config = copy.deepcopy(gguf_model.config)
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    config._name_or_path = "SmolLM2-135M-Instruct"
-    # A plain model (no GGUF quantizer attached, which refuses to be saved) holding the same weights.
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(gguf_model.state_dict(), strict=False)
-    missing = [m for m in missing if m != "lm_head.weight"]  # tied to the embedding
-    if missing or unexpected:
-        raise RuntimeError(f"real_model: GGUF state dict does not fit the model: missing {missing}, unexpected {unexpected}")
-    model.tie_weights()
-    model = model.to(torch.bfloat16)
-    model.config.dtype = torch.bfloat16
-
-    parent = os.path.dirname(os.path.abspath(model_dir))
-    os.makedirs(parent, exist_ok=True)
-    tmp = tempfile.mkdtemp(prefix=".tmp-", dir=parent)
-    os.chmod(tmp, 0o755)
-    try:
-        model.save_pretrained(tmp)
-        tok.save_pretrained(tmp)
-        with open(os.path.join(tmp, "kbit_real_model.json"), "w") as f:
-            json.dump(
-                {
-                    "conversion_version": CONVERSION_VERSION,
-                    "source": f"{PACKAGE}=={PACKAGE_VERSION}:{GGUF_PATH_IN_PACKAGE}",
-                    "reference": "GGUF Q4_1 linear weights and Q8_0 embedding, dequantized, rounded to bf16",
-                },
-                f,
-                indent=1,
-            )
-        if os.path.exists(model_dir):
-            shutil.rmtree(model_dir)
-        os.replace(tmp, model_dir)
-    finally:
-        if os.path.exists(tmp):
-            shutil.rmtree(tmp)
-    return model_dir
 
 
 def bundled_text() -> tuple[str, str]:
