@@ -29,6 +29,9 @@ only difference. Methods (rows, per model):
   only speeds host-to-device copies);
 - HQQ 5 / 4 / 3-bit: ``HQQLinear`` with ``BaseQuantizeConfig(nbits, group_size=64)`` (its default optimizer,
   calibration-free; group 64 as its examples; axis 1; bf16 scale and zero), dequantized by HQQ;
+- controls (dense model): kbit ``--gptq`` with each down projection's input Hessian cut to the diagonal blocks
+  that the rewrite's experts each see, and kbit ``--gptq`` calibrated on a float32 copy of the checkpoint (only
+  the calibration forward's rounding differs): together they say what the MoE / dense ``--gptq`` gap is made of;
 - bitsandbytes NF4, blocksize 64, no double quantization (``bitsandbytes.functional.quantize_4bit``: the
   packed weights and fp32 absmax, decoded by bitsandbytes); where its CPU backend does not load, the exact
   reimplementation :func:`nf4_reference` (its codebook and rounding, fp32 absmax per 64), labelled so.
