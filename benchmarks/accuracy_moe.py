@@ -706,6 +706,7 @@ BLOCKDIAG_CONTROL = "kbit-{k} --gptq, down projections on the experts' H blocks 
 # And how far calibration noise alone moves --gptq here: the dense model calibrated with a float32 forward.
 FP32_CONTROL = "kbit-{k} --gptq, calibrated in float32 (control)"
 CONTROLS = (RTN_CONTROL, DOWN_DIAGNOSTIC, *(c.format(k=k) for c in (BLOCKDIAG_CONTROL, FP32_CONTROL) for k in (4, 3)))
+GPTQ_CONTROLS = {"kbit-gptq-blockdiag": {"expert_blocks": EXPERTS}, "kbit-gptq-fp32": {"float32": True}}  # kbit_gptq's options
 _DOWN = re.compile(r"\.(mlp\.down_proj|w2)\.weight$")
 
 
@@ -782,18 +783,12 @@ def main(argv: list[str] | None = None) -> None:
                     weights, info = {n: ev.state[n] for n in ev.names}, {"stored_bits": 16 * n_weights, "notes": [], "cached": False}
                 elif kind == "kbit":
                     weights, info = cached(mkey, tag, lambda: kbit_online(ev, k))
-                elif kind == "kbit-gptq":
-                    weights, info = cached(mkey, tag, lambda: kbit_gptq(ev, k, str(calib_file), args.threads, work / mkey))
-                elif kind == "kbit-gptq-blockdiag":
-                    if mkey != "dense":
+                elif kind.startswith("kbit-gptq"):
+                    control = GPTQ_CONTROLS.get(kind)
+                    if control is not None and mkey != "dense":
                         continue
                     weights, info = cached(mkey, tag, lambda: kbit_gptq(ev, k, str(calib_file), args.threads, work / mkey,
-                                                                         expert_blocks=EXPERTS))
-                elif kind == "kbit-gptq-fp32":
-                    if mkey != "dense":
-                        continue
-                    weights, info = cached(mkey, tag, lambda: kbit_gptq(ev, k, str(calib_file), args.threads, work / mkey,
-                                                                         float32=True))
+                                                                         **(control or {})))
                 elif kind == "diag-gptq-down-rtn":
                     ctag_g = f"-c{args.calib_tokens}-t{args.threads}"
                     g, gi = cached(mkey, f"v{CACHE_VERSION}-llmc-gptq-w4{ctag_g}",
