@@ -5,9 +5,11 @@ is a subcommand; each writes <out>/<stem>_<gpu>_<date>.{json,md} (the stems the 
     python benchmarks/sweep_plan.py dense_splits [--kernel mma|gemv] [--shapes qkv,o,...|all] [--m 8,16]
         K splits of the dense MMA (at both row-group widths r) or GEMV (M = 1..4), through kbit::_linear_forced:
         the data for gemv_splits / mma_splits. Stem sweep_<kernel>_splits.
-    python benchmarks/sweep_plan.py dense_paths [--shapes ...] [--bits 2,3,4,5] [--m 1,2] [--report JSON]
-        The dense path at few rows: the GEMV against the MMA kernel, each at the planner's splits (kGemvPathMaxM);
-        outputs checked against x @ dequantize_runtime(W)^T first. Stem dense_paths.
+    python benchmarks/sweep_plan.py dense_paths [--shapes ...] [--bits 2,3,4,5] [--m 1,2] [--paths gemv,mma]
+        [--report JSON]
+        The dense path per M, each forced at the planner's splits: the GEMV against the MMA kernel at few rows
+        (kGemvPathMaxM), the MMA kernel against the wgmma kernels (Hopper) near kMmaMaxM (--paths mma,wgmma,
+        wgmma_ws); outputs checked against x @ dequantize_runtime(W)^T first. Stem dense_paths.
     python benchmarks/sweep_plan.py moe_chunk_rows [--layers qwen3_30b_moe,glm45_air_moe] [--bits 2,3,4,5]
         The grouped MoE MMA's chunk height (8, 16, 32, 64 rows; moe_mma_chunk_rows) per T: gate_up + down through
         kbit::_moe_route + kbit::_moe_grouped_linear. Stem sweep_moe_chunk_rows.
@@ -233,6 +235,7 @@ def sweep_dense_paths(argv: list[str]) -> None:
         "--shapes": dict(default="qkv,o,gate_up,down,llama70b_gate_up", help="names of bench_linear.SHAPES"),
         "--bits": dict(default="2,3,4,5"),
         "--m": dict(default="1,2"),
+        "--paths": dict(default="gemv,mma", help="kbit::_linear_path_id names, the first the baseline of the ratios"),
         "--report": dict(metavar="JSON", help="only rewrite the .md of an earlier run's JSON")},
         commit=os.environ.get("KBIT_COMMIT", "unknown"))
     if not args.report:
@@ -246,7 +249,7 @@ def sweep_dense_paths(argv: list[str]) -> None:
 
 def dense_paths_measure(args, meta: Meta):
     op = torch.ops.kbit._linear_forced.default
-    gemv, mma = torch.ops.kbit._linear_path_id("gemv"), torch.ops.kbit._linear_path_id("mma")
+    paths = [(name, torch.ops.kbit._linear_path_id(name)) for name in args.paths.split(",")]
     shapes = {s[0]: s for s in SHAPES}
     for name in args.shapes.split(","):
         _, K, N = shapes[name]
@@ -259,23 +262,28 @@ def dense_paths_measure(args, meta: Meta):
                 x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
                 ref = x.float() @ deq.T
                 rec = dict(shape=name, K=K, N=N, k=k, M=M)
-                for path, fn in (("gemv", lambda w: op(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, gemv, 0, 0)),
-                                 ("mma", lambda w: op(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, mma, 0, 0))):
+                for path, pid in paths:
+                    def fn(w, pid=pid):
+                        return op(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, pid, 0, 0)
                     err = float((fn(w0).float() - ref).norm() / ref.norm())
                     if not err <= PATHS_CHECK_TOL:
                         raise RuntimeError(f"{name} k={k} M={M} {path}: relative error {err:.3g}")
-                    rec[path] = round(graph_time_us([lambda w=w: fn(w) for w in ws]), 2)
+                    rec[path] = round(graph_time_us([lambda w=w, fn=fn: fn(w) for w in ws]), 2)
                 yield rec
             del ws, w0, deq
 
 
 def dense_paths_report(args, meta: Meta, rows: list) -> list[str]:
-    return [title("GEMV vs MMA at few rows", meta), "",
+    paths = [p for p in rows[0] if p not in ("shape", "K", "N", "k", "M")] if rows else []
+    base = paths[0] if paths else ""
+    return [title("Dense paths per M, each forced", meta), "",
             "COLD, bf16, µs per call (CUDA-graph replay), each kernel at its heuristic's split count; "
-            "`mma / gemv` < 1: the MMA kernel is faster.", f"Command: `{meta.command}`", "",
-            *table_head(["shape (K -> N)", "k", "M", "GEMV µs", "MMA µs", "mma / gemv"], left=("shape (K -> N)",)),
-            *(f"| {r['shape']} ({r['K']} -> {r['N']}) | {r['k']} | {r['M']} | {r['gemv']:.2f} | {r['mma']:.2f} | "
-              f"{r['mma'] / r['gemv']:.2f} |" for r in rows)]
+            f"`X / {base}` < 1: X is faster than {base}.", f"Command: `{meta.command}`", "",
+            *table_head(["shape (K -> N)", "k", "M", *(f"{p} µs" for p in paths), *(f"{p} / {base}" for p in paths[1:])],
+                        left=("shape (K -> N)",)),
+            *(f"| {r['shape']} ({r['K']} -> {r['N']}) | {r['k']} | {r['M']} | "
+              + " | ".join(f"{r[p]:.2f}" for p in paths) + " | "
+              + " | ".join(f"{r[p] / r[base]:.2f}" for p in paths[1:]) + " |" for r in rows)]
 
 
 # ----------------------------------------------------------------------------- routed experts: chunk height
