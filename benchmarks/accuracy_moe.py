@@ -126,6 +126,8 @@ def storage(family: str, k: int) -> tuple[int, float, str]:
         return PEER_GROUP, 32, "bf16 scale + bf16 zero per 64"
     if family == "nf4":
         return 64, 32, "fp32 absmax per 64"
+    if family == "humming":
+        return HUMMING_GROUP, 16, "bf16 scale per 128 (symmetric: no zero point)"
     if family == "bf16":
         return 1, 0, "bf16"
     raise ValueError(family)
@@ -152,6 +154,33 @@ def nf4_reference(W: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
             idx = torch.bucketize(scaled, bounds)
             out[lo:hi] = (code[idx] * absmax).reshape(-1)
     return out.view(W.shape).to(W.dtype)
+
+
+HUMMING_GROUP = 128  # what vLLM's Humming methods quantize with ({"dtype": "uint{k}", "group_size": 128})
+
+
+def humming_rtn(W: torch.Tensor, k: int, group: int = HUMMING_GROUP) -> torch.Tensor:
+    """Humming's round-to-nearest uint-k round trip (humming-kernels 0.1.19: HummingWeightSchema.quant_tensor, its
+    quant_weight kernel, then dequant_tensors), written out so it runs without a GPU: per group of ``group`` inputs
+    (K zero-padded to a multiple of it, as vLLM pads), scale = max(max|w| / 2^(k-1), min(max w, -min w) / (2^(k-1) - 1))
+    in float32, negated when the positive side is larger, so that side takes the extra code -2^(k-1); code =
+    round-half-even(w * (1 / scale)) + 2^(k-1) clamped to 0 .. 2^k - 1; the value (code - 2^(k-1)) * bf16(scale).
+    tests/gpu/test_humming_reference.py checks it bit for bit against Humming's own. Returns float32 [N, K]."""
+    N, K = W.shape
+    Kp = -(-K // group) * group
+    w = torch.zeros(N, Kp, dtype=torch.float32)
+    w[:, :K] = W.float()
+    g = w.view(N, Kp // group, group)
+    mx = g.amax(-1).clamp_min(1e-30)
+    mn = g.amin(-1).clamp_max(-1e-30)
+    max_abs, min_abs = torch.maximum(mx, -mn), torch.minimum(mx, -mn)
+    half = 1 << (k - 1)
+    scale = torch.maximum(max_abs / float(half), min_abs / float(half - 1))
+    scale = torch.where(mx > -mn, -scale, scale)
+    inv = (1.0 / scale).unsqueeze(-1)
+    code = (torch.round(g * inv) + half).clamp(0, 2 * half - 1)
+    out = (code - half) * scale.to(torch.bfloat16).float().unsqueeze(-1)
+    return out.view(N, Kp)[:, :K].contiguous()
 
 
 def quantized_tensor_names(state_keys) -> list[str]:
@@ -189,6 +218,7 @@ PEER_METHODS = {
     "llmc-rtn-w4": ("llmc-rtn", 4),
     "hqq-5": ("hqq", 5), "hqq-4": ("hqq", 4), "hqq-3": ("hqq", 3),
     "bnb-nf4": ("nf4", 4),
+    "humming-u5": ("humming", 5), "humming-u4": ("humming", 4), "humming-u3": ("humming", 3), "humming-u2": ("humming", 2),
     "gptqmodel-gptq-w4": ("gptqmodel-gptq", 4), "gptqmodel-gptq-w3": ("gptqmodel-gptq", 3),
 }
 
@@ -351,6 +381,14 @@ def _peer_tensorwise(method: str, model_dir: str) -> tuple[dict, dict]:
             stored_bits += 8 * (h.W_q.nbytes + h.meta["scale"].nbytes + h.meta["zero"].nbytes)
         notes.append(f"HQQLinear, BaseQuantizeConfig(nbits={k}, group_size={PEER_GROUP}) = {cfg['weight_quant_params']}, "
                      "compute_dtype bf16, dequantized by HQQLinear.dequantize")
+    elif family == "humming":
+        for n in names:
+            W = state[n]
+            out[n] = humming_rtn(W, k).to(torch.bfloat16)
+            Kp = -(-W.shape[1] // HUMMING_GROUP) * HUMMING_GROUP
+            stored_bits += W.shape[0] * (Kp * k + 16 * Kp // HUMMING_GROUP)
+        notes.append(f"Humming uint{k} g{HUMMING_GROUP} round to nearest (humming_rtn: humming-kernels 0.1.19's quantizer "
+                     "written out, K zero-padded to 128 as vLLM pads; what vLLM's online Humming quantization stores)")
     else:  # bitsandbytes NF4
         try:
             import bitsandbytes.functional as bnbf
@@ -692,6 +730,7 @@ def method_specs(calibrated_tokens: int):
              ("GPTQModel GPTQ W3A16 g64", "gptqmodel-gptq", 3, "gptqmodel-gptq-w3"),
              ("HQQ 5-bit g64", "hqq", 5, "hqq-5"), ("HQQ 4-bit g64", "hqq", 4, "hqq-4"), ("HQQ 3-bit g64", "hqq", 3, "hqq-3"),
              ("bitsandbytes NF4 bs64", "nf4", 4, "bnb-nf4")]
+    rows += [(f"Humming uint{k} g128 (RTN)", "humming", k, f"humming-u{k}") for k in (5, 4, 3, 2)]
     return rows
 
 
@@ -1033,7 +1072,7 @@ def goals(records: list[dict], served: list[dict]) -> list[str]:
     """issue 42's goals, each comparison as measured here (lower perplexity wins; at equal or more bits for the peer)."""
     by = {(r["model"], r["method"]): r for r in records}
     pairs = [("kbit-5", "HQQ 5-bit g64"), ("kbit-4", "HQQ 4-bit g64"), ("kbit-4", "bitsandbytes NF4 bs64"),
-             ("kbit-3", "HQQ 3-bit g64"),
+             ("kbit-3", "HQQ 3-bit g64"), *((f"kbit-{k}", f"Humming uint{k} g128 (RTN)") for k in (5, 4, 3, 2)),
              ("kbit-4 --gptq", "llm-compressor GPTQ W4A16 g64"), ("kbit-4 --gptq", "llm-compressor AWQ W4A16 asym g64"),
              ("kbit-3 --gptq", "llm-compressor GPTQ W3A16 g64"), ("kbit-3 --gptq", "llm-compressor AWQ W3A16 asym g64"),
              ("kbit-4 --gptq", "GPTQModel GPTQ W4A16 g64"), ("kbit-3 --gptq", "GPTQModel GPTQ W3A16 g64")]
@@ -1074,7 +1113,7 @@ def plot(records: list[dict], path: pathlib.Path) -> bool:
         return False
     fig, axes = plt.subplots(1, 2, figsize=(13, 5))
     colors = {"kbit": "C0", "kbit-gptq": "C1", "llmc-gptq": "C2", "llmc-awq": "C3", "hqq": "C4", "nf4": "C5",
-              "gptqmodel-gptq": "C6"}
+              "gptqmodel-gptq": "C6", "humming": "C7"}
     for ax, mkey in zip(axes, ("dense", "moe")):
         rows = [r for r in records if r["model"] == mkey]
         ref = next((r for r in rows if r["method"] == "bf16"), None)

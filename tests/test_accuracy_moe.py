@@ -135,3 +135,41 @@ def test_float32_copy_holds_the_same_values_in_float32(acc, tmp_path):
     assert torch.equal(copy["ids"], state["ids"])
     assert '"float32"' in (tmp_path / "out" / "config.json").read_text()
     assert (tmp_path / "out" / "tokenizer.json").exists()
+
+
+def test_humming_rtn_gives_the_larger_side_the_extra_code_at_a_bf16_scale(acc):
+    # One group of 128 at k = 4: max 0.8 > |min| 0.5, so scale = -max(0.8 / 8, 0.5 / 7) = -0.1 and 0.8 takes code 0
+    # (the extra negative code, -8 * -0.1), stored as bf16(0.1) = 0.10009765625.
+    w = torch.zeros(1, 128)
+    w[0, :4] = torch.tensor([0.8, -0.5, 0.1, 0.26])
+    out = acc.humming_rtn(w.bfloat16(), 4)
+    s = 0.10009765625
+    assert out[0, 0].item() == pytest.approx(8 * s, abs=0)
+    assert out[0, 1].item() == pytest.approx(-5 * s, abs=0)
+    assert out[0, 2].item() == pytest.approx(1 * s, abs=0)  # round(0.1 / -0.1) = -1: value -1 * -s
+    assert out[0, 3].item() == pytest.approx(3 * s, abs=0)  # 0.26 / 0.1 = 2.6 rounds to 3
+    assert out[0, 4:].abs().max().item() == 0
+    # Negative side larger: the scale stays positive and the minimum takes code 0 itself.
+    assert acc.humming_rtn((-w).bfloat16(), 4)[0, 0].item() == pytest.approx(-8 * s, abs=0)
+
+
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
+def test_humming_rtn_has_at_most_2k_levels_per_group_and_pads_k_with_zeros(acc, k):
+    torch.manual_seed(k)
+    W = (torch.randn(64, 192) * 0.02).bfloat16()  # K = 192: one whole group and a half one
+    out = acc.humming_rtn(W, k)
+    assert out.shape == W.shape
+    for g in (out[:, :128], out[:, 128:]):
+        for row in g:
+            assert row.unique().numel() <= 2 ** k
+    # within half a step of every weight, plus the bf16 rounding of the scale times the largest code (no weight is
+    # clamped: the step covers the larger side with 2^(k-1) codes and the other with 2^(k-1) - 1)
+    g = W.float()[:, :128]
+    big = torch.maximum(g.amax(-1), -g.amin(-1))
+    small = torch.minimum(g.amax(-1), -g.amin(-1))
+    step = torch.maximum(big / 2 ** (k - 1), small / (2 ** (k - 1) - 1)).unsqueeze(-1)
+    assert ((out[:, :128] - g).abs() <= step * (0.5 + 2 ** (k - 1) * 2.0 ** -8)).all()
+    # the half group is quantized as if zero-padded to 128 (as vLLM pads K)
+    padded = torch.cat([W, torch.zeros(64, 64, dtype=W.dtype)], 1)
+    assert torch.equal(acc.humming_rtn(padded, k)[:, :192], out)
+    assert acc.bits_per_weight([(64, 256)], k, *acc.storage("humming", k)[:2]) == pytest.approx(k + 16 / 128)
