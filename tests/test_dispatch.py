@@ -23,8 +23,11 @@ def plan(M, N, K, dtype=torch.bfloat16, sm_major=9, num_sms=132, ctas_per_sm=1, 
 
 def test_linear_plan_paths_on_both_sides_of_each_bound():
     big, small = (14336, 4096), (8192, 4096)  # big: >= 10240 rows (register-fragment wgmma); small: 2^25 elements
-    assert [plan(M, *big)[0] for M in (1, 2, 3, 64, 65, 128, 129, 512, 513)] == [
-        "gemv", "mma", "mma", "mma", "wgmma", "wgmma", "wgmma_ws", "wgmma_ws", "dequant_cublas"]
+    assert [plan(M, *big)[0] for M in (1, 2, 3, 32, 33, 64, 65, 128, 129, 512, 513)] == [
+        "gemv", "mma", "mma", "mma", "wgmma_ws", "wgmma_ws", "wgmma", "wgmma", "wgmma_ws", "wgmma_ws", "dequant_cublas"]
+    # M = 33..64: the warp-specialized wgmma on weights of >= 2^25 elements (two producers: k <= 4), else the MMA kernel
+    assert [plan(48, *shape)[0] for shape in (small, (8192, 4064), (1024, 2048))] == ["wgmma_ws", "mma", "mma"]
+    assert {plan(M, *big, sm_major=8)[0] for M in (33, 64)} == {"mma"}
     assert [plan(M, *small)[0] for M in (65, 128, 129, 512)] == ["dequant_cublas", "dequant_cublas", "wgmma_ws", "wgmma_ws"]
     assert plan(129, 8192, 4064)[0] == "dequant_cublas"  # under 2^25 elements
     assert plan(100, 10240, 2048)[0] == "wgmma" and plan(100, 10240, 2016)[0] == "dequant_cublas"

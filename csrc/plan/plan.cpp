@@ -23,7 +23,10 @@ namespace {
 // (wgmma.cu) up to kWgmmaMaxM on weights of at least kWgmmaMinN rows and kWgmmaMinK columns (one CTA
 // per 128 rows: fewer rows leave most SMs idle), the warp-specialized one (wgmma_ws.cu, 256 rows of x
 // per CTA) up to kWgmmaWsMaxM on weights of at least kWgmmaWsMinWeight elements; everything else
-// dequantize + cuBLAS. docs/decisions.md, "Dense linear layers".
+// dequantize + cuBLAS. The warp-specialized kernel also takes M = kWgmmaWsMinM..kMmaMaxM from the MMA
+// kernel on those large weights where it runs two producer warpgroups (k <= 4): with 64 rows the MMA
+// kernel's mma.sync and per-CTA decode bound it, the wgmma pipeline's do not (k = 5's single producer
+// loses there). docs/decisions.md, "Dense linear layers".
 constexpr int64_t kGemvPathMaxM = 1;
 constexpr int64_t kMmaMaxM = 64;
 constexpr int64_t kWgmmaMaxM = 128;
@@ -31,6 +34,7 @@ constexpr int64_t kWgmmaWsMaxM = 512;
 constexpr int64_t kWgmmaMinN = 10240;
 constexpr int64_t kWgmmaMinK = 2048;
 constexpr int64_t kWgmmaWsMinWeight = int64_t{1} << 25;
+constexpr int64_t kWgmmaWsMinM = 33;  // the smallest M measured (sweep_plan.py dense_paths --paths mma,wgmma,wgmma_ws)
 
 // MoE path by slots. The GEMV wins only while few experts are touched (its per-byte cost is higher,
 // its latency lower), and it runs direct: one CTA row per slot, its expert read from topk_ids, no
@@ -261,10 +265,13 @@ int64_t mma_max_m() {
   return forced >= 0 ? forced : kMmaMaxM;
 }
 
-LinearPath linear_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t sm_major) {
+LinearPath linear_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t bits, int64_t sm_major) {
   if (dtype != at::kBFloat16 && dtype != at::kHalf) return LinearPath::kDequantCublas;  // fp32 x
   if (M <= kGemvPathMaxM) return LinearPath::kGemv;
-  if (M <= mma_max_m()) return LinearPath::kMma;
+  if (M <= mma_max_m()) {
+    const bool ws = sm_major == 9 && M >= kWgmmaWsMinM && N * K >= kWgmmaWsMinWeight && ws_producers(bits) == 2;
+    return ws ? LinearPath::kWgmmaWs : LinearPath::kMma;
+  }
   if (M <= kWgmmaWsMaxM && sm_major == 9) {
     if (M <= kWgmmaMaxM && N >= kWgmmaMinN && K >= kWgmmaMinK) return LinearPath::kWgmma;
     if (M > kWgmmaMaxM && N * K >= kWgmmaWsMinWeight) return LinearPath::kWgmmaWs;
@@ -277,7 +284,7 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
   KBIT_CHECK_VALUE(M >= 1 && N >= 1 && K >= 1 && K % kBlockSize == 0 && facts.num_sms >= 1 && facts.ctas_per_sm >= 1,
                    "kbit linear_plan: needs M, N, num_sms, ctas_per_sm >= 1 and K a positive multiple of ", kBlockSize,
                    ", got M=", M, " N=", N, " K=", K, " num_sms=", facts.num_sms, " ctas_per_sm=", facts.ctas_per_sm);
-  LinearPlan plan{linear_path(M, N, K, dtype, facts.sm_major), 1, 1, 0, 0, 0, 0};
+  LinearPlan plan{linear_path(M, N, K, dtype, bits, facts.sm_major), 1, 1, 0, 0, 0, 0};
   if (forced.path >= 0) {
     KBIT_CHECK_VALUE(forced.path < static_cast<int64_t>(std::size(kLinearPathNames)), "kbit linear_plan: path id ",
                      forced.path, " is not one kbit::_linear_path_id returns");

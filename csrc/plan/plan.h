@@ -134,9 +134,9 @@ const char* linear_path_name(LinearPath path);
 // The largest M of the MMA path: kMmaMaxM, or VLLM_KBIT_MMA_MAX_M (read once; <= 2 turns the path off).
 int64_t mma_max_m();
 
-// The path kbit::linear takes for M rows of x (dtype) and an [N, K] weight on a GPU of compute
-// capability major sm_major.
-LinearPath linear_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t sm_major);
+// The path kbit::linear takes for M rows of x (dtype) and an [N, K] weight of k-bit codes (bits; 0: not named,
+// planned as k <= 4) on a GPU of compute capability major sm_major.
+LinearPath linear_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t bits, int64_t sm_major);
 
 struct LinearPlan {
   LinearPath path;

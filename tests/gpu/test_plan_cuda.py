@@ -58,12 +58,33 @@ def test_linear_launches_its_plan(dtype):
             assert got == expected_linear(plan), (M, N, K, k, dtype, plan)
             # The plan on given facts agrees but for the MMA split count (it cannot see cluster capacities).
             given = torch.ops.kbit.linear_plan(M, N, K, dtype, props.major, props.multi_processor_count)
-            # (and the wgmma_ws producer count at k = 5: given facts name no k)
+            # (and the wgmma_ws producer count at k = 5, and so its path at M = 33..64 on >= 2^25 weights, not
+            # among these: given facts name no k)
             assert given[0] == plan[0] and given[2:6] == plan[2:6], (M, N, K, given, plan)
             if plan[0] == "wgmma_ws":
                 assert plan[6] == (1 if k == 5 else 2), (M, N, K, k, plan)
             if plan[0] == "gemv":
                 assert given[1] == plan[1]
+
+
+def test_large_weights_take_the_warp_specialized_wgmma_from_33_rows_where_it_has_two_producers():
+    """M = 33..64 on a >= 2^25-element weight: wgmma_ws at k = 2..4 (launched, and correct), the MMA kernel at k = 5
+    (one producer) and at M = 32."""
+    torch.cuda.set_device(DEVICE)
+    gen = torch.Generator().manual_seed(7)
+    N, K = 8192, 4096
+    for k in (2, 3, 4, 5):
+        w = _random_weight(N, K, k, gen)[0]
+        assert torch.ops.kbit.linear_plan.device(32, N, K, torch.bfloat16, k, DEVICE)[0] == "mma"
+        for M in (33, 47, 64):
+            plan = torch.ops.kbit.linear_plan.device(M, N, K, torch.bfloat16, k, DEVICE)
+            assert plan[0] == ("mma" if k == 5 else "wgmma_ws"), (M, k, plan)
+            x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
+            launched()
+            out = torch.ops.kbit.linear(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None)
+            assert launched() == expected_linear(plan), (M, k, plan)
+            ref = forced(x, w, "mma")
+            assert torch.isfinite(out).all() and ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
 
 
 def test_forced_linear_launches_its_plan():
