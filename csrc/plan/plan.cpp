@@ -34,7 +34,9 @@ constexpr int64_t kWgmmaWsMaxM = 512;
 constexpr int64_t kWgmmaMinN = 10240;
 constexpr int64_t kWgmmaMinK = 2048;
 constexpr int64_t kWgmmaWsMinWeight = int64_t{1} << 25;
-constexpr int64_t kWgmmaWsMinM = 33;  // the smallest M measured (sweep_plan.py dense_paths --paths mma,wgmma,wgmma_ws)
+// The first M of the MMA kernel's largest tile (p = kMmaMaxRowTiles n8 tiles): its time steps up there, and only from
+// there does the warp-specialized wgmma win (sweep_plan.py dense_paths --paths mma,wgmma_ws).
+constexpr int64_t kWgmmaWsMinM = 8 * kMmaMaxRowTiles / 2 + 1;
 
 // MoE path by slots. The GEMV wins only while few experts are touched (its per-byte cost is higher,
 // its latency lower), and it runs direct: one CTA row per slot, its expert read from topk_ids, no
