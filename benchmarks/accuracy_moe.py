@@ -944,7 +944,7 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
     gv = meta.get("versions_gptqmodel_venv") or {}
     v = meta["versions_project_venv"]
     lines = [
-        "# Accuracy on a trained dense model and its MoE rewrite: kbit against llm-compressor, GPTQModel, HQQ and NF4",
+        "# Accuracy on a trained dense model and its MoE rewrite: kbit against llm-compressor, GPTQModel, HQQ, NF4 and Humming",
         "",
         f"date {meta['date']}, commit {meta['commit']}, CPU ({meta['threads']} thread(s)), {meta['elapsed_s']:.0f} s "
         "(quantized weights cached from earlier runs where the log says so)",
@@ -993,6 +993,10 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
         "matches the CPU torch: a stand-in module takes its place (nothing of it runs for these text models).",
         "- NF4: bitsandbytes' CPU backend, `quantize_4bit(blocksize=64, quant_type=\"nf4\")`, no double quantization "
         "(transformers' default), decoded by `dequantize_4bit`; `nf4_reference` here reproduces it bit for bit (per-row note).",
+        "- Humming: what vLLM's online Humming quantization stores (`{\"dtype\": \"uint{k}\", \"group_size\": 128}`): "
+        "humming-kernels 0.1.19's round to nearest, uint-k with a bf16 scale per 128, K zero-padded to 128 as vLLM pads "
+        "(the experts' 192 to 256: more stored bits in the MoE), written out as `humming_rtn` so it runs on a CPU and "
+        "checked bit for bit against Humming's own on a GPU (tests/gpu/test_humming_reference.py).",
         f"- calibration budget: {meta['calib_tokens']} tokens for every calibrated method, chosen for CPU time; the tools' "
         "own defaults use far more (llm-compressor's examples 512 x 2048 tokens, `convert --gptq` 16384), so the "
         "calibrated rows show each method at this small budget.",
@@ -1072,7 +1076,7 @@ def goals(records: list[dict], served: list[dict]) -> list[str]:
     """issue 42's goals, each comparison as measured here (lower perplexity wins; at equal or more bits for the peer)."""
     by = {(r["model"], r["method"]): r for r in records}
     pairs = [("kbit-5", "HQQ 5-bit g64"), ("kbit-4", "HQQ 4-bit g64"), ("kbit-4", "bitsandbytes NF4 bs64"),
-             ("kbit-3", "HQQ 3-bit g64"), *((f"kbit-{k}", f"Humming uint{k} g128 (RTN)") for k in (5, 4, 3, 2)),
+             ("kbit-3", "HQQ 3-bit g64"), *((f"kbit-{k}", f"Humming uint{k} g128 (RTN)") for k in (5, 4, 3)),
              ("kbit-4 --gptq", "llm-compressor GPTQ W4A16 g64"), ("kbit-4 --gptq", "llm-compressor AWQ W4A16 asym g64"),
              ("kbit-3 --gptq", "llm-compressor GPTQ W3A16 g64"), ("kbit-3 --gptq", "llm-compressor AWQ W3A16 asym g64"),
              ("kbit-4 --gptq", "GPTQModel GPTQ W4A16 g64"), ("kbit-3 --gptq", "GPTQModel GPTQ W3A16 g64")]
