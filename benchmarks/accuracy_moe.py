@@ -81,6 +81,8 @@ import time
 import torch
 
 HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))  # sibling scripts: moe_rewrite, humming_peer
+import humming_peer  # noqa: E402  (its constants and round_up; Humming itself is imported only where it runs)
 ROOT = HERE.parent
 RESULTS = HERE / "results"
 DEFAULT_PEER_PYTHON = ROOT / ".venv-accuracy" / "bin" / "python"
@@ -156,7 +158,7 @@ def nf4_reference(W: torch.Tensor, blocksize: int = 64) -> torch.Tensor:
     return out.view(W.shape).to(W.dtype)
 
 
-HUMMING_GROUP = 128  # what vLLM's Humming methods quantize with ({"dtype": "uint{k}", "group_size": 128})
+HUMMING_GROUP = humming_peer.GROUP  # what vLLM's Humming methods quantize with ({"dtype": "uint{k}", "group_size": 128})
 
 
 def humming_rtn(W: torch.Tensor, k: int, group: int = HUMMING_GROUP) -> torch.Tensor:
@@ -167,7 +169,7 @@ def humming_rtn(W: torch.Tensor, k: int, group: int = HUMMING_GROUP) -> torch.Te
     round-half-even(w * (1 / scale)) + 2^(k-1) clamped to 0 .. 2^k - 1; the value (code - 2^(k-1)) * bf16(scale).
     tests/gpu/test_humming_reference.py checks it bit for bit against Humming's own. Returns float32 [N, K]."""
     N, K = W.shape
-    Kp = -(-K // group) * group
+    Kp = humming_peer.round_up(K, group)
     w = torch.zeros(N, Kp, dtype=torch.float32)
     w[:, :K] = W.float()
     g = w.view(N, Kp // group, group)
@@ -385,7 +387,7 @@ def _peer_tensorwise(method: str, model_dir: str) -> tuple[dict, dict]:
         for n in names:
             W = state[n]
             out[n] = humming_rtn(W, k).to(torch.bfloat16)
-            Kp = -(-W.shape[1] // HUMMING_GROUP) * HUMMING_GROUP
+            Kp = humming_peer.round_up(W.shape[1], humming_peer.PAD_K)
             stored_bits += W.shape[0] * (Kp * k + 16 * Kp // HUMMING_GROUP)
         notes.append(f"Humming uint{k} g{HUMMING_GROUP} round to nearest (humming_rtn: humming-kernels 0.1.19's quantizer "
                      "written out, K zero-padded to 128 as vLLM pads; what vLLM's online Humming quantization stores)")
@@ -786,7 +788,6 @@ def main(argv: list[str] | None = None) -> None:
     torch.set_num_threads(args.threads)
     t0 = time.time()
 
-    sys.path.insert(0, str(HERE))
     import moe_rewrite
     from transformers import AutoTokenizer
 

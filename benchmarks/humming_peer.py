@@ -95,13 +95,13 @@ def glue_api():
 # ----------------------------------------------------------------------------- helpers
 
 
-def _round_up(x: int, m: int) -> int:
+def round_up(x: int, m: int) -> int:
     return -(-x // m) * m
 
 
 def _kbit_bytes(n: int, k_dim: int, k: int) -> int:
     """Bytes of one humming uint-k g128 weight [n, k_dim]: packed codes + bf16 group scales (padded as vLLM pads)."""
-    n_p, k_p = _round_up(n, PAD_N), _round_up(k_dim, PAD_K)
+    n_p, k_p = round_up(n, PAD_N), round_up(k_dim, PAD_K)
     return n_p * k_p * k // 8 + n_p * (k_p // GROUP) * 2
 
 
@@ -156,7 +156,7 @@ def torch_moe_align(topk_ids: torch.Tensor, block: int, num_experts: int):
     flat = topk_ids.reshape(-1).to(torch.int64)
     n = flat.numel()
     dev = flat.device
-    max_pad = _round_up(min(n + num_experts * (block - 1), n * block), block)
+    max_pad = round_up(min(n + num_experts * (block - 1), n * block), block)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=dev).scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block - 1) // block * block
     cum = torch.cumsum(padded, 0)

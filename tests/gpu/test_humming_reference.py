@@ -30,11 +30,11 @@ def test_humming_rtn_matches_hummings_quantizer_bit_for_bit(k, shape):
 
     acc = _accuracy_moe()
     N, K = shape
-    Kp = -(-K // 128) * 128
+    Kp = acc.humming_peer.round_up(K, acc.HUMMING_GROUP)
     g = torch.Generator().manual_seed(1000 * k + K)
     W = (torch.randn(N, K, generator=g) * 0.02).to(torch.bfloat16)
     W[0, :32] *= 40  # a row whose first group has one side much larger (the signed-scale choice)
-    schema = HummingWeightSchema.from_config({"quant_method": "humming", "dtype": f"uint{k}", "group_size": 128})
+    schema = HummingWeightSchema.from_config({"quant_method": "humming", "dtype": f"uint{k}", "group_size": acc.HUMMING_GROUP})
     padded = torch.zeros(N, Kp, dtype=torch.bfloat16)
     padded[:, :K] = W
     tensors = HummingWeightSchema.quant_tensor(padded.cuda(), schema, torch.bfloat16)
