@@ -134,11 +134,66 @@ __device__ __forceinline__ void shuffle_lookups(const float4* __restrict__ a_sta
   }
 }
 
+// With a decode table (kTable; dequant_core.cuh: Lut, entries in bf16): k = 3, 4: byte n of index word
+// W is the pair of elements (e, e + 1), e = 8n + 2 (W >> 1) + 4 (W & 1), and its entry holds both
+// values; k = 2: byte n of word W is elements 8n + 4W .. +3, and its entry all four. So one shared-
+// memory load yields two or four weights where the shuffle path spends a shuffle per weight (both go
+// through the MIO pipe, which bounds the shuffle path); widening a bf16 to fp32 is one ALU op (it is
+// the high half of its fp32).
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
+
+template <int BITS, int M, int J>
+__device__ __forceinline__ void table_pairs(const float4* __restrict__ a_stage, const uint8_t* __restrict__ lut,
+                                            uint32_t lut_lane, const uint32_t (&q)[kRowsPerLane][4],
+                                            float (&part)[kRowsPerLane][M][2]) {
+#pragma unroll
+  for (int c = 0; c < kBlockSize / 8; ++c) {
+    float a[M][8];
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      const float4 lo = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c];
+      const float4 hi = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c + 1];
+      a[m][0] = lo.x, a[m][1] = lo.y, a[m][2] = lo.z, a[m][3] = lo.w;
+      a[m][4] = hi.x, a[m][5] = hi.y, a[m][6] = hi.z, a[m][7] = hi.w;
+    }
+    if constexpr (Lut<BITS>::kQuad) {
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {  // elements 8c + 4w .. +3: byte c of word w
+#pragma unroll
+        for (int row = 0; row < kRowsPerLane; ++row) {
+          const uint2 v = *reinterpret_cast<const uint2*>(lut + lut_offset<BITS>(q[row][w], c, lut_lane));
+          const float x[4] = {bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y)};
+#pragma unroll
+          for (int m = 0; m < M; ++m)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) part[row][m][i & 1] = fmaf(x[i], a[m][4 * w + i], part[row][m][i & 1]);
+        }
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        constexpr int kWordOfPair[4] = {0, 2, 1, 3};  // pair (8c + 2i, +1) lives in byte c of this word
+#pragma unroll
+        for (int row = 0; row < kRowsPerLane; ++row) {
+          const uint32_t v = *reinterpret_cast<const uint32_t*>(lut + lut_offset<BITS>(q[row][kWordOfPair[i]], c, lut_lane));
+#pragma unroll
+          for (int m = 0; m < M; ++m) {
+            part[row][m][0] = fmaf(bf16_lo(v), a[m][2 * i], part[row][m][0]);
+            part[row][m][1] = fmaf(bf16_hi(v), a[m][2 * i + 1], part[row][m][1]);
+          }
+        }
+      }
+    }
+  }
+}
+
 // Adds one block (32 elements along K) of this lane's two rows times all M activation rows: the
 // block's index words, its products summed in fp32 (pair tables or shuffle lookups), and the block
 // scale applied once to the partial sum.
-template <int BITS, int M, int J>
+template <int BITS, int M, int J, bool kTable>
 __device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, const LaneCodebook& cb,
+                                          const uint8_t* __restrict__ lut, uint32_t lut_lane,
                                           const uint4 (&planes)[kRowsPerLane][BITS],
                                           const uint32_t (&codes)[kRowsPerLane], float (&acc)[kRowsPerLane][M]) {
   constexpr int F = Fields<BITS>::kBits;
@@ -148,7 +203,11 @@ __device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, co
     uint32_t plane[BITS];
 #pragma unroll
     for (int b = 0; b < BITS; ++b) plane[b] = word(planes[row][b], J);
-    gather_indices<BITS>(plane, q[row]);
+    if constexpr (kTable && BITS == 3) {
+      lut_indices<BITS>(plane, q[row]);  // the folded bits cleared, so a byte is a table row
+    } else {
+      gather_indices<BITS>(plane, q[row]);
+    }
   }
   float part[kRowsPerLane][M][2];
 #pragma unroll
@@ -158,6 +217,8 @@ __device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, co
 
   if constexpr (BITS == 2 && M == 1) {
     pair_tables<J>(a_stage, cb, q, part);
+  } else if constexpr (kTable) {
+    table_pairs<BITS, M, J>(a_stage, lut, lut_lane, q, part);
   } else {
     shuffle_lookups<BITS, M, J>(a_stage, cb, q, part);
   }
@@ -192,13 +253,19 @@ __device__ __forceinline__ void load_tile(const uint4* __restrict__ qweight, con
 // value must widen to zeros), `widen(m, raw)` turns that into fp32. a_stage is the warp's own
 // staging buffer of M * 32 float4. `ready()` runs once in every thread, after the first weight
 // tile's loads are issued and before any activation load (the dense GEMV's PDL wait).
-template <typename T, int BITS, int M, typename Fetch, typename Widen, typename Ready>
+// kTable (k = 2..4): decode through the table of bf16 pairs / quads at `lut` (Lut<BITS>::kBytes of shared
+// memory), which every thread of the CTA fills here: all of them must call this.
+template <typename T, int BITS, int M, bool kTable, typename Fetch, typename Widen, typename Ready>
 __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, const uint32_t* __restrict__ absmax,
                                            const float* __restrict__ codebook, int64_t band, int kt_begin, int kt_end,
-                                           int K, int warp, int lane, float4* __restrict__ a_stage, Fetch&& fetch,
-                                           Widen&& widen, Ready&& ready, float (&acc)[kRowsPerLane][M]) {
+                                           int K, int warp, int lane, float4* __restrict__ a_stage,
+                                           uint8_t* __restrict__ lut, Fetch&& fetch, Widen&& widen, Ready&& ready,
+                                           float (&acc)[kRowsPerLane][M]) {
+  static_assert(!kTable || BITS <= 4, "the GEMV's decode table is for k = 2..4");
   using Raw = decltype(fetch(0, 0));
   const LaneCodebook cb = lane_codebook<BITS>(codebook, lane);
+  uint32_t lut_lane = 0;
+  if constexpr (kTable) lut_lane = lut_lane_offset<BITS>(lane);
 #pragma unroll
   for (int row = 0; row < kRowsPerLane; ++row)
 #pragma unroll
@@ -227,16 +294,22 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
 #pragma unroll
     for (int m = 0; m < M; ++m) a_stage[m * 32 + lane] = widen(m, raw[m]);
     __syncwarp();
-    dot_block<BITS, M, 0>(a_stage, cb, pl, cd, acc);
-    dot_block<BITS, M, 1>(a_stage, cb, pl, cd, acc);
-    dot_block<BITS, M, 2>(a_stage, cb, pl, cd, acc);
-    dot_block<BITS, M, 3>(a_stage, cb, pl, cd, acc);
+    dot_block<BITS, M, 0, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<BITS, M, 1, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<BITS, M, 2, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<BITS, M, 3, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
   };
   uint4 planes0[kRowsPerLane][BITS], planes1[kRowsPerLane][BITS];
   uint32_t codes0[kRowsPerLane], codes1[kRowsPerLane];
   Raw raw0[M], raw1[M];
   int kt = kt_begin + warp;
   if (kt < kt_end) load_tile<BITS>(qweight, absmax, band + kt, lane, planes0, codes0);
+  if constexpr (kTable) {
+    // The codebook is constant, so the table is filled while the first tile is in flight and before
+    // the PDL wait; bf16 entries whatever T is (the widening above is for bf16).
+    lut_fill<__nv_bfloat16, BITS>(lut, codebook, static_cast<int>(threadIdx.x), kThreads);
+    __syncthreads();
+  }
   ready();
   if constexpr (kPrefetchActivations) {
     if (kt < kt_end) fetch_tile(raw0, kt);

@@ -48,5 +48,15 @@ int64_t ws_producers() {
   return n;
 }
 
+const std::string& gemv_decode() {
+  static const std::string mode = [] {
+    const std::string s = read("VLLM_KBIT_GEMV_DECODE");
+    KBIT_CHECK(s.empty() || s == "table" || s == "shuffle", "kbit: VLLM_KBIT_GEMV_DECODE=", s,
+               " is not supported; supported: table or shuffle");
+    return s;
+  }();
+  return mode;
+}
+
 }  // namespace overrides
 }  // namespace kbit

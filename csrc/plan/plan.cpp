@@ -176,6 +176,13 @@ int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms,
   return best;
 }
 
+bool gemv_table_decode(int64_t bits, int64_t rows) {
+  if (bits < 2 || bits > 4 || (bits == 2 && rows == 1)) return false;
+  const std::string& forced = overrides::gemv_decode();
+  if (!forced.empty()) return forced == "table";
+  return true;
+}
+
 int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
   // Cost model: k-tile slots the busiest SM spends (its CTAs times the slowest warp's k-tiles plus
   // kCtaOverhead, times the warps), slowed down when fewer than kStreamingWarps warps per SM have loads

@@ -266,7 +266,7 @@ def test_mma_refuses_unbuilt_tile_shapes_and_bad_splits():
             _mma(x, w, None, r, s)
 
 
-@pytest.mark.parametrize("k", [2, 4])  # k = 2 at M = 1 decodes through pair tables (gemv_core.cuh)
+@pytest.mark.parametrize("k", [2, 3, 4])  # k = 2 at M = 1: pair tables of partial sums; k = 3, 4: the pair table (gemv_core.cuh)
 @pytest.mark.parametrize("N,K", [(1000, 2080), (64, 96), (130, 4096), (5120, 2048)])
 @pytest.mark.gpu
 @requires_cuda
