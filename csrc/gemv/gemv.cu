@@ -91,7 +91,7 @@ void launch_typed(const at::Tensor& A, const at::Tensor& qweight_rt, const at::T
                   reinterpret_cast<T*>(C.data_ptr()), N, K, k_tiles, splits);
   };
   if constexpr (BITS <= 4 && !(BITS == 2 && M == 1)) {
-    if (gemv_table_decode(BITS, M)) return launch(gemv_kernel<T, BITS, M, true>, Lut<BITS>::kBytes);
+    if (gemv_table_decode(BITS, M, false)) return launch(gemv_kernel<T, BITS, M, true>, Lut<BITS>::kBytes);
   }
   launch(gemv_kernel<T, BITS, M, false>, 0);
 }

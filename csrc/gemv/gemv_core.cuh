@@ -134,16 +134,13 @@ __device__ __forceinline__ void shuffle_lookups(const float4* __restrict__ a_sta
   }
 }
 
-// With a decode table (kTable; dequant_core.cuh: Lut, entries in bf16): k = 3, 4: byte n of index word
-// W is the pair of elements (e, e + 1), e = 8n + 2 (W >> 1) + 4 (W & 1), and its entry holds both
-// values; k = 2: byte n of word W is elements 8n + 4W .. +3, and its entry all four. So one shared-
-// memory load yields two or four weights where the shuffle path spends a shuffle per weight (both go
-// through the MIO pipe, which bounds the shuffle path); widening a bf16 to fp32 is one ALU op (it is
-// the high half of its fp32).
-__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xFFFF0000u); }
-
-template <int BITS, int M, int J>
+// With a decode table (kTable; dequant_core.cuh: Lut, entries in the activations' type T): k = 3, 4:
+// byte n of index word W is the pair of elements (e, e + 1), e = 8n + 2 (W >> 1) + 4 (W & 1), and its
+// entry holds both values; k = 2: byte n of word W is elements 8n + 4W .. +3, and its entry all four.
+// So one shared-memory load yields two or four weights where the shuffle path spends a shuffle per
+// weight (both go through the MIO pipe, which bounds the shuffle path); widening a bf16 to fp32 is one
+// ALU op (Act<T>::widen).
+template <typename T, int BITS, int M, int J>
 __device__ __forceinline__ void table_pairs(const float4* __restrict__ a_stage, const uint8_t* __restrict__ lut,
                                             uint32_t lut_lane, const uint32_t (&q)[kRowsPerLane][4],
                                             float (&part)[kRowsPerLane][M][2]) {
@@ -163,7 +160,8 @@ __device__ __forceinline__ void table_pairs(const float4* __restrict__ a_stage, 
 #pragma unroll
         for (int row = 0; row < kRowsPerLane; ++row) {
           const uint2 v = *reinterpret_cast<const uint2*>(lut + lut_offset<BITS>(q[row][w], c, lut_lane));
-          const float x[4] = {bf16_lo(v.x), bf16_hi(v.x), bf16_lo(v.y), bf16_hi(v.y)};
+          const float2 lo = Act<T>::widen(v.x), hi = Act<T>::widen(v.y);
+          const float x[4] = {lo.x, lo.y, hi.x, hi.y};
 #pragma unroll
           for (int m = 0; m < M; ++m)
 #pragma unroll
@@ -176,11 +174,12 @@ __device__ __forceinline__ void table_pairs(const float4* __restrict__ a_stage, 
         constexpr int kWordOfPair[4] = {0, 2, 1, 3};  // pair (8c + 2i, +1) lives in byte c of this word
 #pragma unroll
         for (int row = 0; row < kRowsPerLane; ++row) {
-          const uint32_t v = *reinterpret_cast<const uint32_t*>(lut + lut_offset<BITS>(q[row][kWordOfPair[i]], c, lut_lane));
+          const float2 v = Act<T>::widen(
+              *reinterpret_cast<const uint32_t*>(lut + lut_offset<BITS>(q[row][kWordOfPair[i]], c, lut_lane)));
 #pragma unroll
           for (int m = 0; m < M; ++m) {
-            part[row][m][0] = fmaf(bf16_lo(v), a[m][2 * i], part[row][m][0]);
-            part[row][m][1] = fmaf(bf16_hi(v), a[m][2 * i + 1], part[row][m][1]);
+            part[row][m][0] = fmaf(v.x, a[m][2 * i], part[row][m][0]);
+            part[row][m][1] = fmaf(v.y, a[m][2 * i + 1], part[row][m][1]);
           }
         }
       }
@@ -191,7 +190,7 @@ __device__ __forceinline__ void table_pairs(const float4* __restrict__ a_stage, 
 // Adds one block (32 elements along K) of this lane's two rows times all M activation rows: the
 // block's index words, its products summed in fp32 (pair tables or shuffle lookups), and the block
 // scale applied once to the partial sum.
-template <int BITS, int M, int J, bool kTable>
+template <typename T, int BITS, int M, int J, bool kTable>
 __device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, const LaneCodebook& cb,
                                           const uint8_t* __restrict__ lut, uint32_t lut_lane,
                                           const uint4 (&planes)[kRowsPerLane][BITS],
@@ -218,7 +217,7 @@ __device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, co
   if constexpr (BITS == 2 && M == 1) {
     pair_tables<J>(a_stage, cb, q, part);
   } else if constexpr (kTable) {
-    table_pairs<BITS, M, J>(a_stage, lut, lut_lane, q, part);
+    table_pairs<T, BITS, M, J>(a_stage, lut, lut_lane, q, part);
   } else {
     shuffle_lookups<BITS, M, J>(a_stage, cb, q, part);
   }
@@ -294,10 +293,10 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
 #pragma unroll
     for (int m = 0; m < M; ++m) a_stage[m * 32 + lane] = widen(m, raw[m]);
     __syncwarp();
-    dot_block<BITS, M, 0, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
-    dot_block<BITS, M, 1, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
-    dot_block<BITS, M, 2, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
-    dot_block<BITS, M, 3, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 0, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 1, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 2, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 3, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
   };
   uint4 planes0[kRowsPerLane][BITS], planes1[kRowsPerLane][BITS];
   uint32_t codes0[kRowsPerLane], codes1[kRowsPerLane];
@@ -306,8 +305,8 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
   if (kt < kt_end) load_tile<BITS>(qweight, absmax, band + kt, lane, planes0, codes0);
   if constexpr (kTable) {
     // The codebook is constant, so the table is filled while the first tile is in flight and before
-    // the PDL wait; bf16 entries whatever T is (the widening above is for bf16).
-    lut_fill<__nv_bfloat16, BITS>(lut, codebook, static_cast<int>(threadIdx.x), kThreads);
+    // the PDL wait.
+    lut_fill<T, BITS>(lut, codebook, static_cast<int>(threadIdx.x), kThreads);
     __syncthreads();
   }
   ready();

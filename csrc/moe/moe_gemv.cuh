@@ -252,7 +252,7 @@ void launch_typed(const MoeGemvParams& p, int max_chunks) {
                   dim3(kThreads), smem, at::cuda::getCurrentCUDAStream(), p.splits, p);
   };
   if constexpr (BITS <= 4 && !(BITS == 2 && MAX_ROWS == 1)) {
-    if (gemv_table_decode(BITS, MAX_ROWS)) {
+    if (gemv_table_decode(BITS, MAX_ROWS, true)) {
       return launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, true>, Lut<BITS>::kBytes);
     }
   }

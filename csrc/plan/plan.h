@@ -107,11 +107,11 @@ constexpr int kMmaSplitCostGrouped = 16;
 // runtime tiles on num_sms SMs. Always in [1, min(kGemvMaxSplits, k_tiles)].
 int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms);
 
-// How a GEMV kernel (dense, or grouped with chunks of up to `rows` activation rows) decodes k-bit
-// weights: true = through a shared-memory table of bf16 codebook pairs (k = 3, 4) or quads (k = 2)
+// How a GEMV kernel (dense, or grouped over routed experts, with up to `rows` activation rows) decodes
+// k-bit weights: true = through a shared-memory table of codebook pairs (k = 3, 4) or quads (k = 2)
 // filled per CTA, false = one register shuffle per weight. k = 5 has no table; k = 2 at one row decodes
 // through register tables of partial sums either way. VLLM_KBIT_GEMV_DECODE forces either.
-bool gemv_table_decode(int64_t bits, int64_t rows);
+bool gemv_table_decode(int64_t bits, int64_t rows, bool grouped);
 
 // Rows per chunk of the grouped GEMV for T tokens: 1 for T = 1 (a one-row kernel, fewer registers), else
 // kMoeChunkRows.
