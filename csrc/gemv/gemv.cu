@@ -40,7 +40,7 @@ static_assert(gemv_core::kWarps == kGemvWarps, "the planner's GEMV cost model co
 
 // Grid: n_tiles * splits CTAs in clusters of `splits` (CTA = n-tile * splits + split). qweight and
 // absmax are the runtime layout viewed as 16-byte plane vectors and 4-code words.
-template <typename T, int BITS, int M, GemvDecode D>
+template <typename T, int BITS, int M, bool kTable>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A, const uint4* __restrict__ qweight,
                                                         const uint32_t* __restrict__ absmax,
                                                         const float* __restrict__ codebook, const T* __restrict__ bias,
@@ -48,7 +48,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
   __shared__ float4 a_stage[kWarps][M * kTileKB * kBlockSize / 4];  // per warp: its k-tile's activations, fp32
   __shared__ float warp_sums[kWarps][M][kTileN];
   __shared__ float cta_sums[M * kTileN];
-  extern __shared__ __align__(16) uint8_t lut[];  // with a table decode: the table (Lut<BITS>::kBytes)
+  extern __shared__ __align__(16) uint8_t lut[];  // kTable: the decode table (Lut<BITS>::kBytes)
 
   // The warp index through a shuffle from lane 0: provably warp-uniform to the compiler, so the
   // k-tile loop below counts as convergent and its shuffles need no divergence handling.
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
   const int kt_begin = split * k_tiles / splits, kt_end = (split + 1) * k_tiles / splits;
 
   float acc[kRowsPerLane][M];
-  accumulate<T, BITS, M, D>(
+  accumulate<T, BITS, M, kTable>(
       qweight, absmax, codebook, static_cast<int64_t>(n_tile) * k_tiles, kt_begin, kt_end, K, warp, lane,
       a_stage[warp], lut,
       [&](int m, int e) { return __ldg(reinterpret_cast<const uint2*>(A + static_cast<int64_t>(m) * K + e)); },
@@ -91,14 +91,9 @@ void launch_typed(const at::Tensor& A, const at::Tensor& qweight_rt, const at::T
                   reinterpret_cast<T*>(C.data_ptr()), N, K, k_tiles, splits);
   };
   if constexpr (BITS <= 4 && !(BITS == 2 && M == 1)) {
-    switch (gemv_decode(BITS, M, false)) {
-      case GemvDecode::kTable: return launch(gemv_kernel<T, BITS, M, GemvDecode::kTable>, Lut<BITS>::kBytes);
-      case GemvDecode::kTableRolled:
-        return launch(gemv_kernel<T, BITS, M, GemvDecode::kTableRolled>, Lut<BITS>::kBytes);
-      case GemvDecode::kShuffle: break;
-    }
+    if (gemv_table_decode(BITS, M, false)) return launch(gemv_kernel<T, BITS, M, true>, Lut<BITS>::kBytes);
   }
-  launch(gemv_kernel<T, BITS, M, GemvDecode::kShuffle>, 0);
+  launch(gemv_kernel<T, BITS, M, false>, 0);
 }
 
 template <typename T, int BITS>

@@ -7,7 +7,6 @@
 
 #include "dequant_core.cuh"
 #include "kbit_format.cuh"
-#include "plan.h"
 
 #include <cooperative_groups.h>
 
@@ -141,12 +140,12 @@ __device__ __forceinline__ void shuffle_lookups(const float4* __restrict__ a_sta
 // So one shared-memory load yields two or four weights where the shuffle path spends a shuffle per
 // weight (both go through the MIO pipe, which bounds the shuffle path); widening a bf16 to fp32 is one
 // ALU op (Act<T>::widen).
-// kRolled: the 8-element steps c in a loop (runtime shifts and table offsets) instead of unrolled.
-template <typename T, int BITS, int M, int J, bool kRolled>
+template <typename T, int BITS, int M, int J>
 __device__ __forceinline__ void table_pairs(const float4* __restrict__ a_stage, const uint8_t* __restrict__ lut,
                                             uint32_t lut_lane, const uint32_t (&q)[kRowsPerLane][4],
                                             float (&part)[kRowsPerLane][M][2]) {
-  const auto step = [&](int c) {
+#pragma unroll
+  for (int c = 0; c < kBlockSize / 8; ++c) {
     float a[M][8];
 #pragma unroll
     for (int m = 0; m < M; ++m) {
@@ -185,24 +184,18 @@ __device__ __forceinline__ void table_pairs(const float4* __restrict__ a_stage, 
         }
       }
     }
-  };
-  if constexpr (kRolled) {
-#pragma unroll 1
-    for (int c = 0; c < kBlockSize / 8; ++c) step(c);
-  } else {
-#pragma unroll
-    for (int c = 0; c < kBlockSize / 8; ++c) step(c);
   }
 }
 
-
-template <typename T, int BITS, int M, int J, GemvDecode D>
+// Adds one block (32 elements along K) of this lane's two rows times all M activation rows: the
+// block's index words, its products summed in fp32 (pair tables or shuffle lookups), and the block
+// scale applied once to the partial sum.
+template <typename T, int BITS, int M, int J, bool kTable>
 __device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, const LaneCodebook& cb,
                                           const uint8_t* __restrict__ lut, uint32_t lut_lane,
                                           const uint4 (&planes)[kRowsPerLane][BITS],
                                           const uint32_t (&codes)[kRowsPerLane], float (&acc)[kRowsPerLane][M]) {
   constexpr int F = Fields<BITS>::kBits;
-  constexpr bool kTable = D != GemvDecode::kShuffle;
   uint32_t q[kRowsPerLane][F];
 #pragma unroll
   for (int row = 0; row < kRowsPerLane; ++row) {
@@ -224,7 +217,7 @@ __device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, co
   if constexpr (BITS == 2 && M == 1) {
     pair_tables<J>(a_stage, cb, q, part);
   } else if constexpr (kTable) {
-    table_pairs<T, BITS, M, J, D == GemvDecode::kTableRolled>(a_stage, lut, lut_lane, q, part);
+    table_pairs<T, BITS, M, J>(a_stage, lut, lut_lane, q, part);
   } else {
     shuffle_lookups<BITS, M, J>(a_stage, cb, q, part);
   }
@@ -259,15 +252,14 @@ __device__ __forceinline__ void load_tile(const uint4* __restrict__ qweight, con
 // value must widen to zeros), `widen(m, raw)` turns that into fp32. a_stage is the warp's own
 // staging buffer of M * 32 float4. `ready()` runs once in every thread, after the first weight
 // tile's loads are issued and before any activation load (the dense GEMV's PDL wait).
-// D (plan.h: GemvDecode): with a table (k = 2..4), decode through the table of bf16 pairs / quads at `lut` (Lut<BITS>::kBytes of shared
+// kTable (k = 2..4): decode through the table of bf16 pairs / quads at `lut` (Lut<BITS>::kBytes of shared
 // memory), which every thread of the CTA fills here: all of them must call this.
-template <typename T, int BITS, int M, GemvDecode D, typename Fetch, typename Widen, typename Ready>
+template <typename T, int BITS, int M, bool kTable, typename Fetch, typename Widen, typename Ready>
 __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, const uint32_t* __restrict__ absmax,
                                            const float* __restrict__ codebook, int64_t band, int kt_begin, int kt_end,
                                            int K, int warp, int lane, float4* __restrict__ a_stage,
                                            uint8_t* __restrict__ lut, Fetch&& fetch, Widen&& widen, Ready&& ready,
                                            float (&acc)[kRowsPerLane][M]) {
-  constexpr bool kTable = D != GemvDecode::kShuffle;
   static_assert(!kTable || BITS <= 4, "the GEMV's decode table is for k = 2..4");
   using Raw = decltype(fetch(0, 0));
   const LaneCodebook cb = lane_codebook<BITS>(codebook, lane);
@@ -301,10 +293,10 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
 #pragma unroll
     for (int m = 0; m < M; ++m) a_stage[m * 32 + lane] = widen(m, raw[m]);
     __syncwarp();
-    dot_block<T, BITS, M, 0, D>(a_stage, cb, lut, lut_lane, pl, cd, acc);
-    dot_block<T, BITS, M, 1, D>(a_stage, cb, lut, lut_lane, pl, cd, acc);
-    dot_block<T, BITS, M, 2, D>(a_stage, cb, lut, lut_lane, pl, cd, acc);
-    dot_block<T, BITS, M, 3, D>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 0, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 1, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 2, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 3, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
   };
   uint4 planes0[kRowsPerLane][BITS], planes1[kRowsPerLane][BITS];
   uint32_t codes0[kRowsPerLane], codes1[kRowsPerLane];

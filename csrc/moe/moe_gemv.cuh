@@ -76,7 +76,7 @@ struct Out<float> {
 // One chunk of M rows on one (n-tile, split). Row sources are resolved once per CTA (M pointers
 // and weights in registers), so staging a k-tile is plain loads. ready() runs after the first weight
 // tile is requested and before any activation load (the direct down stage's PDL wait).
-template <typename T, typename O, int BITS, MoeStage STAGE, GemvDecode D, int M, typename Ready>
+template <typename T, typename O, int BITS, MoeStage STAGE, bool kTable, int M, typename Ready>
 __device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, int row0, int n_tile, int split,
                                           float4* a_stage, float* warp_sums, float* cta_sums, uint8_t* lut,
                                           Ready&& ready) {
@@ -125,7 +125,7 @@ __device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, in
   };
   const int kt_begin = split * p.k_tiles / p.splits, kt_end = (split + 1) * p.k_tiles / p.splits;
   float acc[kRowsPerLane][M];
-  accumulate<T, BITS, M, D>(p.qweight + expert * p.expert_vectors, p.absmax + expert * p.expert_code_words,
+  accumulate<T, BITS, M, kTable>(p.qweight + expert * p.expert_vectors, p.absmax + expert * p.expert_code_words,
                                  p.codebook, static_cast<int64_t>(n_tile) * p.k_tiles, kt_begin, kt_end, p.K, warp,
                                  lane, a_stage + warp * kGemvMaxM * 32, lut, fetch, widen, ready, acc);
   reduce_and_store<M>(acc, warp_sums, cta_sums, warp, lane, split, p.splits, [&](int m, int r, float v) {
@@ -175,7 +175,7 @@ __device__ __forceinline__ void pdl_wait_and_release() {
 // before gate_up wrote (complete once any gate_up CTA passed its wait, so read from L2 with ld.cg),
 // and weights never change, so its first weight tile is in flight while gate_up finishes; the wait
 // comes before the activations are read and anything is written.
-template <typename T, typename O, int BITS, MoeStage STAGE, GemvDecode D>
+template <typename T, typename O, int BITS, MoeStage STAGE, bool kTable>
 __device__ __forceinline__ void run_direct(const MoeGemvParams& p, int slot, int n_tile, int split, float4* a_stage,
                                            float* warp_sums, float* cta_sums, uint8_t* lut) {
   if (STAGE == MoeStage::kGather && blockIdx.x == 0) {
@@ -184,7 +184,7 @@ __device__ __forceinline__ void run_direct(const MoeGemvParams& p, int slot, int
   const int expert = local_expert(__ldcg(p.ids + slot), p.expert_map, p.map_len, p.num_experts);
   if constexpr (STAGE == MoeStage::kSiluMul) {
     if (expert >= 0) {
-      run_chunk<T, O, BITS, STAGE, D, 1>(p, expert, slot, n_tile, split, a_stage, warp_sums, cta_sums, lut,
+      run_chunk<T, O, BITS, STAGE, kTable, 1>(p, expert, slot, n_tile, split, a_stage, warp_sums, cta_sums, lut,
                                               pdl_wait_and_release);
     } else {
       pdl_wait_and_release();
@@ -192,19 +192,19 @@ __device__ __forceinline__ void run_direct(const MoeGemvParams& p, int slot, int
     if (p.out != nullptr && split == 0) combine_if_last<T>(p, slot, n_tile);
   } else {
     if (expert >= 0) {
-      run_chunk<T, O, BITS, STAGE, D, 1>(p, expert, slot, n_tile, split, a_stage, warp_sums, cta_sums, lut, [] {});
+      run_chunk<T, O, BITS, STAGE, kTable, 1>(p, expert, slot, n_tile, split, a_stage, warp_sums, cta_sums, lut, [] {});
     }
   }
 }
 
 // Grid: max_chunks * n_tiles * splits CTAs, clusters of `splits` (CTA = (chunk * n_tiles +
 // n-tile) * splits + split). All CTAs of a cluster share the chunk, so they leave together.
-template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, GemvDecode D>
+template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable>
 __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constant__ MoeGemvParams p) {
   __shared__ float4 a_stage[kWarps * kGemvMaxM * 32];
   __shared__ float warp_sums[kWarps * kGemvMaxM * kTileN];
   __shared__ float cta_sums[kGemvMaxM * kTileN];
-  extern __shared__ __align__(16) uint8_t lut[];  // with a table decode: the table (Lut<BITS>::kBytes)
+  extern __shared__ __align__(16) uint8_t lut[];  // kTable: the decode table (Lut<BITS>::kBytes)
   // The expert of this CTA comes from the routing kernel, so nothing useful precedes the wait; the
   // direct down stage waits later (run_direct).
   if (STAGE == MoeStage::kGather || p.chunks != nullptr) {
@@ -215,7 +215,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constan
   const int chunk = blockIdx.x / per_chunk;
   if (p.chunks == nullptr) {
     if constexpr (MAX_ROWS == 1) {
-      run_direct<T, O, BITS, STAGE, D>(p, chunk, (blockIdx.x % per_chunk) / p.splits, blockIdx.x % p.splits,
+      run_direct<T, O, BITS, STAGE, kTable>(p, chunk, (blockIdx.x % per_chunk) / p.splits, blockIdx.x % p.splits,
                                             a_stage, warp_sums, cta_sums, lut);
     }
     return;
@@ -230,7 +230,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constan
   // shuffles inside the core stay plain (see gemv.cu).
   const int rows = __shfl_sync(0xFFFFFFFFu, c.z, 0);
   const auto run = [&](auto rows_c) {
-    run_chunk<T, O, BITS, STAGE, D, decltype(rows_c)::value>(p, c.x, c.y, n_tile, split, a_stage, warp_sums,
+    run_chunk<T, O, BITS, STAGE, kTable, decltype(rows_c)::value>(p, c.x, c.y, n_tile, split, a_stage, warp_sums,
                                                                   cta_sums, lut, [] {});
   };
   if constexpr (MAX_ROWS == 1) {
@@ -252,15 +252,11 @@ void launch_typed(const MoeGemvParams& p, int max_chunks) {
                   dim3(kThreads), smem, at::cuda::getCurrentCUDAStream(), p.splits, p);
   };
   if constexpr (BITS <= 4 && !(BITS == 2 && MAX_ROWS == 1)) {
-    switch (gemv_decode(BITS, MAX_ROWS, true)) {
-      case GemvDecode::kTable:
-        return launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, GemvDecode::kTable>, Lut<BITS>::kBytes);
-      case GemvDecode::kTableRolled:
-        return launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, GemvDecode::kTableRolled>, Lut<BITS>::kBytes);
-      case GemvDecode::kShuffle: break;
+    if (gemv_table_decode(BITS, MAX_ROWS, true)) {
+      return launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, true>, Lut<BITS>::kBytes);
     }
   }
-  launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, GemvDecode::kShuffle>, 0);
+  launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, false>, 0);
 }
 
 template <typename T, typename O, MoeStage STAGE, int MAX_ROWS>

@@ -51,8 +51,8 @@ int64_t ws_producers() {
 const std::string& gemv_decode() {
   static const std::string mode = [] {
     const std::string s = read("VLLM_KBIT_GEMV_DECODE");
-    KBIT_CHECK(s.empty() || s == "table" || s == "table_rolled" || s == "shuffle", "kbit: VLLM_KBIT_GEMV_DECODE=", s,
-               " is not supported; supported: shuffle, table or table_rolled");
+    KBIT_CHECK(s.empty() || s == "table" || s == "shuffle", "kbit: VLLM_KBIT_GEMV_DECODE=", s,
+               " is not supported; supported: table or shuffle");
     return s;
   }();
   return mode;

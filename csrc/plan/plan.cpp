@@ -176,16 +176,13 @@ int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms,
   return best;
 }
 
-GemvDecode gemv_decode(int64_t bits, int64_t rows, bool grouped) {
-  if (bits < 2 || bits > 4 || (bits == 2 && rows == 1)) return GemvDecode::kShuffle;
+bool gemv_table_decode(int64_t bits, int64_t rows, bool grouped) {
+  if (bits < 2 || bits > 4 || (bits == 2 && rows == 1)) return false;
   const std::string& forced = overrides::gemv_decode();
-  if (forced == "shuffle") return GemvDecode::kShuffle;
-  if (forced == "table") return GemvDecode::kTable;
-  if (forced == "table_rolled") return GemvDecode::kTableRolled;
-  // Measured (docs/decisions.md, "GEMV decode table"): the table wins in the dense GEMV at k = 3 and 4;
-  // the grouped GEMV's short CTAs take the rolled one; k = 2 runs faster by shuffle.
-  if (bits == 2) return GemvDecode::kShuffle;
-  return grouped ? GemvDecode::kTableRolled : GemvDecode::kTable;
+  if (!forced.empty()) return forced == "table";
+  // Measured (docs/decisions.md, "GEMV decode table"): the table wins in the dense GEMV at k = 3 and 4
+  // and in the grouped one at k = 3; the grouped k = 4 and every k = 2 case run faster by shuffle.
+  return bits == 3 || (bits == 4 && !grouped);
 }
 
 int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {

@@ -108,13 +108,10 @@ constexpr int kMmaSplitCostGrouped = 16;
 int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms);
 
 // How a GEMV kernel (dense, or grouped over routed experts, with up to `rows` activation rows) decodes
-// k-bit weights: one register shuffle per weight, or through a shared-memory table of codebook pairs
-// (k = 3, 4) or quads (k = 2) filled per CTA, its block loop unrolled or rolled (a quarter of the code:
-// short CTAs run their code about once, so instruction fetch is part of their time). k = 5 has no
-// table; k = 2 at one row decodes through register tables of partial sums either way.
-// VLLM_KBIT_GEMV_DECODE forces one ("shuffle", "table", "table_rolled").
-enum class GemvDecode : int { kShuffle = 0, kTable = 1, kTableRolled = 2 };
-GemvDecode gemv_decode(int64_t bits, int64_t rows, bool grouped);
+// k-bit weights: true = through a shared-memory table of codebook pairs (k = 3, 4) or quads (k = 2)
+// filled per CTA, false = one register shuffle per weight. k = 5 has no table; k = 2 at one row decodes
+// through register tables of partial sums either way. VLLM_KBIT_GEMV_DECODE forces either.
+bool gemv_table_decode(int64_t bits, int64_t rows, bool grouped);
 
 // Rows per chunk of the grouped GEMV for T tokens: 1 for T = 1 (a one-row kernel, fewer registers), else
 // kMoeChunkRows.
