@@ -180,8 +180,9 @@ bool gemv_table_decode(int64_t bits, int64_t rows, bool grouped) {
   if (bits < 2 || bits > 4 || (bits == 2 && rows == 1)) return false;
   const std::string& forced = overrides::gemv_decode();
   if (!forced.empty()) return forced == "table";
-  // Measured (docs/decisions.md, "GEMV decode table"): the table wins in the dense GEMV at k = 3 and 4
-  // and in the grouped one at k = 3; the grouped k = 4 and every k = 2 case run faster by shuffle.
+  // Measured (docs/decisions.md, "GEMV: K splits ... decode by a table"): the table wins in the dense GEMV
+  // at k = 3 and 4 and in the grouped one at k = 3; the grouped k = 4 runs faster by shuffle (its short
+  // CTAs run their code about once, and the table's code is longer); k = 2 was not shown faster.
   return bits == 3 || (bits == 4 && !grouped);
 }
 
