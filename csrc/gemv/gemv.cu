@@ -40,7 +40,7 @@ static_assert(gemv_core::kWarps == kGemvWarps, "the planner's GEMV cost model co
 
 // Grid: n_tiles * splits CTAs in clusters of `splits` (CTA = n-tile * splits + split). qweight and
 // absmax are the runtime layout viewed as 16-byte plane vectors and 4-code words.
-template <typename T, int BITS, int M, bool kTable>
+template <typename T, int BITS, int M, int TB>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A, const uint4* __restrict__ qweight,
                                                         const uint32_t* __restrict__ absmax,
                                                         const float* __restrict__ codebook, const T* __restrict__ bias,
@@ -57,7 +57,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
   const int kt_begin = split * k_tiles / splits, kt_end = (split + 1) * k_tiles / splits;
 
   float acc[kRowsPerLane][M];
-  accumulate<T, BITS, M, kTable>(
+  accumulate<T, BITS, M, TB>(
       qweight, absmax, codebook, static_cast<int64_t>(n_tile) * k_tiles, kt_begin, kt_end, K, warp, lane,
       a_stage[warp], lut,
       [&](int m, int e) { return __ldg(reinterpret_cast<const uint2*>(A + static_cast<int64_t>(m) * K + e)); },
@@ -91,9 +91,13 @@ void launch_typed(const at::Tensor& A, const at::Tensor& qweight_rt, const at::T
                   reinterpret_cast<T*>(C.data_ptr()), N, K, k_tiles, splits);
   };
   if constexpr (BITS <= 4 && !(BITS == 2 && M == 1)) {
-    if (gemv_table_decode(BITS, M, false)) return launch(gemv_kernel<T, BITS, M, true>, Lut<BITS>::kBytes);
+    const int tb = gemv_table_blocks(BITS, M, false);  // 0, kGemvMixedTableBlocks (one row only) or 4
+    if constexpr (M == 1) {
+      if (tb == kGemvMixedTableBlocks) return launch(gemv_kernel<T, BITS, M, kGemvMixedTableBlocks>, Lut<BITS>::kBytes);
+    }
+    if (tb > 0) return launch(gemv_kernel<T, BITS, M, 4>, Lut<BITS>::kBytes);
   }
-  launch(gemv_kernel<T, BITS, M, false>, 0);
+  launch(gemv_kernel<T, BITS, M, 0>, 0);
 }
 
 template <typename T, int BITS>

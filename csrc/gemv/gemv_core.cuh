@@ -252,14 +252,15 @@ __device__ __forceinline__ void load_tile(const uint4* __restrict__ qweight, con
 // value must widen to zeros), `widen(m, raw)` turns that into fp32. a_stage is the warp's own
 // staging buffer of M * 32 float4. `ready()` runs once in every thread, after the first weight
 // tile's loads are issued and before any activation load (the dense GEMV's PDL wait).
-// kTable (k = 2..4): decode through the table of bf16 pairs / quads at `lut` (Lut<BITS>::kBytes of shared
-// memory), which every thread of the CTA fills here: all of them must call this.
-template <typename T, int BITS, int M, bool kTable, typename Fetch, typename Widen, typename Ready>
+// TB > 0 (k = 2..4): blocks 0..TB-1 of each k-tile decode through the table of pairs / quads at `lut`
+// (Lut<BITS>::kBytes of shared memory), which every thread of the CTA fills here: all of them must call this.
+template <typename T, int BITS, int M, int TB, typename Fetch, typename Widen, typename Ready>
 __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, const uint32_t* __restrict__ absmax,
                                            const float* __restrict__ codebook, int64_t band, int kt_begin, int kt_end,
                                            int K, int warp, int lane, float4* __restrict__ a_stage,
                                            uint8_t* __restrict__ lut, Fetch&& fetch, Widen&& widen, Ready&& ready,
                                            float (&acc)[kRowsPerLane][M]) {
+  constexpr bool kTable = TB > 0;
   static_assert(!kTable || BITS <= 4, "the GEMV's decode table is for k = 2..4");
   using Raw = decltype(fetch(0, 0));
   const LaneCodebook cb = lane_codebook<BITS>(codebook, lane);
@@ -293,10 +294,10 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
 #pragma unroll
     for (int m = 0; m < M; ++m) a_stage[m * 32 + lane] = widen(m, raw[m]);
     __syncwarp();
-    dot_block<T, BITS, M, 0, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
-    dot_block<T, BITS, M, 1, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
-    dot_block<T, BITS, M, 2, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
-    dot_block<T, BITS, M, 3, kTable>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 0, (0 < TB)>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 1, (1 < TB)>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 2, (2 < TB)>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 3, (3 < TB)>(a_stage, cb, lut, lut_lane, pl, cd, acc);
   };
   uint4 planes0[kRowsPerLane][BITS], planes1[kRowsPerLane][BITS];
   uint32_t codes0[kRowsPerLane], codes1[kRowsPerLane];

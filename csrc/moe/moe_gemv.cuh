@@ -125,7 +125,7 @@ __device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, in
   };
   const int kt_begin = split * p.k_tiles / p.splits, kt_end = (split + 1) * p.k_tiles / p.splits;
   float acc[kRowsPerLane][M];
-  accumulate<T, BITS, M, kTable>(p.qweight + expert * p.expert_vectors, p.absmax + expert * p.expert_code_words,
+  accumulate<T, BITS, M, kTable ? 4 : 0>(p.qweight + expert * p.expert_vectors, p.absmax + expert * p.expert_code_words,
                                  p.codebook, static_cast<int64_t>(n_tile) * p.k_tiles, kt_begin, kt_end, p.K, warp,
                                  lane, a_stage + warp * kGemvMaxM * 32, lut, fetch, widen, ready, acc);
   reduce_and_store<M>(acc, warp_sums, cta_sums, warp, lane, split, p.splits, [&](int m, int r, float v) {
@@ -252,7 +252,7 @@ void launch_typed(const MoeGemvParams& p, int max_chunks) {
                   dim3(kThreads), smem, at::cuda::getCurrentCUDAStream(), p.splits, p);
   };
   if constexpr (BITS <= 4 && !(BITS == 2 && MAX_ROWS == 1)) {
-    if (gemv_table_decode(BITS, MAX_ROWS, true)) {
+    if (gemv_table_blocks(BITS, MAX_ROWS, true) > 0) {
       return launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, true>, Lut<BITS>::kBytes);
     }
   }

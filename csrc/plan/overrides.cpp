@@ -51,8 +51,8 @@ int64_t ws_producers() {
 const std::string& gemv_decode() {
   static const std::string mode = [] {
     const std::string s = read("VLLM_KBIT_GEMV_DECODE");
-    KBIT_CHECK(s.empty() || s == "table" || s == "shuffle", "kbit: VLLM_KBIT_GEMV_DECODE=", s,
-               " is not supported; supported: table or shuffle");
+    KBIT_CHECK(s.empty() || s == "shuffle" || s == "table" || s == "mixed", "kbit: VLLM_KBIT_GEMV_DECODE=", s,
+               " is not supported; supported: shuffle, table or mixed");
     return s;
   }();
   return mode;

@@ -18,8 +18,8 @@ const std::string& moe_path();
 // VLLM_KBIT_WS_PRODUCERS: producer warpgroups of the warp-specialized wgmma kernel, 1 or 2 (default; the
 // planner's ws_producers keeps k = 5 at 1).
 int64_t ws_producers();
-// VLLM_KBIT_GEMV_DECODE: "table" or "shuffle", how the GEMV kernels decode k = 2..4 (plan.h:
-// gemv_table_decode); "" when unset.
+// VLLM_KBIT_GEMV_DECODE: "shuffle", "table" or "mixed", how the GEMV kernels decode k = 2..4 (plan.h:
+// gemv_table_blocks); "" when unset.
 const std::string& gemv_decode();
 
 }  // namespace overrides

@@ -176,14 +176,19 @@ int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms,
   return best;
 }
 
-bool gemv_table_decode(int64_t bits, int64_t rows, bool grouped) {
-  if (bits < 2 || bits > 4 || (bits == 2 && rows == 1)) return false;
+int gemv_table_blocks(int64_t bits, int64_t rows, bool grouped) {
+  if (bits < 2 || bits > 4 || (bits == 2 && rows == 1)) return 0;
+  const int mixed = !grouped && rows == 1 ? kGemvMixedTableBlocks : 4;
   const std::string& forced = overrides::gemv_decode();
-  if (!forced.empty()) return forced == "table";
-  // Measured (docs/decisions.md, "GEMV: K splits ... decode by a table"): the table wins in the dense GEMV
-  // at k = 3 and 4 and in the grouped one at k = 3; the grouped k = 4 runs faster by shuffle (its short
-  // CTAs run their code about once, and the table's code is longer); k = 2 was not shown faster.
-  return bits == 3 || (bits == 4 && !grouped);
+  if (forced == "shuffle") return 0;
+  if (forced == "table") return 4;
+  if (forced == "mixed") return mixed;
+  // Measured (docs/decisions.md, "GEMV: K splits ... decode by a table"): the dense GEMV at k = 3 decodes all
+  // blocks by table, at k = 4 three of four (its table offsets cost two ALU ops, k = 3's one); the grouped
+  // GEMV takes the table at k = 3 only (its short CTAs run their code about once, and the table's code is
+  // longer); k = 2 was not shown faster.
+  if (bits == 2 || (bits == 4 && grouped)) return 0;
+  return bits == 4 ? mixed : 4;
 }
 
 int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {

@@ -107,11 +107,14 @@ constexpr int kMmaSplitCostGrouped = 16;
 // runtime tiles on num_sms SMs. Always in [1, min(kGemvMaxSplits, k_tiles)].
 int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms);
 
-// How a GEMV kernel (dense, or grouped over routed experts, with up to `rows` activation rows) decodes
-// k-bit weights: true = through a shared-memory table of codebook pairs (k = 3, 4) or quads (k = 2)
-// filled per CTA, false = one register shuffle per weight. k = 5 has no table; k = 2 at one row decodes
-// through register tables of partial sums either way. VLLM_KBIT_GEMV_DECODE forces either.
-bool gemv_table_decode(int64_t bits, int64_t rows, bool grouped);
+// How many of the 4 blocks of each k-tile a GEMV kernel (dense, or grouped over routed experts, with up to
+// `rows` activation rows) decodes through a shared-memory table of codebook pairs (k = 3, 4) or quads
+// (k = 2) filled per CTA; the other blocks take one register shuffle per weight (k = 5 always; k = 2 at one
+// row uses register tables of partial sums instead). Shuffles and table loads load the MIO pipe, table
+// offsets and widening the ALU: a mix of both keeps both busy. VLLM_KBIT_GEMV_DECODE forces "shuffle" (0),
+// "table" (4) or "mixed" (kGemvMixedTableBlocks for the dense GEMV at one row, 4 elsewhere).
+constexpr int kGemvMixedTableBlocks = 3;
+int gemv_table_blocks(int64_t bits, int64_t rows, bool grouped);
 
 // Rows per chunk of the grouped GEMV for T tokens: 1 for T = 1 (a one-row kernel, fewer registers), else
 // kMoeChunkRows.

@@ -1,6 +1,6 @@
-"""The GEMV kernels' two weight decodes (csrc/plan/plan.h: gemv_table_decode; VLLM_KBIT_GEMV_DECODE forces
-one): a shared-memory table of bf16 pairs / quads, or one register shuffle per weight. The planner's choice
-runs in every other test; here the dense GEMV and the routed-expert tests run again in a child process
+"""The GEMV kernels' weight decodes (csrc/plan/plan.h: gemv_table_blocks; VLLM_KBIT_GEMV_DECODE forces one): a
+shared-memory table of codebook pairs / quads, one register shuffle per weight, or a mix by block. The planner's
+choice runs in every other test; here the dense GEMV and the routed-expert tests run again in a child process
 (the variable is read once per process) with each decode forced, against the same fp32 references.
 """
 
@@ -24,7 +24,7 @@ TESTS = [f"{HERE}/test_linear_cuda.py::test_gemv_every_split_count"] + [
 ]
 
 
-@pytest.mark.parametrize("mode", ["table", "shuffle"])
+@pytest.mark.parametrize("mode", ["shuffle", "table", "mixed"])
 def test_forced_decode_matches_reference(mode):
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *TESTS],
                          env=child_env(VLLM_KBIT_GEMV_DECODE=mode), capture_output=True, text=True, timeout=900)
