@@ -12,8 +12,9 @@
 // Dequantization per block of 32 elements: the k plane words are regrouped into index words
 // whose 4-bit (k <= 4) or 8-bit (k = 5) fields each hold one element's index (bit b of field s
 // of word r = bit F*s + r of plane b), then each index picks its codebook value from a register
-// with one shuffle, the value is multiplied into all M activation rows, and the block's E4M4
-// scale is applied once to the block's fp32 partial sum instead of once per element.
+// with one shuffle (or, where the planner says so, each index pair its two values from a per-CTA
+// table in shared memory: gemv_table_blocks), the value is multiplied into all M activation rows,
+// and the block's E4M4 scale is applied once to the block's fp32 partial sum instead of once per element.
 //
 // The tile/dequant core (k-tile loop, block dot product, warp and cluster sums) is
 // gemv_core.cuh, shared with the grouped MoE GEMV (moe_gemv.cuh).
@@ -48,7 +49,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
   __shared__ float4 a_stage[kWarps][M * kTileKB * kBlockSize / 4];  // per warp: its k-tile's activations, fp32
   __shared__ float warp_sums[kWarps][M][kTileN];
   __shared__ float cta_sums[M * kTileN];
-  extern __shared__ __align__(16) uint8_t lut[];  // kTable: the decode table (Lut<BITS>::kBytes)
+  extern __shared__ __align__(16) uint8_t lut[];  // TB > 0: the decode table (Lut<BITS>::kBytes)
 
   // The warp index through a shuffle from lane 0: provably warp-uniform to the compiler, so the
   // k-tile loop below counts as convergent and its shuffles need no divergence handling.

@@ -134,7 +134,7 @@ __device__ __forceinline__ void shuffle_lookups(const float4* __restrict__ a_sta
   }
 }
 
-// With a decode table (kTable; dequant_core.cuh: Lut, entries in the activations' type T): k = 3, 4:
+// Blocks decoded by table (accumulate's TB; dequant_core.cuh: Lut, entries in the activations' type T): k = 3, 4:
 // byte n of index word W is the pair of elements (e, e + 1), e = 8n + 2 (W >> 1) + 4 (W & 1), and its
 // entry holds both values; k = 2: byte n of word W is elements 8n + 4W .. +3, and its entry all four.
 // So one shared-memory load yields two or four weights where the shuffle path spends a shuffle per
@@ -188,8 +188,8 @@ __device__ __forceinline__ void table_pairs(const float4* __restrict__ a_stage, 
 }
 
 // Adds one block (32 elements along K) of this lane's two rows times all M activation rows: the
-// block's index words, its products summed in fp32 (pair tables or shuffle lookups), and the block
-// scale applied once to the partial sum.
+// block's index words, its products summed in fp32 (pair tables, the decode table or shuffle lookups),
+// and the block scale applied once to the partial sum.
 template <typename T, int BITS, int M, int J, bool kTable>
 __device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, const LaneCodebook& cb,
                                           const uint8_t* __restrict__ lut, uint32_t lut_lane,
