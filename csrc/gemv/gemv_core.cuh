@@ -77,6 +77,19 @@ __device__ __forceinline__ LaneCodebook lane_codebook(const float* __restrict__ 
   return cb;
 }
 
+// Activations 8c .. 8c+7 of block J of all M rows, fp32 from the warp's staging buffer: 4 per 16-byte
+// shared load, one address for the whole warp (a broadcast).
+template <int M, int J>
+__device__ __forceinline__ void stage_octet(const float4* __restrict__ a_stage, int c, float (&a)[M][8]) {
+#pragma unroll
+  for (int m = 0; m < M; ++m) {
+    const float4 lo = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c];
+    const float4 hi = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c + 1];
+    a[m][0] = lo.x, a[m][1] = lo.y, a[m][2] = lo.z, a[m][3] = lo.w;
+    a[m][4] = hi.x, a[m][5] = hi.y, a[m][6] = hi.z, a[m][7] = hi.w;
+  }
+}
+
 // k = 2, one activation row: a nibble of the runtime words is the index pair of two consecutive
 // elements (kbit_format.cuh: byte n of word w = elements 8n + 4w .. + 3), so instead of one shuffle
 // and one FMA per weight, lane L first computes entry L mod 16 of the pair's 16 possible partial
@@ -89,13 +102,12 @@ __device__ __forceinline__ void pair_tables(const float4* __restrict__ a_stage, 
                                             const uint32_t (&q)[kRowsPerLane][4], float (&part)[kRowsPerLane][1][2]) {
 #pragma unroll
   for (int c = 0; c < kBlockSize / 8; ++c) {
-    const float4 lo = a_stage[J * (kBlockSize / 4) + 2 * c];
-    const float4 hi = a_stage[J * (kBlockSize / 4) + 2 * c + 1];
-    const float a[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    float a[1][8];
+    stage_octet<1, J>(a_stage, c, a);
 #pragma unroll
     for (int i = 0; i < 8; i += 2) {
       const int e = 8 * c + i;
-      const float entry = fmaf(cb.hi, a[i + 1], cb.lo * a[i]);
+      const float entry = fmaf(cb.hi, a[0][i + 1], cb.lo * a[0][i]);
 #pragma unroll
       for (int row = 0; row < kRowsPerLane; ++row) {
         const int src = static_cast<int>(q[row][runtime_word_of<2>(e)] >> runtime_shift_of<2>(e));
@@ -105,9 +117,8 @@ __device__ __forceinline__ void pair_tables(const float4* __restrict__ a_stage, 
   }
 }
 
-// Every k and M: each codebook value by one shuffle, multiplied into all M activation rows.
-// Activations come as fp32 from the warp's staging buffer, 4 per 16-byte shared load (one address
-// for the whole warp: a broadcast); two alternating partial sums give the FMAs ILP.
+// Every k and M: each codebook value by one shuffle, multiplied into all M activation rows; two
+// alternating partial sums give the FMAs ILP.
 template <int BITS, int M, int J>
 __device__ __forceinline__ void shuffle_lookups(const float4* __restrict__ a_stage, const LaneCodebook& cb,
                                                 const uint32_t (&q)[kRowsPerLane][Fields<BITS>::kBits],
@@ -115,13 +126,7 @@ __device__ __forceinline__ void shuffle_lookups(const float4* __restrict__ a_sta
 #pragma unroll
   for (int c = 0; c < kBlockSize / 8; ++c) {
     float a[M][8];
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float4 lo = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c];
-      const float4 hi = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c + 1];
-      a[m][0] = lo.x, a[m][1] = lo.y, a[m][2] = lo.z, a[m][3] = lo.w;
-      a[m][4] = hi.x, a[m][5] = hi.y, a[m][6] = hi.z, a[m][7] = hi.w;
-    }
+    stage_octet<M, J>(a_stage, c, a);
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
 #pragma unroll
@@ -147,13 +152,7 @@ __device__ __forceinline__ void table_pairs(const float4* __restrict__ a_stage, 
 #pragma unroll
   for (int c = 0; c < kBlockSize / 8; ++c) {
     float a[M][8];
-#pragma unroll
-    for (int m = 0; m < M; ++m) {
-      const float4 lo = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c];
-      const float4 hi = a_stage[m * (kTileKB * kBlockSize / 4) + J * (kBlockSize / 4) + 2 * c + 1];
-      a[m][0] = lo.x, a[m][1] = lo.y, a[m][2] = lo.z, a[m][3] = lo.w;
-      a[m][4] = hi.x, a[m][5] = hi.y, a[m][6] = hi.z, a[m][7] = hi.w;
-    }
+    stage_octet<M, J>(a_stage, c, a);
     if constexpr (Lut<BITS>::kQuad) {
 #pragma unroll
       for (int w = 0; w < 2; ++w) {  // elements 8c + 4w .. +3: byte c of word w
