@@ -91,7 +91,7 @@ void launch_typed(const at::Tensor& A, const at::Tensor& qweight_rt, const at::T
                   reinterpret_cast<const uint32_t*>(absmax_rt.data_ptr()), codebook.data_ptr<float>(), bias,
                   reinterpret_cast<T*>(C.data_ptr()), N, K, k_tiles, splits);
   };
-  if constexpr (BITS <= 4 && !(BITS == 2 && M == 1)) {
+  if constexpr (gemv_table_possible(BITS, M)) {
     const int tb = gemv_table_blocks(BITS, M, false);  // 0, kGemvMixedTableBlocks (one row only) or 4
     if constexpr (M == 1) {
       if (tb == kGemvMixedTableBlocks) return launch(gemv_kernel<T, BITS, M, kGemvMixedTableBlocks>, Lut<BITS>::kBytes);

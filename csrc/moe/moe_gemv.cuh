@@ -251,7 +251,7 @@ void launch_typed(const MoeGemvParams& p, int max_chunks) {
     launch_kernel(kernel, dim3(static_cast<unsigned>(static_cast<int64_t>(max_chunks) * p.n_tiles * p.splits)),
                   dim3(kThreads), smem, at::cuda::getCurrentCUDAStream(), p.splits, p);
   };
-  if constexpr (BITS <= 4 && !(BITS == 2 && MAX_ROWS == 1)) {
+  if constexpr (gemv_table_possible(BITS, MAX_ROWS)) {
     if (gemv_table_blocks(BITS, MAX_ROWS, true) > 0) {
       return launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, true>, Lut<BITS>::kBytes);
     }

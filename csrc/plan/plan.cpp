@@ -177,7 +177,7 @@ int mma_splits(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms,
 }
 
 int gemv_table_blocks(int64_t bits, int64_t rows, bool grouped) {
-  if (bits < 2 || bits > 4 || (bits == 2 && rows == 1)) return 0;
+  if (!gemv_table_possible(bits, rows)) return 0;
   const int mixed = !grouped && rows == 1 ? kGemvMixedTableBlocks : 4;
   const std::string& forced = overrides::gemv_decode();
   if (forced == "shuffle") return 0;

@@ -114,6 +114,11 @@ int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms);
 // widening the ALU, so a mix can beat either alone. VLLM_KBIT_GEMV_DECODE forces "shuffle" (0),
 // "table" (4) or "mixed" (kGemvMixedTableBlocks for the dense GEMV at one row, 4 elsewhere).
 constexpr int kGemvMixedTableBlocks = 3;
+// Whether a GEMV kernel of k bits and up to `rows` rows can take the table at all (the launchers build
+// table instances only where it can).
+constexpr bool gemv_table_possible(int64_t bits, int64_t rows) {
+  return bits >= 2 && bits <= 4 && !(bits == 2 && rows == 1);
+}
 int gemv_table_blocks(int64_t bits, int64_t rows, bool grouped);
 
 // Rows per chunk of the grouped GEMV for T tokens: 1 for T = 1 (a one-row kernel, fewer registers), else
