@@ -19,11 +19,5 @@ template <int N>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
-// Starts pulling [gmem, gmem + bytes) from HBM into L2 (sm_90; 16-byte aligned, bytes a multiple of 16):
-// nothing lands in shared memory and nothing waits on it, so a kernel whose stages hold one or two tiles
-// still keeps several tiles of its weight stream in flight.
-__device__ __forceinline__ void prefetch_l2(const void* gmem, uint32_t bytes) {
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(gmem), "r"(bytes) : "memory");
-}
 
 }  // namespace kbit

@@ -66,7 +66,6 @@ void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Ten
              plan.m_blocks, ") does not cover M=", L.M);
   L.config = {static_cast<int>(plan.p), static_cast<int>(plan.r), static_cast<int>(plan.m_blocks)};
   L.splits = static_cast<int>(plan.splits);
-  L.l2_ahead = mma_l2_ahead(false);
   launch_k(L, qweight_rt.size(2), A.scalar_type() == at::kBFloat16);
 }
 
@@ -87,7 +86,6 @@ void launch_mma_grouped(const at::Tensor& A, const at::Tensor& chunks, const at:
   L.expert_qbytes = qweight.stride(0) * static_cast<int64_t>(sizeof(int32_t));
   L.expert_abytes = absmax.stride(0);
   L.chunks_early = chunks_early;
-  L.l2_ahead = mma_l2_ahead(true);
   launch_k(L, qweight.size(3), A.scalar_type() == at::kBFloat16);
 }
 

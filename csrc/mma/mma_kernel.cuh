@@ -119,7 +119,6 @@ struct MmaParams {
   // the gate_up chain), so it is complete once this grid runs, and the weight prologue may read it and
   // copy the expert's first tiles before the PDL wait, as the dense launch does.
   bool chunks_early;
-  int l2_ahead;  // k-tiles of weights prefetched into L2 beyond the stages (plan.h: mma_l2_ahead)
 };
 
 // ----------------------------------------------------------------------------- element types
@@ -236,19 +235,6 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   uint8_t* const stages = smem + S::kLutBytes;
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
   const uint32_t x_dst = smem_base + S::kWBytes + x_row * (kRowChunks * 16) + x_slot(x_ch, x_row) * 16;
-
-  // Thread 0 pulls k-tile j of the CTA's R weight tiles (planes and scale codes) into L2; the loop keeps
-  // j l2_ahead k-tiles past the cp.async frontier, so the stage copies read L2 instead of waiting on HBM.
-  const auto prefetch_weights = [&](int j) {
-    if (tid != 0 || j >= nkt) return;
-#pragma unroll
-    for (int rho = 0; rho < R; ++rho) {
-      if (!w_valid[rho]) continue;
-      const int64_t tile = static_cast<int64_t>(col * R + rho) * prm.k_tiles + kt_begin + j;
-      prefetch_l2(qweight + tile * kPlaneBytes, kPlaneBytes);
-      prefetch_l2(absmax + tile * kCodeBytes, kCodeBytes);
-    }
-  };
 
   // Next stage <- the next k-tile: the CTA's R weight tiles verbatim (plane chunks, then scale-code
   // chunks), then its 8P activation rows. Loop bounds are compile-time, so each thread issues a
@@ -384,8 +370,6 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
 
   // Multistage pipeline: k-tile it + kStages - 1 is copied while k-tile it is computed. The copy
   // into a stage is issued after the barrier that follows every warp's last read of it.
-  // (Weights are immutable: their L2 prefetch may run before the PDL wait.)
-  for (int j = S::kStages - 1; j < S::kStages - 1 + prm.l2_ahead; ++j) prefetch_weights(j);
   if (!weights_early) {
 #pragma unroll
     for (int s = 0; s < S::kStages - 1; ++s) {
@@ -420,7 +404,6 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
     const int next = it + S::kStages - 1;
     if (next < nkt) load_stage(next % S::kStages);
     cp_async_commit();
-    if (prm.l2_ahead > 0) prefetch_weights(next + prm.l2_ahead);
     compute_stage(it % S::kStages);
   }
   cp_async_wait<0>();
@@ -489,7 +472,6 @@ struct MmaLaunch {
   const int* num_chunks;
   int64_t expert_qbytes, expert_abytes;
   bool chunks_early;  // grouped only: see MmaParams
-  int l2_ahead;       // see MmaParams
   int device;
   cudaStream_t stream;
 };
@@ -560,7 +542,7 @@ void launch_instance(const MmaLaunch& L) {
                          static_cast<const uint8_t*>(L.absmax), L.codebook, static_cast<const T*>(L.bias),
                          static_cast<T*>(L.C), L.M, L.N, L.K, L.n_tiles, L.k_tiles, splits,
                          reinterpret_cast<const int4*>(L.chunks), L.num_chunks, L.expert_qbytes, L.expert_abytes,
-                         L.chunks_early, L.l2_ahead};
+                         L.chunks_early};
   launch_kernel(kernel, dim3(static_cast<unsigned>(cols * splits), static_cast<unsigned>(L.config.m_blocks)),
                 dim3(kThreads), S::kSmemBytes, L.stream, splits, prm);
 }

@@ -4,7 +4,6 @@
 #include <cstdlib>
 
 #include "check.h"
-#include "plan.h"  // kMmaMaxL2Ahead
 
 namespace kbit {
 namespace overrides {
@@ -57,19 +56,6 @@ const std::string& gemv_decode() {
     return s;
   }();
   return mode;
-}
-
-int64_t mma_l2_ahead() {
-  static const int64_t n = [] {
-    const std::string s = read("VLLM_KBIT_MMA_L2_AHEAD");
-    if (s.empty()) return int64_t{-1};
-    char* end = nullptr;
-    const long v = std::strtol(s.c_str(), &end, 10);
-    KBIT_CHECK(*end == '\0' && v >= 0 && v <= kMmaMaxL2Ahead, "kbit: VLLM_KBIT_MMA_L2_AHEAD=", s,
-               " is not supported; supported: an integer 0..", kMmaMaxL2Ahead, " (k-tiles prefetched into L2)");
-    return static_cast<int64_t>(v);
-  }();
-  return n;
 }
 
 }  // namespace overrides

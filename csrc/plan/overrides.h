@@ -21,9 +21,6 @@ int64_t ws_producers();
 // VLLM_KBIT_GEMV_DECODE: "shuffle", "table" or "mixed", how the GEMV kernels decode k = 2..4 (plan.h:
 // gemv_table_blocks); "" when unset.
 const std::string& gemv_decode();
-// VLLM_KBIT_MMA_L2_AHEAD: k-tiles of weights the MMA kernels prefetch into L2 beyond their copy pipeline,
-// 0..kMmaMaxL2Ahead (plan.h: mma_l2_ahead); -1 when unset.
-int64_t mma_l2_ahead();
 
 }  // namespace overrides
 }  // namespace kbit

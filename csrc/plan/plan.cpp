@@ -191,12 +191,6 @@ int gemv_table_blocks(int64_t bits, int64_t rows, bool grouped) {
   return bits == 4 ? mixed : 4;
 }
 
-int mma_l2_ahead(bool grouped) {
-  const int64_t forced = overrides::mma_l2_ahead();
-  if (forced >= 0) return static_cast<int>(forced);
-  return grouped ? 4 : 4;
-}
-
 int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
   // Cost model: k-tile slots the busiest SM spends (its CTAs times the slowest warp's k-tiles plus
   // kCtaOverhead, times the warps), slowed down when fewer than kStreamingWarps warps per SM have loads

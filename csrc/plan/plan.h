@@ -121,13 +121,6 @@ constexpr bool gemv_table_possible(int64_t bits, int64_t rows) {
 }
 int gemv_table_blocks(int64_t bits, int64_t rows, bool grouped);
 
-// k-tiles of weights an MMA kernel (dense or grouped) prefetches into L2 ahead of its cp.async stages
-// (cp.async.bulk.prefetch.L2, one thread per CTA): the table-decode instances hold one or two tiles per CTA
-// in their stages, too few bytes in flight per SM to stream weights at HBM speed. 0 = none;
-// VLLM_KBIT_MMA_L2_AHEAD forces a value in 0..kMmaMaxL2Ahead.
-constexpr int kMmaMaxL2Ahead = 16;
-int mma_l2_ahead(bool grouped);
-
 // Rows per chunk of the grouped GEMV for T tokens: 1 for T = 1 (a one-row kernel, fewer registers), else
 // kMoeChunkRows.
 int64_t moe_chunk_rows(int64_t tokens);
