@@ -2,7 +2,8 @@
 
 In one process and run, kernel time per call of
   * whole MoE layers (routing / align, gate_up, SiLU * up, down, weighted combine) of the
-    Qwen3-30B-A3B and GLM-4.5-Air routed experts at T tokens:
+    Qwen3-30B-A3B and GLM-4.5-Air routed experts (and, by --layers, Qwen3-Coder-Next's and
+    Qwen3-235B-A22B's) at T tokens:
       kbit         torch.ops.kbit.fused_moe on k = 2..5 bit weights (vllm_kbit.moe.kbit_fused_moe),
       marlin_int4  vLLM's fused_marlin_moe on GPTQ int4 group-128 weights, prepared as vLLM's
                    GPTQ MoE method prepares them (gptq_marlin_moe_repack, marlin_moe_permute_scales),
@@ -74,6 +75,9 @@ from vllm_kbit.moe import kbit_fused_moe  # noqa: E402
 MOE_LAYERS = {  # name: (E, top_k, H, I)
     "qwen3_30b_moe": (128, 8, 2048, 768),
     "glm45_air_moe": (128, 8, 4096, 1408),
+    # The routed experts of two target models whose serving rows trail GPTQ-Marlin (docs/performance.md, big models).
+    "qwen3_coder_next_moe": (512, 10, 2048, 512),
+    "qwen3_235b_moe": (128, 8, 4096, 1536),
 }
 DENSE_LAYERS = {  # name: (K, N)
     "qkv": (2048, 5120),
@@ -81,6 +85,8 @@ DENSE_LAYERS = {  # name: (K, N)
     "llama70b_gate_up": (8192, 28672),
 }
 LAYERS = (*MOE_LAYERS, *DENSE_LAYERS)
+# The default run: the two MoE layers and three dense ones every result so far reports.
+DEFAULT_LAYERS = ("qwen3_30b_moe", "glm45_air_moe", *DENSE_LAYERS)
 MOE_TOKENS = (1, 4, 16, 32, 64, 128, 256, 1024, 4096)
 DENSE_M = (1, 4, 16, 64, 128, 256, 1024)
 QUICK_TOKENS = (1, 16, 256)
@@ -871,7 +877,7 @@ def report(json_path: str) -> tuple:
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=os.path.join(HERE, "results"))
-    ap.add_argument("--layers", default=",".join(LAYERS), help=f"comma list of {', '.join(LAYERS)}")
+    ap.add_argument("--layers", default=",".join(DEFAULT_LAYERS), help=f"comma list of {', '.join(LAYERS)}")
     ap.add_argument("--impls", default=",".join(IMPLS), help=f"comma list of {', '.join(IMPLS)}")
     ap.add_argument("--bits", default="2,3,4,5", help="k of the kbit and humming impls")
     ap.add_argument("--tokens", help=f"comma list of T (MoE tokens and dense M); default MoE {MOE_TOKENS}, dense {DENSE_M}")
