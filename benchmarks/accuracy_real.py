@@ -474,6 +474,17 @@ def plot(records: list[dict], path: pathlib.Path) -> bool:
     return True
 
 
+def gguf_checkpoint(path: str) -> tuple[str, str, str]:
+    """(bf16 checkpoint dir, name, source) of a GGUF model that transformers reads: its weights dequantized once to a
+    bf16 checkpoint under the cache, named by the file's stem (benchmarks/accuracy_moe.py ``--gguf`` uses it too)."""
+    stem = pathlib.Path(path).name.removesuffix(".gguf")
+    source = f"{os.path.abspath(path)} (GGUF, its own quantization types per tensor)"
+    model_dir = os.path.join(real_model.cache_root(), f"{stem}-bf16")
+    if not real_model.is_cached(model_dir):
+        real_model.convert_gguf(path, model_dir, stem, {"conversion_version": real_model.CONVERSION_VERSION, "source": source})
+    return model_dir, stem, source
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", type=int, default=4096)
@@ -496,12 +507,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if args.gguf:  # the file's stem names the checkpoint and its weight caches
-        stem = pathlib.Path(args.gguf).name.removesuffix(".gguf")
-        model_name, source = stem, f"{os.path.abspath(args.gguf)} (GGUF, its own quantization types per tensor)"
-        model_dir = os.path.join(real_model.cache_root(), f"{stem}-bf16")
-        if not real_model.is_cached(model_dir):
-            real_model.convert_gguf(args.gguf, model_dir, stem, {"conversion_version": real_model.CONVERSION_VERSION,
-                                                                  "source": source})
+        model_dir, model_name, source = gguf_checkpoint(args.gguf)
     else:
         model_dir = real_model.checkpoint()
         model_name = real_model.MODEL_NAME

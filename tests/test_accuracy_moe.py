@@ -173,3 +173,87 @@ def test_humming_rtn_has_at_most_2k_levels_per_group_and_pads_k_with_zeros(acc, 
     padded = torch.cat([W, torch.zeros(64, 64, dtype=W.dtype)], 1)
     assert torch.equal(acc.humming_rtn(padded, k)[:, :192], out)
     assert acc.bits_per_weight([(64, 256)], k, *acc.storage("humming", k)[:2]) == pytest.approx(k + 16 / 128)
+
+
+GEMMA3_270M = [(1024, 640), (256, 640), (256, 640), (640, 1024), (2048, 640), (2048, 640), (640, 2048)]  # one layer
+
+
+def test_llm_compressor_takes_its_presets_group_where_it_divides_every_input_size(acc):
+    assert acc.llmc_group(GEMMA3_270M) == 128  # 640, 1024, 2048
+    assert acc.llmc_group(SMOLLM2) == 64  # 576 and 1536 are not multiples of 128
+    assert acc.llmc_group([(1536, 768), (8, 192)]) == 64  # one K that 128 does not divide is enough (the experts' 192)
+    # the group sets llm-compressor's storage only; the bits rule is the same
+    assert acc.storage("llmc-gptq", 4, 128)[:2] == (128, 16)
+    assert acc.storage("llmc-awq", 3, 128)[:2] == (128, 19)
+    assert acc.bits_per_weight(GEMMA3_270M, 4, *acc.storage("llmc-gptq", 4, 128)[:2]) == pytest.approx(4 + 16 / 128)
+    assert acc.bits_per_weight(GEMMA3_270M, 3, *acc.storage("llmc-awq", 3, 128)[:2]) == pytest.approx(3 + 19 / 128)
+    for family in ("kbit", "gptqmodel-gptq", "hqq", "nf4", "humming"):  # every other method keeps its own group
+        assert acc.storage(family, 4, 128) == acc.storage(family, 4)
+
+
+def test_method_rows_name_llm_compressors_group_and_drop_the_expert_controls_without_a_rewrite(acc):
+    smol = acc.method_specs(2048)
+    names = [s[0] for s in smol]
+    assert "llm-compressor GPTQ W4A16 g64" in names and "llm-compressor AWQ W3A16 asym g64" in names
+    assert acc.RTN_CONTROL.format(g="g64") == "llm-compressor RTN W4A16 g64 (control)"  # SmolLM2's names unchanged
+    assert any(s[3] == "kbit-gptq-blockdiag" for s in smol)
+    gemma = acc.method_specs(2048, 128, expert_controls=False)
+    gnames = [s[0] for s in gemma]
+    assert "llm-compressor GPTQ W4A16 g128" in gnames and "llm-compressor AWQ W3A16 asym g128" in gnames
+    assert "llm-compressor RTN W4A16 g128 (control)" in gnames and not any("g64" in n and "llm-compressor" in n for n in gnames)
+    assert not any(s[3] == "kbit-gptq-blockdiag" for s in gemma)
+    # the same rows otherwise, in the same order
+    assert [s[3] for s in gemma] == [s[3] for s in smol if s[3] != "kbit-gptq-blockdiag"]
+
+
+def _rec(model, method, kind, k, ppl, control=False):
+    return {"model": model, "method": method, "kind": kind, "k": k, "perplexity": ppl, "bits_per_weight": k + 0.25,
+            "stored_bits_per_weight": k + 0.25, "top1_agreement": 1.0, "calibrated": "gptq" in kind, "control": control}
+
+
+def test_goal_pairs_find_rows_by_kind_whatever_their_group(acc):
+    recs = [_rec("dense", "kbit-4", "kbit", 4, 30.0), _rec("dense", "kbit-4 --gptq", "kbit-gptq", 4, 28.0),
+            _rec("dense", "HQQ 4-bit g64", "hqq-4", 4, 31.0),
+            _rec("dense", "llm-compressor GPTQ W4A16 g128", "llmc-gptq-w4", 4, 29.0),
+            _rec("dense", "kbit-4 --gptq, calibrated in float32 (control)", "kbit-gptq-fp32", 4, 1.0, control=True),
+            _rec("dense", "llm-compressor RTN W4A16 g128 (control)", "llmc-rtn-w4", 4, 1.0, control=True)]
+    pairs = [(m, a["method"], b["method"]) for m, a, b in acc.goal_pairs(recs)]
+    assert pairs == [("dense", "kbit-4", "HQQ 4-bit g64"), ("dense", "kbit-4 --gptq", "llm-compressor GPTQ W4A16 g128")]
+    lines = acc.goals(recs, [])
+    assert lines[-1].endswith("| 29.000 | yes |") and lines[-2].endswith("| 31.000 | yes |")
+
+
+def test_a_second_models_run_merges_under_its_key_and_gets_its_own_panel(acc, tmp_path):
+    import json
+
+    main = {"date": "d", "records": [_rec("dense", "bf16", "bf16", 16, 12.0), _rec("moe", "bf16", "bf16", 16, 12.0)],
+            "vllm": [], "failures": []}
+    run = {"key": "gemma3_270m", "model": "Gemma 3 270M (GGUF Q4_K_M, dequantized to bf16)",
+           "records": [_rec("dense", "bf16", "bf16", 16, 25.0)], "vllm": [], "failures": []}
+    (tmp_path / "main.json").write_text(json.dumps(main))
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    acc.merge(tmp_path / "main.json", tmp_path / "run.json")
+    merged = json.loads((tmp_path / "main.json").read_text())
+    assert {k: merged[k] for k in main} == main  # the first model's content as it was
+    assert merged["gemma3_270m"] == run and list(acc.extra_models(merged)) == ["gemma3_270m"]
+    titles = [t for t, _ in acc.plot_panels(merged)]
+    assert titles == ["SmolLM2-135M (dense)", f"its Mixtral rewrite ({acc.EXPERTS} experts)", "Gemma 3 270M (dense)"]
+    assert [t for t, _ in acc.plot_panels(run)] == ["Gemma 3 270M (dense)"]
+    # the dense-only table has no MoE columns
+    table = acc.results_table(run["records"], ("dense",))
+    assert table[0] == "| method | calibrated | bits/weight | stored | dense ppl | dense vs bf16 | dense top-1 |"
+    assert table[2] == "| bf16 |  | 16.250 | 16.250 | 25.000 | +0.0% | 100.0% |"
+
+
+def test_rope_parameters_per_layer_type_lose_the_keys_gptqmodel_adds_beside_them(acc):
+    import types
+
+    per_type = {"full_attention": {"rope_theta": 1e6, "rope_type": "default"},
+                "sliding_attention": {"rope_theta": 1e4, "rope_type": "default"}}
+    cfg = types.SimpleNamespace(layer_types=["sliding_attention", "full_attention"],
+                                rope_parameters={**per_type, "rope_type": "default", "rope_theta": {"global": 1e6, "local": 1e4}})
+    assert acc._fix_rope_parameters(cfg) and cfg.rope_parameters == per_type
+    assert acc._fix_rope_parameters(cfg) == [] and cfg.rope_parameters == per_type  # already clean: untouched
+    flat = types.SimpleNamespace(layer_types=["full_attention"], rope_parameters={"rope_theta": 1e4, "rope_type": "default"})
+    assert acc._fix_rope_parameters(flat) == [] and flat.rope_parameters == {"rope_theta": 1e4, "rope_type": "default"}
+    assert acc._fix_rope_parameters(types.SimpleNamespace()) == []
