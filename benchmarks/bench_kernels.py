@@ -72,12 +72,20 @@ from vllm_kbit import reference as fmt  # noqa: E402
 from vllm_kbit.linear import kbit_linear  # noqa: E402
 from vllm_kbit.moe import kbit_fused_moe  # noqa: E402
 
+
+def _config_moe_shape(model: str) -> tuple[int, int, int, int]:
+    """(E, top_k, H, I) of a target model's routed experts, from its public config in benchmarks/serve/configs/."""
+    with open(os.path.join(HERE, "serve", "configs", f"{model}.json")) as f:
+        c = json.load(f)
+    return c["num_experts"], c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"]
+
+
 MOE_LAYERS = {  # name: (E, top_k, H, I)
     "qwen3_30b_moe": (128, 8, 2048, 768),
     "glm45_air_moe": (128, 8, 4096, 1408),
     # The routed experts of two target models whose serving rows trail GPTQ-Marlin (docs/performance.md, big models).
-    "qwen3_coder_next_moe": (512, 10, 2048, 512),
-    "qwen3_235b_moe": (128, 8, 4096, 1536),
+    "qwen3_coder_next_moe": _config_moe_shape("qwen3-coder-next"),
+    "qwen3_235b_moe": _config_moe_shape("qwen3-235b-a22b"),
 }
 DENSE_LAYERS = {  # name: (K, N)
     "qkv": (2048, 5120),
