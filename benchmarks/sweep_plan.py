@@ -11,7 +11,7 @@ is a subcommand; each writes <out>/<stem>_<gpu>_<date>.{json,md} (the stems the 
         (kGemvPathMaxM), the MMA kernel against the wgmma kernels (Hopper) near kMmaMaxM (--paths mma,wgmma,
         wgmma_ws); outputs checked against x @ dequantize_runtime(W)^T first. Stem dense_paths.
     python benchmarks/sweep_plan.py moe_chunk_rows [--layers qwen3_30b_moe,glm45_air_moe] [--bits 2,3,4,5]
-        The grouped MoE MMA's chunk height (8, 16, 32, 64 rows; moe_mma_chunk_rows) per T: gate_up + down through
+        The grouped MoE MMA's chunk height (8, 16, 24, 32, 64 rows; moe_mma_chunk_rows) per T: gate_up + down through
         kbit::_moe_route + kbit::_moe_grouped_linear. Stem sweep_moe_chunk_rows.
     python benchmarks/sweep_plan.py moe_grid [--layers ...] [--bits ...] [--tokens 4,16,64] [--splits 1,2,3,4]
         The grouped MoE MMA's K splits and row groups per warp per projection (mma_splits, mma_grouped_r), at
@@ -290,7 +290,7 @@ def dense_paths_report(args, meta: Meta, rows: list) -> list[str]:
 
 
 CHUNK_TS = (16, 32, 64, 128, 256, 512, 1024)
-HEIGHTS = (8, 16, 32, 64)
+HEIGHTS = (8, 16, 24, 32, 64)
 CHUNK_ROUTINGS = 4
 
 

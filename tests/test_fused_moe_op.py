@@ -197,9 +197,10 @@ def test_moe_plan_paths_and_workspace():
     assert plan(3, 8, 128)[0] == "grouped_mma"  # 24 slots: past the GEMV's
     assert plan(1, 8, 8)[0] == "grouped_mma"  # 8 slots on 8 experts: most experts would hold a row
     # Chunk height by average rows per busy expert (8T / 128 here) and k: 8 up to 4 rows (k = 2: up to 8),
-    # 16 up to 32 (k = 5: 32 from 9), 64 beyond.
-    heights = {2: ((16, 8), (64, 8), (128, 8), (129, 16), (512, 16), (513, 64), (2048, 64)),
-               4: ((16, 8), (64, 8), (65, 16), (128, 16), (512, 16), (513, 64), (1024, 64)),
+    # 16 up to 12, 24 up to 32 (k = 2, 3: up to 63), 64 beyond; k = 5: 16 up to 8, 32 up to 32, 64 beyond.
+    heights = {2: ((16, 8), (64, 8), (128, 8), (129, 16), (192, 16), (193, 24), (512, 24), (1000, 24)),
+               3: ((64, 8), (65, 16), (192, 16), (193, 24), (1000, 24)),
+               4: ((16, 8), (64, 8), (65, 16), (128, 16), (192, 16), (193, 24), (512, 24), (513, 64), (1000, 64)),
                5: ((64, 8), (65, 16), (128, 16), (129, 32), (512, 32), (513, 64))}
     for bits, cases in heights.items():
         for T, rows in cases:

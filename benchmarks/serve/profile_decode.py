@@ -141,7 +141,13 @@ def main() -> None:
     ap.add_argument("--batches", default="1,16", help="decode batch sizes (requests in flight)")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--decode-steps", type=int, default=16)
-    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=sorted(model_dir.SHAPES))
+    ap.add_argument("--shape", default="qwen3-30b-a3b", choices=model_dir.names(),
+                    help="a Qwen3-MoE shape or a public model's recorded config (benchmarks/serve/configs/)")
+    ap.add_argument("--routing", default="uniform_random", choices=("uniform_random", "model"),
+                    help="routed experts per token: uniformly random (vLLM's VLLM_MOE_ROUTING_SIMULATION_STRATEGY; "
+                    "dummy weights route by the method's own garbage activations otherwise) or the model's router")
+    ap.add_argument("--layers", type=int, help="serve only the first N decoder layers (per-layer times stay those of "
+                    "the full model; loading is quicker)")
     ap.add_argument("--max-model-len", type=int, default=2048)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     ap.add_argument("--eager", action="store_true", help="no torch.compile / CUDA graphs (vLLM's --enforce-eager)")
@@ -150,19 +156,24 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/kbit_serve")
     args = ap.parse_args()
 
+    if args.routing != "model":
+        os.environ["VLLM_MOE_ROUTING_SIMULATION_STRATEGY"] = args.routing
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
     method = METHODS[args.method]
-    qc = model_dir.GPTQ_INT4 if method.model_variant == "gptq-int4" else None
+    qc = model_dir.gptq_config(args.shape) if method.model_variant == "gptq-int4" else None
     model = model_dir.write(args.shape, os.path.join(args.work, f"{args.shape}-{method.model_variant}"), qc)
+    kwargs = dict(method.llm_kwargs)
+    if args.layers:
+        kwargs["hf_overrides"] = {**kwargs.get("hf_overrides", {}), "num_hidden_layers": args.layers}
     device = torch.cuda.is_available()
     t0 = time.monotonic()
     llm = LLM(model=model, load_format="dummy", max_model_len=args.max_model_len, seed=0,
               gpu_memory_utilization=args.gpu_memory_utilization, enable_prefix_caching=False,
-              enforce_eager=args.eager, **dict(method.llm_kwargs))
+              enforce_eager=args.eager, **kwargs)
     print(f"{args.method}: engine up in {time.monotonic() - t0:.0f} s", flush=True)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device else [])
     gen = torch.Generator().manual_seed(0)
@@ -200,8 +211,8 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     today = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     path = os.path.join(out_dir, f"profile_{gpu.replace(' ', '_')}_{today}.md")
-    header = (f"## {args.method} on {gpu}, {args.shape} shape (dummy weights), commit {commit()}, "
-              f"{'eager' if args.eager else 'torch.compile + CUDA graphs'}\n\n"
+    header = (f"## {args.method} on {gpu}, {args.shape} shape{f' ({args.layers} layers)' if args.layers else ''} (dummy weights), commit {commit()}, "
+              f"{'eager' if args.eager else 'torch.compile + CUDA graphs'}, routing {args.routing}\n\n"
               f"`python3 benchmarks/serve/profile_decode.py {' '.join(sys.argv[1:])}`\n\n")
     with open(path, "a") as f:
         f.write(header + "\n".join(parts) + "\n")

@@ -68,12 +68,12 @@ constexpr int tile_bytes() {
 }
 
 // How an instance decodes: through a shared-memory table of 16-bit pairs / quads (dequant_core.cuh:
-// Lut) for k = 2..4 at p <= 2, where decode instructions bound the kernel; by register shuffle at
+// Lut) for k = 2..4 at p <= 3, where decode instructions bound the kernel; by register shuffle at
 // k = 5 (no table of pairs fits) and at p >= 4, where MMAs per weight grow with p and the table's
 // 32 KB would take the pipeline stages the larger activation tiles need.
 template <int BITS, int P>
 constexpr bool uses_lut() {
-  return BITS <= 4 && P <= 2;
+  return BITS <= 4 && P <= 3;
 }
 template <int BITS, int P>
 constexpr int lut_bytes() {
@@ -552,8 +552,11 @@ void launch_instance(const MmaLaunch& L) {
 template <typename T, int BITS, bool kGrouped>
 void launch_bits(const MmaLaunch& L) {
   const int p = L.config.p, r = L.config.r;
-#define KBIT_MMA_CASE(P_, R_) \
-  if (p == P_ && r == R_) return launch_instance<T, BITS, P_, R_, kGrouped>(L);
+// p = 3 has grouped instances only (plan.h: mma_dense_built_p); a dense launch of it falls through to the error.
+#define KBIT_MMA_CASE(P_, R_)                                                          \
+  if constexpr (kGrouped || mma_dense_built_p(P_)) {                                   \
+    if (p == P_ && r == R_) return launch_instance<T, BITS, P_, R_, kGrouped>(L);      \
+  }
   KBIT_MMA_INSTANCES(KBIT_MMA_CASE)
 #undef KBIT_MMA_CASE
   KBIT_CHECK(false, "kbit mma: no kernel for p=", p, " r=", r);
@@ -574,8 +577,10 @@ MmaInstanceFacts mma_facts_k(int p, int r, bool grouped, bool bf16, int device) 
 #define KBIT_MMA_FACTS(P_, R_)                                                      \
   if (p == P_ && r == R_) {                                                          \
     if (grouped) return instance_facts<__nv_bfloat16, BITS, P_, R_, true>(device);   \
-    if (bf16) return instance_facts<__nv_bfloat16, BITS, P_, R_, false>(device);     \
-    return instance_facts<__half, BITS, P_, R_, false>(device);                      \
+    if constexpr (mma_dense_built_p(P_)) {                                           \
+      if (bf16) return instance_facts<__nv_bfloat16, BITS, P_, R_, false>(device);   \
+      return instance_facts<__half, BITS, P_, R_, false>(device);                    \
+    }                                                                                \
   }
   KBIT_MMA_INSTANCES(KBIT_MMA_FACTS)
 #undef KBIT_MMA_FACTS

@@ -225,17 +225,20 @@ int64_t moe_chunk_rows(int64_t tokens) { return tokens == 1 ? 1 : kMoeChunkRows;
 
 // From the average rows of an expert that got any, avg = ceil(S / min(E, S)). Every chunk decodes its
 // expert's weights once, so a height below an expert's rows decodes them again per chunk, and one far
-// above multiplies padding MMAs. Heights 8 and 16 (p <= 2) decode through the per-lane table
-// (mma_kernel.cuh, uses_lut), which makes 16 rows cheap: from 8 average rows (many experts past 8) 16
-// wins, and stays best up to 32 average rows except at k = 5, whose wider decode favours 32; past 32, 64.
+// above multiplies padding MMAs. Heights 8, 16 and 24 (p <= 3) decode through the per-lane table
+// (mma_kernel.cuh, uses_lut), which makes them cheap: 16 wins from 8 average rows; from 16 average rows
+// (Poisson counts past 16 re-decode a 16-row expert) 24 wins up to 32, and at k = 2, 3 beyond (measured to 64);
+// k = 4 past 32 and k = 5 past 8 favour the wider 32 / 64 (k = 5 decodes by shuffle, no table).
 // At k = 2 the 8-row table decode is cheap enough that re-decoding beats padding up to 8 average rows.
-// Measured per T and k: benchmarks/sweep_plan.py moe_chunk_rows (docs/decisions.md, "Grouped MMA chunk height").
+// Measured per T and k: benchmarks/sweep_plan.py moe_chunk_rows (docs/decisions.md, "Grouped MMA chunk height");
+// the 16 -> 24 switch at 12 average rows lies between the measured 8 (16 wins) and 16 (24 wins).
 int64_t moe_mma_chunk_rows(int64_t slots, int64_t experts, int bits) {
   const int64_t busy = std::max<int64_t>(1, std::min(experts, slots));
   const int64_t avg = (slots + busy - 1) / busy;
   if (avg <= 4 || (avg <= 8 && bits == 2)) return 8;
-  if (avg <= 32) return bits == 5 && avg > 8 ? 32 : 16;
-  return 64;
+  if (bits == 5) return avg <= 8 ? 16 : avg <= 32 ? 32 : 64;
+  if (avg <= 12) return 16;
+  return avg <= 32 || bits <= 3 ? 24 : 64;
 }
 
 int64_t moe_max_chunks(int64_t slots, int64_t experts, int64_t chunk_rows) {
@@ -386,7 +389,9 @@ MoeProjPlan moe_grouped_mma_plan(int64_t rows, int64_t experts, int64_t chunk_ro
                                  int64_t k_tiles, int64_t bits, const DeviceFacts& facts, int64_t row_groups,
                                  int64_t splits) {
   MoeProjPlan plan;
-  plan.p = mma_config(chunk_rows, n_tiles, 1).p;  // 8p == chunk_rows: one CTA row covers a chunk
+  KBIT_CHECK_VALUE(mma_grouped_chunk_rows(chunk_rows), "kbit fused_moe: the grouped MMA takes chunks of 8, 16, 24, 32 or ",
+                   "64 rows, not ", chunk_rows);
+  plan.p = chunk_rows / 8;  // one CTA row covers a chunk
   plan.m_blocks = grid_rows;
   KBIT_CHECK_VALUE(row_groups == 0 || mma_built(static_cast<int>(plan.p), static_cast<int>(row_groups)),
                    "kbit fused_moe: row_groups=", row_groups, " is not a built grouped MMA shape for ", chunk_rows,

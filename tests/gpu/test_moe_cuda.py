@@ -271,7 +271,7 @@ def test_routing_matches_reference(seed):
     assert S >= n_local
 
 
-@pytest.mark.parametrize("rows", [1, 4, 8, 16, 32, 64, 256])
+@pytest.mark.parametrize("rows", [1, 4, 8, 16, 24, 32, 64, 256])
 @pytest.mark.parametrize("M", [1, 3, 16, 37, 130, 600])
 def test_grouped_single_projection(rows, M):
     """_moe_grouped_linear on rows already grouped by expert (the single-GEMM benchmark's op): the
