@@ -380,6 +380,29 @@ def test_big_row_serves_dummy_weights_with_the_method_and_the_gdn_backend(tmp_pa
     assert big.torch_peak_gib("no kbit line") == {}
 
 
+def test_routing_option_sets_vllms_routing_simulation_for_the_server_and_the_records(tmp_path, monkeypatch):
+    """--routing uniform_random: the server's environment has VLLM_MOE_ROUTING_SIMULATION_STRATEGY, the recorded
+    command line starts with it and each record names the routing; the default leaves the model's router."""
+    import vllm_server as vs
+
+    started = {}
+
+    def fake_start(model, port, log_path, args, env=None):
+        started.update(env=env)
+        return vs.Server(["vllm", "serve", model], log_path, port, None)
+
+    monkeypatch.setattr(vs, "start", fake_start)
+    for argv, env in (([], {}), (["--routing", "uniform_random"], {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": "uniform_random"})):
+        _, run = _big_row(monkeypatch, tmp_path, ["--model", "glm-4.7-flash", "--method", "kbit-4", *argv])
+        server = run.start_server("m", str(tmp_path / "log"), run.method_)
+        assert started["env"] == env
+        line = run.command_line(server)
+        assert line.startswith("VLLM_MOE_ROUTING_SIMULATION_STRATEGY=uniform_random vllm serve m") == bool(env)
+        assert run.context(run.method_, "m", (1024, 256, 2), 16, {}, line)["routing"] == run.args.routing
+    with pytest.raises(SystemExit):
+        _big_row(monkeypatch, tmp_path, ["--model", "glm-4.7-flash", "--method", "kbit-4", "--routing", "skewed"])
+
+
 def test_big_rows_report_load_memory_and_throughput_per_gpu(tmp_path, monkeypatch):
     big, run = _big_row(monkeypatch, tmp_path, ["--model", "qwen3-235b-a22b", "--method", "kbit-3"])
     facts = {"weight_gib": 91.2, "weight_gib_estimate": 90.9, "kv_cache_tokens": 301000, "startup_s": 420.0,

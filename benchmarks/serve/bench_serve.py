@@ -167,6 +167,18 @@ class Run:
                 "--gpu-memory-utilization", str(a.gpu_memory_utilization), "--no-enable-prefix-caching",
                 "--disable-uvicorn-access-log", *method.serve_args, *shlex.split(a.server_args)]
 
+    def server_env(self) -> dict:
+        """The server's extra environment: vLLM's routing simulation unless --routing model."""
+        r = self.args.routing
+        return {} if r == "model" else {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": r}
+
+    def start_server(self, model: str, log_path: str, method: Method) -> vllm_server.Server:
+        return vllm_server.start(model, free_port(), log_path, self.serve_args(method), self.server_env())
+
+    def command_line(self, server: vllm_server.Server) -> str:
+        """The server's command as a shell would run it, its extra environment first."""
+        return shlex.join([f"{k}={v}" for k, v in self.server_env().items()] + server.command)
+
     def context(self, method: Method, model: str, setting: tuple[int, int, int], c: int, facts: dict, command: str,
                 repeat: int = 0) -> dict:
         return {
@@ -176,7 +188,7 @@ class Run:
             "tp": self.args.tp, "method": method.name, "bits": method.bits,
             "concurrency": c, "input_len": setting[0], "output_len": setting[1],
             "num_prompts": num_prompts(c, setting[2], self.min_prompts), "repeat": repeat, **facts,
-            "command": command,
+            "routing": self.args.routing, "command": command,
         }
 
     def save(self, record: dict) -> None:
@@ -198,7 +210,7 @@ class Run:
             "--ignore-eos", "--num-warmups", "1", "--disable-tqdm", "--save-result", "--result-dir", result_dir,
             "--result-filename", name,
         ]
-        command = f"{shlex.join(server.command)} && {shlex.join(vllm_server.bench_command() + bench_args)}"
+        command = f"{self.command_line(server)} && {shlex.join(vllm_server.bench_command() + bench_args)}"
         ctx = self.context(method, model, setting, c, facts, command, repeat)
         timeout = min(self.args.bench_timeout, self.left() - STOP_RESERVE_S)
         path = os.path.join(result_dir, name)
@@ -239,8 +251,8 @@ class Run:
             self.say(f"{method.name}: skipped, {self.left():.0f} s left (< --min-start-s {a.min_start_s})")
             return
         log_path = os.path.join(a.work, f"server_{method.name}.log")
-        server = vllm_server.start(model, free_port(), log_path, self.serve_args(method))
-        self.say(f"{method.name}: starting {shlex.join(server.command)}")
+        server = self.start_server(model, log_path, method)
+        self.say(f"{method.name}: starting {self.command_line(server)}")
         try:
             try:
                 startup = server.wait_healthy(min(a.start_timeout, self.left() - STOP_RESERVE_S))
@@ -249,7 +261,7 @@ class Run:
                 why = f"{e}; " + " | ".join(errors)
                 self.say(f"{method.name}: {why}\n  log: {log_path}")
                 for setting, c, i in steps:
-                    ctx = self.context(method, model, setting, c, {}, shlex.join(server.command), i)
+                    ctx = self.context(method, model, setting, c, {}, self.command_line(server), i)
                     self.save(records.failed(ctx, why))
                 return
             facts = {**vllm_server.log_facts(server.log_text()), "startup_s": round(startup, 1)}
@@ -264,7 +276,7 @@ class Run:
         finally:
             server.stop()
             with open(self.servers_log, "a") as out:
-                out.write(f"\n===== {method.name}: {shlex.join(server.command)}\n{server.log_text()}")
+                out.write(f"\n===== {method.name}: {self.command_line(server)}\n{server.log_text()}")
 
     def run(self) -> None:
         methods = parse_methods(self.args.methods)
@@ -288,6 +300,9 @@ def add_serve_options(ap: argparse.ArgumentParser, *, concurrency: str, stem: st
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     ap.add_argument("--server-args", default="", help="extra `vllm serve` arguments, one shell-quoted string")
+    ap.add_argument("--routing", default="model", choices=("model", "uniform_random"),
+                    help="routed experts per token: the model's router (with dummy weights it routes by each method's "
+                    "own random activations) or uniformly random (vLLM's VLLM_MOE_ROUTING_SIMULATION_STRATEGY)")
     ap.add_argument("--out", help="output folder (default: benchmarks/results)")
     ap.add_argument("--tag", help=f"output file stem (default: {stem})")
     ap.add_argument("--work", default=work, help="model directories, server logs, raw bench JSON")

@@ -131,8 +131,8 @@ class BigRun(bench_serve.Run):
         log_path = os.path.join(a.work, f"server_{self.model_name}_{method.name}_tp{a.tp}.log")
         loaded_at: list[datetime.datetime] = []
         with gpu_monitor.MemorySampler() as memory:
-            server = vllm_server.start(model, bench_serve.free_port(), log_path, self.serve_args(method))
-            command = shlex.join(server.command)
+            server = self.start_server(model, log_path, method)
+            command = self.command_line(server)
             self.say(f"{method.name}: starting {command}")
 
             def watch() -> None:  # the moment the weights are loaded ends the loading phase
