@@ -127,7 +127,7 @@ MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups) {
 
 int mma_grouped_r(int p, int64_t n_tiles, int64_t k_tiles, int bits, int64_t expected_chunks, int64_t num_sms) {
   // Wide warps wherever an expert has the rows for them: all experts' chunks share one launch, so
-  // there are CTAs enough either way (unlike a narrow dense weight). At p <= 2 the table-decode
+  // there are CTAs enough either way (unlike a narrow dense weight). At p <= 3 the table-decode
   // instances (mma_kernel.cuh: uses_lut) spread each k-tile's fixed costs (table offsets, scale
   // codes, B fragments) over four row groups; at p = 4 and 8 each activation fragment read from
   // shared memory serves 4 (2) row groups, as on wide dense weights (mma_config).
