@@ -169,8 +169,7 @@ class Run:
 
     def server_env(self) -> dict:
         """The server's extra environment: vLLM's routing simulation unless --routing model."""
-        r = self.args.routing
-        return {} if r == "model" else {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": r}
+        return routing_env(self.args.routing)
 
     def start_server(self, model: str, log_path: str, method: Method) -> vllm_server.Server:
         return vllm_server.start(model, free_port(), log_path, self.serve_args(method), self.server_env())
@@ -291,6 +290,16 @@ class Run:
         self.say(f"done; {self.stem}.md")
 
 
+# --routing: "model" (the model's router; with dummy weights it routes by each method's own random activations) or a
+# routing strategy of vLLM's simulator (VLLM_MOE_ROUTING_SIMULATION_STRATEGY), the same for every method.
+ROUTINGS = ("model", "uniform_random")
+
+
+def routing_env(routing: str) -> dict:
+    """The environment that makes vLLM route as --routing says ({} for the model's router)."""
+    return {} if routing == "model" else {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": routing}
+
+
 def add_serve_options(ap: argparse.ArgumentParser, *, concurrency: str, stem: str, work: str, deadline_help: str,
                       deadline: float, start_timeout: float, bench_timeout: float, min_bench_s: float) -> None:
     """The options this script and big.py share (the server, the benches, the output, the time limits), with
@@ -300,7 +309,7 @@ def add_serve_options(ap: argparse.ArgumentParser, *, concurrency: str, stem: st
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     ap.add_argument("--server-args", default="", help="extra `vllm serve` arguments, one shell-quoted string")
-    ap.add_argument("--routing", default="model", choices=("model", "uniform_random"),
+    ap.add_argument("--routing", default="model", choices=ROUTINGS,
                     help="routed experts per token: the model's router (with dummy weights it routes by each method's "
                     "own random activations) or uniformly random (vLLM's VLLM_MOE_ROUTING_SIMULATION_STRATEGY)")
     ap.add_argument("--out", help="output folder (default: benchmarks/results)")

@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
 
 import model_dir  # noqa: E402
-from bench_serve import commit, gpu_name, parse_concurrency  # noqa: E402
+from bench_serve import ROUTINGS, commit, gpu_name, parse_concurrency, routing_env  # noqa: E402
 from methods import METHODS  # noqa: E402
 
 # First match wins; names are matched lower-cased.
@@ -143,9 +143,7 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=model_dir.names(),
                     help="a Qwen3-MoE shape or a public model's recorded config (benchmarks/serve/configs/)")
-    ap.add_argument("--routing", default="uniform_random", choices=("uniform_random", "model"),
-                    help="routed experts per token: uniformly random (vLLM's VLLM_MOE_ROUTING_SIMULATION_STRATEGY; "
-                    "dummy weights route by the method's own garbage activations otherwise) or the model's router")
+    ap.add_argument("--routing", default="model", choices=ROUTINGS, help="as bench_serve.py's --routing")
     ap.add_argument("--layers", type=int, help="serve only the first N decoder layers (per-layer times stay those of "
                     "the full model; loading is quicker)")
     ap.add_argument("--max-model-len", type=int, default=2048)
@@ -156,8 +154,7 @@ def main() -> None:
     ap.add_argument("--work", default="/tmp/kbit_serve")
     args = ap.parse_args()
 
-    if args.routing != "model":
-        os.environ["VLLM_MOE_ROUTING_SIMULATION_STRATEGY"] = args.routing
+    os.environ.update(routing_env(args.routing))  # before vLLM reads its environment
     import torch
     from torch.profiler import ProfilerActivity, profile
     from vllm import LLM, SamplingParams
