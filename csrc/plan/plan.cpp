@@ -389,8 +389,8 @@ MoeProjPlan moe_grouped_mma_plan(int64_t rows, int64_t experts, int64_t chunk_ro
                                  int64_t k_tiles, int64_t bits, const DeviceFacts& facts, int64_t row_groups,
                                  int64_t splits) {
   MoeProjPlan plan;
-  KBIT_CHECK_VALUE(mma_grouped_chunk_rows(chunk_rows), "kbit fused_moe: the grouped MMA takes chunks of 8, 16, 24, 32 or ",
-                   "64 rows, not ", chunk_rows);
+  KBIT_CHECK_VALUE(mma_grouped_chunk_rows(chunk_rows), "kbit fused_moe: the grouped MMA takes chunks of ",
+                   kMmaGroupedChunkRowsText, " rows, not ", chunk_rows);
   plan.p = chunk_rows / 8;  // one CTA row covers a chunk
   plan.m_blocks = grid_rows;
   KBIT_CHECK_VALUE(row_groups == 0 || mma_built(static_cast<int>(plan.p), static_cast<int>(row_groups)),

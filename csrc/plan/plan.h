@@ -34,10 +34,11 @@ constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memor
 #define KBIT_MMA_INSTANCES(X) X(1, 1) X(1, 4) X(2, 1) X(2, 4) X(3, 1) X(3, 4) X(4, 1) X(4, 4) X(8, 1) X(8, 2)
 // p = 3 (24-row chunks) is built for the grouped (routed-expert) launches only; dense M maps to p = 1, 2, 4, 8.
 constexpr bool mma_dense_built_p(int p) { return p != 3; }
-// Chunk heights (rows of one expert per CTA row, 8p) the grouped MMA is built for.
+// Chunk heights (rows of one expert per CTA row, 8p) the grouped MMA is built for, and the same list for messages.
 constexpr bool mma_grouped_chunk_rows(int64_t rows) {
   return rows == 8 || rows == 16 || rows == 24 || rows == 32 || rows == 64;
 }
+constexpr const char* kMmaGroupedChunkRowsText = "8, 16, 24, 32 or 64";
 
 // Whether a kernel is built for p activation tiles and r row groups (KBIT_MMA_INSTANCES).
 bool mma_built(int p, int r);
