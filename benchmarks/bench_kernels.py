@@ -72,11 +72,13 @@ from vllm_kbit import reference as fmt  # noqa: E402
 from vllm_kbit.linear import kbit_linear  # noqa: E402
 from vllm_kbit.moe import kbit_fused_moe  # noqa: E402
 
+sys.path.insert(0, os.path.join(HERE, "serve"))
+import model_dir  # noqa: E402  (the target models' recorded configs)
+
 
 def _config_moe_shape(model: str) -> tuple[int, int, int, int]:
-    """(E, top_k, H, I) of a target model's routed experts, from its public config in benchmarks/serve/configs/."""
-    with open(os.path.join(HERE, "serve", "configs", f"{model}.json")) as f:
-        c = json.load(f)
+    """(E, top_k, H, I) of a target model's routed experts, from its recorded public config (serve/model_dir.py)."""
+    c = model_dir.public_config(model)
     return c["num_experts"], c["num_experts_per_tok"], c["hidden_size"], c["moe_intermediate_size"]
 
 
