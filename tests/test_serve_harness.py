@@ -438,3 +438,16 @@ def test_big_rows_of_separate_calls_merge_into_one_table(tmp_path, monkeypatch):
     with open(md) as f:
         text = f.read()
     assert "| glm-4.7-flash | kbit-4 | 1 |" in text and "| glm-4.5-air | bf16 | 4 |" in text and "| 900 | 225 |" in text
+
+
+def test_big_rows_of_one_method_under_two_routings_stay_apart(tmp_path, monkeypatch):
+    big, a = _big_row(monkeypatch, tmp_path / "a", ["--model", "qwen3-235b-a22b", "--method", "kbit-4"])
+    _, b = _big_row(monkeypatch, tmp_path / "b", ["--model", "qwen3-235b-a22b", "--method", "kbit-4",
+                                                  "--routing", "uniform_random"])
+    for run, tok in ((a, 400.0), (b, 500.0)):
+        ctx = run.context(run.method_, "m", run.settings[0], 16, {"weight_gib": 118.0}, "vllm serve m")
+        run.save(records.from_bench(_bench(tok, 32, 32 * 256), ctx))
+    with open(big.merge([a.results, b.results], str(tmp_path / "all" / "serve_big_x"))) as f:
+        text = f.read()
+    assert "| qwen3-235b-a22b | kbit-4 | 1 |" in text and "| 400 | 400 |" in text
+    assert "| qwen3-235b-a22b | kbit-4, uniform_random routing | 1 |" in text and "| 500 | 500 |" in text

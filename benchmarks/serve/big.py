@@ -193,11 +193,19 @@ class BigRun(bench_serve.Run):
 
 # ---- report: one table row per (model, method, GPUs) --------------------------------------------------------------
 
+def method_label(r: dict) -> str:
+    """A row's method, with the routing where it is not the model's router (--routing), so rows of one method under
+    different routings stay apart."""
+    routing = r.get("routing") or "model"
+    return r["method"] if routing == "model" else f"{r['method']}, {routing} routing"
+
+
 def rows(recs: list[dict]) -> dict[tuple, dict[int, dict]]:
-    """(model_name, method, gpus) -> {concurrency: the last record}, rows in the order first seen."""
+    """(model_name, method label, gpus) -> {concurrency: the last record}, rows in the order first seen."""
     out: dict[tuple, dict[int, dict]] = {}
     for r in recs:
-        out.setdefault((r.get("model_name", r["model"]), r["method"], r.get("gpus", r.get("tp", 1))), {})[r["concurrency"]] = r
+        key = (r.get("model_name", r["model"]), method_label(r), r.get("gpus", r.get("tp", 1)))
+        out.setdefault(key, {})[r["concurrency"]] = r
     return out
 
 
