@@ -290,14 +290,15 @@ class Run:
         self.say(f"done; {self.stem}.md")
 
 
-# --routing: "model" (the model's router; with dummy weights it routes by each method's own random activations) or a
-# routing strategy of vLLM's simulator (VLLM_MOE_ROUTING_SIMULATION_STRATEGY), the same for every method.
-ROUTINGS = ("model", "uniform_random")
+# --routing: MODEL_ROUTING (the model's router; with dummy weights it routes by each method's own random activations)
+# or a routing strategy of vLLM's simulator (VLLM_MOE_ROUTING_SIMULATION_STRATEGY), the same for every method.
+MODEL_ROUTING = "model"
+ROUTINGS = (MODEL_ROUTING, "uniform_random")
 
 
 def routing_env(routing: str) -> dict:
     """The environment that makes vLLM route as --routing says ({} for the model's router)."""
-    return {} if routing == "model" else {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": routing}
+    return {} if routing == MODEL_ROUTING else {"VLLM_MOE_ROUTING_SIMULATION_STRATEGY": routing}
 
 
 def add_serve_options(ap: argparse.ArgumentParser, *, concurrency: str, stem: str, work: str, deadline_help: str,
@@ -309,7 +310,7 @@ def add_serve_options(ap: argparse.ArgumentParser, *, concurrency: str, stem: st
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--gpu-memory-utilization", type=float, default=0.92)
     ap.add_argument("--server-args", default="", help="extra `vllm serve` arguments, one shell-quoted string")
-    ap.add_argument("--routing", default="model", choices=ROUTINGS,
+    ap.add_argument("--routing", default=MODEL_ROUTING, choices=ROUTINGS,
                     help="routed experts per token: the model's router (with dummy weights it routes by each method's "
                     "own random activations) or uniformly random (vLLM's VLLM_MOE_ROUTING_SIMULATION_STRATEGY)")
     ap.add_argument("--out", help="output folder (default: benchmarks/results)")

@@ -196,8 +196,8 @@ class BigRun(bench_serve.Run):
 def method_label(r: dict) -> str:
     """A row's method, with the routing where it is not the model's router (--routing), so rows of one method under
     different routings stay apart."""
-    routing = r.get("routing") or "model"
-    return r["method"] if routing == "model" else f"{r['method']}, {routing} routing"
+    routing = r.get("routing") or bench_serve.MODEL_ROUTING  # rows recorded before --routing existed
+    return r["method"] if routing == bench_serve.MODEL_ROUTING else f"{r['method']}, {routing} routing"
 
 
 def rows(recs: list[dict]) -> dict[tuple, dict[int, dict]]:

@@ -34,7 +34,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, REPO)
 
 import model_dir  # noqa: E402
-from bench_serve import ROUTINGS, commit, gpu_name, parse_concurrency, routing_env  # noqa: E402
+from bench_serve import MODEL_ROUTING, ROUTINGS, commit, gpu_name, parse_concurrency, routing_env  # noqa: E402
 from methods import METHODS  # noqa: E402
 
 # First match wins; names are matched lower-cased.
@@ -143,7 +143,7 @@ def main() -> None:
     ap.add_argument("--decode-steps", type=int, default=16)
     ap.add_argument("--shape", default="qwen3-30b-a3b", choices=model_dir.names(),
                     help="a Qwen3-MoE shape or a public model's recorded config (benchmarks/serve/configs/)")
-    ap.add_argument("--routing", default="model", choices=ROUTINGS, help="as bench_serve.py's --routing")
+    ap.add_argument("--routing", default=MODEL_ROUTING, choices=ROUTINGS, help="as bench_serve.py's --routing")
     ap.add_argument("--layers", type=int, help="serve only the first N decoder layers (per-layer times stay those of "
                     "the full model; loading is quicker)")
     ap.add_argument("--max-model-len", type=int, default=2048)
