@@ -313,8 +313,9 @@ def plot(recs: list[dict], path: str) -> bool:
         return False
     table = dict(sorted(rows(recs).items(), key=lambda kv: kv[0][0]))  # one model's rows side by side
     concs = sorted({c for by_c in table.values() for c in by_c if c > 1})
-    labels = [f"{m}\n{x}, {g} GPU{'s' if g > 1 else ''}" for m, x, g in table]
-    fig, ax = plt.subplots(figsize=(max(8, 1.1 * len(labels)), 5))
+    # One line per part of the method label ("kbit-4", "uniform_random routing"), so long labels do not overlap.
+    labels = [f"{m}\n{x.replace(', ', chr(10))}\n{g} GPU{'s' if g > 1 else ''}" for m, x, g in table]
+    fig, ax = plt.subplots(figsize=(max(8, 1.4 * len(labels)), 5))
     width = 0.8 / max(1, len(concs))
     for j, c in enumerate(concs):
         vals = [(by_c[c]["output_tok_s"] or 0) / g if c in by_c else 0 for (_, _, g), by_c in table.items()]
