@@ -213,12 +213,12 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
   const bool mma = mma_grouped_chunk_rows(chunk_rows);
   const bool wgmma = chunk_rows == kMoeWsChunkRows;
   KBIT_CHECK(chunk_rows == 1 || chunk_rows == kMoeChunkRows || mma || wgmma,
-              "kbit _moe_grouped_linear: chunk_rows must be 1 or ", kMoeChunkRows, " (GEMV), ", kMmaGroupedChunkRowsText,
+              "kbit _moe_grouped_linear: chunk_rows must be 1 or ", kMoeChunkRows, " (GEMV), ", mma_grouped_chunk_rows_text(),
               " (MMA) or ", kMoeWsChunkRows, " (wgmma, Hopper), as given to _moe_route");
   KBIT_CHECK(chunks.size(0) <= kMmaMaxGridRows, "kbit _moe_grouped_linear: at most ", kMmaMaxGridRows, " chunks");
   KBIT_CHECK(!mma || A.scalar_type() == at::kBFloat16, "kbit _moe_grouped_linear: the grouped MMA takes bf16 A");
   KBIT_CHECK_VALUE(mma || row_groups == 0, "kbit _moe_grouped_linear: row_groups apply to the grouped MMA ",
-                   "(chunk_rows ", kMmaGroupedChunkRowsText, ") only");
+                   "(chunk_rows ", mma_grouped_chunk_rows_text(), ") only");
   const int64_t k_tiles = qweight.size(2);
   const DeviceFacts facts = device_facts(A.get_device());
   // The forced splits and row groups are checked by the planner's functions, as fused_moe's are.

@@ -385,12 +385,21 @@ MoePath moe_path_from_id(int64_t id) {
   return static_cast<MoePath>(id);
 }
 
+std::string mma_grouped_chunk_rows_text() {
+  constexpr size_t n = sizeof(kMmaGroupedChunkRows) / sizeof(kMmaGroupedChunkRows[0]);
+  std::string text;
+  for (size_t i = 0; i < n; ++i) {
+    text += (i == 0 ? "" : i + 1 == n ? " or " : ", ") + std::to_string(kMmaGroupedChunkRows[i]);
+  }
+  return text;
+}
+
 MoeProjPlan moe_grouped_mma_plan(int64_t rows, int64_t experts, int64_t chunk_rows, int64_t grid_rows, int64_t n_tiles,
                                  int64_t k_tiles, int64_t bits, const DeviceFacts& facts, int64_t row_groups,
                                  int64_t splits) {
   MoeProjPlan plan;
   KBIT_CHECK_VALUE(mma_grouped_chunk_rows(chunk_rows), "kbit fused_moe: the grouped MMA takes chunks of ",
-                   kMmaGroupedChunkRowsText, " rows, not ", chunk_rows);
+                   mma_grouped_chunk_rows_text(), " rows, not ", chunk_rows);
   plan.p = chunk_rows / 8;  // one CTA row covers a chunk
   plan.m_blocks = grid_rows;
   KBIT_CHECK_VALUE(row_groups == 0 || mma_built(static_cast<int>(plan.p), static_cast<int>(row_groups)),

@@ -34,11 +34,16 @@ constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memor
 #define KBIT_MMA_INSTANCES(X) X(1, 1) X(1, 4) X(2, 1) X(2, 4) X(3, 1) X(3, 4) X(4, 1) X(4, 4) X(8, 1) X(8, 2)
 // p = 3 (24-row chunks) is built for the grouped (routed-expert) launches only; dense M maps to p = 1, 2, 4, 8.
 constexpr bool mma_dense_built_p(int p) { return p != 3; }
-// Chunk heights (rows of one expert per CTA row, 8p) the grouped MMA is built for, and the same list for messages.
+// Chunk heights (rows of one expert per CTA row, 8p) the grouped MMA is built for.
+constexpr int64_t kMmaGroupedChunkRows[] = {8, 16, 24, 32, 64};
 constexpr bool mma_grouped_chunk_rows(int64_t rows) {
-  return rows == 8 || rows == 16 || rows == 24 || rows == 32 || rows == 64;
+  for (const int64_t r : kMmaGroupedChunkRows) {
+    if (r == rows) return true;
+  }
+  return false;
 }
-constexpr const char* kMmaGroupedChunkRowsText = "8, 16, 24, 32 or 64";
+// The same heights for messages: "8, 16, 24, 32 or 64".
+std::string mma_grouped_chunk_rows_text();
 
 // Whether a kernel is built for p activation tiles and r row groups (KBIT_MMA_INSTANCES).
 bool mma_built(int p, int r);
