@@ -143,7 +143,9 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     // down): the grouped MMA prefetches weights early.
     const auto project = [&](const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, int64_t N, int64_t K,
                              at::Tensor& C, const MoeProjPlan& proj) {
-      if (wgmma) {
+      if (wgmma && rows == kMoeRsChunkRows) {
+        launch_wgmma_rs_grouped(A, r.chunks, q, a, codebook, N, K, C);
+      } else if (wgmma) {
         launch_wgmma_ws_grouped(A, r.chunks, q, a, codebook, N, K, C, proj.producers);
       } else {
         launch_mma_grouped(A, r.chunks, r.num_chunks, q, a, codebook, N, K, rows, C, proj, true);
@@ -188,7 +190,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route
 
 // One grouped projection on rows that are already grouped by expert (chunks from _moe_route):
 // C[p] = A[p] @ dequant(W_e)^T; rows outside the chunks are left unwritten. The chunk height picks
-// the kernel: 1 or 4 rows the grouped GEMV, 8/16/32/64 the grouped MMA, 256 the grouped wgmma (Hopper).
+// the kernel: 1 or 4 rows the grouped GEMV, 8/16/24/32/64 the grouped MMA, 128 the register-operand and 256 the
+// warp-specialized grouped wgmma (Hopper).
 // splits forces the K split
 // count (GEMV: CTAs per row block; MMA: cluster size), row_groups the MMA's row groups per warp (0:
 // the rules, for sweeps against them).
@@ -211,10 +214,10 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
   const c10::DeviceGuard guard(A.device());
   at::Tensor C = at::empty({A.size(0), N}, A.options());
   const bool mma = mma_grouped_chunk_rows(chunk_rows);
-  const bool wgmma = chunk_rows == kMoeWsChunkRows;
+  const bool rs = chunk_rows == kMoeRsChunkRows, wgmma = rs || chunk_rows == kMoeWsChunkRows;
   KBIT_CHECK(chunk_rows == 1 || chunk_rows == kMoeChunkRows || mma || wgmma,
               "kbit _moe_grouped_linear: chunk_rows must be 1 or ", kMoeChunkRows, " (GEMV), ", mma_grouped_chunk_rows_text(),
-              " (MMA) or ", kMoeWsChunkRows, " (wgmma, Hopper), as given to _moe_route");
+              " (MMA), ", kMoeRsChunkRows, " or ", kMoeWsChunkRows, " (wgmma, Hopper), as given to _moe_route");
   KBIT_CHECK(chunks.size(0) <= kMmaMaxGridRows, "kbit _moe_grouped_linear: at most ", kMmaMaxGridRows, " chunks");
   KBIT_CHECK(!mma || A.scalar_type() == at::kBFloat16, "kbit _moe_grouped_linear: the grouped MMA takes bf16 A");
   KBIT_CHECK_VALUE(mma || row_groups == 0, "kbit _moe_grouped_linear: row_groups apply to the grouped MMA ",
@@ -223,11 +226,15 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
   const DeviceFacts facts = device_facts(A.get_device());
   // The forced splits and row groups are checked by the planner's functions, as fused_moe's are.
   if (wgmma) {
-    KBIT_CHECK_VALUE(facts.sm_major == 9, "kbit _moe_grouped_linear: chunk_rows=", kMoeWsChunkRows,
+    KBIT_CHECK_VALUE(facts.sm_major == 9, "kbit _moe_grouped_linear: chunk_rows=", chunk_rows,
                      " (the grouped wgmma) needs a Hopper GPU (sm_90), this one is sm_", facts.sm_major, "x");
     KBIT_CHECK_VALUE(splits == 0, "kbit _moe_grouped_linear: splits do not apply to the grouped wgmma (chunk_rows=",
-                     kMoeWsChunkRows, "); pass 0");
-    launch_wgmma_ws_grouped(A, chunks, qweight, absmax, codebook, N, K, C, ws_producers(k));
+                     chunk_rows, "); pass 0");
+    if (rs) {
+      launch_wgmma_rs_grouped(A, chunks, qweight, absmax, codebook, N, K, C);
+    } else {
+      launch_wgmma_ws_grouped(A, chunks, qweight, absmax, codebook, N, K, C, ws_producers(k));
+    }
   } else if (mma) {
     const MoeProjPlan plan = moe_grouped_mma_plan(A.size(0), qweight.size(0), chunk_rows, chunks.size(0), qweight.size(1),
                                                   k_tiles, k, facts, row_groups, splits);

@@ -58,5 +58,15 @@ const std::string& gemv_decode() {
   return mode;
 }
 
+const std::string& moe_wgmma() {
+  static const std::string kernel = [] {
+    const std::string s = read("VLLM_KBIT_MOE_WGMMA");
+    KBIT_CHECK(s.empty() || s == "ws" || s == "rs", "kbit: VLLM_KBIT_MOE_WGMMA=", s,
+               " is not supported; supported: ws (warp-specialized) or rs (register operand)");
+    return s;
+  }();
+  return kernel;
+}
+
 }  // namespace overrides
 }  // namespace kbit

@@ -21,6 +21,9 @@ int64_t ws_producers();
 // VLLM_KBIT_GEMV_DECODE: "shuffle", "table" or "mixed", how the GEMV kernels decode k = 2..4 (plan.h:
 // gemv_table_blocks); "" when unset.
 const std::string& gemv_decode();
+// VLLM_KBIT_MOE_WGMMA: the kernel of the grouped_wgmma MoE path, "ws" (warp-specialized, 256-row chunks) or
+// "rs" (register operand, 128-row chunks); "" when unset (plan.h: moe_wgmma_rs).
+const std::string& moe_wgmma();
 
 }  // namespace overrides
 }  // namespace kbit

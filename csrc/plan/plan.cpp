@@ -357,6 +357,8 @@ int64_t ws_producers(int64_t bits, int64_t forced) {
   return std::min(most, overrides::ws_producers());
 }
 
+bool moe_wgmma_rs() { return overrides::moe_wgmma() == "rs"; }
+
 // ----------------------------------------------------------------------------- routed experts
 
 const char* moe_path_name(MoePath path) { return kMoePathNames[static_cast<int>(path)]; }
@@ -448,6 +450,8 @@ void check_moe_forced_fields(const MoeForced& f, MoePath path) {
                    "kbit fused_moe: row_groups apply to the grouped_mma path, not ", moe_path_name(path));
   KBIT_CHECK_VALUE(producers || f.producers == 0, "kbit fused_moe: producers apply to the grouped_wgmma path, not ",
                    moe_path_name(path));
+  KBIT_CHECK_VALUE(!producers || !moe_wgmma_rs() || f.producers == 0, "kbit fused_moe: producers apply to the ",
+                   "warp-specialized grouped_wgmma kernel, not the register-operand one (VLLM_KBIT_MOE_WGMMA=rs)");
 }
 
 }  // namespace
@@ -480,7 +484,7 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, c
     plan.max_chunks = moe_max_chunks(S, experts, plan.chunk_rows);
     plan.expected_chunks = moe_expected_chunks(S, experts, plan.chunk_rows);
   } else if (path == MoePath::kGroupedWgmma) {
-    plan.chunk_rows = kMoeWsChunkRows;
+    plan.chunk_rows = moe_wgmma_rs() ? kMoeRsChunkRows : kMoeWsChunkRows;
     plan.max_chunks = moe_max_chunks(S, experts, plan.chunk_rows);
     plan.expected_chunks = moe_expected_chunks(S, experts, plan.chunk_rows);
   }
@@ -504,7 +508,7 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, c
     // One CTA per chunk and pair of n-tiles, no splits: the grid rows and producers are the whole plan.
     plan.gate_up.m_blocks = plan.down.m_blocks = plan.max_chunks;
     plan.gate_up.splits = plan.down.splits = 1;
-    plan.gate_up.producers = plan.down.producers = ws_producers(bits, forced.producers);
+    plan.gate_up.producers = plan.down.producers = moe_wgmma_rs() ? 0 : ws_producers(bits, forced.producers);
   }
   return plan;
 }

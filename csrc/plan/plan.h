@@ -26,6 +26,7 @@ constexpr int kMmaWideTiles = 128;  // runtime n-tiles from which warps take wid
 constexpr int kMmaWideMinRowTiles = 4;  // ... and activation tiles per CTA (p) from which they do
 constexpr int kMoeChunkRows = 4;      // most rows of one expert a grouped-GEMV CTA multiplies (the GEMV's M)
 constexpr int kMoeWsChunkRows = 256;  // rows of one chunk of the grouped wgmma (wgmma_ws.cu: a CTA's 256 rows of A)
+constexpr int kMoeRsChunkRows = 128;  // ... of its register-operand kernel (wgmma.cu: a CTA's 128 rows, the widest N)
 constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memory counters (2 ints each)
 
 // The (p, r) MMA instances built for every k, dtype and launch kind (dense and grouped): narrow warps
@@ -191,6 +192,10 @@ struct LinearForced {
 // needs the registers a second one would take; VLLM_KBIT_WS_PRODUCERS=1 or `forced` (> 0) picks one.
 // Raises a one-line ValueError for a forced count the kernel is not built with.
 int64_t ws_producers(int64_t bits, int64_t forced = 0);
+// Whether the grouped_wgmma MoE path runs the register-operand kernel (wgmma.cu, 128-row chunks, the wgmma N
+// fitted to each chunk) instead of the warp-specialized one (wgmma_ws.cu, 256-row chunks):
+// VLLM_KBIT_MOE_WGMMA=rs (default ws while the two are compared).
+bool moe_wgmma_rs();
 
 // The plan of kbit::linear for M rows of x (dtype) and an [N, K] weight of k-bit codes on the GPU the
 // facts describe: exactly what launches. Raises a one-line ValueError for what no kernel serves.

@@ -17,9 +17,15 @@
 // 128-byte-swizzled layout (two 64-wide K slabs per k-tile). Per k-tile a warpgroup issues 8
 // wgmma m64n128k16 on the tile in shared memory, then dequantizes the next k-tile's fragments
 // (its plane words loaded two k-tiles ahead) while those run, then waits for them.
+//
+// Grouped (routed experts, VLLM_KBIT_MOE_WGMMA=rs): a CTA takes one chunk of up to 128 rows of one
+// expert (moe_route) and issues wgmma with the narrowest built N that holds the chunk's rows (16, 32,
+// 64, 96 or 128), so a short chunk costs MMAs in proportion to its rows while the expert's weights
+// are still decoded once per chunk of up to 128 rows.
 #include "wgmma.cuh"
 
 #include "dequant_core.cuh"
+#include "plan.h"  // kMoeRsChunkRows, record_launch
 #include "wgmma_core.cuh"
 
 #include <algorithm>
@@ -41,28 +47,35 @@ constexpr int kSlabBytes = kRows * 128;              // 64 K-elements of all row
 constexpr int kStageBytes = 2 * kSlabBytes;          // one k-tile of activations
 constexpr int kStages = 4;
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the stages to 1024 bytes
+static_assert(kMoeRsChunkRows == kRows, "a grouped chunk is one CTA's activation rows");
 
 // ----------------------------------------------------------------------------- the MMA
 
-// d (64 x 128 fp32 of the warpgroup) += A (registers: each warp's m16k16 fragment) * B (descriptor).
-template <typename T>
-__device__ __forceinline__ void mma_rs(float (&d)[64], const uint32_t (&a)[4], uint64_t desc);
+// d (64 x NR fp32 of the warpgroup) += A (registers: each warp's m16k16 fragment) * B (descriptor: NR
+// activation rows). One specialization per built width and dtype; operands %0.. are the NR / 2
+// accumulators, then the four fragment registers, the descriptor and the scale-d flag.
+template <typename T, int NR>
+__device__ __forceinline__ void mma_rs(float (&d)[NR / 2], const uint32_t (&a)[4], uint64_t desc);
 
-template <>
-__device__ __forceinline__ void mma_rs<__nv_bfloat16>(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 " KBIT_WGMMA_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-               : KBIT_WGMMA_D64_OPERANDS(d)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
-
-template <>
-__device__ __forceinline__ void mma_rs<__half>(float (&d)[64], const uint32_t (&a)[4], uint64_t desc) {
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 " KBIT_WGMMA_D64 ", {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"
-               : KBIT_WGMMA_D64_OPERANDS(d)
-               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));
-}
+#define KBIT_MMA_RS(TYPE, PTX_TYPE, NR, D, A0, A1, A2, A3, DESC, FLAG)                                               \
+  template <>                                                                                                       \
+  __device__ __forceinline__ void mma_rs<TYPE, NR>(float (&d)[NR / 2], const uint32_t (&a)[4], uint64_t desc) {     \
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %" #FLAG ", 0;\n"                                                 \
+                 "wgmma.mma_async.sync.aligned.m64n" #NR "k16.f32." PTX_TYPE "." PTX_TYPE " " KBIT_WGMMA_D##D        \
+                 ", {%" #A0 ", %" #A1 ", %" #A2 ", %" #A3 "}, %" #DESC ", p, 1, 1, 0;\n}\n"                          \
+                 : KBIT_WGMMA_D##D##_OPERANDS(d)                                                                    \
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(1));                                   \
+  }
+#define KBIT_MMA_RS_BOTH(NR, D, A0, A1, A2, A3, DESC, FLAG)                  \
+  KBIT_MMA_RS(__nv_bfloat16, "bf16", NR, D, A0, A1, A2, A3, DESC, FLAG) \
+  KBIT_MMA_RS(__half, "f16", NR, D, A0, A1, A2, A3, DESC, FLAG)
+KBIT_MMA_RS_BOTH(16, 8, 8, 9, 10, 11, 12, 13)
+KBIT_MMA_RS_BOTH(32, 16, 16, 17, 18, 19, 20, 21)
+KBIT_MMA_RS_BOTH(64, 32, 32, 33, 34, 35, 36, 37)
+KBIT_MMA_RS_BOTH(96, 48, 48, 49, 50, 51, 52, 53)
+KBIT_MMA_RS_BOTH(128, 64, 64, 65, 66, 67, 68, 69)
+#undef KBIT_MMA_RS_BOTH
+#undef KBIT_MMA_RS
 
 // ----------------------------------------------------------------------------- activation permutation
 
@@ -87,41 +100,51 @@ __global__ void permute_kernel(const T* __restrict__ A, T* __restrict__ Ap, int 
 template <typename T>
 struct WgmmaParams {
   const T* Ap;             // [M, Kp] permuted activations
-  const uint8_t* qweight;  // runtime layout, bytes
+  const uint8_t* qweight;  // runtime layout, bytes (grouped: expert 0's)
   const uint8_t* absmax;
   const float* codebook;
   const T* bias;
   T* C;
   int M, N, Kp, n_tiles, k_tiles;
+  // Grouped (routed experts): CTA row y multiplies chunk y = {expert, first row, rows, 0} of A's rows
+  // (moe_route) with that expert's weights; nullptr for a dense launch.
+  const int4* chunks;
+  int64_t expert_q_bytes, expert_a_bytes;  // one expert's bit planes / scale codes
 };
 
-// Grid: (ceil(n_tiles / 2), ceil(M / 128)).
-template <typename T, int BITS>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ WgmmaParams<T> prm) {
-  constexpr int F = Fields<BITS>::kBits;
-  extern __shared__ __align__(16) uint8_t smem_raw[];
-  const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023) & ~1023u;
+// The wgmma N for a chunk of `rows` activation rows: the narrowest built width that holds them.
+__device__ __forceinline__ int rs_width(int rows) {
+  return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : rows <= 96 ? 96 : 128;
+}
 
+// One CTA's product: activation rows [m0, m_end) (at most kRows) times its warpgroups' n-tiles of the
+// weight at (qweight, absmax), through wgmma N = NR >= m_end - m0. The shared-memory stages keep the
+// 128-row layout whatever NR is: the MMA reads its first NR rows.
+template <typename T, int BITS, int NR>
+__device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t* qweight, const uint8_t* absmax,
+                                        int m0, int m_end, uint32_t smem) {
+  static_assert(NR % 16 == 0 && NR <= kRows, "activation copies run in steps of 16 rows");
+  constexpr int F = Fields<BITS>::kBits;
   const int tid = threadIdx.x;
   // Warp index within the warpgroup through a shuffle from lane 0: provably warp-uniform, so the
   // lookups stay plain warp-wide shuffles.
   const int wg = __shfl_sync(0xFFFFFFFFu, tid / 128, 0), warp = __shfl_sync(0xFFFFFFFFu, (tid / 32) % 4, 0);
   const int lane = tid % 32, g = lane / 4, t = lane % 4;
   const int n_tile = blockIdx.x * kWarpGroups + wg;
-  const int m0 = blockIdx.y * kRows;
   const int k_tiles = prm.k_tiles;
   const float codebook_reg = __ldg(prm.codebook + (lane & ((1 << BITS) - 1)));
 
-  // Activation copies: thread tid copies 16-byte chunk tid % 16 of rows tid / 16 + 16 i (i < 8); the
-  // chunk's swizzled slot ((chunk % 8) ^ (row % 8)) is the same for all i.
+  // Activation copies: thread tid copies 16-byte chunk tid % 16 of rows tid / 16 + 16 i (i < NR / 16);
+  // the chunk's swizzled slot ((chunk % 8) ^ (row % 8)) is the same for all i. Rows past m_end are
+  // zero-filled; their outputs are never stored.
   const int x_row = tid / 16, x_ch = tid % 16;
   const uint32_t x_dst = swizzled_chunk(kRows, x_row, x_ch);
   const T* x_src = prm.Ap + static_cast<int64_t>(m0 + x_row) * prm.Kp + x_ch * 8;
   const auto load_stage = [&](int kt) {
     const uint32_t st = smem + (kt % kStages) * kStageBytes;
 #pragma unroll
-    for (int i = 0; i < kRows / 16; ++i) {
-      const bool valid = m0 + x_row + 16 * i < prm.M;
+    for (int i = 0; i < NR / 16; ++i) {
+      const bool valid = m0 + x_row + 16 * i < m_end;
       cp_async16(st + x_dst + i * 16 * 128, valid ? x_src + static_cast<int64_t>(16 * i) * prm.Kp + kt * kTileK : prm.Ap,
                  valid);
     }
@@ -131,8 +154,8 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
   // warpgroup past the last n-tile reads the last one and stores nothing.
   const int tile_row = 16 * warp + g;
   const int64_t band = static_cast<int64_t>(min(n_tile, prm.n_tiles - 1)) * k_tiles;
-  const uint8_t* w_words = prm.qweight + band * BITS * kPlaneBytes + (tile_row * kTileKB + t) * 4;
-  const uint8_t* w_codes = prm.absmax + band * kCodeBytes + tile_row * kTileKB + t;
+  const uint8_t* w_words = qweight + band * BITS * kPlaneBytes + (tile_row * kTileKB + t) * 4;
+  const uint8_t* w_codes = absmax + band * kCodeBytes + tile_row * kTileKB + t;
   struct Words {
     uint32_t plane[2][BITS];
     uint32_t code[2];
@@ -171,9 +194,9 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
     }
   };
 
-  float acc[64];
+  float acc[NR / 2];
 #pragma unroll
-  for (int i = 0; i < 64; ++i) acc[i] = 0.f;
+  for (int i = 0; i < NR / 2; ++i) acc[i] = 0.f;
 
   // One k-tile: wait for its activations, refill the stage the previous k-tile used, issue its 8
   // wgmmas with fragments `cur`, dequantize k-tile kt + 1 into `next` meanwhile (and load the words
@@ -186,10 +209,10 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
     cp_async_commit();
     const uint32_t st = smem + (kt % kStages) * kStageBytes;
 #pragma unroll
-    for (int i = 0; i < 64; ++i) pin(acc[i]);
+    for (int i = 0; i < NR / 2; ++i) pin(acc[i]);
     wgmma_fence();
 #pragma unroll
-    for (int j = 0; j < 8; ++j) mma_rs<T>(acc, cur[j], smem_desc(st + (j / 4) * kSlabBytes + (j % 4) * 32));
+    for (int j = 0; j < 8; ++j) mma_rs<T, NR>(acc, cur[j], smem_desc(st + (j / 4) * kSlabBytes + (j % 4) * 32));
     wgmma_commit();
     if (kt + 1 < k_tiles) {
       build(next, next_words);
@@ -197,7 +220,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
     }
     wgmma_wait_all();
 #pragma unroll
-    for (int i = 0; i < 64; ++i) pin(acc[i]);
+    for (int i = 0; i < NR / 2; ++i) pin(acc[i]);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -223,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
   cp_async_wait<0>();
 
   // D fragment: acc[4i + 2h + u] is weight row 16 warp + g + 8h of the n-tile, activation row
-  // 8i + 2t + u of the CTA's rows.
+  // m0 + 8i + 2t + u.
   if (n_tile >= prm.n_tiles) return;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
@@ -231,22 +254,52 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
     if (n >= prm.N) continue;
     const float b = prm.bias != nullptr ? Half2<T>::to_float(prm.bias[n]) : 0.f;
 #pragma unroll
-    for (int i = 0; i < kRows / 8; ++i) {
+    for (int i = 0; i < NR / 8; ++i) {
 #pragma unroll
       for (int u = 0; u < 2; ++u) {
         const int m = m0 + 8 * i + 2 * t + u;
-        if (m < prm.M) prm.C[static_cast<int64_t>(m) * prm.N + n] = Half2<T>::narrow(acc[4 * i + 2 * h + u] + b);
+        if (m < m_end) prm.C[static_cast<int64_t>(m) * prm.N + n] = Half2<T>::narrow(acc[4 * i + 2 * h + u] + b);
       }
     }
   }
 }
 
-// The activations permuted into the kernel's k order, then the kernel (grid: ceil(n_tiles / 2) x ceil(M / 128)).
+// Grid: (ceil(n_tiles / 2), ceil(M / 128)) dense, or (ceil(n_tiles / 2), chunk entries) grouped.
+template <typename T, int BITS, bool kGrouped>
+__global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ WgmmaParams<T> prm) {
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023) & ~1023u;
+  if constexpr (!kGrouped) {
+    rs_tile<T, BITS, kRows>(prm, prm.qweight, prm.absmax, static_cast<int>(blockIdx.y) * kRows, prm.M, smem);
+  } else {
+    // Every chunk entry holds defined values; unused ones have expert -1 (moe_route). The width is
+    // uniform per CTA, so the branch below is too (the tiles' __syncthreads stay CTA-wide).
+    const int4 chunk = prm.chunks[blockIdx.y];
+    if (chunk.x < 0 || chunk.z <= 0) return;
+    const uint8_t* q = prm.qweight + chunk.x * prm.expert_q_bytes;
+    const uint8_t* a = prm.absmax + chunk.x * prm.expert_a_bytes;
+    const int m_end = chunk.y + min(chunk.z, kRows);
+    switch (rs_width(m_end - chunk.y)) {
+      case 16: return rs_tile<T, BITS, 16>(prm, q, a, chunk.y, m_end, smem);
+      case 32: return rs_tile<T, BITS, 32>(prm, q, a, chunk.y, m_end, smem);
+      case 64: return rs_tile<T, BITS, 64>(prm, q, a, chunk.y, m_end, smem);
+      case 96: return rs_tile<T, BITS, 96>(prm, q, a, chunk.y, m_end, smem);
+      default: return rs_tile<T, BITS, kRows>(prm, q, a, chunk.y, m_end, smem);
+    }
+  }
+}
+
+// The activations permuted into the kernel's k order, then the kernel. Dense: q [n_tiles, k_tiles, k, ...];
+// grouped: q [E, n_tiles, k_tiles, k, ...] and chunks from moe_route.
 template <typename T, int BITS>
 void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb,
-                  const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C) {
+                  const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C,
+                  const at::Tensor* chunks) {
+  const bool grouped = chunks != nullptr;
   const int M = static_cast<int>(A.size(0));
-  const int n_tiles = static_cast<int>(q.size(0)), k_tiles = static_cast<int>(q.size(1));
+  const int n_tiles = static_cast<int>(q.size(grouped ? 1 : 0)), k_tiles = static_cast<int>(q.size(grouped ? 2 : 1));
+  const int grid_rows = grouped ? static_cast<int>(chunks->size(0)) : (M + kRows - 1) / kRows;
+  if (M == 0 || grid_rows == 0) return;
   const int Kp = k_tiles * kTileK;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
   at::Tensor Ap = at::empty({M, Kp}, A.options());
@@ -262,10 +315,18 @@ void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
                            cb.data_ptr<float>(),
                            bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
                            reinterpret_cast<T*>(C.data_ptr()),
-                           M, static_cast<int>(N), Kp, n_tiles, k_tiles};
-  opt_in_shared_memory<wgmma_kernel<T, BITS>>(kSmemBytes, A.get_device());
-  const dim3 grid((n_tiles + kWarpGroups - 1) / kWarpGroups, (M + kRows - 1) / kRows);
-  wgmma_kernel<T, BITS><<<grid, kThreads, kSmemBytes, stream>>>(prm);
+                           M, static_cast<int>(N), Kp, n_tiles, k_tiles,
+                           grouped ? reinterpret_cast<const int4*>(chunks->data_ptr<int>()) : nullptr,
+                           grouped ? static_cast<int64_t>(q.nbytes()) / q.size(0) : 0,
+                           grouped ? static_cast<int64_t>(a.nbytes()) / a.size(0) : 0};
+  const dim3 grid((n_tiles + kWarpGroups - 1) / kWarpGroups, grid_rows);
+  if (grouped) {
+    opt_in_shared_memory<wgmma_kernel<T, BITS, true>>(kSmemBytes, A.get_device());
+    wgmma_kernel<T, BITS, true><<<grid, kThreads, kSmemBytes, stream>>>(prm);
+  } else {
+    opt_in_shared_memory<wgmma_kernel<T, BITS, false>>(kSmemBytes, A.get_device());
+    wgmma_kernel<T, BITS, false><<<grid, kThreads, kSmemBytes, stream>>>(prm);
+  }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
@@ -275,8 +336,17 @@ void launch_wgmma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::T
                   const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
                   at::Tensor& C) {
   dispatch_type_and_bits(A.scalar_type(), qweight_rt.size(2), "kbit wgmma", [&](auto type, auto bits) {
-    launch_typed<decltype(type), decltype(bits)::value>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C);
+    launch_typed<decltype(type), decltype(bits)::value>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, nullptr);
   });
+}
+
+void launch_wgmma_rs_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& qweight,
+                             const at::Tensor& absmax, const at::Tensor& codebook, int64_t N, int64_t K,
+                             at::Tensor& C) {
+  dispatch_type_and_bits(A.scalar_type(), qweight.size(3), "kbit wgmma_rs_grouped", [&](auto type, auto bits) {
+    launch_typed<decltype(type), decltype(bits)::value>(A, qweight, absmax, codebook, std::nullopt, N, K, C, &chunks);
+  });
+  record_launch("wgmma_rs_grouped", 0, 0, chunks.size(0), 1);
 }
 
 }  // namespace kbit

@@ -30,5 +30,10 @@ void launch_wgmma_ws(const at::Tensor& A, const at::Tensor& qweight_rt, const at
 void launch_wgmma_ws_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& qweight,
                              const at::Tensor& absmax, const at::Tensor& codebook, int64_t N, int64_t K,
                              at::Tensor& C, int64_t producers);
+// The same with the register-operand kernel (wgmma.cu) over chunks of up to kMoeRsChunkRows (128) rows,
+// each through the narrowest built wgmma N that holds its rows.
+void launch_wgmma_rs_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& qweight,
+                             const at::Tensor& absmax, const at::Tensor& codebook, int64_t N, int64_t K,
+                             at::Tensor& C);
 
 }  // namespace kbit

@@ -1,7 +1,8 @@
 """A workload for compute-sanitizer over the GEMV and MMA kernels: every k, the dense GEMV at M = 1 .. 4
 and each split count, every activation tile count p and row-group shape of the MMA kernel, dense (M = 1 .. 64,
 forced and heuristic row groups, ragged N) and grouped over experts (fused_moe's grouped MMA path at
-1 .. 64 rows per expert, the direct GEMV at 1 and 3 tokens), plus the wgmma kernels at one M each.
+1 .. 64 rows per expert, the direct GEMV at 1 and 3 tokens), plus the wgmma kernels at one M each and the
+grouped wgmma's two kernels (warp-specialized through fused_moe, register-operand at every built wgmma N).
 Fresh random inputs; each output is checked finite (NaN-poisoned outputs would show).
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitizer_workload.py
@@ -79,6 +80,14 @@ def grouped(k: int, quick: bool) -> None:
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             out = torch.ops.kbit._fused_moe_cuda(x, ids, w, q13, a13, q2, a2, cb, I, None, False, grouped_wgmma)
             check(f"grouped wgmma k={k} T={T}", out)
+        # Its register-operand kernel (128-row chunks): experts of 5 .. 200 rows, every built wgmma N.
+        counts = torch.tensor([5, 20, 40, 70, 100, 128, 200, 0] * (E // 8))
+        slot_ids = torch.repeat_interleave(torch.arange(E), counts).to(torch.int32).view(-1, 1).cuda()
+        S = int(counts.sum())
+        route = torch.ops.kbit._moe_route(slot_ids, None, E, 128, torch.ops.kbit._moe_max_chunks(S, E, 128))
+        A = torch.randn(S, H, device="cuda", dtype=torch.bfloat16)
+        out = torch.ops.kbit._moe_grouped_linear(A, route[3], route[4], q13, a13, cb, 2 * I, H, 128, 0, 0)
+        check(f"grouped wgmma (register operand) k={k}", out)
     # The direct GEMV: one token (its automatic path), and several tokens forced (the combine counters).
     gemv_direct = torch.ops.kbit._moe_path_id("gemv_direct")
     for T in (1, 3):

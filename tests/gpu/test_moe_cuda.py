@@ -271,17 +271,18 @@ def test_routing_matches_reference(seed):
     assert S >= n_local
 
 
-@pytest.mark.parametrize("rows", [1, 4, 8, 16, 24, 32, 64, 256])
+@pytest.mark.parametrize("rows", [1, 4, 8, 16, 24, 32, 64, 128, 256])
 @pytest.mark.parametrize("M", [1, 3, 16, 37, 130, 600])
 def test_grouped_single_projection(rows, M):
     """_moe_grouped_linear on rows already grouped by expert (the single-GEMM benchmark's op): the
     grouped GEMV for 1- and 4-row chunks (at every K split count), the grouped MMA for 8..64 (several
-    chunks per expert at M=130) at forced K splits and row groups per warp, the grouped wgmma for 256
-    (three chunks per expert at M=600, the last a partial 64-row half); a split count the kernel
-    cannot take is refused."""
+    chunks per expert at M=130) at forced K splits and row groups per warp, the register-operand grouped
+    wgmma for 128 (every wgmma width it builds: 16..128 rows per chunk, five chunks per expert at M=600)
+    and the warp-specialized one for 256 (three chunks per expert at M=600, the last a partial 64-row
+    half); a split count the kernel cannot take is refused."""
     if rows == 1 and M != 1:
         pytest.skip("one-row chunks are for one token per expert")
-    if M == 600 and rows not in (64, 256):
+    if M == 600 and rows not in (64, 128, 256):
         pytest.skip("600 rows per expert: the two tallest chunk heights")
     gen = torch.Generator().manual_seed(M)
     E, N, K, k = 8, 320, 512, 4
@@ -292,14 +293,14 @@ def test_grouped_single_projection(rows, M):
     ref = torch.einsum("emk,enk->emn", A.float().view(E, M, K), ex.W13).reshape(E * M, N)
     wide = 2 if rows == 64 else 4  # the MMA's built row groups per warp besides 1
     # K split count forced (K=512: 4 k-tiles); for the MMA with the row groups per warp (0: the rules)
-    cases = ([(s, 0) for s in (0, 1, 2, 3, 4)] if rows <= 4 else [(0, 0)] if rows == 256
+    cases = ([(s, 0) for s in (0, 1, 2, 3, 4)] if rows <= 4 else [(0, 0)] if rows in (128, 256)
              else [(0, 0), (1, 1), (2, wide), (3, 1), (4, wide), (0, 1)])
     for splits, row_groups in cases:
         poison_cache()
         C = torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, splits,
                                                row_groups)
         check(C, ref, torch.bfloat16, "gemv" if rows <= 4 else "mma")
-    if rows == 256:  # the grouped wgmma plans nothing a caller could force
+    if rows in (128, 256):  # the grouped wgmmas plan nothing a caller could force
         with pytest.raises(ValueError, match="do not apply to the grouped wgmma"):
             torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, 2)
         return
@@ -307,6 +308,28 @@ def test_grouped_single_projection(rows, M):
         torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, 5)
     with pytest.raises(ValueError, match="row_groups"):  # 3 row groups per warp: no such instance (GEMV: none)
         torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, 0, 3)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grouped_register_operand_wgmma_fits_each_chunk(dtype):
+    """The register-operand grouped wgmma (chunk_rows 128) issues the narrowest built wgmma N that holds a
+    chunk: experts of 5, 20, 40, 70, 100, 128, 200 and 0 rows take N = 16, 32, 64, 96, 128, 128 and 128 + 96
+    (an expert of several chunks; one without rows), at k = 3 on a ragged N."""
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the grouped wgmma is built for Hopper")
+    gen = torch.Generator().manual_seed(11)
+    counts = [5, 20, 40, 70, 100, 128, 200, 0]
+    E, N, K, k = len(counts), 320, 512, 3
+    ex = Experts(E, K, N // 2, k, gen)  # w13 is [2I, H] = [N, K]
+    ids = torch.repeat_interleave(torch.arange(E), torch.tensor(counts)).to(torch.int32).view(-1, 1).cuda()
+    S = int(sum(counts))
+    offsets, pos, slot_of, chunks, num_chunks = torch.ops.kbit._moe_route(ids, None, E, 128, torch.ops.kbit._moe_max_chunks(S, E, 128))
+    A = torch.randn(S, K, generator=gen).to(dtype).cuda()
+    starts = [sum(counts[:e]) for e in range(E)]
+    ref = torch.cat([A[s : s + c].float() @ ex.W13[e].T for e, (s, c) in enumerate(zip(starts, counts))])
+    poison_cache()
+    C = torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, 128, 0, 0)
+    check(C, ref, dtype, "grouped_wgmma")
 
 
 # ----------------------------------------------------------------------------- CUDA graphs

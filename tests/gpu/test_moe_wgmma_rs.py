@@ -1,0 +1,45 @@
+"""The grouped_wgmma MoE path on its register-operand kernel (csrc/plan/plan.h: moe_wgmma_rs; forced by
+VLLM_KBIT_MOE_WGMMA=rs): 128-row chunks, the wgmma N fitted to each chunk, the expert's weights decoded
+into registers. Every routed-expert suite that runs the grouped_wgmma path (random cases with expert maps
+and weights on the input, the Qwen3-30B design shape, CUDA-graph replay, run-to-run determinism) runs again
+in a child process (the variable is read once per process), against the same fp32 references; the
+default warp-specialized kernel runs them in the parent suites.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from child_env import child_env  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def test_routed_suites_on_the_register_operand_kernel():
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("the grouped wgmma is built for Hopper")
+    args = [f"{HERE}/test_moe_cuda.py", f"{HERE}/test_determinism.py", "-k",
+            "random_cases_match or design_shape or cuda_graph or fused_moe"]
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args],
+                         env=child_env(VLLM_KBIT_MOE_WGMMA="rs"), capture_output=True, text=True, timeout=1500)
+    assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-4000:]
+
+
+def test_the_plan_asks_for_128_row_chunks_and_refuses_producers():
+    code = ("import torch, vllm_kbit; p = torch.ops.kbit.moe_plan(1024, 8, 128, 4, 'grouped_wgmma'); "
+            "assert p[:2] == ('grouped_wgmma', 128), p; print('ok')")
+    run = subprocess.run([sys.executable, "-c", code], env=child_env(VLLM_KBIT_MOE_WGMMA="rs"),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
+
+
+def test_the_switch_refuses_other_values():
+    code = "import torch, vllm_kbit; torch.ops.kbit.moe_plan(1024, 8, 128, 4, 'grouped_wgmma')"
+    run = subprocess.run([sys.executable, "-c", code], env=child_env(VLLM_KBIT_MOE_WGMMA="yes"),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0 and "VLLM_KBIT_MOE_WGMMA=yes is not supported" in run.stderr, run.stderr[-2000:]
