@@ -47,6 +47,12 @@ constexpr int kSlabBytes = kRows * 128;              // 64 K-elements of all row
 constexpr int kStageBytes = 2 * kSlabBytes;          // one k-tile of activations
 constexpr int kStages = 4;
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the stages to 1024 bytes
+// The grouped kernel decodes k = 2..4 through the per-lane table (dequant_core.cuh: Lut) after the stages,
+// as the warp-specialized kernel's producers do; the dense kernel keeps the shuffle decode.
+template <int BITS>
+constexpr bool rs_uses_lut(bool grouped) { return grouped && BITS <= 4; }
+constexpr int kLutSmemBytes = kSmemBytes + Lut<4>::kBytes;  // the largest table (k = 2 and 4: 32 KB)
+static_assert(Lut<2>::kBytes <= Lut<4>::kBytes && Lut<3>::kBytes <= Lut<4>::kBytes, "the table's room");
 static_assert(kMoeRsChunkRows == kRows, "a grouped chunk is one CTA's activation rows");
 
 // ----------------------------------------------------------------------------- the MMA
@@ -120,9 +126,9 @@ __device__ __forceinline__ int rs_width(int rows) {
 // One CTA's product: activation rows [m0, m_end) (at most kRows) times its warpgroups' n-tiles of the
 // weight at (qweight, absmax), through wgmma N = NR >= m_end - m0. The shared-memory stages keep the
 // 128-row layout whatever NR is: the MMA reads its first NR rows.
-template <typename T, int BITS, int NR>
+template <typename T, int BITS, int NR, bool kLut>
 __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t* qweight, const uint8_t* absmax,
-                                        int m0, int m_end, uint32_t smem) {
+                                        int m0, int m_end, uint32_t smem, const uint8_t* lut) {
   static_assert(NR % 16 == 0 && NR <= kRows, "activation copies run in steps of 16 rows");
   constexpr int F = Fields<BITS>::kBits;
   const int tid = threadIdx.x;
@@ -172,7 +178,7 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
   };
   // The k-tile's 8 A fragments from its words: index words, the two scales, then per k16 step
   // two pairs of codebook values per row, rounded to T and scaled in pairs (as mma_kernel.cuh).
-  const auto build = [&](uint32_t (&a)[8][4], const Words& w) {
+  const auto build_shuffle = [&](uint32_t (&a)[8][4], const Words& w) {
     uint32_t q[2][F], scale[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -191,6 +197,48 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
         a[j][h] = pair(4 * j);
         a[j][2 + h] = pair(4 * j + 2);
       }
+    }
+  };
+
+  // The same through the table: per row, its block's index words, then per 8 elements (c) the four
+  // pairs (8c, +1), (8c + 2, +3), (8c + 4, +5), (8c + 6, +7) = fragments k16 steps 2c (h, 2 + h) and
+  // 2c + 1 (h, 2 + h), scaled in pairs. k = 5 never takes this path (LB only names a table type there).
+  constexpr int LB = BITS < 2 ? 2 : (BITS > 4 ? 4 : BITS);
+  const uint32_t lut_lane = lut_lane_offset<LB>(lane);
+  const auto build_lut = [&](uint32_t (&a)[8][4], const Words& w) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t words[LB], q[Lut<LB>::kWords];
+#pragma unroll
+      for (int b = 0; b < LB; ++b) words[b] = w.plane[h][b];
+      lut_indices<LB>(words, q);
+      const float sc = decode_scale(w.code[h], 0);
+      const uint32_t scale = Half2<T>::pack(sc, sc);
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        uint32_t v[4];
+        if constexpr (Lut<LB>::kQuad) {
+          const uint2 lo = *reinterpret_cast<const uint2*>(lut + lut_offset<LB>(q[0], c, lut_lane));
+          const uint2 hi = *reinterpret_cast<const uint2*>(lut + lut_offset<LB>(q[1], c, lut_lane));
+          v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+        } else {
+          v[0] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[0], c, lut_lane));
+          v[1] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[2], c, lut_lane));
+          v[2] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[1], c, lut_lane));
+          v[3] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[3], c, lut_lane));
+        }
+        a[2 * c][h] = Half2<T>::scale2(v[0], scale);
+        a[2 * c][2 + h] = Half2<T>::scale2(v[1], scale);
+        a[2 * c + 1][h] = Half2<T>::scale2(v[2], scale);
+        a[2 * c + 1][2 + h] = Half2<T>::scale2(v[3], scale);
+      }
+    }
+  };
+  const auto build = [&](uint32_t (&a)[8][4], const Words& w) {
+    if constexpr (kLut) {
+      build_lut(a, w);
+    } else {
+      build_shuffle(a, w);
     }
   };
 
@@ -269,8 +317,10 @@ template <typename T, int BITS, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ WgmmaParams<T> prm) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023) & ~1023u;
+  constexpr bool kLut = rs_uses_lut<BITS>(kGrouped);
   if constexpr (!kGrouped) {
-    rs_tile<T, BITS, kRows>(prm, prm.qweight, prm.absmax, static_cast<int>(blockIdx.y) * kRows, prm.M, smem);
+    rs_tile<T, BITS, kRows, kLut>(prm, prm.qweight, prm.absmax, static_cast<int>(blockIdx.y) * kRows, prm.M, smem,
+                                  nullptr);
   } else {
     // Every chunk entry holds defined values; unused ones have expert -1 (moe_route). The width is
     // uniform per CTA, so the branch below is too (the tiles' __syncthreads stay CTA-wide).
@@ -279,12 +329,19 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
     const uint8_t* q = prm.qweight + chunk.x * prm.expert_q_bytes;
     const uint8_t* a = prm.absmax + chunk.x * prm.expert_a_bytes;
     const int m_end = chunk.y + min(chunk.z, kRows);
+    // The table after the stages, filled by the whole CTA before the first decode (rs_tile builds its
+    // first fragments before its first barrier).
+    uint8_t* lut = smem_raw + (smem - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))) + kStages * kStageBytes;
+    if constexpr (kLut) {
+      lut_fill<T, BITS>(lut, prm.codebook, static_cast<int>(threadIdx.x), kThreads);
+      __syncthreads();
+    }
     switch (rs_width(m_end - chunk.y)) {
-      case 16: return rs_tile<T, BITS, 16>(prm, q, a, chunk.y, m_end, smem);
-      case 32: return rs_tile<T, BITS, 32>(prm, q, a, chunk.y, m_end, smem);
-      case 64: return rs_tile<T, BITS, 64>(prm, q, a, chunk.y, m_end, smem);
-      case 96: return rs_tile<T, BITS, 96>(prm, q, a, chunk.y, m_end, smem);
-      default: return rs_tile<T, BITS, kRows>(prm, q, a, chunk.y, m_end, smem);
+      case 16: return rs_tile<T, BITS, 16, kLut>(prm, q, a, chunk.y, m_end, smem, lut);
+      case 32: return rs_tile<T, BITS, 32, kLut>(prm, q, a, chunk.y, m_end, smem, lut);
+      case 64: return rs_tile<T, BITS, 64, kLut>(prm, q, a, chunk.y, m_end, smem, lut);
+      case 96: return rs_tile<T, BITS, 96, kLut>(prm, q, a, chunk.y, m_end, smem, lut);
+      default: return rs_tile<T, BITS, kRows, kLut>(prm, q, a, chunk.y, m_end, smem, lut);
     }
   }
 }
@@ -321,8 +378,9 @@ void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
                            grouped ? static_cast<int64_t>(a.nbytes()) / a.size(0) : 0};
   const dim3 grid((n_tiles + kWarpGroups - 1) / kWarpGroups, grid_rows);
   if (grouped) {
-    opt_in_shared_memory<wgmma_kernel<T, BITS, true>>(kSmemBytes, A.get_device());
-    wgmma_kernel<T, BITS, true><<<grid, kThreads, kSmemBytes, stream>>>(prm);
+    constexpr int bytes = rs_uses_lut<BITS>(true) ? kLutSmemBytes : kSmemBytes;
+    opt_in_shared_memory<wgmma_kernel<T, BITS, true>>(bytes, A.get_device());
+    wgmma_kernel<T, BITS, true><<<grid, kThreads, bytes, stream>>>(prm);
   } else {
     opt_in_shared_memory<wgmma_kernel<T, BITS, false>>(kSmemBytes, A.get_device());
     wgmma_kernel<T, BITS, false><<<grid, kThreads, kSmemBytes, stream>>>(prm);
