@@ -6,6 +6,7 @@ in a child process (the variable is read once per process), against the same fp3
 default warp-specialized kernel runs them in the parent suites.
 """
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -25,7 +26,8 @@ def test_routed_suites_on_the_register_operand_kernel():
         pytest.skip("the grouped wgmma is built for Hopper")
     args = [f"{HERE}/test_moe_cuda.py", f"{HERE}/test_determinism.py", "-k",
             "random_cases_match or design_shape or cuda_graph or fused_moe"]
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *args],
+    workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []  # pytest-xdist where installed
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *workers, *args],
                          env=child_env(VLLM_KBIT_MOE_WGMMA="rs"), capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-4000:]
 
