@@ -183,7 +183,7 @@ def test_grouped_row_groups_narrow_only_for_light_last_waves():
 def test_moe_plan_paths_and_workspace():
     """kbit::moe_plan: few slots over many experts take the direct GEMV, up to 256 slots per expert the grouped
     MMA (chunk height from the average rows of a busy expert and k), beyond that grouped mm (no chunks), and
-    on Hopper from 64 slots per expert the grouped wgmma;
+    on Hopper from 64 slots per expert the grouped wgmma (128-row chunks up to 96 per expert, 256 beyond);
     the workspace always bounds the chunks; forced paths and bad names."""
     def plan(tokens, top_k, experts, *path, bits=4):
         return torch.ops.kbit.moe_plan(tokens, top_k, experts, bits, *path)
@@ -209,14 +209,17 @@ def test_moe_plan_paths_and_workspace():
             assert chunks == torch.ops.kbit._moe_max_chunks(8 * T, 128, rows) <= 8 * T
     assert plan(256 * 128 // 8, 8, 128)[0] == "grouped_mma" and plan(256 * 128 // 8 + 1, 8, 128)[:3:2] == ("grouped_mm", 0)
     assert plan(1, 8, 128, "grouped_mm")[0] == "grouped_mm" and plan(5000, 8, 128, "gemv")[0] == "gemv"
-    # On Hopper (sm_major 9) from 64 slots per expert the grouped wgmma, chunks of 256 rows; elsewhere never.
+    # On Hopper (sm_major 9) from 64 slots per expert the grouped wgmma; elsewhere never. Its register-operand
+    # kernel (128-row chunks) up to 96 slots per expert, the warp-specialized one (256) past it.
     def hopper(tokens, *path):
         return torch.ops.kbit.moe_plan(tokens, 8, 128, 4, *(path or ("auto",)), 9)
 
-    assert hopper(1023)[0] == "grouped_mma" and hopper(1024) == ("grouped_wgmma", 256, torch.ops.kbit._moe_max_chunks(8192, 128, 256))
-    assert hopper(5000)[0] == "grouped_wgmma" and plan(5000, 8, 128)[0] == "grouped_mm"
+    assert hopper(1023)[0] == "grouped_mma" and hopper(1024) == ("grouped_wgmma", 128, torch.ops.kbit._moe_max_chunks(8192, 128, 128))
+    assert hopper(1536)[:2] == ("grouped_wgmma", 128) and hopper(1537) == ("grouped_wgmma", 256, torch.ops.kbit._moe_max_chunks(12296, 128, 256))
+    assert hopper(5000)[:2] == ("grouped_wgmma", 256) and plan(5000, 8, 128)[0] == "grouped_mm"
     assert hopper(16)[0] == plan(16, 8, 128)[0] == "grouped_mma" and hopper(1)[0] == "gemv_direct"
-    assert plan(3, 8, 128, "grouped_wgmma")[:2] == ("grouped_wgmma", 256)  # forced: the plan names it anywhere
+    assert plan(3, 8, 128, "grouped_wgmma")[:2] == ("grouped_wgmma", 128)  # forced: the plan names it anywhere
+    assert plan(5000, 8, 128, "grouped_wgmma")[:2] == ("grouped_wgmma", 256)
     assert plan(0, 8, 128)[2] == 0
     with pytest.raises(ValueError, match="is not one of auto, gemv, grouped_mm, grouped_mma, gemv_direct"):
         plan(1, 1, 1, "fastest")

@@ -49,6 +49,11 @@ constexpr int64_t kMmaMaxSlotsPerExpert = 256;
 // On Hopper, from this many slots per expert the grouped wgmma (a weight tile dequantized once per 256
 // rows of an expert, wgmma at full rate) replaces the grouped MMA and grouped mm.
 constexpr int64_t kWgmmaMinSlotsPerExpert = 64;
+// Up to this many slots per expert the grouped wgmma runs its register-operand kernel: one 128-row chunk
+// holds a typical expert, decoded once, with a wgmma no wider than its rows; past it, where an expert
+// spans two or more such chunks, the warp-specialized kernel's 256-row chunks decode each tile fewer
+// times. docs/decisions.md, "Paths by slots per expert".
+constexpr int64_t kRsMaxSlotsPerExpert = 96;
 
 constexpr int kMaxDevices = 64;  // devices whose facts are cached
 
@@ -357,7 +362,11 @@ int64_t ws_producers(int64_t bits, int64_t forced) {
   return std::min(most, overrides::ws_producers());
 }
 
-bool moe_wgmma_rs() { return overrides::moe_wgmma() == "rs"; }
+bool moe_wgmma_rs(int64_t slots, int64_t experts, int64_t forced_producers) {
+  const std::string& forced = overrides::moe_wgmma();
+  if (!forced.empty()) return forced == "rs";
+  return forced_producers == 0 && slots <= kRsMaxSlotsPerExpert * experts;
+}
 
 // ----------------------------------------------------------------------------- routed experts
 
@@ -450,8 +459,6 @@ void check_moe_forced_fields(const MoeForced& f, MoePath path) {
                    "kbit fused_moe: row_groups apply to the grouped_mma path, not ", moe_path_name(path));
   KBIT_CHECK_VALUE(producers || f.producers == 0, "kbit fused_moe: producers apply to the grouped_wgmma path, not ",
                    moe_path_name(path));
-  KBIT_CHECK_VALUE(!producers || !moe_wgmma_rs() || f.producers == 0, "kbit fused_moe: producers apply to the ",
-                   "warp-specialized grouped_wgmma kernel, not the register-operand one (VLLM_KBIT_MOE_WGMMA=rs)");
 }
 
 }  // namespace
@@ -472,6 +479,9 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, c
                                                                            : MoePath::kGroupedMm;
   }
   check_moe_forced_fields(forced, path);
+  const bool rs = path == MoePath::kGroupedWgmma && moe_wgmma_rs(S, experts, forced.producers);
+  KBIT_CHECK_VALUE(!rs || forced.producers == 0, "kbit fused_moe: producers apply to the warp-specialized ",
+                   "grouped_wgmma kernel, not the register-operand one (VLLM_KBIT_MOE_WGMMA=rs)");
   MoePlan plan{path, kMoeChunkRows, 0, 0, {}, {}};  // grouped mm: the routing's offsets only, no chunk list
   if (path == MoePath::kGemvDirect) {
     plan.chunk_rows = 1;  // CTA row s multiplies slot s's row
@@ -484,7 +494,7 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, c
     plan.max_chunks = moe_max_chunks(S, experts, plan.chunk_rows);
     plan.expected_chunks = moe_expected_chunks(S, experts, plan.chunk_rows);
   } else if (path == MoePath::kGroupedWgmma) {
-    plan.chunk_rows = moe_wgmma_rs() ? kMoeRsChunkRows : kMoeWsChunkRows;
+    plan.chunk_rows = rs ? kMoeRsChunkRows : kMoeWsChunkRows;
     plan.max_chunks = moe_max_chunks(S, experts, plan.chunk_rows);
     plan.expected_chunks = moe_expected_chunks(S, experts, plan.chunk_rows);
   }
@@ -508,7 +518,7 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, c
     // One CTA per chunk and pair of n-tiles, no splits: the grid rows and producers are the whole plan.
     plan.gate_up.m_blocks = plan.down.m_blocks = plan.max_chunks;
     plan.gate_up.splits = plan.down.splits = 1;
-    plan.gate_up.producers = plan.down.producers = moe_wgmma_rs() ? 0 : ws_producers(bits, forced.producers);
+    plan.gate_up.producers = plan.down.producers = rs ? 0 : ws_producers(bits, forced.producers);
   }
   return plan;
 }

@@ -193,9 +193,10 @@ struct LinearForced {
 // Raises a one-line ValueError for a forced count the kernel is not built with.
 int64_t ws_producers(int64_t bits, int64_t forced = 0);
 // Whether the grouped_wgmma MoE path runs the register-operand kernel (wgmma.cu, 128-row chunks, the wgmma N
-// fitted to each chunk) instead of the warp-specialized one (wgmma_ws.cu, 256-row chunks):
-// VLLM_KBIT_MOE_WGMMA=rs (default ws while the two are compared).
-bool moe_wgmma_rs();
+// fitted to each chunk) instead of the warp-specialized one (wgmma_ws.cu, 256-row chunks) for `slots` routed
+// rows over `experts`: VLLM_KBIT_MOE_WGMMA=rs|ws when set, else the rule (plan.cpp, kRsMaxSlotsPerExpert);
+// a forced producer count (ws only) picks ws.
+bool moe_wgmma_rs(int64_t slots, int64_t experts, int64_t forced_producers = 0);
 
 // The plan of kbit::linear for M rows of x (dtype) and an [N, K] weight of k-bit codes on the GPU the
 // facts describe: exactly what launches. Raises a one-line ValueError for what no kernel serves.

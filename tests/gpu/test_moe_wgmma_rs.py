@@ -1,9 +1,10 @@
-"""The grouped_wgmma MoE path on its register-operand kernel (csrc/plan/plan.h: moe_wgmma_rs; forced by
-VLLM_KBIT_MOE_WGMMA=rs): 128-row chunks, the wgmma N fitted to each chunk, the expert's weights decoded
-into registers. Every routed-expert suite that runs the grouped_wgmma path (random cases with expert maps
-and weights on the input, the Qwen3-30B design shape, CUDA-graph replay, run-to-run determinism) runs again
-in a child process (the variable is read once per process), against the same fp32 references; the
-default warp-specialized kernel runs them in the parent suites.
+"""The grouped_wgmma MoE path's two kernels (csrc/plan/plan.h: moe_wgmma_rs): the register-operand one
+(128-row chunks, the wgmma N fitted to each chunk, the expert's weights decoded into registers), which the
+rule picks up to 96 slots per expert, and the warp-specialized one (256-row chunks) past it.
+VLLM_KBIT_MOE_WGMMA=rs|ws forces one; every routed-expert suite that runs the grouped_wgmma path (random
+cases with expert maps and weights on the input, the Qwen3-30B design shape, CUDA-graph replay, run-to-run
+determinism) runs again in a child process under each (the variable is read once per process), against the
+same fp32 references; the parent suites run the rule.
 """
 
 import importlib.util
@@ -21,14 +22,15 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_routed_suites_on_the_register_operand_kernel():
+@pytest.mark.parametrize("kernel", ["rs", "ws"])
+def test_routed_suites_on_each_grouped_wgmma_kernel(kernel):
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the grouped wgmma is built for Hopper")
     args = [f"{HERE}/test_moe_cuda.py", f"{HERE}/test_determinism.py", "-k",
             "random_cases_match or design_shape or cuda_graph or fused_moe"]
     workers = ["-n", "8"] if importlib.util.find_spec("xdist") else []  # pytest-xdist where installed
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *workers, *args],
-                         env=child_env(VLLM_KBIT_MOE_WGMMA="rs"), capture_output=True, text=True, timeout=1500)
+                         env=child_env(VLLM_KBIT_MOE_WGMMA=kernel), capture_output=True, text=True, timeout=1500)
     assert run.returncode == 0 and " passed" in run.stdout, run.stdout[-4000:]
 
 
@@ -38,6 +40,16 @@ def test_the_plan_asks_for_128_row_chunks_and_refuses_producers():
     run = subprocess.run([sys.executable, "-c", code], env=child_env(VLLM_KBIT_MOE_WGMMA="rs"),
                          capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
+
+
+def test_the_rule_picks_the_kernel_by_rows_per_expert_and_a_forced_producer_count_picks_ws():
+    def plan(tokens, **forced):
+        p = torch.ops.kbit.moe_plan.device(tokens, 8, 128, 4, 2048, 768, torch.device("cuda"), "grouped_wgmma", **forced)
+        return p[1], p[4][-1]  # chunk rows, gate_up producers
+
+    assert plan(1024) == (128, 0) and plan(1536)[0] == 128  # 64 and 96 slots per expert
+    assert plan(1537)[0] == 256 and plan(4096)[0] == 256 and plan(4096)[1] > 0
+    assert plan(1024, producers=1) == (256, 1)
 
 
 def test_the_switch_refuses_other_values():

@@ -135,11 +135,11 @@ def test_forced_paths_launch_their_kernel():
 
 
 def expected_moe(plan):
-    path, _, _, _, gate_up, down = plan
+    path, chunk_rows, _, _, gate_up, down = plan
     if path == "grouped_mm":
         return [("grouped_mm", 0, 0, 0, 0, 0)]
     kernel = {"gemv_direct": "moe_gemv_direct", "gemv": "moe_gemv", "grouped_mma": "mma_grouped",
-              "grouped_wgmma": "wgmma_ws_grouped"}[path]
+              "grouped_wgmma": "wgmma_rs_grouped" if chunk_rows == 128 else "wgmma_ws_grouped"}[path]
     return [(kernel, proj[1], proj[2], proj[3], proj[0], proj[4]) for proj in (gate_up, down)]
 
 
