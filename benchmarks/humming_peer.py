@@ -29,10 +29,8 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 
 import torch
-import torch.nn.functional as F
 
 GROUP = 128  # Humming weight_scale_group_size
 BF16_STD = 0.02  # std of the random bf16 weights (as bench_kernels.py)

@@ -193,7 +193,7 @@ def dense_splits_measure(args, meta: Meta):
         w0 = random_runtime_weight(N, K, SPLITS_K_BITS)
         nbytes = w0.qweight_rt.numel() * 4 + w0.absmax_rt.numel()
         ws = [w0] + [random_runtime_weight(N, K, SPLITS_K_BITS) for _ in range(copies_for(nbytes, "cold", meta.l2) - 1)]
-        n_tiles, k_tiles = w0.qweight_rt.shape[0], w0.qweight_rt.shape[1]
+        n_tiles = w0.qweight_rt.shape[0]
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             _, _, max_splits, p, r_auto, m_blocks, _ = torch.ops.kbit.linear_plan(
