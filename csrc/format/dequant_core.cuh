@@ -183,4 +183,26 @@ __device__ __forceinline__ uint32_t lut_offset(uint32_t word, int n, uint32_t la
   }
 }
 
+// Elements 8n .. 8n + 7 of one block from the table as four pairs (8n, +1), (8n + 2, +3), (8n + 4, +5),
+// (8n + 6, +7), each times the block's scale (in both halves of T): byte n of index words 0, 2, 1, 3 (pairs)
+// or of words 0, 1 (quads), as lut_indices lays them out. The wgmma kernels build A fragments (registers or
+// shared memory) from these.
+template <typename T, int BITS>
+__device__ __forceinline__ void lut_scaled_pairs(const uint8_t* lut, const uint32_t (&q)[Lut<BITS>::kWords], int n,
+                                                 uint32_t lane_off, uint32_t scale, uint32_t (&out)[4]) {
+  uint32_t v[4];
+  if constexpr (Lut<BITS>::kQuad) {
+    const uint2 lo = *reinterpret_cast<const uint2*>(lut + lut_offset<BITS>(q[0], n, lane_off));
+    const uint2 hi = *reinterpret_cast<const uint2*>(lut + lut_offset<BITS>(q[1], n, lane_off));
+    v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
+  } else {
+    v[0] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<BITS>(q[0], n, lane_off));
+    v[1] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<BITS>(q[2], n, lane_off));
+    v[2] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<BITS>(q[1], n, lane_off));
+    v[3] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<BITS>(q[3], n, lane_off));
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) out[i] = Half2<T>::scale2(v[i], scale);
+}
+
 }  // namespace kbit

@@ -217,20 +217,11 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         uint32_t v[4];
-        if constexpr (Lut<LB>::kQuad) {
-          const uint2 lo = *reinterpret_cast<const uint2*>(lut + lut_offset<LB>(q[0], c, lut_lane));
-          const uint2 hi = *reinterpret_cast<const uint2*>(lut + lut_offset<LB>(q[1], c, lut_lane));
-          v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
-        } else {
-          v[0] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[0], c, lut_lane));
-          v[1] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[2], c, lut_lane));
-          v[2] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[1], c, lut_lane));
-          v[3] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[3], c, lut_lane));
-        }
-        a[2 * c][h] = Half2<T>::scale2(v[0], scale);
-        a[2 * c][2 + h] = Half2<T>::scale2(v[1], scale);
-        a[2 * c + 1][h] = Half2<T>::scale2(v[2], scale);
-        a[2 * c + 1][2 + h] = Half2<T>::scale2(v[3], scale);
+        lut_scaled_pairs<T, LB>(lut, q, c, lut_lane, scale, v);
+        a[2 * c][h] = v[0];
+        a[2 * c][2 + h] = v[1];
+        a[2 * c + 1][h] = v[2];
+        a[2 * c + 1][2 + h] = v[3];
       }
     }
   };

@@ -205,18 +205,8 @@ __device__ __forceinline__ void produce(const WsParams<T>& prm, const WsWork& wo
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         uint32_t v[4];
-        if constexpr (Lut<LB>::kQuad) {
-          const uint2 lo = *reinterpret_cast<const uint2*>(lut + lut_offset<LB>(q[0], c, lut_lane));
-          const uint2 hi = *reinterpret_cast<const uint2*>(lut + lut_offset<LB>(q[1], c, lut_lane));
-          v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
-        } else {
-          v[0] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[0], c, lut_lane));
-          v[1] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[2], c, lut_lane));
-          v[2] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[1], c, lut_lane));
-          v[3] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<LB>(q[3], c, lut_lane));
-        }
-        st_shared16(tile + swizzled_chunk(kWeightRows, r, 4 * j + c), Half2<T>::scale2(v[0], scale),
-                    Half2<T>::scale2(v[1], scale), Half2<T>::scale2(v[2], scale), Half2<T>::scale2(v[3], scale));
+        lut_scaled_pairs<T, LB>(lut, q, c, lut_lane, scale, v);
+        st_shared16(tile + swizzled_chunk(kWeightRows, r, 4 * j + c), v[0], v[1], v[2], v[3]);
       }
     }
   };
