@@ -233,6 +233,28 @@ def test_moe_plan_paths_and_workspace():
         torch.ops.kbit._moe_path_id("fastest")
 
 
+@requires_extension
+@pytest.mark.parametrize("kernel,tokens,rows", [("rs", 4096, 128), ("ws", 1024, 256)])
+def test_the_grouped_wgmma_kernel_can_be_forced(kernel, tokens, rows):
+    """VLLM_KBIT_MOE_WGMMA=rs|ws forces the grouped_wgmma path's kernel against the rule (rs up to 96 slots per
+    expert): 128-row chunks at 256 slots per expert, 256-row chunks at 64; read once per process, so each runs
+    in a child."""
+    code = (f"import torch, vllm_kbit; p = torch.ops.kbit.moe_plan({tokens}, 8, 128, 4, 'auto', 9); "
+            f"assert p == ('grouped_wgmma', {rows}, torch.ops.kbit._moe_max_chunks({8 * tokens}, 128, {rows})), p; "
+            "print('ok')")
+    run = subprocess.run([sys.executable, "-c", code], env=child_env(VLLM_KBIT_MOE_WGMMA=kernel), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]
+
+
+@requires_extension
+def test_the_grouped_wgmma_switch_refuses_other_values():
+    code = "import torch, vllm_kbit; torch.ops.kbit.moe_plan(1024, 8, 128, 4, 'auto', 9)"
+    run = subprocess.run([sys.executable, "-c", code], env=child_env(VLLM_KBIT_MOE_WGMMA="yes"), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode != 0 and "VLLM_KBIT_MOE_WGMMA=yes is not supported; supported: ws" in run.stderr, run.stderr[-2000:]
+
+
 def test_without_extension_the_reference_needs_no_plan():
     """The package without its C++ extension (VLLM_KBIT_LOAD_EXTENSION=0, as a CPU torch install has
     it): no plan ops, and the public ops still run (the reference never asks for a plan)."""
