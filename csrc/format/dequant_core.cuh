@@ -103,17 +103,20 @@ struct Half2<__half> {
 // values in the activation type, so a weight costs a fraction of an extraction, a load and a
 // multiply by the block scale. Every entry is stored once per lane (k = 2: per half-warp lane, since a
 // 64-bit load is served a half-warp at a time) in that lane's own bank, so a warp's 32 random
-// indices never conflict: an entry is a 128-byte row of replicas.
+// indices never conflict: an entry is a 128-byte row of replicas. A kernel addresses the table from the
+// start of its dynamic shared memory, so each load takes its base as a uniform register ([R + UR]) and
+// costs no add.
 
-template <int BITS>
+template <int BITS, bool kWide = false>
 struct Lut {
   static_assert(BITS >= 2 && BITS <= 4, "lookup-table decode is for k = 2..4");
   static constexpr bool kQuad = BITS == 2;
   static constexpr int kWords = kQuad ? 2 : 4;  // index words per block (8-bit indices, 4 per word)
   // k = 3 indices have bits 3 and 7 clear, so one PRMT turns a byte into the row offset when rows
   // are 256 bytes apart (the spare 128 bytes of each row unused); 8-bit indices of k = 2, 4 would
-  // double the table that way, so their offset is a shift and a mask instead.
-  static constexpr int kRowShift = BITS == 3 ? 8 : 7;
+  // double the table that way (64 KB), so their offset is a shift and a mask instead, unless the
+  // kernel has the shared memory to spare (kWide: the PRMT at every k).
+  static constexpr int kRowShift = BITS == 3 || kWide ? 8 : 7;
   static constexpr int kMaxIndex = BITS == 3 ? 0x77 : 0xFF;
   static constexpr int kBytes = (kMaxIndex + 1) << kRowShift;
   static constexpr int kRowBytes = 128;  // replicas of one entry: 32 x 4 bytes or 16 x 8 bytes
@@ -128,9 +131,9 @@ __device__ __forceinline__ uint32_t lut_lane_offset(int lane) {
 // Fills the table from the fp32 codebook, entries in T rounded to nearest (the same values the
 // pack + scale2 path produces). Threads tid = 0..nthreads-1 of the CTA each fill whole rows; the
 // 16-byte stores of a row rotate with the lane so that 8 lanes of a store hit 8 different bank groups.
-template <typename T, int BITS>
+template <typename T, int BITS, bool kWide = false>
 __device__ __forceinline__ void lut_fill(uint8_t* lut, const float* __restrict__ codebook, int tid, int nthreads) {
-  using L = Lut<BITS>;
+  using L = Lut<BITS, kWide>;
   const auto pack = [](float lo, float hi) { return Half2<T>::pack(lo, hi); };
   constexpr int mask = (1 << BITS) - 1;
   const int lane = tid % 32;
@@ -170,9 +173,9 @@ __device__ __forceinline__ void lut_indices(const uint32_t (&words)[BITS], uint3
 }
 
 // Table offset of byte n of an index word for this lane (lane_off from lut_lane_offset).
-template <int BITS>
+template <int BITS, bool kWide = false>
 __device__ __forceinline__ uint32_t lut_offset(uint32_t word, int n, uint32_t lane_off) {
-  if constexpr (Lut<BITS>::kRowShift == 8) {
+  if constexpr (Lut<BITS, kWide>::kRowShift == 8) {
     // byte 0 <- lane_off, byte 1 <- byte n of word, bytes 2, 3 <- zero bytes of lane_off
     return __byte_perm(word, lane_off, 0x5504u | (static_cast<uint32_t>(n) << 4));
   } else {
@@ -187,19 +190,20 @@ __device__ __forceinline__ uint32_t lut_offset(uint32_t word, int n, uint32_t la
 // (8n + 6, +7), each times the block's scale (in both halves of T): byte n of index words 0, 2, 1, 3 (pairs)
 // or of words 0, 1 (quads), as lut_indices lays them out. The wgmma kernels build A fragments (registers or
 // shared memory) from these.
-template <typename T, int BITS>
+template <typename T, int BITS, bool kWide = false>
 __device__ __forceinline__ void lut_scaled_pairs(const uint8_t* lut, const uint32_t (&q)[Lut<BITS>::kWords], int n,
                                                  uint32_t lane_off, uint32_t scale, uint32_t (&out)[4]) {
+  const auto at = [&](uint32_t word) { return lut + lut_offset<BITS, kWide>(word, n, lane_off); };
   uint32_t v[4];
   if constexpr (Lut<BITS>::kQuad) {
-    const uint2 lo = *reinterpret_cast<const uint2*>(lut + lut_offset<BITS>(q[0], n, lane_off));
-    const uint2 hi = *reinterpret_cast<const uint2*>(lut + lut_offset<BITS>(q[1], n, lane_off));
+    const uint2 lo = *reinterpret_cast<const uint2*>(at(q[0]));
+    const uint2 hi = *reinterpret_cast<const uint2*>(at(q[1]));
     v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;
   } else {
-    v[0] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<BITS>(q[0], n, lane_off));
-    v[1] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<BITS>(q[2], n, lane_off));
-    v[2] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<BITS>(q[1], n, lane_off));
-    v[3] = *reinterpret_cast<const uint32_t*>(lut + lut_offset<BITS>(q[3], n, lane_off));
+    v[0] = *reinterpret_cast<const uint32_t*>(at(q[0]));
+    v[1] = *reinterpret_cast<const uint32_t*>(at(q[2]));
+    v[2] = *reinterpret_cast<const uint32_t*>(at(q[1]));
+    v[3] = *reinterpret_cast<const uint32_t*>(at(q[3]));
   }
 #pragma unroll
   for (int i = 0; i < 4; ++i) out[i] = Half2<T>::scale2(v[i], scale);

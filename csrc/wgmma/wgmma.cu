@@ -47,12 +47,18 @@ constexpr int kSlabBytes = kRows * 128;              // 64 K-elements of all row
 constexpr int kStageBytes = 2 * kSlabBytes;          // one k-tile of activations
 constexpr int kStages = 4;
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the stages to 1024 bytes
-// The grouped kernel decodes k = 2..4 through the per-lane table (dequant_core.cuh: Lut) after the stages,
-// as the warp-specialized kernel's producers do; the dense kernel keeps the shuffle decode.
+// The grouped kernel decodes k = 2..4 through the per-lane table (dequant_core.cuh: Lut) before the stages,
+// as the warp-specialized kernel's producers do; the dense kernel keeps the shuffle decode. At one CTA per
+// SM the shared memory has room for the wide table (64 KB at k = 2, 4), whose row offset is one PRMT.
 template <int BITS>
 constexpr bool rs_uses_lut(bool grouped) { return grouped && BITS <= 4; }
-constexpr int kLutSmemBytes = kSmemBytes + Lut<4>::kBytes;  // the largest table (k = 2 and 4: 32 KB)
-static_assert(Lut<2>::kBytes <= Lut<4>::kBytes && Lut<3>::kBytes <= Lut<4>::kBytes, "the table's room");
+template <int BITS>
+using RsLut = Lut<BITS < 2 ? 2 : (BITS > 4 ? 4 : BITS), true>;  // k = 5 only names a type (never used)
+template <int BITS>
+constexpr int rs_lut_bytes(bool grouped) { return rs_uses_lut<BITS>(grouped) ? RsLut<BITS>::kBytes : 0; }
+constexpr int kLutSmemBytes = kSmemBytes + RsLut<4>::kBytes;  // the largest table (k = 2 and 4: 64 KB)
+static_assert(RsLut<2>::kBytes <= RsLut<4>::kBytes && RsLut<3>::kBytes <= RsLut<4>::kBytes, "the table's room");
+static_assert(kLutSmemBytes <= 227 * 1024, "one CTA's shared memory must fit an SM (227 KB on Hopper)");
 static_assert(kMoeRsChunkRows == kRows, "a grouped chunk is one CTA's activation rows");
 
 // ----------------------------------------------------------------------------- the MMA
@@ -217,7 +223,7 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
 #pragma unroll
       for (int c = 0; c < 4; ++c) {
         uint32_t v[4];
-        lut_scaled_pairs<T, LB>(lut, q, c, lut_lane, scale, v);
+        lut_scaled_pairs<T, LB, true>(lut, q, c, lut_lane, scale, v);
         a[2 * c][h] = v[0];
         a[2 * c][2 + h] = v[1];
         a[2 * c + 1][h] = v[2];
@@ -307,8 +313,10 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
 template <typename T, int BITS, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ WgmmaParams<T> prm) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  const uint32_t smem = (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + 1023) & ~1023u;
   constexpr bool kLut = rs_uses_lut<BITS>(kGrouped);
+  // The table (if any) first, at the window's start; the stages after it, aligned for the 128-byte swizzle.
+  const uint32_t smem =
+      (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + rs_lut_bytes<BITS>(kGrouped) + 1023) & ~1023u;
   if constexpr (!kGrouped) {
     rs_tile<T, BITS, kRows, kLut>(prm, prm.qweight, prm.absmax, static_cast<int>(blockIdx.y) * kRows, prm.M, smem,
                                   nullptr);
@@ -320,11 +328,11 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
     const uint8_t* q = prm.qweight + chunk.x * prm.expert_q_bytes;
     const uint8_t* a = prm.absmax + chunk.x * prm.expert_a_bytes;
     const int m_end = chunk.y + min(chunk.z, kRows);
-    // The table after the stages, filled by the whole CTA before the first decode (rs_tile builds its
-    // first fragments before its first barrier).
-    uint8_t* lut = smem_raw + (smem - static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw))) + kStages * kStageBytes;
+    // The table, filled by the whole CTA before the first decode (rs_tile builds its first fragments
+    // before its first barrier).
+    uint8_t* lut = smem_raw;
     if constexpr (kLut) {
-      lut_fill<T, BITS>(lut, prm.codebook, static_cast<int>(threadIdx.x), kThreads);
+      lut_fill<T, BITS, true>(lut, prm.codebook, static_cast<int>(threadIdx.x), kThreads);
       __syncthreads();
     }
     switch (rs_width(m_end - chunk.y)) {
@@ -369,7 +377,7 @@ void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
                            grouped ? static_cast<int64_t>(a.nbytes()) / a.size(0) : 0};
   const dim3 grid((n_tiles + kWarpGroups - 1) / kWarpGroups, grid_rows);
   if (grouped) {
-    constexpr int bytes = rs_uses_lut<BITS>(true) ? kLutSmemBytes : kSmemBytes;
+    constexpr int bytes = kSmemBytes + rs_lut_bytes<BITS>(true);
     opt_in_shared_memory<wgmma_kernel<T, BITS, true>>(bytes, A.get_device());
     wgmma_kernel<T, BITS, true><<<grid, kThreads, bytes, stream>>>(prm);
   } else {

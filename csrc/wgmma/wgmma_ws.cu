@@ -55,16 +55,19 @@ constexpr int kStages = 2;
 template <int NP>
 constexpr int kProducerAhead = NP == 1 ? 3 : 2;  // a producer's own k-tiles its loads run ahead (register ring)
 constexpr int kBarrierBytes = 64;  // 2 * kStages mbarriers, rounded up
-// k = 2..4 decode through the per-lane table of pairs / quads (dequant_core.cuh: Lut), which sits after
-// the stages and barriers: one shared load per two or four weights instead of a shuffle, a conversion
+// k = 2..4 decode through the per-lane table of pairs / quads (dequant_core.cuh: Lut), which sits at the
+// start of the window, before the stages and barriers: one shared load per two or four weights instead of a shuffle, a conversion
 // and a multiply per weight. k = 5 (a 1024-entry pair table would not fit) keeps the shuffle decode.
 template <int BITS>
 constexpr bool producer_uses_lut() { return BITS <= 4; }
 template <int BITS>
-constexpr int smem_bytes() {  // stages + mbarriers + table + alignment slack
-  int lut = 0;
-  if constexpr (producer_uses_lut<BITS>()) lut = Lut<BITS>::kBytes;
-  return kStages * kStageBytes + kBarrierBytes + lut + 1024;
+constexpr int lut_bytes() {
+  if constexpr (producer_uses_lut<BITS>()) return Lut<BITS>::kBytes;
+  return 0;
+}
+template <int BITS>
+constexpr int smem_bytes() {  // table + stages + mbarriers + alignment slack
+  return lut_bytes<BITS>() + kStages * kStageBytes + kBarrierBytes + 1024;
 }
 static_assert(smem_bytes<4>() <= 227 * 1024, "one CTA's shared memory must fit an SM (227 KB on Hopper)");
 
@@ -372,9 +375,9 @@ __global__ void __launch_bounds__(kThreads<NP>, 1) wgmma_ws_kernel(const __grid_
   }
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
-  const uint32_t smem = (raw + 1023) & ~1023u;
+  const uint32_t smem = (raw + lut_bytes<BITS>() + 1023) & ~1023u;  // the stages, after the table
   const uint32_t full = smem + kStages * kStageBytes, empty = full + 8 * kStages;
-  uint8_t* lut = smem_raw + (smem - raw) + kStages * kStageBytes + kBarrierBytes;  // k <= 4 only
+  uint8_t* lut = smem_raw;  // k <= 4 only
   if (threadIdx.x == 0) {
     for (int s = 0; s < kStages; ++s) {
       mbar_init(full + 8 * s, 128);

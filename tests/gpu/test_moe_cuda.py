@@ -310,16 +310,18 @@ def test_grouped_single_projection(rows, M):
         torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, 0, 3)
 
 
+@pytest.mark.parametrize("k", [2, 3, 4, 5])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_grouped_register_operand_wgmma_fits_each_chunk(dtype):
+def test_grouped_register_operand_wgmma_fits_each_chunk(dtype, k):
     """The register-operand grouped wgmma (chunk_rows 128) issues the narrowest built wgmma N that holds a
     chunk: experts of 5, 20, 40, 70, 100, 128, 200 and 0 rows take N = 16, 32, 64, 96, 128, 128 and 128 + 96
-    (an expert of several chunks; one without rows), at k = 3 on a ragged N."""
+    (an expert of several chunks; one without rows), on a ragged N, at every k (k = 2..4 through the wide
+    table: quads, pairs by PRMT; k = 5 by shuffle)."""
     if torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("the grouped wgmma is built for Hopper")
-    gen = torch.Generator().manual_seed(11)
+    gen = torch.Generator().manual_seed(11 + k)
     counts = [5, 20, 40, 70, 100, 128, 200, 0]
-    E, N, K, k = len(counts), 320, 512, 3
+    E, N, K = len(counts), 320, 512
     ex = Experts(E, K, N // 2, k, gen)  # w13 is [2I, H] = [N, K]
     ids = torch.repeat_interleave(torch.arange(E), torch.tensor(counts)).to(torch.int32).view(-1, 1).cuda()
     S = int(sum(counts))
