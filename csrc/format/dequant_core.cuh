@@ -107,6 +107,10 @@ struct Half2<__half> {
 // start of its dynamic shared memory, so each load takes its base as a uniform register ([R + UR]) and
 // costs no add.
 
+// The table's k for a kernel instance built at BITS: k = 5 never decodes by table, but its instances name one.
+template <int BITS>
+constexpr int kLutBits = BITS < 2 ? 2 : (BITS > 4 ? 4 : BITS);
+
 template <int BITS, bool kWide = false>
 struct Lut {
   static_assert(BITS >= 2 && BITS <= 4, "lookup-table decode is for k = 2..4");

@@ -53,7 +53,7 @@ constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align th
 template <int BITS>
 constexpr bool rs_uses_lut(bool grouped) { return grouped && BITS <= 4; }
 template <int BITS>
-using RsLut = Lut<BITS < 2 ? 2 : (BITS > 4 ? 4 : BITS), true>;  // k = 5 only names a type (never used)
+using RsLut = Lut<kLutBits<BITS>, true>;
 template <int BITS>
 constexpr int rs_lut_bytes(bool grouped) { return rs_uses_lut<BITS>(grouped) ? RsLut<BITS>::kBytes : 0; }
 constexpr int kLutSmemBytes = kSmemBytes + RsLut<4>::kBytes;  // the largest table (k = 2 and 4: 64 KB)
@@ -209,7 +209,7 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
   // The same through the table: per row, its block's index words, then per 8 elements (c) the four
   // pairs (8c, +1), (8c + 2, +3), (8c + 4, +5), (8c + 6, +7) = fragments k16 steps 2c (h, 2 + h) and
   // 2c + 1 (h, 2 + h), scaled in pairs. k = 5 never takes this path (LB only names a table type there).
-  constexpr int LB = BITS < 2 ? 2 : (BITS > 4 ? 4 : BITS);
+  constexpr int LB = kLutBits<BITS>;
   const uint32_t lut_lane = lut_lane_offset<LB>(lane);
   const auto build_lut = [&](uint32_t (&a)[8][4], const Words& w) {
 #pragma unroll

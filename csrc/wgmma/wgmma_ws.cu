@@ -194,7 +194,7 @@ __device__ __forceinline__ void produce(const WsParams<T>& prm, const WsWork& wo
   // index words 0, 2, 1, 3 (pairs e, e + 2, e + 4, e + 6: kbit_format.cuh's runtime words) or of words 0, 1
   // (k = 2 quads e, e + 4). The table holds the codebook rounded to T, so the products equal the shuffle
   // path's bit for bit.
-  constexpr int LB = BITS < 2 ? 2 : (BITS > 4 ? 4 : BITS);  // the table's k (unused at k = 5)
+  constexpr int LB = kLutBits<BITS>;  // the table's k (unused at k = 5)
   const uint32_t lut_lane = lut_lane_offset<LB>(lane);
   const auto store_lut = [&](const Row& w, uint32_t tile) {
 #pragma unroll
