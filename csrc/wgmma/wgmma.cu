@@ -56,9 +56,6 @@ template <int BITS>
 using RsLut = Lut<kLutBits<BITS>, true>;
 template <int BITS>
 constexpr int rs_lut_bytes(bool grouped) { return rs_uses_lut<BITS>(grouped) ? RsLut<BITS>::kBytes : 0; }
-constexpr int kLutSmemBytes = kSmemBytes + RsLut<4>::kBytes;  // the largest table (k = 2 and 4: 64 KB)
-static_assert(RsLut<2>::kBytes <= RsLut<4>::kBytes && RsLut<3>::kBytes <= RsLut<4>::kBytes, "the table's room");
-static_assert(kLutSmemBytes <= 227 * 1024, "one CTA's shared memory must fit an SM (227 KB on Hopper)");
 static_assert(kMoeRsChunkRows == kRows, "a grouped chunk is one CTA's activation rows");
 
 // ----------------------------------------------------------------------------- the MMA
@@ -378,6 +375,7 @@ void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
   const dim3 grid((n_tiles + kWarpGroups - 1) / kWarpGroups, grid_rows);
   if (grouped) {
     constexpr int bytes = kSmemBytes + rs_lut_bytes<BITS>(true);
+    static_assert(bytes <= 227 * 1024, "one CTA's shared memory must fit an SM (227 KB on Hopper)");
     opt_in_shared_memory<wgmma_kernel<T, BITS, true>>(bytes, A.get_device());
     wgmma_kernel<T, BITS, true><<<grid, kThreads, bytes, stream>>>(prm);
   } else {

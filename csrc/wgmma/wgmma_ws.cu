@@ -56,8 +56,9 @@ template <int NP>
 constexpr int kProducerAhead = NP == 1 ? 3 : 2;  // a producer's own k-tiles its loads run ahead (register ring)
 constexpr int kBarrierBytes = 64;  // 2 * kStages mbarriers, rounded up
 // k = 2..4 decode through the per-lane table of pairs / quads (dequant_core.cuh: Lut), which sits at the
-// start of the window, before the stages and barriers: one shared load per two or four weights instead of a shuffle, a conversion
-// and a multiply per weight. k = 5 (a 1024-entry pair table would not fit) keeps the shuffle decode.
+// start of the window, before the stages and barriers: one shared load per two or four weights instead
+// of a shuffle, a conversion and a multiply per weight. k = 5 (a 1024-entry pair table would not fit)
+// keeps the shuffle decode.
 template <int BITS>
 constexpr bool producer_uses_lut() { return BITS <= 4; }
 template <int BITS>
