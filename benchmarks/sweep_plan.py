@@ -23,7 +23,7 @@ is a subcommand; each writes <out>/<stem>_<gpu>_<date>.{json,md} (the stems the 
     python benchmarks/sweep_plan.py moe_paths [--layers ...] [--bits 2,4,5] [--tokens 128,...,4096]
         [--paths grouped_mma,grouped_wgmma,grouped_wgmma:1]
         The routed experts' path at many slots per expert: whole fused_moe calls per forced path (the data for
-        moe_plan's grouped wgmma bound, kWgmmaMinSlotsPerExpert; Hopper); `path:N` also forces N producer
+        moe_plan's grouped wgmma bound, wgmma_min_slots_per_expert; Hopper); `path:N` also forces N producer
         warpgroups of the grouped wgmma (ws_producers). Stem moe_paths.
 
 Common options: --out DIR (default benchmarks/results), --commit SHA.

@@ -46,14 +46,16 @@ constexpr int64_t kWgmmaWsMinM = 8 * kMmaMaxRowTiles / 2 + 1;
 // "Three paths, picked by slots per expert" and "Few slots: two launches".
 constexpr int64_t kGemvMaxSlots = 16;
 constexpr int64_t kMmaMaxSlotsPerExpert = 256;
-// On Hopper, from this many slots per expert the grouped wgmma (a weight tile dequantized once per 256
-// rows of an expert, wgmma at full rate) replaces the grouped MMA and grouped mm.
-constexpr int64_t kWgmmaMinSlotsPerExpert = 64;
+// On Hopper, from this many slots per expert the grouped wgmma (an expert's weight tile dequantized once per
+// chunk of its rows, wgmma at full rate) replaces the grouped MMA and grouped mm: 48 at k <= 4, whose
+// register-operand kernel decodes through the table with three warpgroups, 64 at k = 5.
+constexpr int64_t wgmma_min_slots_per_expert(int64_t bits) { return bits <= 4 ? 48 : 64; }
 // Up to this many slots per expert the grouped wgmma runs its register-operand kernel: one 128-row chunk
 // holds a typical expert, decoded once, with a wgmma no wider than its rows; past it, where an expert
 // spans two or more such chunks, the warp-specialized kernel's 256-row chunks decode each tile fewer
-// times. docs/decisions.md, "Paths by slots per expert".
-constexpr int64_t kRsMaxSlotsPerExpert = 96;
+// times. 128 at k = 3, 4; 96 at k = 2 and 5, where the warp-specialized kernel already wins at 128.
+// docs/decisions.md, "Paths by slots per expert".
+constexpr int64_t rs_max_slots_per_expert(int64_t bits) { return bits == 3 || bits == 4 ? 128 : 96; }
 
 constexpr int kMaxDevices = 64;  // devices whose facts are cached
 
@@ -362,10 +364,10 @@ int64_t ws_producers(int64_t bits, int64_t forced) {
   return std::min(most, overrides::ws_producers());
 }
 
-bool moe_wgmma_rs(int64_t slots, int64_t experts, int64_t forced_producers) {
+bool moe_wgmma_rs(int64_t slots, int64_t experts, int64_t bits, int64_t forced_producers) {
   const std::string& forced = overrides::moe_wgmma();
   if (!forced.empty()) return forced == "rs";
-  return forced_producers == 0 && slots <= kRsMaxSlotsPerExpert * experts;
+  return forced_producers == 0 && slots <= rs_max_slots_per_expert(bits) * experts;
 }
 
 // ----------------------------------------------------------------------------- routed experts
@@ -474,12 +476,12 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, c
   const int64_t S = tokens * top_k;
   if (path == MoePath::kAuto) {
     path = S <= kGemvMaxSlots && 2 * S <= experts                            ? MoePath::kGemvDirect
-           : facts.sm_major == 9 && S >= kWgmmaMinSlotsPerExpert * experts ? MoePath::kGroupedWgmma
-           : S <= kMmaMaxSlotsPerExpert * experts                          ? MoePath::kGroupedMma
-                                                                           : MoePath::kGroupedMm;
+           : facts.sm_major == 9 && S >= wgmma_min_slots_per_expert(bits) * experts ? MoePath::kGroupedWgmma
+           : S <= kMmaMaxSlotsPerExpert * experts                                   ? MoePath::kGroupedMma
+                                                                                    : MoePath::kGroupedMm;
   }
   check_moe_forced_fields(forced, path);
-  const bool rs = path == MoePath::kGroupedWgmma && moe_wgmma_rs(S, experts, forced.producers);
+  const bool rs = path == MoePath::kGroupedWgmma && moe_wgmma_rs(S, experts, bits, forced.producers);
   KBIT_CHECK_VALUE(!rs || forced.producers == 0, "kbit fused_moe: producers apply to the warp-specialized ",
                    "grouped_wgmma kernel, not the register-operand one (VLLM_KBIT_MOE_WGMMA=rs)");
   MoePlan plan{path, kMoeChunkRows, 0, 0, {}, {}};  // grouped mm: the routing's offsets only, no chunk list

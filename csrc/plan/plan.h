@@ -194,9 +194,9 @@ struct LinearForced {
 int64_t ws_producers(int64_t bits, int64_t forced = 0);
 // Whether the grouped_wgmma MoE path runs the register-operand kernel (wgmma.cu, 128-row chunks, the wgmma N
 // fitted to each chunk) instead of the warp-specialized one (wgmma_ws.cu, 256-row chunks) for `slots` routed
-// rows over `experts`: VLLM_KBIT_MOE_WGMMA=rs|ws when set, else the rule (plan.cpp, kRsMaxSlotsPerExpert);
-// a forced producer count (ws only) picks ws.
-bool moe_wgmma_rs(int64_t slots, int64_t experts, int64_t forced_producers = 0);
+// rows over `experts` at k = `bits`: VLLM_KBIT_MOE_WGMMA=rs|ws when set, else the rule (plan.cpp,
+// rs_max_slots_per_expert); a forced producer count (ws only) picks ws.
+bool moe_wgmma_rs(int64_t slots, int64_t experts, int64_t bits, int64_t forced_producers = 0);
 
 // The plan of kbit::linear for M rows of x (dtype) and an [N, K] weight of k-bit codes on the GPU the
 // facts describe: exactly what launches. Raises a one-line ValueError for what no kernel serves.

@@ -12,16 +12,18 @@
 // (permute_kernel: logical position 16j + l of a k-tile <- physical element 32t + 4j + u), into a
 // scratch matrix whose K is padded with zeros to whole k-tiles.
 //
-// Pipeline. A CTA = 2 warpgroups, each one runtime n-tile (64 weight rows), sharing one 128-row
-// activation tile per k-tile, copied by cp.async kStages deep into the canonical K-major
+// Pipeline. A CTA = 2 warpgroups (grouped, k <= 4: 3), each one runtime n-tile (64 weight rows), sharing
+// one 128-row activation tile per k-tile, copied by cp.async kStages deep into the canonical K-major
 // 128-byte-swizzled layout (two 64-wide K slabs per k-tile). Per k-tile a warpgroup issues 8
 // wgmma m64n128k16 on the tile in shared memory, then dequantizes the next k-tile's fragments
 // (its plane words loaded two k-tiles ahead) while those run, then waits for them.
 //
-// Grouped (routed experts up to 96 slots per expert, plan.h: moe_wgmma_rs): a CTA takes one chunk of up
+// Grouped (routed experts up to 96 or 128 slots per expert, plan.h: moe_wgmma_rs): a CTA takes one chunk of up
 // to 128 rows of one expert (moe_route) and issues wgmma with the narrowest built N that holds the
 // chunk's rows (16, 32, 64, 96 or 128), so a short chunk costs MMAs in proportion to its rows while the
-// expert's weights are still decoded once per chunk of up to 128 rows.
+// expert's weights are still decoded once per chunk of up to 128 rows. Its table-decode CTAs have a third
+// warpgroup: a k-tile's decode is a chain of dependent table loads and multiplies that two warps per
+// scheduler do not hide, and three fit in 168 registers.
 #include "wgmma.cuh"
 
 #include "dequant_core.cuh"
@@ -29,6 +31,7 @@
 #include "wgmma_core.cuh"
 
 #include <algorithm>
+#include <type_traits>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -40,8 +43,6 @@ namespace {
 
 using namespace wgmma_core;
 
-constexpr int kWarpGroups = 2;                       // one runtime n-tile each
-constexpr int kThreads = 128 * kWarpGroups;
 constexpr int kRows = kWgmmaRows;                    // activation rows per CTA: the wgmma N
 constexpr int kSlabBytes = kRows * 128;              // 64 K-elements of all rows, 128-byte rows
 constexpr int kStageBytes = 2 * kSlabBytes;          // one k-tile of activations
@@ -56,6 +57,11 @@ template <int BITS>
 using RsLut = Lut<kLutBits<BITS>, true>;
 template <int BITS>
 constexpr int rs_lut_bytes(bool grouped) { return rs_uses_lut<BITS>(grouped) ? RsLut<BITS>::kBytes : 0; }
+// Warpgroups per CTA, one runtime n-tile each: 2, or 3 where the table decodes (grouped, k <= 4; the third
+// copies no activations). k = 5's shuffle decode keeps 2: at the 168 registers of 3 it spills.
+template <int BITS, bool kGrouped>
+constexpr int kWarpGroupsOf = rs_uses_lut<BITS>(kGrouped) ? 3 : 2;
+constexpr int kCopyThreads = 256;  // the activation copies' threads: the first two warpgroups
 static_assert(kMoeRsChunkRows == kRows, "a grouped chunk is one CTA's activation rows");
 
 // ----------------------------------------------------------------------------- the MMA
@@ -129,7 +135,7 @@ __device__ __forceinline__ int rs_width(int rows) {
 // One CTA's product: activation rows [m0, m_end) (at most kRows) times its warpgroups' n-tiles of the
 // weight at (qweight, absmax), through wgmma N = NR >= m_end - m0. The shared-memory stages keep the
 // 128-row layout whatever NR is: the MMA reads its first NR rows.
-template <typename T, int BITS, int NR, bool kLut>
+template <typename T, int BITS, int NR, bool kLut, int WG>
 __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t* qweight, const uint8_t* absmax,
                                         int m0, int m_end, uint32_t smem, const uint8_t* lut) {
   static_assert(NR % 16 == 0 && NR <= kRows, "activation copies run in steps of 16 rows");
@@ -139,7 +145,7 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
   // lookups stay plain warp-wide shuffles.
   const int wg = __shfl_sync(0xFFFFFFFFu, tid / 128, 0), warp = __shfl_sync(0xFFFFFFFFu, (tid / 32) % 4, 0);
   const int lane = tid % 32, g = lane / 4, t = lane % 4;
-  const int n_tile = blockIdx.x * kWarpGroups + wg;
+  const int n_tile = blockIdx.x * WG + wg;
   const int k_tiles = prm.k_tiles;
   const float codebook_reg = __ldg(prm.codebook + (lane & ((1 << BITS) - 1)));
 
@@ -151,6 +157,7 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
   const T* x_src = prm.Ap + static_cast<int64_t>(m0 + x_row) * prm.Kp + x_ch * 8;
   const auto load_stage = [&](int kt) {
     const uint32_t st = smem + (kt % kStages) * kStageBytes;
+    if (WG > 2 && tid >= kCopyThreads) return;
 #pragma unroll
     for (int i = 0; i < NR / 16; ++i) {
       const bool valid = m0 + x_row + 16 * i < m_end;
@@ -306,17 +313,17 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
   }
 }
 
-// Grid: (ceil(n_tiles / 2), ceil(M / 128)) dense, or (ceil(n_tiles / 2), chunk entries) grouped.
-template <typename T, int BITS, bool kGrouped>
-__global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constant__ WgmmaParams<T> prm) {
+// Grid: (ceil(n_tiles / WG), ceil(M / 128)) dense, or (ceil(n_tiles / WG), chunk entries) grouped.
+template <typename T, int BITS, bool kGrouped, int WG = kWarpGroupsOf<BITS, kGrouped>>
+__global__ void __launch_bounds__(128 * WG, 1) wgmma_kernel(const __grid_constant__ WgmmaParams<T> prm) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
   constexpr bool kLut = rs_uses_lut<BITS>(kGrouped);
   // The table (if any) first, at the window's start; the stages after it, aligned for the 128-byte swizzle.
   const uint32_t smem =
       (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + rs_lut_bytes<BITS>(kGrouped) + 1023) & ~1023u;
   if constexpr (!kGrouped) {
-    rs_tile<T, BITS, kRows, kLut>(prm, prm.qweight, prm.absmax, static_cast<int>(blockIdx.y) * kRows, prm.M, smem,
-                                  nullptr);
+    rs_tile<T, BITS, kRows, kLut, WG>(prm, prm.qweight, prm.absmax, static_cast<int>(blockIdx.y) * kRows, prm.M,
+                                      smem, nullptr);
   } else {
     // Every chunk entry holds defined values; unused ones have expert -1 (moe_route). The width is
     // uniform per CTA, so the branch below is too (the tiles' __syncthreads stay CTA-wide).
@@ -329,15 +336,15 @@ __global__ void __launch_bounds__(kThreads, 1) wgmma_kernel(const __grid_constan
     // before its first barrier).
     uint8_t* lut = smem_raw;
     if constexpr (kLut) {
-      lut_fill<T, BITS, true>(lut, prm.codebook, static_cast<int>(threadIdx.x), kThreads);
+      lut_fill<T, BITS, true>(lut, prm.codebook, static_cast<int>(threadIdx.x), 128 * WG);
       __syncthreads();
     }
     switch (rs_width(m_end - chunk.y)) {
-      case 16: return rs_tile<T, BITS, 16, kLut>(prm, q, a, chunk.y, m_end, smem, lut);
-      case 32: return rs_tile<T, BITS, 32, kLut>(prm, q, a, chunk.y, m_end, smem, lut);
-      case 64: return rs_tile<T, BITS, 64, kLut>(prm, q, a, chunk.y, m_end, smem, lut);
-      case 96: return rs_tile<T, BITS, 96, kLut>(prm, q, a, chunk.y, m_end, smem, lut);
-      default: return rs_tile<T, BITS, kRows, kLut>(prm, q, a, chunk.y, m_end, smem, lut);
+      case 16: return rs_tile<T, BITS, 16, kLut, WG>(prm, q, a, chunk.y, m_end, smem, lut);
+      case 32: return rs_tile<T, BITS, 32, kLut, WG>(prm, q, a, chunk.y, m_end, smem, lut);
+      case 64: return rs_tile<T, BITS, 64, kLut, WG>(prm, q, a, chunk.y, m_end, smem, lut);
+      case 96: return rs_tile<T, BITS, 96, kLut, WG>(prm, q, a, chunk.y, m_end, smem, lut);
+      default: return rs_tile<T, BITS, kRows, kLut, WG>(prm, q, a, chunk.y, m_end, smem, lut);
     }
   }
 }
@@ -372,15 +379,19 @@ void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
                            grouped ? reinterpret_cast<const int4*>(chunks->data_ptr<int>()) : nullptr,
                            grouped ? static_cast<int64_t>(q.nbytes()) / q.size(0) : 0,
                            grouped ? static_cast<int64_t>(a.nbytes()) / a.size(0) : 0};
-  const dim3 grid((n_tiles + kWarpGroups - 1) / kWarpGroups, grid_rows);
+  const auto go = [&](auto grouped_c, int bytes) {
+    constexpr bool kGrouped = decltype(grouped_c)::value;
+    constexpr int WG = kWarpGroupsOf<BITS, kGrouped>;
+    const dim3 grid((n_tiles + WG - 1) / WG, grid_rows);
+    opt_in_shared_memory<wgmma_kernel<T, BITS, kGrouped>>(bytes, A.get_device());
+    wgmma_kernel<T, BITS, kGrouped><<<grid, 128 * WG, bytes, stream>>>(prm);
+  };
   if (grouped) {
     constexpr int bytes = kSmemBytes + rs_lut_bytes<BITS>(true);
     static_assert(bytes <= 227 * 1024, "one CTA's shared memory must fit an SM (227 KB on Hopper)");
-    opt_in_shared_memory<wgmma_kernel<T, BITS, true>>(bytes, A.get_device());
-    wgmma_kernel<T, BITS, true><<<grid, kThreads, bytes, stream>>>(prm);
+    go(std::true_type{}, bytes);
   } else {
-    opt_in_shared_memory<wgmma_kernel<T, BITS, false>>(kSmemBytes, A.get_device());
-    wgmma_kernel<T, BITS, false><<<grid, kThreads, kSmemBytes, stream>>>(prm);
+    go(std::false_type{}, kSmemBytes);
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

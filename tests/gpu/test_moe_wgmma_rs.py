@@ -1,6 +1,6 @@
 """The grouped_wgmma MoE path's two kernels (csrc/plan/plan.h: moe_wgmma_rs): the register-operand one
 (128-row chunks, the wgmma N fitted to each chunk, the expert's weights decoded into registers), which the
-rule picks up to 96 slots per expert, and the warp-specialized one (256-row chunks) past it.
+rule picks up to 128 slots per expert (k = 2, 5: 96), and the warp-specialized one (256-row chunks) past it.
 VLLM_KBIT_MOE_WGMMA=rs|ws forces one; every routed-expert suite that runs the grouped_wgmma path (random
 cases with expert maps and weights on the input, the Qwen3-30B design shape, CUDA-graph replay, run-to-run
 determinism) runs again in a child process under each (the variable is read once per process), against the
@@ -39,8 +39,8 @@ def test_the_rule_picks_the_kernel_by_rows_per_expert_and_a_forced_producer_coun
         p = torch.ops.kbit.moe_plan.device(tokens, 8, 128, 4, 2048, 768, torch.device("cuda"), "grouped_wgmma", **forced)
         return p[1], p[4][-1]  # chunk rows, gate_up producers
 
-    assert plan(1024) == (128, 0) and plan(1536)[0] == 128  # 64 and 96 slots per expert
-    assert plan(1537)[0] == 256 and plan(4096)[0] == 256 and plan(4096)[1] > 0
+    assert plan(768) == (128, 0) and plan(2048)[0] == 128  # 48 and 128 slots per expert (k = 4)
+    assert plan(2049)[0] == 256 and plan(4096)[0] == 256 and plan(4096)[1] > 0
     assert plan(1024, producers=1) == (256, 1)
     # Forced to rs (the switch itself: tests/test_fused_moe_op.py), a producer count is refused.
     code = ("import torch, vllm_kbit; torch.ops.kbit.moe_plan.device(1024, 8, 128, 4, 2048, 768, torch.device('cuda'), "
