@@ -183,8 +183,8 @@ def test_grouped_row_groups_narrow_only_for_light_last_waves():
 def test_moe_plan_paths_and_workspace():
     """kbit::moe_plan: few slots over many experts take the direct GEMV, up to 256 slots per expert the grouped
     MMA (chunk height from the average rows of a busy expert and k), beyond that grouped mm (no chunks), and
-    on Hopper from 48 slots per expert the grouped wgmma (k = 5: 64; 128-row chunks up to 128 per expert at
-    k = 3, 4 and 96 at k = 2, 5, 256 beyond);
+    on Hopper from 32 slots per expert the grouped wgmma (k = 2: 48, k = 5: 64; 128-row chunks up to 128 per
+    expert at k = 3, 4 and 96 at k = 2, 5, 256 beyond);
     the workspace always bounds the chunks; forced paths and bad names."""
     def plan(tokens, top_k, experts, *path, bits=4):
         return torch.ops.kbit.moe_plan(tokens, top_k, experts, bits, *path)
@@ -210,20 +210,22 @@ def test_moe_plan_paths_and_workspace():
             assert chunks == torch.ops.kbit._moe_max_chunks(8 * T, 128, rows) <= 8 * T
     assert plan(256 * 128 // 8, 8, 128)[0] == "grouped_mma" and plan(256 * 128 // 8 + 1, 8, 128)[:3:2] == ("grouped_mm", 0)
     assert plan(1, 8, 128, "grouped_mm")[0] == "grouped_mm" and plan(5000, 8, 128, "gemv")[0] == "gemv"
-    # On Hopper (sm_major 9) from 48 slots per expert the grouped wgmma (k = 5: 64); elsewhere never. Its
-    # register-operand kernel (128-row chunks) up to 128 slots per expert (k = 2, 5: 96), the warp-specialized
-    # one (256) past it.
+    # On Hopper (sm_major 9) from 32 slots per expert the grouped wgmma (k = 2: 48, k = 5: 64); elsewhere
+    # never. Its register-operand kernel (128-row chunks) up to 128 slots per expert (k = 2, 5: 96), the
+    # warp-specialized one (256) past it.
     def hopper(tokens, *path):
         return torch.ops.kbit.moe_plan(tokens, 8, 128, 4, *(path or ("auto",)), 9)
 
-    assert hopper(767)[0] == "grouped_mma" and hopper(768) == ("grouped_wgmma", 128, torch.ops.kbit._moe_max_chunks(6144, 128, 128))
+    assert hopper(511)[0] == "grouped_mma" and hopper(512) == ("grouped_wgmma", 128, torch.ops.kbit._moe_max_chunks(4096, 128, 128))
     assert hopper(2048)[:2] == ("grouped_wgmma", 128) and hopper(2049) == ("grouped_wgmma", 256, torch.ops.kbit._moe_max_chunks(16392, 128, 256))
     for bits in (2, 5):
         assert torch.ops.kbit.moe_plan(1536, 8, 128, bits, "auto", 9)[:2] == ("grouped_wgmma", 128)
         assert torch.ops.kbit.moe_plan(1537, 8, 128, bits, "auto", 9)[:2] == ("grouped_wgmma", 256)
     assert torch.ops.kbit.moe_plan(1023, 8, 128, 5, "auto", 9)[0] == "grouped_mma"
     assert torch.ops.kbit.moe_plan(1024, 8, 128, 5, "auto", 9)[:2] == ("grouped_wgmma", 128)
-    assert torch.ops.kbit.moe_plan(768, 8, 128, 3, "auto", 9)[0] == "grouped_wgmma"
+    assert torch.ops.kbit.moe_plan(512, 8, 128, 3, "auto", 9)[0] == "grouped_wgmma"
+    assert torch.ops.kbit.moe_plan(767, 8, 128, 2, "auto", 9)[0] == "grouped_mma"
+    assert torch.ops.kbit.moe_plan(768, 8, 128, 2, "auto", 9)[0] == "grouped_wgmma"
     assert hopper(5000)[:2] == ("grouped_wgmma", 256) and plan(5000, 8, 128)[0] == "grouped_mm"
     assert hopper(16)[0] == plan(16, 8, 128)[0] == "grouped_mma" and hopper(1)[0] == "gemv_direct"
     assert plan(3, 8, 128, "grouped_wgmma")[:2] == ("grouped_wgmma", 128)  # forced: the plan names it anywhere
