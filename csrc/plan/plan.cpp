@@ -47,9 +47,9 @@ constexpr int64_t kWgmmaWsMinM = 8 * kMmaMaxRowTiles / 2 + 1;
 constexpr int64_t kGemvMaxSlots = 16;
 constexpr int64_t kMmaMaxSlotsPerExpert = 256;
 // On Hopper, from this many slots per expert the grouped wgmma (an expert's weight tile dequantized once per
-// chunk of its rows, wgmma at full rate) replaces the grouped MMA and grouped mm: where its register-operand
-// kernel decodes through the table with three warpgroups from 32 at k = 3, 4 and 48 at k = 2 (whose grouped
-// MMA decodes quads, faster), and from 64 at k = 5.
+// chunk of its rows, wgmma at full rate) replaces the grouped MMA and grouped mm: from 32 at k = 3, 4, where
+// its register-operand kernel decodes through the table with three warpgroups; 48 at k = 2 (its grouped MMA
+// still wins at 32..40 on the Qwen3-30B layer); 64 at k = 5 (two warpgroups, shuffle decode).
 constexpr int64_t wgmma_min_slots_per_expert(int64_t bits) { return bits == 3 || bits == 4 ? 32 : bits == 2 ? 48 : 64; }
 // Up to this many slots per expert the grouped wgmma runs its register-operand kernel: one 128-row chunk
 // holds a typical expert, decoded once, with a wgmma no wider than its rows; past it, where an expert
