@@ -213,19 +213,17 @@ def test_moe_plan_paths_and_workspace():
     # On Hopper (sm_major 9) from 32 slots per expert the grouped wgmma (k = 2: 48, k = 5: 64); elsewhere
     # never. Its register-operand kernel (128-row chunks) up to 128 slots per expert (k = 2, 5: 96), the
     # warp-specialized one (256) past it.
-    def hopper(tokens, *path):
-        return torch.ops.kbit.moe_plan(tokens, 8, 128, 4, *(path or ("auto",)), 9)
+    def hopper(tokens, *path, bits=4):
+        return torch.ops.kbit.moe_plan(tokens, 8, 128, bits, *(path or ("auto",)), 9)
 
     assert hopper(511)[0] == "grouped_mma" and hopper(512) == ("grouped_wgmma", 128, torch.ops.kbit._moe_max_chunks(4096, 128, 128))
     assert hopper(2048)[:2] == ("grouped_wgmma", 128) and hopper(2049) == ("grouped_wgmma", 256, torch.ops.kbit._moe_max_chunks(16392, 128, 256))
     for bits in (2, 5):
-        assert torch.ops.kbit.moe_plan(1536, 8, 128, bits, "auto", 9)[:2] == ("grouped_wgmma", 128)
-        assert torch.ops.kbit.moe_plan(1537, 8, 128, bits, "auto", 9)[:2] == ("grouped_wgmma", 256)
-    assert torch.ops.kbit.moe_plan(1023, 8, 128, 5, "auto", 9)[0] == "grouped_mma"
-    assert torch.ops.kbit.moe_plan(1024, 8, 128, 5, "auto", 9)[:2] == ("grouped_wgmma", 128)
-    assert torch.ops.kbit.moe_plan(512, 8, 128, 3, "auto", 9)[0] == "grouped_wgmma"
-    assert torch.ops.kbit.moe_plan(767, 8, 128, 2, "auto", 9)[0] == "grouped_mma"
-    assert torch.ops.kbit.moe_plan(768, 8, 128, 2, "auto", 9)[0] == "grouped_wgmma"
+        assert hopper(1536, bits=bits)[:2] == ("grouped_wgmma", 128)
+        assert hopper(1537, bits=bits)[:2] == ("grouped_wgmma", 256)
+    assert hopper(1023, bits=5)[0] == "grouped_mma" and hopper(1024, bits=5)[:2] == ("grouped_wgmma", 128)
+    assert hopper(512, bits=3)[0] == "grouped_wgmma"
+    assert hopper(767, bits=2)[0] == "grouped_mma" and hopper(768, bits=2)[0] == "grouped_wgmma"
     assert hopper(5000)[:2] == ("grouped_wgmma", 256) and plan(5000, 8, 128)[0] == "grouped_mm"
     assert hopper(16)[0] == plan(16, 8, 128)[0] == "grouped_mma" and hopper(1)[0] == "gemv_direct"
     assert plan(3, 8, 128, "grouped_wgmma")[:2] == ("grouped_wgmma", 128)  # forced: the plan names it anywhere
