@@ -18,7 +18,7 @@
 // wgmma m64n128k16 on the tile in shared memory, then dequantizes the next k-tile's fragments
 // (its plane words loaded two k-tiles ahead) while those run, then waits for them.
 //
-// Grouped (routed experts up to 96 or 128 slots per expert, plan.h: moe_wgmma_rs): a CTA takes one chunk of up
+// Grouped (routed experts up to the rule's slots per expert, plan.h: moe_wgmma_rs): a CTA takes one chunk of up
 // to 128 rows of one expert (moe_route) and issues wgmma with the narrowest built N that holds the
 // chunk's rows (16, 32, 64, 96 or 128), so a short chunk costs MMAs in proportion to its rows while the
 // expert's weights are still decoded once per chunk of up to 128 rows. Its table-decode CTAs have a third
