@@ -2,7 +2,8 @@
 
     vllm-kbit convert IN_DIR OUT_DIR --bits 4 [--bits-overrides experts=3 self_attn=5]
         [--modules-to-not-convert lm_head gate] [--quantize-lm-head] [--device auto|cpu|cuda] [--max-shard-size 4GB] [--overwrite]
-        [--gptq [--calibration-file PATH] [--calibration-tokens N]]
+        [--codebook NAME] [--gptq [--calibration-file PATH] [--calibration-tokens N] [--damp F] [--no-act-order]]
+        [--rotate | --no-rotate] [--rotation-block B] [--rotation-seed S] [--rotation-tp T]
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ import sys
 from vllm_kbit import gptq
 from vllm_kbit import reference as fmt
 
+# `convert` without --gptq (round to nearest, what online quantization stores) rotates only when asked: see
+# docs/decisions.md ("Rotation") for the measurements behind this and gptq.DEFAULT_ROTATE.
+DEFAULT_RTN_ROTATE = False
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|KIB|MIB|GIB)?\s*$", re.IGNORECASE)
 _UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -112,6 +116,32 @@ def _parser() -> argparse.ArgumentParser:
         help=f"tokens of calibration text for --gptq, in windows of {gptq.DEFAULT_CALIBRATION_WINDOW} "
         f"(default {gptq.DEFAULT_CALIBRATION_TOKENS})",
     )
+    c.add_argument(
+        "--codebook",
+        default=None,
+        metavar="NAME",
+        help=f"named codebook, one of {', '.join(fmt.CODEBOOKS)} (default: {fmt.DEFAULT_CODEBOOK})",
+    )
+    c.add_argument("--damp", type=float, default=None, metavar="F",
+                   help=f"--gptq: dampening added to H's diagonal, as a fraction of its mean (default {gptq.DEFAULT_DAMP})")
+    c.add_argument("--no-act-order", action="store_true",
+                   help="--gptq: round columns in their natural order instead of decreasing input energy")
+    c.add_argument(
+        "--rotate",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="store every quantized layer rotated by a randomized Hadamard transform of its input (incoherence "
+        f"processing: weights Q(W R), inputs x R at run time); default: {'on' if gptq.DEFAULT_ROTATE else 'off'} "
+        f"with --gptq, {'on' if DEFAULT_RTN_ROTATE else 'off'} without",
+    )
+    c.add_argument("--rotation-block", type=int, default=None, metavar="B",
+                   help=f"largest Hadamard block (a power of two; default {fmt.ROTATION_MAX_BLOCK}): each layer takes the "
+                   "largest power of two <= B that divides its input size / --rotation-tp")
+    c.add_argument("--rotation-seed", type=int, default=None, metavar="S",
+                   help=f"seed of the rotation's random signs (default {fmt.ROTATION_DEFAULT_SEED})")
+    c.add_argument("--rotation-tp", type=int, default=None, metavar="T",
+                   help="largest tensor-parallel size the checkpoint will be served at (default 1): blocks then divide "
+                   "every shard's inputs")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
 
@@ -119,18 +149,43 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     from vllm_kbit.convert import ConvertError, convert
-    from vllm_kbit.settings import KbitSettings
+    from vllm_kbit.settings import KbitSettings, Rotation
 
     if (args.calibration_file or args.calibration_tokens) and not args.gptq:
         flag = "--calibration-file" if args.calibration_file else "--calibration-tokens"
         print(f"error: {flag} needs --gptq (the text calibrates GPTQ rounding)", file=sys.stderr)
         return 2
+    gptq_only = [f for f, v in (("--damp", args.damp), ("--no-act-order", args.no_act_order or None)) if v is not None]
+    if gptq_only and not args.gptq:
+        print(f"error: {gptq_only[0]} needs --gptq (it sets GPTQ rounding)", file=sys.stderr)
+        return 2
+    rotate = args.rotate if args.rotate is not None else (gptq.DEFAULT_ROTATE if args.gptq else DEFAULT_RTN_ROTATE)
+    rotation_flags = {"--rotation-block": args.rotation_block, "--rotation-seed": args.rotation_seed,
+                      "--rotation-tp": args.rotation_tp}
+    given = [f for f, v in rotation_flags.items() if v is not None]
+    if given and not rotate:
+        print(f"error: {given[0]} needs --rotate (no rotation is applied{' with --no-rotate' if args.rotate is False else ''})",
+              file=sys.stderr)
+        return 2
+    if args.damp is not None and not (0 < args.damp < 10 and args.damp == args.damp):
+        print(f"error: --damp {args.damp} is not supported; it must be a fraction of H's mean diagonal in (0, 10)",
+              file=sys.stderr)
+        return 2
     try:
+        rotation = None
+        if rotate:
+            rotation = Rotation(
+                seed=fmt.ROTATION_DEFAULT_SEED if args.rotation_seed is None else args.rotation_seed,
+                max_block=fmt.ROTATION_MAX_BLOCK if args.rotation_block is None else args.rotation_block,
+                tp=1 if args.rotation_tp is None else args.rotation_tp,
+            )
         settings = KbitSettings(
             bits=args.bits,
+            codebook=args.codebook,
             bits_overrides=_overrides(args.bits_overrides),
             modules_to_not_convert=args.modules_to_not_convert,
             quantize_lm_head=args.quantize_lm_head,
+            rotation=rotation,
         )
         summary = convert(
             args.in_dir,
@@ -143,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
             gptq=args.gptq,
             calibration_text=_read_text(args.calibration_file) if args.calibration_file else None,
             calibration_tokens=args.calibration_tokens,
+            gptq_options={k: v for k, v in (("damp", args.damp), ("act_order", False if args.no_act_order else None))
+                          if v is not None},
         )
     except (ConvertError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -224,6 +224,7 @@ def convert(
     gptq: bool = False,
     calibration_text: str | None = None,
     calibration_tokens: int | None = None,
+    gptq_options: dict | None = None,
 ) -> ConvertSummary:
     """Writes the kbit checkpoint of ``in_dir`` to ``out_dir``; returns what was done. On failure the
     output directory is removed if this call created it (emptied otherwise).
@@ -249,7 +250,10 @@ def convert(
     os.makedirs(out_dir, exist_ok=True)
     try:
         summary = ConvertSummary()
-        precomputed = (_gptq_weights(in_dir, files, settings, device, calibration_text, calibration_tokens, progress, summary)
+        if settings.rotation is not None:
+            _check_rotation(in_dir, files, settings)
+        precomputed = (_gptq_weights(in_dir, files, settings, device, calibration_text, calibration_tokens, progress, summary,
+                                     gptq_options or {})
                        if gptq else {})
         return _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, progress, precomputed, summary)
     except BaseException:
@@ -264,7 +268,25 @@ def convert(
         raise
 
 
-def _gptq_weights(in_dir, files, settings, device, text, n_tokens, progress, summary) -> dict:
+def _check_rotation(in_dir, files, settings) -> None:
+    """Every input size K the conversion quantizes has a rotation block (``rotation.tp`` divides K into
+    shards that a power of two >= 2 divides); else a one-line ConvertError, before any work."""
+    from safetensors import safe_open
+
+    for name in files:
+        with safe_open(os.path.join(in_dir, name), framework="pt") as f:
+            for key in f.keys():
+                sl = f.get_slice(key)
+                shape, dtype = tuple(sl.get_shape()), _DTYPES.get(sl.get_dtype())
+                if dtype is None or quantization_decision(key, shape, dtype, settings) in (None, -1):
+                    continue
+                try:
+                    settings.rotation.block(shape[1])
+                except ValueError as e:
+                    raise ConvertError(f"kbit convert: tensor {key}: {e}") from None
+
+
+def _gptq_weights(in_dir, files, settings, device, text, n_tokens, progress, summary, options) -> dict:
     """{checkpoint module name: (qweight, absmax)} of the weights GPTQ rounds (see :func:`convert`): the model
     loaded in the checkpoint's dtype on the CPU, calibrated one decoder layer at a time on ``device``."""
     from safetensors import safe_open
@@ -293,7 +315,8 @@ def _gptq_weights(in_dir, files, settings, device, text, n_tokens, progress, sum
     calibration = summary.gptq = gptq.CalibrationReport()
     try:
         result = gptq.quantize_model(model, tokenizer, select, text, n_tokens or gptq.DEFAULT_CALIBRATION_TOKENS,
-                                     progress=report, device=device, report=calibration)
+                                     progress=report, device=device, report=calibration, rotation=settings.rotation,
+                                     **options)
     finally:
         del model
     if calibration.experts_fallback:
@@ -321,8 +344,9 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
         except (SafetensorError, OSError) as e:
             raise ConvertError(f"kbit convert: cannot read {name}: {e}") from None
 
-    # The plan, from the headers alone: how many weights each bit width quantizes.
-    tensors, todo = 0, {}
+    # The plan, from the headers alone: how many weights each bit width quantizes (and, with a rotation, the
+    # input sizes it rotates: each must have a block, recorded in the config).
+    tensors, todo, input_sizes = 0, {}, set()
     for name in files:
         with open_shard(name) as f:
             for key in f.keys():
@@ -332,6 +356,14 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
                 bits = None if dtype is None else quantization_decision(key, tuple(sl.get_shape()), dtype, settings, tied_head)
                 if bits not in (None, -1):
                     todo[bits] = todo.get(bits, 0) + math.prod(sl.get_shape())
+                    input_sizes.add(sl.get_shape()[1])
+    rotation = settings.rotation
+    if rotation is not None:
+        for K in sorted(input_sizes):
+            try:
+                rotation.block(K)
+            except ValueError as e:
+                raise ConvertError(f"kbit convert: {e}") from None
     n_weights = sum(todo.values())
     if progress and n_weights and not precomputed:
         seconds = sum(n / measure_rate(device, k) for k, n in todo.items())
@@ -389,6 +421,9 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
                     add(name, t)
                 else:
                     module = name[: -len(".weight")]
+                    original = t
+                    if rotation is not None and not (precomputed and module in precomputed):
+                        t = rotation.rotate(t.float())  # stored as Q(W R): rotated in float32, then quantized
                     amax = fmt.weight_amax(t)
                     if math.isfinite(amax) and amax > fmt.RANGE_MAX:  # NaN / Inf go on to the op, which refuses them
                         if module_key(module) != module:
@@ -402,7 +437,7 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
                               f"scale {fmt.E4M4_MAX:g}; left unquantized (online quantization range-scales it)",
                               file=sys.stderr, flush=True)
                         summary.out_of_range.append(module)
-                        add(name, t)
+                        add(name, original)
                         bar.update(t.numel())
                         del t
                         continue
@@ -416,7 +451,7 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
                     add(f"{module}.qweight", qweight)
                     add(f"{module}.absmax", absmax)
                     summary.quantized += 1
-                    summary.quantized_input_bytes += t.nbytes
+                    summary.quantized_input_bytes += original.nbytes
                     summary.quantized_output_bytes += qweight.nbytes + absmax.nbytes
                     bar.update(t.numel())
                 del t
@@ -431,6 +466,8 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
     with open(os.path.join(out_dir, INDEX_NAME), "w") as f:
         json.dump({"metadata": {"total_size": summary.output_bytes}, "weight_map": {k: final[v] for k, v in sorted(weight_map.items())}}, f, indent=2)
 
+    if rotation is not None:  # the block of every input size rotated here, written out for the loader
+        settings.rotation = rotation.recorded(sorted(input_sizes))
     config["quantization_config"] = settings.to_dict()
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2)

@@ -46,6 +46,9 @@ DEFAULT_DAMP = 0.01  # added to H's diagonal, as a fraction of its mean diagonal
 DEFAULT_CALIBRATION_TOKENS = 16384  # enough rows for H of wide layers (K up to several thousand)
 DEFAULT_CALIBRATION_WINDOW = 512
 DEFAULT_ACT_ORDER = True  # columns in order of decreasing H[i, i] (see the module docstring)
+# `convert --gptq` rotates (settings.Rotation: randomized Hadamard on each layer's input) unless --no-rotate:
+# docs/decisions.md ("Rotation") has the measurements this default comes from.
+DEFAULT_ROTATE = False
 # How GPTQ picks a block's E4M4 scale among the reference's candidates: "mse" the reference's plain
 # block error; "hdiag" each column's squared error weighted by its input energy H[i, i]; "gptq" weighted
 # by 1 / [H^-1]_ii of the columns still open when it is rounded (GPTQ's own loss for that column).
@@ -314,7 +317,7 @@ def quantize_model(model, tokenizer, select, text: str | None = None, n_tokens: 
                    window: int = DEFAULT_CALIBRATION_WINDOW, search_scale: bool = fmt.DEFAULT_SEARCH_SCALE,
                    damp: float = DEFAULT_DAMP, act_order: bool = DEFAULT_ACT_ORDER, scale_rule: str = DEFAULT_SCALE_RULE,
                    progress=None, device=None, min_expert_tokens: int | None = None,
-                   report: CalibrationReport | None = None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                   report: CalibrationReport | None = None, rotation=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """GPTQ-quantizes the model's decoder layers one at a time (see the module docstring).
 
     ``select(checkpoint_module_name) -> (k, codebook) or None`` picks the layers and their settings; it is
@@ -325,6 +328,10 @@ def quantize_model(model, tokenizer, select, text: str | None = None, n_tokens: 
     the model is). The model is used up: each decoder layer goes to ``device`` for its turn, then to the meta
     device. ``min_expert_tokens`` overrides :func:`expert_min_tokens`; ``progress(message)`` gets one line
     per layer; ``report`` (a :class:`CalibrationReport`) is filled in.
+
+    ``rotation`` (a :class:`vllm_kbit.settings.Rotation`) rounds every weight in the rotated basis: GPTQ on
+    W R with the Hessian of the rotated inputs, R^T H R (:func:`rounded_weight`); the packed result is Q(W R),
+    and the layer runs on with W_hat = Q(W R) R^T, so the next layers calibrate on what the model will compute.
     """
     report = CalibrationReport() if report is None else report
     batch = _calibration_batch(tokenizer, text, n_tokens, window)
@@ -340,12 +347,12 @@ def quantize_model(model, tokenizer, select, text: str | None = None, n_tokens: 
     results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for i, layer in enumerate(layers):
         t0 = time.perf_counter()
-        plan = _layer_plan(model, layer, names[id(layer)], select)
+        plan = _layer_plan(model, layer, names[id(layer)], select, rotation)
         _onload(layer, device)
         try:
             packed = {}
             hidden = _calibrate_layer(layer, names[id(layer)], hidden, layer_args[i], plan, packed, options,
-                                      min_expert_tokens, report)
+                                      min_expert_tokens, report, rotation)
         finally:
             _release(layer)
         for param, (qweight, absmax) in packed.items():
@@ -425,7 +432,16 @@ def _is_fused_experts(module: torch.nn.Module) -> bool:
             and getattr(module, "has_gate", True))
 
 
-def _layer_plan(model, layer, prefix, select) -> dict:
+def _rotatable(rotation, K: int) -> bool:
+    """Whether a layer of input size K can be rotated (a block divides K / tp); convert refuses the others."""
+    try:
+        rotation.block(K)
+    except ValueError:
+        return False
+    return True
+
+
+def _layer_plan(model, layer, prefix, select, rotation=None) -> dict:
     """{parameter name: (k, codebook, pieces)} of the layer's weights GPTQ rounds; pieces: the checkpoint
     tensors each is stored as (:func:`_checkpoint_pieces`). A weight is left to round-to-nearest when a piece
     is not selected, its pieces ask for different settings, K is not a multiple of 32 or a value is beyond
@@ -440,6 +456,8 @@ def _layer_plan(model, layer, prefix, select) -> dict:
     pieces = _checkpoint_pieces(model, {n: tuple(p.shape) for n, p in shapes.items()})
     plan = {}
     for name, param in shapes.items():
+        if rotation is not None and not _rotatable(rotation, param.shape[-1]):
+            continue
         choices = [select(module) for module, _ in pieces[name]]
         if not choices or any(c is None for c in choices) or param.shape[-1] % fmt.BLOCK_SIZE:
             continue
@@ -447,7 +465,10 @@ def _layer_plan(model, layer, prefix, select) -> dict:
         if any(c[0] != k or not torch.equal(c[1], cb) for c in choices):
             continue
         lo, hi = torch.aminmax(param.detach())  # max |w| without a copy of the weight
-        if not max(-lo.item(), hi.item()) <= fmt.RANGE_MAX:
+        amax = max(-lo.item(), hi.item())
+        if rotation is not None and amax * math.sqrt(rotation.block(param.shape[-1])) > fmt.RANGE_MAX:
+            amax = fmt.weight_amax(rotation.rotate(param.detach().float()))  # |(W R)_ij| <= sqrt(b) max |w|
+        if not amax <= fmt.RANGE_MAX:
             continue
         plan[name] = (k, cb, pieces[name])
     return plan
@@ -493,7 +514,27 @@ def _to_checkpoint_names(qweight, absmax, pieces) -> dict[str, tuple[torch.Tenso
     return {module: (q[rows].contiguous(), a[rows].contiguous()) for module, rows in pieces}
 
 
-def _calibrate_layer(layer, prefix, hidden, call, plan, packed, options, min_expert_tokens, report):
+def rounded_weight(W: torch.Tensor, H: torch.Tensor, codebook: torch.Tensor, k: int, rotation=None, **options):
+    """(qweight, absmax, W_hat in W's dtype) of W [N, K] (H [K, K]) or of a group of experts W [G, N, K]
+    (H [G, K, K]) by GPTQ. With ``rotation`` the packed weight is Q(W R), rounded on the Hessian of the rotated
+    inputs R^T H R (W R computed in float32), and W_hat = Q(W R) R^T is the value in the original basis."""
+    cb = codebook.to(W.device)
+    Wq = W if rotation is None else rotation.rotate(W.float())
+    if rotation is not None:
+        H = rotation.rotate_hessian(H)
+    if W.dim() == 3:
+        qweight, absmax = gptq_quantize_experts(Wq, H, cb, k, **options)
+    else:
+        qweight, absmax = gptq_quantize(Wq, H, cb, k, **options)
+    shape = qweight.shape
+    out_dtype = W.dtype if rotation is None else torch.float32
+    W_hat = _dequantize(qweight.reshape(-1, *shape[-2:]), absmax.reshape(-1, shape[-2]), cb, out_dtype).view(W.shape)
+    if rotation is not None:
+        W_hat = rotation.rotate(W_hat, inverse=True).to(W.dtype)
+    return qweight, absmax, W_hat
+
+
+def _calibrate_layer(layer, prefix, hidden, call, plan, packed, options, min_expert_tokens, report, rotation=None):
     """Runs the layer once on all calibration tokens, rounding each planned weight when its input first
     arrives (linear layers: a pre-hook; routed experts: :func:`_experts_forward`); returns the layer's
     output, computed with the rounded weights: the next layer's input."""
@@ -508,14 +549,7 @@ def _calibrate_layer(layer, prefix, hidden, call, plan, packed, options, min_exp
         """(qweight, absmax, W's rounded values in its dtype) by GPTQ with the planned settings; W [N, K], or
         [G, N, K] with H [G, K, K] for a group of experts."""
         k, cb, _ = plan[name]
-        cb = cb.to(W.device)
-        if W.dim() == 3:
-            qweight, absmax = gptq_quantize_experts(W, H, cb, k, **options)
-        else:
-            qweight, absmax = gptq_quantize(W, H, cb, k, **options)
-        shape = qweight.shape
-        W_hat = _dequantize(qweight.reshape(-1, *shape[-2:]), absmax.reshape(-1, shape[-2]), cb, W.dtype)
-        return qweight, absmax, W_hat.view(W.shape)
+        return rounded_weight(W, H, cb, k, rotation, **options)
 
     def linear_hook(name):
         def hook(mod, args):

@@ -75,7 +75,12 @@ _VARIANTS = {
     # quantize's compiled CPU kernel (vllm_kbit._cpu, csrc/cpu/): the reference's bits, fast.
     "_quantize_cpu": _variant("quantize", "_quantize_cpu"),
 }
-for _schema in (*_SCHEMAS.values(), *_VARIANTS.values()):
+# Ops whose only implementation is the PyTorch reference, on every device, and whose argument rules live in
+# reference.py (no C++ variant or check: docs/decisions.md, "Rotation"): the layer input rotation x R.
+_PYTHON_SCHEMAS = {
+    "hadamard_rotate": "hadamard_rotate(Tensor x, Tensor signs, int block, bool inverse=False) -> Tensor",
+}
+for _schema in (*_SCHEMAS.values(), *_VARIANTS.values(), *_PYTHON_SCHEMAS.values()):
     _lib.define(_schema)
 
 
@@ -209,6 +214,7 @@ _CUDA_KERNEL_OPS = ("quantize", "dequantize", "repack", "dequantize_runtime", "l
 
 for _name, _fn in {**_REFERENCE, "quantize": _quantize_cpu}.items():
     _lib.impl(_name, _fn, "CPU")
+_lib.impl("hadamard_rotate", fmt.hadamard_rotate, "CompositeExplicitAutograd")
 _lib.impl("unrepack", fmt.unrepack, "CUDA")
 
 
@@ -261,6 +267,12 @@ def _quantize_fake(W, codebook, k, search_scale=True):
     return W.new_empty(N, K // fmt.BLOCK_SIZE, k, dtype=torch.int32), W.new_empty(
         N, K // fmt.BLOCK_SIZE, dtype=torch.uint8
     )
+
+
+@torch.library.register_fake("kbit::hadamard_rotate")
+def _hadamard_rotate_fake(x, signs, block, inverse=False):
+    fmt.check_hadamard_rotate(x, signs, block)  # shapes and dtypes only: no data is read
+    return torch.empty_like(x)
 
 
 @torch.library.register_fake("kbit::dequantize")

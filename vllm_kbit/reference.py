@@ -494,3 +494,141 @@ def dequantize_runtime(
     """Runtime layout -> W[N, K] in dtype (same values as :func:`dequantize`)."""
     check("dequantize_runtime", qweight_rt, absmax_rt, codebook, N, K, dtype)
     return _dequantize(*_unrepack(qweight_rt, absmax_rt, N, K), codebook, dtype)
+
+
+# ----------------------------------------------------------------------------- rotation (incoherence processing)
+# An optional input transform per quantized layer: R = diag(s) . blockdiag(H_b, ..., H_b) on the layer's input
+# dimension K, H_b the normalized Walsh-Hadamard matrix of order b (Sylvester order, H_b = H_b^T, H_b H_b = I)
+# and s a vector of K random signs. R is orthogonal, so a layer stores Q(W R) and is fed x R:
+# (x R)(W R)^T = x W^T. Mixing each block of b inputs spreads an outlier column over b columns, which GPTQ's
+# rounding turns into a smaller output error (docs/format.md, section 9). The signs act before the Hadamard
+# (x R = H(x * s) per block): after it they would only flip whole columns of the mixed weight.
+# The rule for b and s is written here once; the converter records it (settings.KbitSettings.rotation) and the
+# runtime asks it (rotation_block, rotation_signs, hadamard_rotate / torch.ops.kbit.hadamard_rotate).
+ROTATION_MAX_BLOCK = 1024  # default cap on b: the largest power of two dividing K / tp, at most this
+ROTATION_MIN_BLOCK = 2
+ROTATION_DEFAULT_SEED = 0
+_SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
+_MASK64 = (1 << 64) - 1
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def check_rotation_settings(max_block, tp, seed) -> None:
+    """The rotation settings' rules, one-line ValueErrors naming the value and what is supported."""
+    if not _is_int(max_block) or max_block < ROTATION_MIN_BLOCK or max_block & (max_block - 1):
+        raise ValueError(f"kbit: rotation block {max_block!r} is not supported; it must be a power of two >= "
+                         f"{ROTATION_MIN_BLOCK} (default {ROTATION_MAX_BLOCK})")
+    if not _is_int(tp) or tp < 1:
+        raise ValueError(f"kbit: rotation tp={tp!r} is not supported; it must be an integer >= 1 (the largest "
+                         "tensor-parallel size the checkpoint is served at)")
+    if not _is_int(seed) or not 0 <= seed < 2**63:
+        raise ValueError(f"kbit: rotation seed={seed!r} is not supported; it must be an integer in [0, 2**63)")
+
+
+def rotation_block(K: int, max_block: int = ROTATION_MAX_BLOCK, tp: int = 1) -> int:
+    """The Hadamard block b of a layer with input size K: the largest power of two b <= ``max_block`` with
+    b * tp dividing K, so that b divides every tensor-parallel shard of K (a row-parallel layer holds K / tp
+    inputs per rank and rotates only its own). Raises when no b >= 2 exists (K / tp odd, or tp not dividing K):
+    such a layer cannot be rotated at that tensor-parallel size."""
+    check_rotation_settings(max_block, tp, 0)
+    if not _is_int(K) or K <= 0:
+        raise ValueError(f"kbit: rotation needs a positive input size K, got {K!r}")
+    if K % tp:
+        raise ValueError(f"kbit: rotation tp={tp} does not divide the input size K={K}; convert with a --rotation-tp "
+                         "that divides every layer's K")
+    shard = K // tp
+    b = min(shard & -shard, max_block)  # the largest power of two dividing the shard
+    if b < ROTATION_MIN_BLOCK:
+        raise ValueError(f"kbit: input size K={K} at rotation tp={tp} leaves shards of {shard} inputs, which no "
+                         f"power-of-two block >= {ROTATION_MIN_BLOCK} divides; lower --rotation-tp")
+    return b
+
+
+@functools.lru_cache(maxsize=64)
+def _rotation_signs_cpu(K: int, seed: int) -> torch.Tensor:
+    out = []
+    for i in range(K):  # splitmix64: the (i + 1)-th output of the generator seeded with `seed`
+        z = (seed + (i + 1) * _SPLITMIX_GAMMA) & _MASK64
+        z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+        z ^= z >> 31
+        out.append(-1.0 if z >> 63 else 1.0)
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def rotation_signs(K: int, seed: int = ROTATION_DEFAULT_SEED, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The K signs s (float32 +-1) of a layer with input size K: s[i] = -1 where the top bit of the (i + 1)-th
+    output of splitmix64 seeded with ``seed`` is set, else +1. A function of (K, seed) alone: layers that
+    read the same input (q / k / v, gate / up, every expert's gate_up) share their rotation, so one x R feeds
+    them all; a tensor-parallel shard takes its slice s[rank * K / tp : (rank + 1) * K / tp]."""
+    check_rotation_settings(ROTATION_MAX_BLOCK, 1, seed)
+    if not _is_int(K) or K <= 0:
+        raise ValueError(f"kbit: rotation needs a positive input size K, got {K!r}")
+    return _rotation_signs_cpu(K, seed).to(device)
+
+
+def check_hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, block: int) -> None:
+    """kbit::hadamard_rotate's argument rules (one-line ValueError / TypeError)."""
+    if not isinstance(x, torch.Tensor) or not isinstance(signs, torch.Tensor):
+        raise TypeError("kbit: hadamard_rotate needs tensors x and signs")
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"kbit: hadamard_rotate: x has dtype {x.dtype}; supported: float16, bfloat16, float32")
+    if signs.dtype != torch.float32:
+        raise TypeError(f"kbit: hadamard_rotate: signs have dtype {signs.dtype}; expected float32 (+-1 values)")
+    if not _is_int(block) or block < ROTATION_MIN_BLOCK or block & (block - 1):
+        raise ValueError(f"kbit: hadamard_rotate: block={block!r} is not supported; it must be a power of two >= "
+                         f"{ROTATION_MIN_BLOCK}")
+    if x.dim() < 1 or x.shape[-1] == 0 or x.shape[-1] % block:
+        raise ValueError(f"kbit: hadamard_rotate: x has shape {list(x.shape)}; its last dimension must be a positive "
+                         f"multiple of block={block}")
+    if signs.dim() != 1 or signs.shape[0] != x.shape[-1]:
+        raise ValueError(f"kbit: hadamard_rotate: signs have shape {list(signs.shape)}; expected [{x.shape[-1]}] "
+                         "(one per input of x's last dimension)")
+    if signs.device != x.device:
+        raise ValueError(f"kbit: hadamard_rotate: signs are on {signs.device}, x on {x.device}; expected one device")
+
+
+def _fwht(y: torch.Tensor, block: int) -> torch.Tensor:
+    """Unnormalized Walsh-Hadamard transform (Sylvester order) of each block of ``block`` along the last dim."""
+    shape = y.shape
+    h = 1
+    while h < block:
+        v = y.reshape(-1, block // (2 * h), 2, h)
+        a, b = v[:, :, 0], v[:, :, 1]
+        y = torch.stack((a + b, a - b), dim=2)
+        h *= 2
+    return y.reshape(shape)
+
+
+def hadamard_rotate(x: torch.Tensor, signs: torch.Tensor, block: int, inverse: bool = False) -> torch.Tensor:
+    """x R (``inverse``: x R^T) along x's last dimension, R = diag(signs) . blockdiag(H_block): computed in
+    float32 (a fast Walsh-Hadamard transform, O(K log block)) and returned in x's dtype. The weight of a rotated
+    layer is W R (rows rotated like inputs), and W_hat R^T its value in the original basis."""
+    check_hadamard_rotate(x, signs, block)
+    y = x.float()
+    if not inverse:
+        y = y * signs
+    y = _fwht(y, block) * (1.0 / math.sqrt(block))
+    if inverse:
+        y = y * signs
+    return y.to(x.dtype)
+
+
+def hadamard_matrix(block: int) -> torch.Tensor:
+    """H_block (normalized, float64) as a dense matrix, for tests: H[i, j] = (-1)^popcount(i & j) / sqrt(block)."""
+    i = torch.arange(block)
+    bits = torch.bitwise_and(i.view(-1, 1), i.view(1, -1))
+    parity = torch.zeros_like(bits)
+    while bool(bits.any()):
+        parity ^= bits & 1
+        bits = bits >> 1
+    return (1.0 - 2.0 * parity.double()) / math.sqrt(block)
+
+
+def rotate_hessian(H: torch.Tensor, signs: torch.Tensor, block: int) -> torch.Tensor:
+    """R^T H R of a symmetric [..., K, K] H (float32): the Hessian of the rotated inputs x R."""
+    HR = hadamard_rotate(H.float(), signs, block)  # rows of H times R: H R
+    return hadamard_rotate(HR.transpose(-1, -2).contiguous(), signs, block).transpose(-1, -2).contiguous()

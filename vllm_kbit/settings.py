@@ -78,7 +78,10 @@ _KNOWN_KEYS = {
     "modules_to_not_convert",
     "prequantized",
     "quantize_lm_head",
+    "rotation",
 }
+ROTATION_METHOD = "hadamard"
+_ROTATION_KEYS = {"method", "seed", "max_block", "tp", "blocks"}
 
 
 def module_key(checkpoint_module: str) -> str:
@@ -103,6 +106,7 @@ class KbitSettings:
         modules_to_not_convert: list[str] | tuple[str, ...] | None = None,
         prequantized: bool = False,
         quantize_lm_head: bool = False,
+        rotation: "Rotation | dict | None" = None,
     ) -> None:
         _check_bits(bits, "bits")
         self.bits = bits
@@ -131,6 +135,9 @@ class KbitSettings:
         self.bit_widths = sorted({bits, *self.bits_overrides.values()})
         self._codebooks = {k: self._make_codebook(k) for k in self.bit_widths}
         self.prequantized = bool(prequantized)
+        self.rotation = Rotation.from_dict(rotation) if isinstance(rotation, dict) else rotation
+        if self.rotation is not None and not isinstance(self.rotation, Rotation):
+            raise ValueError(f"kbit: rotation must be a dict like {{\"seed\": 0}} or null, got {rotation!r}")
 
     # ------------------------------------------------------------------ codebooks
 
@@ -201,6 +208,7 @@ class KbitSettings:
             modules_to_not_convert=config.get("modules_to_not_convert"),
             prequantized=config.get("prequantized", False),
             quantize_lm_head=config.get("quantize_lm_head", False),
+            rotation=config.get("rotation"),
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -216,7 +224,83 @@ class KbitSettings:
             out["bits_overrides"] = dict(self.bits_overrides)
         if self.quantize_lm_head:
             out["quantize_lm_head"] = True
+        if self.rotation is not None:
+            out["rotation"] = self.rotation.to_dict()
         return out
+
+
+class Rotation:
+    """A layer's optional input rotation (:mod:`vllm_kbit.reference`, "rotation"): every quantized layer with input
+    size K stores Q(W R) and is fed x R, R = diag(signs(K, seed)) . blockdiag(H_b), b = :meth:`block` (K).
+
+    ``blocks`` ({K: b}) is what a converted checkpoint recorded for each input size it holds; a K it does not
+    list (and every K of an online quantization) gets :func:`reference.rotation_block` (K, max_block, tp).
+    """
+
+    def __init__(self, seed: int = fmt.ROTATION_DEFAULT_SEED, max_block: int = fmt.ROTATION_MAX_BLOCK, tp: int = 1,
+                 blocks: dict | None = None) -> None:
+        fmt.check_rotation_settings(max_block, tp, seed)
+        self.seed, self.max_block, self.tp = seed, max_block, tp
+        self.blocks: dict[int, int] = {}
+        for K, b in (blocks or {}).items():
+            try:
+                K_int = int(K)
+            except (TypeError, ValueError):
+                K_int = None
+            if K_int is None or str(K_int) != str(K) or K_int <= 0:
+                raise ValueError(f"kbit: rotation blocks key {K!r} is not an input size (a positive integer)")
+            if not fmt._is_int(b) or b < fmt.ROTATION_MIN_BLOCK or b & (b - 1) or K_int % (b * tp):
+                raise ValueError(f"kbit: rotation blocks[{K!r}]={b!r} is not supported; it must be a power of two >= "
+                                 f"{fmt.ROTATION_MIN_BLOCK} with block * tp ({tp}) dividing K")
+            self.blocks[K_int] = b
+
+    def block(self, K: int) -> int:
+        return self.blocks[K] if K in self.blocks else fmt.rotation_block(K, self.max_block, self.tp)
+
+    def signs(self, K: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        return fmt.rotation_signs(K, self.seed, device)
+
+    def rotate(self, W: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """W R (``inverse``: W R^T) along W's last dimension (weights [.., N, K] and inputs [.., K] alike)."""
+        K = W.shape[-1]
+        return fmt.hadamard_rotate(W, self.signs(K, W.device), self.block(K), inverse)
+
+    def rotate_hessian(self, H: torch.Tensor) -> torch.Tensor:
+        """R^T H R of a [..., K, K] Hessian of inputs x: the Hessian of x R."""
+        K = H.shape[-1]
+        return fmt.rotate_hessian(H, self.signs(K, H.device), self.block(K))
+
+    def recorded(self, input_sizes) -> "Rotation":
+        """This rotation with the block of each of ``input_sizes`` written out (what a converted checkpoint stores)."""
+        return Rotation(self.seed, self.max_block, self.tp, {**{K: self.block(K) for K in input_sizes}, **self.blocks})
+
+    @classmethod
+    def from_dict(cls, config: Any) -> "Rotation":
+        if not isinstance(config, dict):
+            raise ValueError(f"kbit: rotation must be a dict like {{\"seed\": 0}}, got {config!r}")
+        unknown = sorted(set(config) - _ROTATION_KEYS)
+        if unknown:
+            raise ValueError(f"kbit: unknown rotation keys {unknown}; known: {sorted(_ROTATION_KEYS)}")
+        method = config.get("method", ROTATION_METHOD)
+        if method != ROTATION_METHOD:
+            raise ValueError(f"kbit: rotation method={method!r} is not supported; supported: {ROTATION_METHOD!r}")
+        blocks = config.get("blocks") or {}
+        if not isinstance(blocks, dict):
+            raise ValueError(f"kbit: rotation blocks must be a dict {{input size: block}}, got {blocks!r}")
+        return cls(config.get("seed", fmt.ROTATION_DEFAULT_SEED), config.get("max_block", fmt.ROTATION_MAX_BLOCK),
+                   config.get("tp", 1), blocks)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"method": ROTATION_METHOD, "seed": self.seed, "max_block": self.max_block, "tp": self.tp}
+        if self.blocks:
+            out["blocks"] = {str(K): b for K, b in sorted(self.blocks.items())}
+        return out
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Rotation) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return f"Rotation({self.to_dict()})"
 
 
 def _check_bits(k: Any, what: str) -> None:
