@@ -135,12 +135,21 @@ def llmc_group(shapes) -> int:
     return PRESET_GROUP if all(kk % PRESET_GROUP == 0 for _, kk in shapes) else PEER_GROUP
 
 
+def quip_transform_block(shapes) -> int:
+    """llm-compressor QuIP's transform_block_size for a model whose quantized weights have ``shapes``: one size for every
+    rotated linear, so the smallest of kbit's per-layer blocks (reference.rotation_block of each K, default cap): the
+    largest power of two that divides every K up to kbit's cap (SmolLM2: 64, Gemma 3 270M: 128)."""
+    from vllm_kbit import reference as fmt
+
+    return min(fmt.rotation_block(kk) for _, kk in shapes)
+
+
 # How each method stores a group: (group size, bits of scale + zero per group, what they are), by family.
 # ``group`` is llm-compressor's (:func:`llmc_group`); every other method's group is fixed.
 def storage(family: str, k: int, group: int = PEER_GROUP) -> tuple[int, float, str]:
     if family.startswith("kbit"):
         return 32, 8, "E4M4 scale (8 bits) per 32"
-    if family in ("llmc-gptq", "llmc-rtn"):
+    if family in ("llmc-gptq", "llmc-rtn", "llmc-quip-gptq"):
         return group, 16, f"bf16 scale per {group} (symmetric: no zero point)"
     if family == "gptqmodel-gptq":
         return PEER_GROUP, 16 + k, f"fp16 scale + {k}-bit packed zero point per 64 (the GPTQ format stores zeros when symmetric too)"
@@ -240,6 +249,8 @@ PEER_METHODS = {
     "llmc-gptq-w4": ("llmc-gptq", 4), "llmc-gptq-w3": ("llmc-gptq", 3),
     "llmc-awq-w4": ("llmc-awq", 4), "llmc-awq-w3": ("llmc-awq", 3),
     "llmc-rtn-w4": ("llmc-rtn", 4),
+    "llmc-quip-gptq-w4": ("llmc-quip-gptq", 4), "llmc-quip-gptq-w3": ("llmc-quip-gptq", 3),
+    "llmc-quip-gptq-w2": ("llmc-quip-gptq", 2),
     "hqq-5": ("hqq", 5), "hqq-4": ("hqq", 4), "hqq-3": ("hqq", 3),
     "bnb-nf4": ("nf4", 4),
     "humming-u5": ("humming", 5), "humming-u4": ("humming", 4), "humming-u3": ("humming", 3), "humming-u2": ("humming", 2),
@@ -259,7 +270,8 @@ def _versions(mods) -> dict:
     return out
 
 
-def _peer_llmc(method: str, model_dir: str, out_dir: str, calib: list[int], group: int = PEER_GROUP) -> tuple[dict, dict]:
+def _peer_llmc(method: str, model_dir: str, out_dir: str, calib: list[int], group: int = PEER_GROUP,
+               transform_block: int | None = None) -> tuple[dict, dict]:
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from datasets import Dataset
@@ -281,8 +293,19 @@ def _peer_llmc(method: str, model_dir: str, out_dir: str, calib: list[int], grou
     weights = QuantizationArgs(num_bits=k, type="int", symmetric=family != "llmc-awq", strategy="group", group_size=group)
     groups = {"group_0": QuantizationScheme(targets=["Linear"], weights=weights)}
     ignore = ["lm_head", "re:.*block_sparse_moe.gate$", "re:.*mlp.gate$"]
-    modifier = {"llmc-gptq": GPTQModifier, "llmc-awq": AWQModifier, "llmc-rtn": QuantizationModifier}[family]
-    recipe = modifier(config_groups=groups, ignore=ignore)
+    if family == "llmc-quip-gptq":
+        from llmcompressor.modifiers.transform import QuIPModifier
+
+        # QuIP's input-side randomized Hadamard (rotations ["v"], as its docs recommend), one block size for every
+        # rotated linear, then GPTQ on the rotated weights with rotated calibration inputs.
+        quip = QuIPModifier(rotations=["v"], transform_type="random-hadamard", transform_block_size=transform_block,
+                            ignore=ignore)
+        recipe = [quip, GPTQModifier(config_groups=groups, ignore=ignore)]
+        notes.append(f"QuIPModifier(rotations=['v'], transform_type='random-hadamard', transform_block_size="
+                     f"{transform_block}) then GPTQModifier (its defaults: actorder static, dampening 0.01)")
+    else:
+        modifier = {"llmc-gptq": GPTQModifier, "llmc-awq": AWQModifier, "llmc-rtn": QuantizationModifier}[family]
+        recipe = modifier(config_groups=groups, ignore=ignore)
     rows = [calib[i : i + CALIB_WINDOW] for i in range(0, len(calib), CALIB_WINDOW)]
     ds = Dataset.from_dict({"input_ids": rows, "attention_mask": [[1] * len(r) for r in rows]})
     moe = AutoConfig.from_pretrained(model_dir).model_type == "mixtral"
@@ -298,6 +321,8 @@ def _peer_llmc(method: str, model_dir: str, out_dir: str, calib: list[int], grou
         oneshot(model=model, recipe=recipe)
     else:
         oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=CALIB_WINDOW, num_calibration_samples=len(rows))
+    if family == "llmc-quip-gptq":
+        return _effective_linears(model, ignore, notes, group, k)
     packed_dir = os.path.join(out_dir, "packed")
     model.save_pretrained(packed_dir, save_compressed=True)
     del model
@@ -328,6 +353,29 @@ def _peer_llmc(method: str, model_dir: str, out_dir: str, calib: list[int], grou
     notes.append(f"packed checkpoint ({qcfg.get('format')}) written by save_compressed and decompressed by "
                  "compressed-tensors' PackedQuantizationCompressor")
     return out, {"stored_bits": stored_bits, "notes": notes, "scheme": group["weights"]}
+
+
+@torch.no_grad()
+def _effective_linears(model, ignore, notes, group, k) -> tuple[dict, dict]:
+    """Each quantized linear's effective weight in the original input basis, probed through the module as
+    llm-compressor left it (its online input transform hook, then its quantized weight): W_eff^T = module(I_K),
+    in float32 (the quantized values and the transform are exact there), returned in bf16. QuIP's transform
+    weights are not a checkpoint tensor the table could decode alone, so the module's own forward decodes."""
+    out, stored_bits = {}, 0
+    for name, mod in model.named_modules():
+        if not isinstance(mod, torch.nn.Linear) or not hasattr(mod, "quantization_scheme") or "lm_head" in name:
+            continue
+        mod.float()
+        K = mod.in_features
+        y = mod(torch.eye(K, dtype=torch.float32))
+        if mod.bias is not None:
+            y = y - mod.bias.float()
+        out[canonical_module(name) + ".weight"] = y.T.to(torch.bfloat16).contiguous()
+        stored_bits += mod.out_features * (K * k + 16 * math.ceil(K / group))
+    notes.append("effective weights probed through each linear as llm-compressor left it (its input transform, then "
+                 "its quantized weight) on the identity, in float32: W_eff^T = module(I); stored bits counted as its "
+                 "pack-quantized layout (k bits per weight, a bf16 scale per group; the transform is regenerated, not stored)")
+    return out, {"stored_bits": stored_bits, "notes": notes, "scheme": {"bits": k, "group_size": group}}
 
 
 def _stub_torchvision() -> None:
@@ -461,6 +509,7 @@ def peer_main(argv: list[str]) -> None:
     ap.add_argument("--calib", required=True)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--group", type=int, default=PEER_GROUP, help="llm-compressor's group size (llmc-* methods only)")
+    ap.add_argument("--transform-block", type=int, default=None, help="QuIP's transform_block_size (llmc-quip-* only)")
     a = ap.parse_args(argv)
     torch.set_num_threads(a.threads)
     os.makedirs(a.out_dir, exist_ok=True)
@@ -471,7 +520,7 @@ def peer_main(argv: list[str]) -> None:
         if a.method.startswith("gptqmodel"):
             out, info = _peer_gptqmodel(a.method, a.model_dir, a.out_dir, calib)
         else:
-            out, info = _peer_llmc(a.method, a.model_dir, a.out_dir, calib, a.group)
+            out, info = _peer_llmc(a.method, a.model_dir, a.out_dir, calib, a.group, a.transform_block)
     else:
         out, info = _peer_tensorwise(a.method, a.model_dir)
     info["seconds"] = time.time() - t
@@ -627,14 +676,47 @@ def cached(model_tag: str, tag: str, compute):
     return weights, info
 
 
-def kbit_online(ev: Evaluator, k: int) -> tuple[dict, dict]:
+# kbit rows' variants, written in their kind: kbit[-gptq][-rot][-nf][-damp<F>][-noact][-c<tokens>][-s<seed>] (rotation
+# with that seed; codebook normal_float; GPTQ dampening, natural column order, calibration tokens).
+_KBIT_KIND = re.compile(r"^kbit(?P<gptq>-gptq)?(?P<rot>-rot)?(?P<nf>-nf)?(?:-damp(?P<damp>[0-9.]+))?(?P<noact>-noact)?"
+                        r"(?:-c(?P<calib>\d+))?(?:-s(?P<seed>\d+))?$")
+
+
+def kbit_variant(kind: str) -> dict | None:
+    """The options of a kbit row's kind (see _KBIT_KIND), or None for a kind it does not describe (the controls)."""
+    m = _KBIT_KIND.match(kind)
+    if not m:
+        return None
+    return {"gptq": bool(m["gptq"]), "rotate": bool(m["rot"]), "seed": int(m["seed"] or 0),
+            "codebook": "normal_float" if m["nf"] else None, "damp": float(m["damp"]) if m["damp"] else None,
+            "act_order": False if m["noact"] else None, "calib_tokens": int(m["calib"]) if m["calib"] else None}
+
+
+def kbit_online(ev: Evaluator, k: int, rotate: bool = False, seed: int = 0, codebook: str | None = None) -> tuple[dict, dict]:
+    """What online quantization stores, decoded; with ``rotate`` W R quantized and decoded back as Q(W R) R^T."""
+    from vllm_kbit import reference as fmt
+    from vllm_kbit.settings import Rotation
+
     rm = _real_model()
     t = time.time()
-    out = {n: rm.kbit_fake_weight(ev.state[n].contiguous(), k) for n in ev.names}
+    cb = fmt.CODEBOOKS[codebook](k) if codebook else None
+    rot = Rotation(seed=seed) if rotate else None
+    out = {}
+    for n in ev.names:
+        W = ev.state[n].contiguous()
+        if rot is None:
+            out[n] = rm.kbit_fake_weight(W, k, cb)
+        else:
+            out[n] = rot.rotate(rm.kbit_fake_weight(rot.rotate(W.float()), k, cb), inverse=True).to(W.dtype)
     N = sum(math.prod(s) for s in ev.shapes)
+    notes = ["vllm_kbit's reference quantizer (compiled CPU op) per tensor, as online loading does"]
+    if rot is not None:
+        blocks = sorted({(s[1], rot.block(s[1])) for s in ev.shapes})
+        notes.append(f"rotated: Q(W R) R^T, seed {seed}, blocks (K: b) {dict(blocks)}")
+    if codebook:
+        notes.append(f"codebook {codebook}")
     return out, {"seconds": time.time() - t, "stored_bits": 8 * sum(rm.kbit_bytes(s, k) for s in ev.shapes),
-                 "notes": ["vllm_kbit's reference quantizer (compiled CPU op) per tensor, as online loading does"],
-                 "weights": N}
+                 "notes": notes, "weights": N}
 
 
 def float32_copy(model_dir: str, out_dir: pathlib.Path) -> str:
@@ -656,7 +738,9 @@ def float32_copy(model_dir: str, out_dir: pathlib.Path) -> str:
 
 
 def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pathlib.Path,
-              expert_blocks: int = 0, float32: bool = False) -> tuple[dict, dict]:
+              expert_blocks: int = 0, float32: bool = False, rotate: bool = False, seed: int = 0,
+              codebook: str | None = None, damp: float | None = None, act_order: bool | None = None,
+              tag: str = "") -> tuple[dict, dict]:
     """``vllm-kbit convert --gptq`` on the calibration text, read back and decoded; counts the tensors whose
     indices differ from online rounding (those GPTQ rounded). ``expert_blocks`` E > 0 (the dense model's
     control): every down projection's H keeps only its E diagonal blocks, what the MoE rewrite's experts each
@@ -667,7 +751,8 @@ def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pat
     from vllm_kbit import reference as fmt
 
     rm = _real_model()
-    out_dir = workdir / (f"kbit{k}-gptq" + (f"-blockdiag{expert_blocks}" if expert_blocks else "") + ("-fp32" if float32 else ""))
+    out_dir = workdir / (f"kbit{k}-gptq" + (f"-blockdiag{expert_blocks}" if expert_blocks else "") + ("-fp32" if float32 else "")
+                         + tag)
     if out_dir.exists():
         shutil.rmtree(out_dir)
     model_dir = float32_copy(ev.model_dir, workdir / "float32-checkpoint") if float32 else ev.model_dir
@@ -677,7 +762,15 @@ def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pat
             inter = json.load(f)["intermediate_size"]
         cli = [sys.executable, str(pathlib.Path(__file__).resolve()), "convert-block-diagonal", str(inter), str(expert_blocks)]
     cmd = [*cli, "convert", model_dir, str(out_dir), "--bits", str(k), "--gptq", "--calibration-file", calib_file,
-           "--device", "cpu", "--quiet"]
+           "--device", "cpu", "--quiet", "--rotate" if rotate else "--no-rotate"]
+    if rotate:
+        cmd += ["--rotation-seed", str(seed)]
+    if codebook:
+        cmd += ["--codebook", codebook]
+    if damp is not None:
+        cmd += ["--damp", str(damp)]
+    if act_order is False:
+        cmd += ["--no-act-order"]
     t = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if proc.returncode:
@@ -691,15 +784,25 @@ def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pat
             for key in f.keys():
                 if key.endswith((".qweight", ".absmax")):
                     packed[key] = f.get_tensor(key)
-    cb = fmt.default_codebook(k)
+    from vllm_kbit.settings import KbitSettings
+
+    settings = KbitSettings.from_dict(json.loads((out_dir / "config.json").read_text())["quantization_config"])
+    cb, rot = settings.codebook(k), settings.rotation
     out, stored, gptq_rounded = {}, 0, 0
     for n in ev.names:
         m = n[: -len(".weight")]
         q, a = packed[f"{m}.qweight"], packed[f"{m}.absmax"]
         stored += 8 * (q.nbytes + a.nbytes)
-        out[n] = fmt.dequantize(q, a, cb, torch.bfloat16)
-        gptq_rounded += not torch.equal(out[n], rm.kbit_fake_weight(ev.state[n].contiguous(), k))
+        if rot is None:
+            out[n] = fmt.dequantize(q, a, cb, torch.bfloat16)
+            gptq_rounded += not torch.equal(out[n], rm.kbit_fake_weight(ev.state[n].contiguous(), k, cb))
+        else:  # the checkpoint's Q(W R), back in the original basis by its recorded rotation
+            out[n] = rot.rotate(fmt.dequantize(q, a, cb, torch.float32), inverse=True).to(torch.bfloat16)
+            W_rot = rot.rotate(ev.state[n].float())
+            gptq_rounded += not torch.equal(fmt.dequantize(q, a, cb, torch.float32), rm.kbit_fake_weight(W_rot, k, cb))
     note = f"vllm-kbit convert --gptq; {gptq_rounded} of {len(ev.names)} quantized tensors differ from online rounding"
+    if rot is not None:
+        note += f" (of the rotated weights); rotation as recorded in the checkpoint: {rot.to_dict()}"
     return out, {"seconds": seconds, "stored_bits": stored, "notes": [note], "gptq_rounded": gptq_rounded,
                  "tensors": len(ev.names), "command": shlex.join(cmd), "checkpoint": str(out_dir)}
 
@@ -725,12 +828,14 @@ def block_diagonal(hessian, inter: int, blocks: int):
 
 
 def run_peer(python: str, method: str, model_dir: str, calib_json: str, threads: int, workdir: pathlib.Path,
-             group: int = PEER_GROUP):
+             group: int = PEER_GROUP, transform_block: int | None = None):
     out = workdir / method
     cmd = [python, str(pathlib.Path(__file__).resolve()), "peer", method, model_dir, str(out), "--calib", calib_json,
            "--threads", str(threads)]
     if method.startswith("llmc") and group != PEER_GROUP:
         cmd += ["--group", str(group)]
+    if method.startswith("llmc-quip"):
+        cmd += ["--transform-block", str(transform_block)]
     workdir.mkdir(parents=True, exist_ok=True)
     log = workdir / f"{method}.log"
     with open(log, "w") as f:
@@ -767,7 +872,20 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
     g = f"g{group}"
     rows = [("bf16", "bf16", 16, "bf16")]
     rows += [(f"kbit-{k}", "kbit", k, "kbit") for k in (5, 4, 3, 2)]
-    rows += [(f"kbit-{k} --gptq", "kbit-gptq", k, "kbit-gptq") for k in (4, 3)]
+    rows += [(f"kbit-{k} --gptq", "kbit-gptq", k, "kbit-gptq") for k in (4, 3, 2)]
+    # Rotation (issue 61): online and --gptq, each over ROTATION_SEEDS; the k = 2 and 3 codebook rows; the k = 2 levers.
+    rows += [(f"kbit-{k} + rotation (seed {s})", "kbit", k, f"kbit-rot-s{s}") for k in (4, 3, 2) for s in ROTATION_SEEDS]
+    rows += [(f"kbit-{k} --gptq + rotation (seed {s})", "kbit-gptq", k, f"kbit-gptq-rot-s{s}")
+             for k in (4, 3, 2) for s in ROTATION_SEEDS]
+    for k in (3, 2):
+        rows += [(f"kbit-{k}, codebook normal_float", "kbit", k, "kbit-nf"),
+                 (f"kbit-{k} --gptq, codebook normal_float", "kbit-gptq", k, "kbit-gptq-nf"),
+                 *((f"kbit-{k} --gptq + rotation, codebook normal_float (seed {s})", "kbit-gptq", k, f"kbit-gptq-rot-nf-s{s}")
+                   for s in ROTATION_SEEDS)]
+    rows += [("kbit-2 --gptq + rotation, damp 0.1 (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-damp0.1-s0"),
+             ("kbit-2 --gptq + rotation, no act-order (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-noact-s0"),
+             ("kbit-2 --gptq + rotation, 8192 calibration tokens (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-c8192-s0")]
+    rows += [(f"llm-compressor QuIP + GPTQ W{k}A16 {g}", "llmc-quip-gptq", k, f"llmc-quip-gptq-w{k}") for k in (4, 3, 2)]
     if expert_controls:
         rows += [(BLOCKDIAG_CONTROL.format(k=k), "kbit-gptq", k, "kbit-gptq-blockdiag") for k in (4, 3)]
     rows += [(FP32_CONTROL.format(k=k), "kbit-gptq", k, "kbit-gptq-fp32") for k in (4, 3)]
@@ -782,7 +900,8 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
     return rows
 
 
-CALIBRATED = ("kbit-gptq", "llmc-gptq", "llmc-awq", "gptqmodel-gptq")
+ROTATION_SEEDS = (0, 1, 2)  # the rotated rows' sign seeds: each such row is measured once per seed
+CALIBRATED = ("kbit-gptq", "llmc-gptq", "llmc-awq", "gptqmodel-gptq", "llmc-quip-gptq")
 # Controls: llm-compressor's own round-to-nearest at GPTQ W4A16's storage (the MoE must equal the dense model), and
 # its GPTQ W4A16 weights with the MLP's down projections (dense down_proj, the experts' w2) taken from that RTN.
 RTN_CONTROL = "llm-compressor RTN W4A16 {g} (control)"
@@ -869,6 +988,7 @@ def main(argv: list[str] | None = None) -> None:
     with safe_open(os.path.join(dense_dir, "model.safetensors"), "pt") as f:
         dense_shapes = [tuple(f.get_slice(n).get_shape()) for n in quantized_tensor_names(f.keys())]
     group = llmc_group(dense_shapes)
+    quip_block = quip_transform_block(dense_shapes)
     gtag = "" if group == PEER_GROUP else f"-g{group}"
     all_specs = method_specs(args.calib_tokens, group, expert_controls="moe" in models)
     specs = [s for s in all_specs if not args.methods or s[0] in args.methods or s[0] == "bf16"]
@@ -887,14 +1007,23 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 if kind == "bf16":
                     weights, info = {n: ev.state[n] for n in ev.names}, {"stored_bits": 16 * n_weights, "notes": [], "cached": False}
-                elif kind == "kbit":
-                    weights, info = cached(ckey, tag, lambda: kbit_online(ev, k))
+                elif kind.startswith("kbit") and not (kbit_variant(kind) or {"gptq": True})["gptq"]:
+                    v = kbit_variant(kind)
+                    weights, info = cached(ckey, tag, lambda: kbit_online(ev, k, v["rotate"], v["seed"], v["codebook"]))
                 elif kind.startswith("kbit-gptq"):
                     control = GPTQ_CONTROLS.get(kind)
                     if control is not None and mkey != "dense":
                         continue
-                    weights, info = cached(ckey, tag, lambda: kbit_gptq(ev, k, str(calib_file), args.threads, work / mkey,
-                                                                         **(control or {})))
+                    opts = dict(control or {})
+                    cfile = str(calib_file)
+                    v = kbit_variant(kind)
+                    if control is None and v is not None:
+                        opts.update(rotate=v["rotate"], seed=v["seed"], codebook=v["codebook"], damp=v["damp"],
+                                    act_order=v["act_order"], tag=kind[len("kbit-gptq"):])
+                        if v["calib_tokens"]:
+                            cfile = str(work / f"calib{v['calib_tokens']}.txt")
+                            pathlib.Path(cfile).write_text(calibration_ids(tok, v["calib_tokens"])[1])
+                    weights, info = cached(ckey, tag, lambda: kbit_gptq(ev, k, cfile, args.threads, work / mkey, **opts))
                 elif kind == "diag-gptq-down-rtn":
                     ctag_g = f"-c{args.calib_tokens}-t{args.threads}"
                     g, gi = cached(ckey, f"v{CACHE_VERSION}-llmc-gptq-w4{gtag}{ctag_g}",
@@ -909,7 +1038,7 @@ def main(argv: list[str] | None = None) -> None:
                 else:
                     python = args.gptqmodel_python if family == "gptqmodel-gptq" else args.peer_python
                     weights, info = cached(ckey, tag, lambda: run_peer(python, kind, mdir, str(calib_json), args.threads, work / mkey,
-                                                                       group))
+                                                                       group, quip_block))
             except Exception as e:  # a tool that does not run here: recorded, the table goes on
                 print(f"[{mkey}] {name}: FAILED {type(e).__name__}: {str(e)[-800:]}", flush=True)
                 failures.append({"model": mkey, "method": name, "error": f"{type(e).__name__}: {str(e)[-2000:]}"})
