@@ -930,6 +930,9 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["merge"]:  # merge MAIN.json RUN.json [--peer-python P]: a --gguf run's json into MAIN.json, rendered
         merge(pathlib.Path(argv[1]), pathlib.Path(argv[2]))
         return print(render(pathlib.Path(argv[1]), peer, "--no-plot" not in argv))
+    if argv[:1] == ["combine"]:  # combine OUT.json RUN.json ...: row subsets of one or two models into one json, rendered
+        combine(pathlib.Path(argv[1]), [pathlib.Path(a) for a in argv[2:] if not a.startswith("--")])
+        return print(render(pathlib.Path(argv[1]), peer, "--no-plot" not in argv))
     if argv[:1] == ["plot"]:
         return None if plot(json.loads(pathlib.Path(argv[1]).read_text()), pathlib.Path(argv[2])) else sys.exit(1)
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -1184,6 +1187,14 @@ def rel_cell(p: float, ref: float) -> str:
     return f"{100 * (p / ref - 1):+.1f}%" if p < 1e4 else ""
 
 
+def commands_line(meta: dict) -> str:
+    """The command, or the commands of the runs ``combine`` put together (each ran a subset of the rows)."""
+    cmds = meta.get("commands") or [meta["command"]]
+    if len(cmds) == 1:
+        return f"command: `{cmds[0]}`"
+    return "commands (each ran the rows it names; combined with `accuracy_moe.py combine`): " + "; ".join(f"`{c}`" for c in cmds)
+
+
 def versions_line(meta: dict) -> str:
     """The report's tool versions: the project's venv, the peers' and GPTQModel's."""
     pv = meta["versions_peer_venv"] or {}
@@ -1204,7 +1215,7 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
         f"date {meta['date']}, commit {meta['commit']}, CPU ({meta['threads']} thread(s)), {meta['elapsed_s']:.0f} s "
         "(quantized weights cached from earlier runs where the log says so)",
         "",
-        f"command: `{meta['command']}`",
+        commands_line(meta),
         "",
         f"- models: {meta['model']} (`{meta['source']}`; dense) and its exact rewrite ({meta['moe']}; same weights, "
         "expert up / down scaled by powers of two whose product is 8).",
@@ -1283,6 +1294,7 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
                 lines.append(f"- kbit-{k} --gptq: MoE rewrite {m['perplexity']:.3f} against the dense control's "
                              f"{c['perplexity']:.3f}: {100 * (m['perplexity'] / c['perplexity'] - 1):+.2f}%.")
     lines += goals(records, served)
+    lines += rotation_section(records, ("dense", "moe"))
     lines += per_row(records, failures, "##")
     return "\n".join(lines) + "\n"
 
@@ -1297,7 +1309,7 @@ def markdown_dense_model(meta: dict, records: list[dict], served: list[dict], fa
         f"date {meta['date']}, commit {meta['commit']}, CPU ({meta['threads']} thread(s)), {meta['elapsed_s']:.0f} s "
         "(quantized weights cached from earlier runs where the per-row notes say so)",
         "",
-        f"command: `{meta['command']}`" + (f"; vLLM rows: `{meta['vllm_command']}`" if meta.get("vllm_command") else ""),
+        commands_line(meta) + (f"; vLLM rows: `{meta['vllm_command']}`" if meta.get("vllm_command") else ""),
         "",
         f"- model: {meta['model']} (`{meta['source']}`). Its linear weights are the GGUF's values (each tensor dequantized "
         "from its own type, e.g. Q5_0 / Q4_K / Q6_K, grids per 32 or 16 weights) in bf16: a source grid favours methods "
@@ -1324,6 +1336,7 @@ def markdown_dense_model(meta: dict, records: list[dict], served: list[dict], fa
                   "its GPTQ W4A16 with the down projections from that RTN, and kbit `--gptq` calibrated on a float32 copy of "
                   "the checkpoint (only the calibration forward's rounding differs)."]
     lines += goals(records, served, sub)
+    lines += rotation_section(records, ("dense",), sub)
     lines += per_row(records, failures, sub)
     return "\n".join(lines) + "\n"
 
@@ -1418,6 +1431,108 @@ def goal_pairs(records: list[dict]) -> list[tuple[str, dict, dict]]:
             if a in kbit and b in peer:
                 out.append((mkey, kbit[a], peer[b]))
     return out
+
+
+_SEED = re.compile(r" \(seed (\d+)\)$")
+
+
+def seed_groups(records: list[dict], mkey: str) -> dict[str, list[dict]]:
+    """{row name without its seed: [records of that row, one per seed]} of a model's rows measured per seed."""
+    out: dict[str, list[dict]] = {}
+    for r in records:
+        if r["model"] == mkey and _SEED.search(r["method"]):
+            out.setdefault(_SEED.sub("", r["method"]), []).append(r)
+    return out
+
+
+def rotation_section(records: list[dict], mkeys, level: str = "##") -> list[str]:
+    """Issue 61's rows: each rotated row's mean and spread over its seeds, then the goals' comparisons."""
+    lines = []
+    for mkey in mkeys:
+        groups = seed_groups(records, mkey)
+        bf = next((r for r in records if r["model"] == mkey and r["method"] == "bf16"), None)
+        if not groups or bf is None:
+            continue
+        if not lines:
+            lines += ["", f"{level} Rotation (issue 61): rows over sign seeds", "",
+                      "Mean, smallest and largest perplexity over the seeds each rotated row ran with; gap = ppl - bf16 ppl.", "",
+                      "| model | row | seeds | mean ppl | min | max | mean gap | per seed |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+        for name, rs in groups.items():
+            p = [r["perplexity"] for r in rs]
+            per = ", ".join(f"{_SEED.search(r['method']).group(1)}: {r['perplexity']:.3f}" for r in rs)
+            lines.append(f"| {mkey} | {name} | {len(p)} | {sum(p) / len(p):.3f} | {min(p):.3f} | {max(p):.3f} | "
+                         f"{sum(p) / len(p) - bf['perplexity']:.3f} | {per} |")
+    goal_lines = rotation_goals(records, mkeys)
+    if goal_lines:
+        lines += ["", f"{level} Issue 61's goals, as measured here (rotated rows: mean over their seeds)", "",
+                  "| model | goal | kbit row | ppl (gap) | against | ppl (gap) | measured | met? |",
+                  "| --- | --- | --- | ---: | --- | ---: | ---: | :-: |", *goal_lines]
+    return lines
+
+
+def rotation_goals(records: list[dict], mkeys) -> list[str]:
+    """One line per goal of issue 61 that both rows were measured for: gap ratios (k = 3: <= 0.6, k = 2: <= 0.5),
+    kbit-3 --gptq + rotation below online kbit-4, and kbit-k --gptq + rotation at or below llm-compressor QuIP + GPTQ W-k."""
+    out = []
+    for mkey in mkeys:
+        rows = {r["method"]: r for r in records if r["model"] == mkey}
+        bf = rows.get("bf16")
+        if bf is None:
+            continue
+        groups = seed_groups(records, mkey)
+
+        def ppl(name):
+            if name in groups:
+                return sum(r["perplexity"] for r in groups[name]) / len(groups[name]), f"{name} ({len(groups[name])} seeds)"
+            return (rows[name]["perplexity"], name) if name in rows else (None, name)
+
+        def cell(p):
+            return f"{p:.3f} ({p - bf['perplexity']:+.3f})" if p < 1e4 else ppl_cell(p)
+
+        for k, bound in ((3, 0.6), (2, 0.5)):
+            a, an = ppl(f"kbit-{k} --gptq + rotation")
+            b, bn = ppl(f"kbit-{k} --gptq")
+            if a is not None and b is not None:
+                ratio = (a - bf["perplexity"]) / (b - bf["perplexity"])
+                out.append(f"| {mkey} | gap ratio <= {bound} | {an} | {cell(a)} | {bn} | {cell(b)} | {ratio:.2f}x | "
+                           f"{'yes' if ratio <= bound else '**no**'} |")
+        a, an = ppl("kbit-3 --gptq + rotation")
+        b, bn = ppl("kbit-4")
+        if a is not None and b is not None:
+            out.append(f"| {mkey} | below online kbit-4 | {an} | {cell(a)} | {bn} | {cell(b)} | {a / b:.3f}x | "
+                       f"{'yes' if a < b else '**no**'} |")
+        for k in (4, 3, 2):
+            a, an = ppl(f"kbit-{k} --gptq + rotation")
+            peer = next((r for r in records if r["model"] == mkey and r["kind"] == f"llmc-quip-gptq-w{k}"), None)
+            if a is not None and peer is not None:
+                b = peer["perplexity"]
+                out.append(f"| {mkey} | at or below QuIP + GPTQ W{k} | {an} | {cell(a)} | {peer['method']} "
+                           f"({peer['bits_per_weight']:.3f} bits) | {cell(b)} | {a / b:.3f}x | {'yes' if a <= b else '**no**'} |")
+    return out
+
+
+def combine(out_json: pathlib.Path, runs: list[pathlib.Path]) -> None:
+    """Runs of this script (each a subset of rows, ``--methods``) into one json: per model key, the first run's
+    meta, every run's records (a row measured twice keeps its first), commands and failures; a ``--gguf`` run goes
+    under its key, as ``merge`` puts it."""
+    main: dict | None = None
+    for path in runs:
+        run = json.loads(path.read_text())
+        holder = None
+        if run.get("key"):
+            if main is None:
+                raise SystemExit(f"combine: give the first model's runs before {path}")
+            holder = main.setdefault(run["key"], {**run, "records": [], "failures": [], "commands": []})
+        else:
+            if main is None:
+                main = {**run, "records": [], "failures": [], "commands": []}
+            holder = main
+        seen = {(r["model"], r["method"]) for r in holder["records"]}
+        holder["records"] += [r for r in run["records"] if (r["model"], r["method"]) not in seen]
+        holder["failures"] += run["failures"]
+        holder["commands"].append(run["command"])
+        holder["elapsed_s"] = holder.get("elapsed_s", 0) + (run["elapsed_s"] if holder["commands"][1:] else 0)
+    out_json.write_text(json.dumps(main, indent=1))
 
 
 def plot_via(peer_python: str, json_path: pathlib.Path, png: pathlib.Path) -> bool:

@@ -257,3 +257,33 @@ def test_rope_parameters_per_layer_type_lose_the_keys_gptqmodel_adds_beside_them
     flat = types.SimpleNamespace(layer_types=["full_attention"], rope_parameters={"rope_theta": 1e4, "rope_type": "default"})
     assert acc._fix_rope_parameters(flat) == [] and flat.rope_parameters == {"rope_theta": 1e4, "rope_type": "default"}
     assert acc._fix_rope_parameters(types.SimpleNamespace()) == []
+
+
+def test_rotation_rows_average_over_seeds_and_issue_61_goals_compare_gaps(acc):
+    recs = [_rec("dense", "bf16", "bf16", 16, 10.0), _rec("dense", "kbit-4", "kbit", 4, 14.0),
+            _rec("dense", "kbit-3 --gptq", "kbit-gptq", 3, 20.0),
+            *(_rec("dense", f"kbit-3 --gptq + rotation (seed {s})", f"kbit-gptq-rot-s{s}", 3, p) for s, p in ((0, 15.0), (1, 16.0), (2, 17.0))),
+            _rec("dense", "kbit-2 --gptq", "kbit-gptq", 2, 110.0),
+            _rec("dense", "kbit-2 --gptq + rotation (seed 0)", "kbit-gptq-rot-s0", 2, 70.0),
+            _rec("dense", "llm-compressor QuIP + GPTQ W3A16 g64", "llmc-quip-gptq-w3", 3, 17.5)]
+    groups = acc.seed_groups(recs, "dense")
+    assert sorted(groups) == ["kbit-2 --gptq + rotation", "kbit-3 --gptq + rotation"] and len(groups["kbit-3 --gptq + rotation"]) == 3
+    goals = acc.rotation_goals(recs, ("dense",))
+    # k = 3: mean 16 -> gap 6 against 10: 0.60x, met; k = 2: gap 60 against 100: 0.60x > 0.5, missed
+    assert "| 0.60x | yes |" in goals[0] and "kbit-3 --gptq + rotation (3 seeds)" in goals[0]
+    assert "| 0.60x | **no** |" in goals[1]
+    assert "below online kbit-4" in goals[2] and goals[2].endswith("| **no** |")  # 16 > 14
+    assert "QuIP + GPTQ W3" in goals[3] and goals[3].endswith("| yes |")  # 16 <= 17.5
+    text = "\n".join(acc.rotation_section(recs, ("dense",)))
+    assert "| dense | kbit-3 --gptq + rotation | 3 | 16.000 | 15.000 | 17.000 | 6.000 |" in text
+
+
+def test_kbit_kinds_spell_their_options(acc):
+    assert acc.kbit_variant("kbit") == {"gptq": False, "rotate": False, "seed": 0, "codebook": None, "damp": None,
+                                        "act_order": None, "calib_tokens": None}
+    v = acc.kbit_variant("kbit-gptq-rot-nf-damp0.1-noact-c8192-s2")
+    assert v == {"gptq": True, "rotate": True, "seed": 2, "codebook": "normal_float", "damp": 0.1, "act_order": False,
+                 "calib_tokens": 8192}
+    assert acc.kbit_variant("kbit-gptq-fp32") is None  # the controls go their own way
+    kinds = [s[3] for s in acc.method_specs(2048)]
+    assert all(acc.kbit_variant(k) is not None for k in kinds if k.startswith("kbit") and k not in acc.GPTQ_CONTROLS)
