@@ -31,6 +31,10 @@ of the same checkpoint produces when vLLM runs in the checkpoint's dtype (for te
 model of the checkpoint are rounded by GPTQ on calibration text, one decoder layer at a time
 (:mod:`vllm_kbit.gptq`; same format and scale candidates, different indices and scale choices), and the
 rest (lm_head with ``quantize_lm_head``) as online.
+
+With ``settings.rotation`` every quantized weight is stored rotated, Q(W R) (docs/format.md, section 9): GPTQ
+rounds W R on the rotated inputs' Hessian, round-to-nearest quantizes W R; config.json records the rotation
+with the block of every input size quantized.
 """
 
 from __future__ import annotations
@@ -334,7 +338,7 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    settings = KbitSettings.from_dict({**settings.to_dict(), "prequantized": True})
+    settings = KbitSettings.from_dict({**settings.to_dict(), "prequantized": True}, serving=False)
     tied_head = settings.quantize_lm_head and tied_word_embeddings(config)
     codebooks = {k: settings.codebook(k).to(device) for k in settings.bit_widths}
 
