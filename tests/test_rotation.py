@@ -275,3 +275,10 @@ def test_cli_refuses_a_tp_that_leaves_no_block(tmp_path):
     proc = _cli(src, str(tmp_path / "out"), "--rotate", "--rotation-tp", "3", "--quiet")
     assert proc.returncode == 2 and "does not divide the input size" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_opcheck_hadamard_rotate():
+    x = torch.randn(3, 256, dtype=torch.bfloat16)
+    s = fmt.rotation_signs(256, 1)
+    for args in ((x, s, 64), (x, s, 256, True), (x.float(), s, 2)):
+        torch.library.opcheck(torch.ops.kbit.hadamard_rotate.default, args)
