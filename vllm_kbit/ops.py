@@ -75,10 +75,12 @@ _VARIANTS = {
     # quantize's compiled CPU kernel (vllm_kbit._cpu, csrc/cpu/): the reference's bits, fast.
     "_quantize_cpu": _variant("quantize", "_quantize_cpu"),
 }
-# Ops whose only implementation is the PyTorch reference, on every device, and whose argument rules live in
-# reference.py (no C++ variant or check: docs/decisions.md, "Rotation"): the layer input rotation x R.
+# Ops whose argument rules live in reference.py, asked in Python before any kernel (docs/decisions.md,
+# "Rotation"): the layer input rotation x R. Its CUDA kernel is the extension's C++ variant, which checks
+# only what the kernel adds (a CUDA device, columns a multiple of 32).
 _PYTHON_SCHEMAS = {
     "hadamard_rotate": "hadamard_rotate(Tensor x, Tensor signs, int block, bool inverse=False) -> Tensor",
+    "_hadamard_rotate_cuda": "_hadamard_rotate_cuda(Tensor x, Tensor signs, int block, bool inverse=False) -> Tensor",
 }
 for _schema in (*_SCHEMAS.values(), *_VARIANTS.values(), *_PYTHON_SCHEMAS.values()):
     _lib.define(_schema)
@@ -251,6 +253,15 @@ def _load_extension() -> bool:
 # PyTorch reference serves every public op on every device.
 HAS_EXTENSION = _load_extension()
 HAS_CUDA_KERNELS = HAS_EXTENSION and torch.cuda.is_available()
+
+
+def _hadamard_rotate_cuda(x, signs, block, inverse=False):
+    fmt.check_hadamard_rotate(x, signs, block)
+    return torch.ops.kbit._hadamard_rotate_cuda(x, signs, block, inverse)
+
+
+if HAS_EXTENSION:  # CUDA tensors run the kernel; without the extension the reference serves them too
+    _lib.impl("hadamard_rotate", _hadamard_rotate_cuda, "CUDA")
 if not HAS_EXTENSION:
     for _name in _CUDA_KERNEL_OPS:
         _lib.impl(_name, _REFERENCE[_name], "CUDA")
