@@ -14,6 +14,8 @@ turns this off (each call decodes again: less memory, ~100x slower decode steps)
 
 from __future__ import annotations
 
+import collections
+import functools
 import glob
 import os
 import warnings
@@ -248,6 +250,26 @@ HAS_CUDA_KERNELS = HAS_EXTENSION and torch.cuda.is_available()
 if not HAS_EXTENSION:
     for _name in _CUDA_KERNEL_OPS:
         _lib.impl(_name, _REFERENCE[_name], "CUDA")
+
+
+# ----------------------------------------------------------------------------- plans as named tuples
+
+
+@functools.cache
+def _returns_type(schema_name: str, overload: str, names: tuple[str, ...]):
+    return collections.namedtuple(f"{schema_name.split('::')[-1]}_{overload or 'default'}", names)
+
+
+def named(op: torch._ops.OpOverload, *args, **kwargs):
+    """``op(*args, **kwargs)`` as a namedtuple of the return names in its schema: the plans
+    (``named(torch.ops.kbit.linear_plan.default, M, N, K, ...)``, ``linear_plan.device``, ``moe_plan.default``,
+    ``moe_plan.device``) name every field, so callers read ``plan.splits`` instead of an index. The names are the
+    C++ schema's (csrc/ops/dispatch.cpp), written once."""
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        op = op.default
+    schema = op._schema
+    names = tuple(r.name for r in schema.returns)
+    return _returns_type(schema.name, schema.overload_name, names)(*op(*args, **kwargs))
 
 
 # ----------------------------------------------------------------------------- fake (meta) implementations
