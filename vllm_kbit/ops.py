@@ -184,8 +184,8 @@ def _load_cpu_extension() -> bool:
 
 
 # HAS_CPU_KERNELS: kbit::quantize on CPU tensors runs the compiled kernel (kbit::_quantize_cpu), and the
-# reference's checks ask the C++ ones (reference.check).
-HAS_CPU_KERNELS = fmt.CHECKS_LOADED = _load_cpu_extension()
+# reference's checks ask the C++ ones (reference.check, which reads this).
+HAS_CPU_KERNELS = _load_cpu_extension()
 
 
 def _quantize_cpu(W, codebook, k, search_scale=fmt.DEFAULT_SEARCH_SCALE):

@@ -64,14 +64,21 @@ TILE_KB = _FORMAT["kTileKB"]
 # ----------------------------------------------------------------------------- checks
 # Every op's argument rules and their one-line messages are stated once, in C++ (csrc/ops/checks.cpp): the CUDA
 # ops run them, and the CPU extension (vllm_kbit._cpu) registers them as kbit::_check_<rule>, which the
-# functions here ask. vllm_kbit.ops sets CHECKS_LOADED when it loads that extension; without it nothing is
-# checked (docs/development.md, "Argument checks").
-CHECKS_LOADED = False
+# functions here ask. Without that extension nothing is checked (docs/development.md, "Argument checks").
+
+
+@functools.cache
+def checks_loaded() -> bool:
+    """Whether the C++ checks are loaded. Asks vllm_kbit.ops, which defines their schemas and loads the CPU
+    extension, on the first check: whichever module is imported first, the checks are on where they are built."""
+    from vllm_kbit import ops  # noqa: PLC0415 (ops imports this module: a top-level import would be circular)
+
+    return ops.HAS_CPU_KERNELS
 
 
 def check(rule: str, *args) -> None:
     """Raises what kbit::_check_<rule> raises for ``args`` (a one-line ValueError or TypeError)."""
-    if CHECKS_LOADED:
+    if checks_loaded():
         getattr(torch.ops.kbit, "_check_" + rule)(*args)
 
 
