@@ -69,6 +69,7 @@ _VARIANTS = {
     "_check_bits": "_check_bits(Scalar k) -> ()",
     "_check_codebook": "_check_codebook(Tensor codebook, int k) -> ()",
     "_check_weight_amax": "_check_weight_amax(float amax, bool bounded) -> ()",
+    "_check_representable": "_check_representable(Tensor W) -> ()",
     # kbit::linear and fused_moe's CUDA composition with their plans forced (path: kbit::_linear_path_id, -1 =
     # auto / kbit::_moe_path_id, 0 = auto; 0 = the rule for the rest: csrc/plan/plan.h, LinearForced / MoeForced).
     "_linear_forced": _variant("linear", "_linear_forced", ", int path=-1, int row_groups=0, int splits=0, int producers=0"),

@@ -45,10 +45,10 @@ SUPPORTED_BITS = tuple(range(_FORMAT["kMinBits"], _FORMAT["kMaxBits"] + 1))
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 E4M4_BIAS = _FORMAT["kE4M4Bias"]
-E4M4_MAX = 2.0 ** (15 - E4M4_BIAS) * (1 + 15 / 16)  # code 255 (e = 15, m = 15): the largest scale a block can have
+E4M4_MAX = float(_FORMAT["kE4M4Max"])  # code 255 (e = 15, m = 15): the largest scale a block can have
 # Range scale (:func:`range_scale`): layers whose max |w| lies in [RANGE_MIN, RANGE_MAX] are quantized as they are.
 RANGE_MIN = 2.0**-4
-RANGE_MAX = E4M4_MAX * (1 + 1 / 64)  # the largest |w| the E4M4 code 255 still holds (check_representable's bound)
+RANGE_MAX = _FORMAT["kRangeMax64"] / 64  # the largest |w| the E4M4 code 255 still holds (check_representable's bound)
 RANGE_TARGET = 16.0  # a range-scaled layer's max |W / s| lies in (RANGE_TARGET / 2, RANGE_TARGET]
 _RANGE_EXP_MIN, _RANGE_EXP_MAX = -100, 127  # s stays a normal fp32 power of two, codebook * s finite and exact
 # Scale search (see block_scales): E4M4 code offsets tried around each block's absmax code,
@@ -114,7 +114,7 @@ def check_representable(W: torch.Tensor) -> None:
 
     Syncs with the host (one reduction): a load-time check, never on a forward path.
     """
-    check("weight_amax", weight_amax(W), True)
+    check("representable", W)
 
 
 def range_scale(amax: float) -> float:

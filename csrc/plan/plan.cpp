@@ -318,7 +318,7 @@ LinearPath linear_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
 
 LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t bits, const DeviceFacts& facts,
                        const LinearForced& forced) {
-  KBIT_CHECK_VALUE(M >= 1 && N >= 1 && K >= 1 && K % kBlockSize == 0 && facts.num_sms >= 1 && facts.ctas_per_sm >= 1,
+  KBIT_CHECK_VALUE(M >= 1 && N >= 1 && whole_blocks(K) && facts.num_sms >= 1 && facts.ctas_per_sm >= 1,
                    "kbit linear_plan: needs M, N, num_sms, ctas_per_sm >= 1 and K a positive multiple of ", kBlockSize,
                    ", got M=", M, " N=", N, " K=", K, " num_sms=", facts.num_sms, " ctas_per_sm=", facts.ctas_per_sm);
   LinearPlan plan{linear_path(M, N, K, dtype, bits, facts.sm_major)};
