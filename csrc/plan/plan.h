@@ -1,8 +1,10 @@
 // The planner: every choice of which kernel runs and how, in one place. From the shapes of a call and
 // the facts of the GPU (queried once per device: SM count, compute capability, and per MMA instance its
 // occupancy and cluster capacity), it decides the dense linear's path, the MMA tile shape (p, r), the
-// K splits of the GEMV and MMA kernels, the routed experts' path, chunk height, chunk counts and each
-// projection's splits / row groups. Launchers take a plan and decide nothing (they validate it).
+// K splits of the GEMV and MMA kernels, every kernel's grid, the GEMV decode, the wgmma_ws producers,
+// programmatic dependent launch, the routed experts' path (fp32: the reference), their projections' kernel
+// (rs or ws for the grouped wgmma), chunk height, chunk counts and each projection's splits / row groups.
+// Launchers take a plan and decide nothing (they validate it and record what they launched).
 // kbit::linear_plan and kbit::moe_plan expose the plans (csrc/ops/dispatch.cpp); the measurements behind
 // every bound and rule are in docs/decisions.md. Host C++ only: no tensors, no kernel symbols (the MMA
 // instance facts come from the MMA launcher, mma.cu).
