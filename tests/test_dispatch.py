@@ -4,12 +4,15 @@ extension is built; tests/test_fused_moe_op.py covers kbit::moe_plan."""
 
 import functools
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from vllm_kbit import ops
 from vllm_kbit.linear import gemv_tiles
+from child_env import child_env
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="the C++ extension is not built or not loadable")
 
@@ -81,6 +84,23 @@ def test_gemv_decode_is_the_plans():
         assert (got.path, got.table_blocks) == ("gemv", blocks), (M, bits, got)
     assert plan(1, 4096, 2048).table_blocks == 0  # k not named
     assert {plan(M, 4096, 2048, path="mma", bits=4).table_blocks for M in (1, 8, 64)} == {0}
+
+
+@pytest.mark.parametrize("env,field,want", [("VLLM_KBIT_GEMV_DECODE=shuffle", "table_blocks", 0),
+                                             ("VLLM_KBIT_GEMV_DECODE=table", "table_blocks", 4),
+                                             ("VLLM_KBIT_PDL=0", "pdl", False)])
+def test_overrides_reach_the_plan(env, field, want):
+    """The settings that force a decode or turn PDL off change the plan (what launches), read once per process:
+    a child process per setting."""
+    code = ("import torch; from vllm_kbit import ops; "
+            "p = ops.named(torch.ops.kbit.linear_plan, 1, 4096, 2048, torch.bfloat16, 9, 132, 1, 'gemv', 4); "
+            f"print(repr(p.{field}))")
+    name, value = env.split("=")
+    run = subprocess.run([sys.executable, "-c", code], env=child_env(**{name: value}), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == repr(want), (env, run.stdout)
+    assert getattr(plan(1, 4096, 2048, path="gemv", bits=4), field) != want  # this process: the rules (3; on)
 
 
 @functools.lru_cache(maxsize=None)
