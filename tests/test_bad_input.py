@@ -36,8 +36,8 @@ def test_the_checks_do_not_depend_on_import_order(first):
     """The reference turns its checks on itself: loaded on its own before anything else of the package (its file
     as a module, so not even the package's __init__ runs first) or after vllm_kbit.ops, it refuses bad input."""
     code = (
-        "import importlib.util, os, sys\n"
-        "import vllm_kbit.ops\n" * (first == "ops") +
+        "import importlib.util, os, sys\n" +
+        ("import vllm_kbit.ops\n" if first == "ops" else "") +
         f"spec = importlib.util.spec_from_file_location('reference_alone', {fmt.__file__!r})\n"
         "ref = importlib.util.module_from_spec(spec)\n"
         "spec.loader.exec_module(ref)\n"
