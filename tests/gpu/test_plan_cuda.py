@@ -5,6 +5,7 @@ CTA columns per split), K splits, producer warpgroups, GEMV decode (table blocks
 programmatic dependent)."""
 
 import collections
+import functools
 
 import pytest
 import torch
@@ -20,13 +21,23 @@ DEVICE = torch.device("cuda", 0)
 MS = (1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 100, 128, 129, 300, 512, 513)
 
 
-Launch = collections.namedtuple("Launch", [r.name for r in torch.ops.kbit._launch_record.default._schema.returns])
-PLAN_FIELDS = Launch._fields[1:]  # every field but the kernel is a plan field of the same name
+@functools.cache
+def launch_type():
+    """Launch(kernel, p, r, m_blocks, cols, splits, producers, table_blocks, pdl): kbit::_launch_record's return
+    names (asked when a test runs: CPU-only collections import this module without the extension)."""
+    return collections.namedtuple("Launch", [r.name for r in torch.ops.kbit._launch_record.default._schema.returns])
+
+
+def Launch(*fields):
+    return launch_type()(*fields)
+
+
+def plan_fields():
+    return launch_type()._fields[1:]  # every field but the kernel is a plan field of the same name
 
 
 def launched():
-    """The launches since the last call, as Launch(kernel, p, r, m_blocks, cols, splits, producers, table_blocks,
-    pdl) tuples."""
+    """The launches since the last call, as Launch tuples."""
     return [Launch(*fields) for fields in zip(*torch.ops.kbit._launch_record())]
 
 
@@ -47,7 +58,7 @@ def forced(x, w, path, row_groups=0, splits=0, producers=0):
 
 def expected_linear(plan):
     """The one launch of a dense plan: its path's kernel with the plan's fields."""
-    return [Launch(plan.path, *(getattr(plan, f) for f in PLAN_FIELDS))]
+    return [Launch(plan.path, *(getattr(plan, f) for f in plan_fields()))]
 
 
 def _weights():
@@ -155,12 +166,12 @@ def test_forced_paths_launch_their_kernel():
 
 def proj_launch(plan, proj):
     """The launch of one projection of a MoE plan: the plan's kernel with the projection's fields."""
-    return Launch(plan.kernel, *(getattr(plan, f"{proj}_{f}") for f in PLAN_FIELDS))
+    return Launch(plan.kernel, *(getattr(plan, f"{proj}_{f}") for f in plan_fields()))
 
 
 def expected_moe(plan):
     if plan.path == "grouped_mm":  # dequantize + cuBLAS: one record, no grid of ours
-        return [Launch("grouped_mm", *(0,) * (len(PLAN_FIELDS) - 1), False)]
+        return [Launch("grouped_mm", *(0,) * (len(plan_fields()) - 1), False)]
     return [proj_launch(plan, proj) for proj in ("gate_up", "down")]
 
 
