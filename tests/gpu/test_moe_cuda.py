@@ -319,7 +319,7 @@ def test_grouped_single_projection(rows, M):
         check(C, ref, torch.bfloat16, "gemv" if rows <= 4 else "mma")
     # A kernel takes only its own chunk heights (the plan's), not another kernel's.
     other = "mma_grouped" if rows <= 4 or rows >= 128 else "moe_gemv"
-    with pytest.raises(ValueError, match=f"{other} takes chunks of .* rows, not {rows}"):
+    with pytest.raises(ValueError, match=f"takes chunks of .* rows, not {rows}$"):
         grouped_linear(A, chunks, num_chunks, ex, N, K, rows, kernel=other)
     if rows in (128, 256):  # the grouped wgmmas plan nothing a caller could force but the producers (ws)
         with pytest.raises(ValueError, match="do not apply to the grouped wgmma"):
