@@ -227,8 +227,8 @@ def main() -> None:
         records.append(rec)
         return rec
 
-    def plan(M, N, K, dtype, path="auto"):  # (path, splits, max_splits, p, r, m_blocks, producers) on this GPU
-        return torch.ops.kbit.linear_plan(M, N, K, dtype, props.major, sms, 1, path)
+    def plan(M, N, K, dtype, path="auto"):  # the plan's named fields (path, splits, max_splits, p, r, ...) on this GPU
+        return vllm_kbit.ops.named(torch.ops.kbit.linear_plan, M, N, K, dtype, props.major, sms, 1, path)
 
     for name, K, N in shapes:
         for regime in regimes:

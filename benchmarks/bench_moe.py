@@ -159,7 +159,8 @@ def bench_gemm(args, l2, common, records):
                 Ab = A16.view(E * M, K).to(torch.bfloat16)
                 # Chunks as the fused op makes them for M tokens: the GEMV's one-row chunks at M = 1, else
                 # kMoeChunkRows; the grouped MMA's height covering M rows per expert.
-                rows = torch.ops.kbit.moe_plan(M, 1, E, 4, "gemv")[1]
+                gemv = vllm_kbit.ops.named(torch.ops.kbit.moe_plan, M, 1, E, 4, "gemv")
+                rows, gemv_kernel = gemv.chunk_rows, torch.ops.kbit._moe_kernel_id(gemv.kernel)
                 ids = torch.arange(E, dtype=torch.int32, device="cuda").repeat_interleave(M).view(-1, 1)
                 offsets, _, _, chunks, num = torch.ops.kbit._moe_route(ids, None, E, rows,
                                                                        torch.ops.kbit._moe_max_chunks(E * M, E, rows))
@@ -175,19 +176,20 @@ def bench_gemm(args, l2, common, records):
                 }
                 if M <= 256:
                     t["kbit_grouped_gemv"] = graph_time_us(
-                        [lambda w=w: torch.ops.kbit._moe_grouped_linear(Ab, chunks, num, w[0], w[1], cb, N, K, rows)
-                         for w in Wk])
+                        [lambda w=w: torch.ops.kbit._moe_grouped_linear(Ab, chunks, num, w[0], w[1], cb, N, K,
+                                                                        gemv_kernel, rows) for w in Wk])
                 if M <= 4:  # the GEMV at every K split count (the heuristic's choice is the row above)
                     max_splits = torch.ops.kbit.linear_plan(1, N, K, torch.bfloat16, 9, 132, 1, "gemv")[2]
                     for s in range(1, max_splits + 1):
                         t[f"kbit_grouped_gemv_s{s}"] = graph_time_us(
                             [lambda w=w, s=s: torch.ops.kbit._moe_grouped_linear(Ab, chunks, num, w[0], w[1], cb, N, K,
-                                                                                 rows, s) for w in Wk])
-                _, mrows, mmax = torch.ops.kbit.moe_plan(E * M, 1, E, 4, "grouped_mma")
+                                                                                 gemv_kernel, rows, s) for w in Wk])
+                mma = vllm_kbit.ops.named(torch.ops.kbit.moe_plan, E * M, 1, E, 4, "grouped_mma")
+                mrows, mmax, mma_kernel = mma.chunk_rows, mma.max_chunks, torch.ops.kbit._moe_kernel_id(mma.kernel)
                 _, _, _, mchunks, mnum = torch.ops.kbit._moe_route(ids, None, E, mrows, mmax)
                 t["kbit_grouped_mma"] = graph_time_us(
-                    [lambda w=w: torch.ops.kbit._moe_grouped_linear(Ab, mchunks, mnum, w[0], w[1], cb, N, K, mrows)
-                     for w in Wk])
+                    [lambda w=w: torch.ops.kbit._moe_grouped_linear(Ab, mchunks, mnum, w[0], w[1], cb, N, K, mma_kernel,
+                                                                    mrows) for w in Wk])
                 for op, us in t.items():
                     records.append(dict(common, view="gemm", op=op, proj=proj, E=E, M=M, K=K, N=N,
                                         k=4 if op.startswith("kbit") else 0, dtype="bfloat16", regime=regime,

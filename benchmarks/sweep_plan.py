@@ -196,8 +196,9 @@ def dense_splits_measure(args, meta: Meta):
         n_tiles = w0.qweight_rt.shape[0]
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            _, _, max_splits, p, r_auto, m_blocks, _ = torch.ops.kbit.linear_plan(
-                M, N, K, torch.bfloat16, props.major, props.multi_processor_count, 1, "gemv" if gemv else "mma")
+            plan = vllm_kbit.ops.named(torch.ops.kbit.linear_plan, M, N, K, torch.bfloat16, props.major,
+                                       props.multi_processor_count, 1, "gemv" if gemv else "mma")
+            max_splits, p, r_auto, m_blocks = plan.max_splits, plan.p, plan.r, plan.m_blocks
             for r in [0] if gemv else sorted({1, r_auto}):
                 ctas_per_split = n_tiles if gemv else -(-n_tiles // r) * m_blocks
                 for s in range(0, max_splits + 1):  # 0: the heuristic's choice
@@ -300,6 +301,8 @@ def sweep_moe_chunk_rows(argv: list[str]) -> None:
 
 
 def moe_chunk_rows_measure(args, meta: Meta):
+    mma_grouped = torch.ops.kbit._moe_kernel_id("mma_grouped")  # the kernel of every height in HEIGHTS
+
     def measure(layer, E, top_k, H, I, k, cb, W):
         for T in CHUNK_TS:
             S = T * top_k
@@ -312,8 +315,8 @@ def moe_chunk_rows_measure(args, meta: Meta):
                 chunks = statistics.mean(int(r[4][0]) for r in routes)
 
                 def call(w, r, rows=rows):
-                    torch.ops.kbit._moe_grouped_linear(a1, r[3], r[4], w[0], w[1], cb, 2 * I, H, rows)
-                    torch.ops.kbit._moe_grouped_linear(a2, r[3], r[4], w[2], w[3], cb, H, I, rows)
+                    torch.ops.kbit._moe_grouped_linear(a1, r[3], r[4], w[0], w[1], cb, 2 * I, H, mma_grouped, rows)
+                    torch.ops.kbit._moe_grouped_linear(a2, r[3], r[4], w[2], w[3], cb, H, I, mma_grouped, rows)
 
                 us = graph_time_us(rotated(call, W, routes), min_calls=20 if T <= 256 else 8, replays=10)
                 yield dict(layer=layer, k=k, T=T, rows=rows, us=round(us, 2), chunks=chunks, rows_per_expert=S / E)
@@ -360,7 +363,8 @@ def moe_grid_measure(args, meta: Meta):
     def measure(layer, E, top_k, H, I, k, cb, W):
         for T in (int(t) for t in args.tokens.split(",")):
             S = T * top_k
-            _, rows, G = torch.ops.kbit.moe_plan(T, top_k, E, k, "grouped_mma")
+            plan = vllm_kbit.ops.named(torch.ops.kbit.moe_plan, T, top_k, E, k, "grouped_mma")
+            rows, G, kernel = plan.chunk_rows, plan.max_chunks, torch.ops.kbit._moe_kernel_id(plan.kernel)
             ids = [routing(T, E, top_k) for _ in range(GRID_ROUTINGS)]
             routes = [torch.ops.kbit._moe_route(i, None, E, rows, G) for i in ids]
             chunks = statistics.mean(int(r[4][0]) for r in routes)
@@ -373,7 +377,8 @@ def moe_grid_measure(args, meta: Meta):
                         if s > min(8, k_tiles) or (r == 0) != (s == 0):
                             continue  # the rules' point is (0, 0); forced points force both
                         us = graph_time_us(rotated(lambda w, rt: torch.ops.kbit._moe_grouped_linear(
-                            a, rt[3], rt[4], w[wi], w[wi + 1], cb, N, K, rows, s, r), W, routes), min_calls=20, replays=10)
+                            a, rt[3], rt[4], w[wi], w[wi + 1], cb, N, K, kernel, rows, s, r), W, routes), min_calls=20,
+                            replays=10)
                         yield dict(layer=layer, k=k, T=T, proj=proj, rows=rows, r=r, splits=s, us=round(us, 2),
                                    chunks=chunks)
 

@@ -28,7 +28,29 @@ pytestmark = pytest.mark.skipif(not _CPU_EXTENSION, reason="vllm_kbit._cpu (the 
 
 
 def test_the_reference_asks_the_cpp_checks():
-    assert fmt.CHECKS_LOADED
+    assert fmt.checks_loaded()
+
+
+@pytest.mark.parametrize("first", ["reference", "ops"])
+def test_the_checks_do_not_depend_on_import_order(first):
+    """The reference turns its checks on itself: loaded on its own before anything else of the package (its file
+    as a module, so not even the package's __init__ runs first) or after vllm_kbit.ops, it refuses bad input."""
+    code = (
+        "import importlib.util, os, sys\n" +
+        ("import vllm_kbit.ops\n" if first == "ops" else "") +
+        f"spec = importlib.util.spec_from_file_location('reference_alone', {fmt.__file__!r})\n"
+        "ref = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(ref)\n"
+        "assert ('vllm_kbit.ops' in sys.modules) == " + repr(first == "ops") + "\n"
+        "try:\n"
+        "    ref.check_bits(7)\n"
+        "except ValueError as e:\n"
+        "    print('refused:', e)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], env=child_env(VLLM_KBIT_LOAD_EXTENSION="1"),
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "refused: kbit: k=7 is not supported" in run.stdout, (run.stdout, run.stderr[-3000:])
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if not c.cuda_only], ids=lambda c: c.id)

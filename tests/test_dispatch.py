@@ -4,12 +4,15 @@ extension is built; tests/test_fused_moe_op.py covers kbit::moe_plan."""
 
 import functools
 import random
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from vllm_kbit import ops
 from vllm_kbit.linear import gemv_tiles
+from child_env import child_env
 
 pytestmark = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="the C++ extension is not built or not loadable")
 
@@ -17,8 +20,8 @@ pytestmark = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="the C++ extension
 from gpu.test_linear_cuda import DESIGN_SHAPES  # noqa: E402
 
 
-def plan(M, N, K, dtype=torch.bfloat16, sm_major=9, num_sms=132, ctas_per_sm=1, path="auto"):
-    return torch.ops.kbit.linear_plan(M, N, K, dtype, sm_major, num_sms, ctas_per_sm, path)
+def plan(M, N, K, dtype=torch.bfloat16, sm_major=9, num_sms=132, ctas_per_sm=1, path="auto", bits=0):
+    return ops.named(torch.ops.kbit.linear_plan, M, N, K, dtype, sm_major, num_sms, ctas_per_sm, path, bits)
 
 
 def test_linear_plan_paths_on_both_sides_of_each_bound():
@@ -37,24 +40,67 @@ def test_linear_plan_paths_on_both_sides_of_each_bound():
 
 
 def test_linear_plan_fields():
-    path, splits, max_splits, p, r, m_blocks, producers = plan(1, 4096, 2048)
-    assert path == "gemv" and 1 < max_splits <= gemv_tiles(4096, 2048)[1] and (p, r, m_blocks, producers) == (0, 0, 0, 0)
-    assert splits == torch.ops.kbit._gemv_splits(*gemv_tiles(4096, 2048), 132)
+    n_tiles, k_tiles = gemv_tiles(4096, 2048)
+    g = plan(1, 4096, 2048)
+    assert g.path == "gemv" and 1 < g.max_splits <= k_tiles and (g.p, g.r, g.producers) == (0, 0, 0)
+    assert g.splits == torch.ops.kbit._gemv_splits(n_tiles, k_tiles, 132)
+    assert (g.m_blocks, g.cols, g.pdl) == (1, n_tiles, True)  # one CTA row of n-tiles, a programmatic dependent
     for M, (want_p, want_blocks) in {1: (1, 1), 8: (1, 1), 9: (2, 1), 17: (4, 1), 33: (8, 1), 64: (8, 1)}.items():
-        path, splits, max_splits, p, r, m_blocks, _ = plan(M, 14336, 4096, ctas_per_sm=3, path="mma")
-        assert (path, p, m_blocks) == ("mma", want_p, want_blocks)
-        assert r == (1 if p < 4 else 4 if p == 4 else 2)  # wide warps on this 224-tile weight from p = 4
+        m = plan(M, 14336, 4096, ctas_per_sm=3, path="mma")
+        assert (m.path, m.p, m.m_blocks) == ("mma", want_p, want_blocks)
+        assert m.r == (1 if m.p < 4 else 4 if m.p == 4 else 2)  # wide warps on this 224-tile weight from p = 4
         n_tiles, k_tiles = gemv_tiles(14336, 4096)
-        assert splits == torch.ops.kbit._mma_splits(-(-n_tiles // r), m_blocks, k_tiles, 132, 3, torch.ops.kbit._mma_split_cost(False))
-    assert plan(200, 14336, 2048, path="mma")[3:] == (8, 2, 4, 0)  # 4 CTA rows of 64
-    assert plan(40, 64 * 127, 2048, path="mma")[4] == 1  # under 128 n-tiles: narrow warps
-    assert plan(600, 14336, 4096)[1:] == (1, 1, 0, 0, 0, 0)
-    # The warp-specialized kernel's producer warpgroups: two (given facts name no k, and k = 5's one is a device plan's).
-    assert plan(300, 14336, 4096)[0] == "wgmma_ws" and plan(300, 14336, 4096)[6] == 2
+        assert m.splits == torch.ops.kbit._mma_splits(-(-n_tiles // m.r), m.m_blocks, k_tiles, 132, 3,
+                                                      torch.ops.kbit._mma_split_cost(False))
+        assert m.cols == -(-n_tiles // m.r) and m.pdl and m.table_blocks == 0
+    assert plan(200, 14336, 2048, path="mma")[3:7] == (8, 2, 4, 112)  # 4 CTA rows of 64, 224 n-tiles / 2
+    assert plan(40, 64 * 127, 2048, path="mma").r == 1  # under 128 n-tiles: narrow warps
+    assert plan(600, 14336, 4096)[1:] == (1, 1, 0, 0, 0, 0, 0, 0, False)  # dequant_cublas: no grid of ours
+    # The register-operand wgmma: a CTA per 128 rows and per 2 n-tiles; no programmatic dependent launch.
+    w = plan(100, 10240, 2048)
+    assert (w.path, w.m_blocks, w.cols, w.splits, w.producers, w.pdl) == ("wgmma", 1, 80, 1, 0, False)
+    assert plan(128, 10240, 2048).m_blocks == 1 and plan(129, 14336, 4096, path="wgmma").m_blocks == 2
+    # The warp-specialized wgmma: a CTA per 256 rows and per 2 n-tiles; two producer warpgroups, one at k = 5.
+    ws = plan(300, 14336, 4096)
+    assert (ws.path, ws.m_blocks, ws.cols, ws.producers, ws.pdl) == ("wgmma_ws", 2, 112, 2, False)
+    assert plan(300, 14336, 4096, bits=5).producers == 1 and plan(300, 14336, 4096, bits=4).producers == 2
+    # Off Hopper nothing launches as a programmatic dependent.
+    assert not plan(1, 4096, 2048, sm_major=8).pdl and not plan(16, 4096, 2048, sm_major=8).pdl
     with pytest.raises(ValueError, match="is not one of auto, gemv, mma, wgmma, wgmma_ws, dequant_cublas"):
         plan(1, 64, 128, path="fastest")
     with pytest.raises(ValueError, match="multiple of 32"):
         plan(1, 64, 100)
+    with pytest.raises(ValueError, match="k=6 is not supported; supported: 0 \\(not named\\), 2..5"):
+        plan(1, 64, 128, bits=6)
+
+
+def test_gemv_decode_is_the_plans():
+    """How the GEMV decodes (blocks of each k-tile through the table, the rest by shuffle) is a plan field: one row
+    at k = 4 three of four blocks, k = 3 all, k = 2 and 5 none (k = 2 at one row has no table), more rows at k = 3,
+    4 all; unnamed k (0) none. Forced on the GEMV path at up to 4 rows, the same rule."""
+    want = {(1, 2): 0, (1, 3): 4, (1, 4): 3, (1, 5): 0, (2, 2): 0, (2, 3): 4, (2, 4): 4, (4, 4): 4, (3, 5): 0}
+    for (M, bits), blocks in want.items():
+        got = plan(M, 4096, 2048, path="gemv", bits=bits)
+        assert (got.path, got.table_blocks) == ("gemv", blocks), (M, bits, got)
+    assert plan(1, 4096, 2048).table_blocks == 0  # k not named
+    assert {plan(M, 4096, 2048, path="mma", bits=4).table_blocks for M in (1, 8, 64)} == {0}
+
+
+@pytest.mark.parametrize("env,field,want", [("VLLM_KBIT_GEMV_DECODE=shuffle", "table_blocks", 0),
+                                             ("VLLM_KBIT_GEMV_DECODE=table", "table_blocks", 4),
+                                             ("VLLM_KBIT_PDL=0", "pdl", False)])
+def test_overrides_reach_the_plan(env, field, want):
+    """The settings that force a decode or turn PDL off change the plan (what launches), read once per process:
+    a child process per setting."""
+    code = ("import torch; from vllm_kbit import ops; "
+            "p = ops.named(torch.ops.kbit.linear_plan, 1, 4096, 2048, torch.bfloat16, 9, 132, 1, 'gemv', 4); "
+            f"print(repr(p.{field}))")
+    name, value = env.split("=")
+    run = subprocess.run([sys.executable, "-c", code], env=child_env(**{name: value}), capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == repr(want), (env, run.stdout)
+    assert getattr(plan(1, 4096, 2048, path="gemv", bits=4), field) != want  # this process: the rules (3; on)
 
 
 @functools.lru_cache(maxsize=None)
@@ -86,7 +132,7 @@ def test_mma_split_heuristic_never_makes_an_empty_split(sms):
     for K, N in DESIGN_SHAPES:
         n_tiles, k_tiles = gemv_tiles(N, K)
         for M in (1, 5, 8, 16, 32, 64, 128, 256, 1024, 4096):
-            _, _, _, p, r, m_blocks, _ = plan(M, N, K, path="mma")
+            p, r, m_blocks = plan(M, N, K, path="mma")[3:6]
             cases += [(-(-n_tiles // rg), m_blocks, k_tiles, sms, c) for rg in (r, 1, 2, 4) for c in range(1, 9)]
     rng = random.Random(sms)
     cases += [(rng.randint(1, 2000), rng.randint(1, 70), rng.randint(1, 400), sms, rng.randint(1, 8)) for _ in range(5000)]
@@ -104,4 +150,4 @@ def test_device_plans_and_launch_record_off_gpu():
         torch.ops.kbit.moe_plan.device(1, 1, 8, 4, 128, 64, torch.device("cpu"))
     with pytest.raises(ValueError, match="k=7 is not supported"):
         torch.ops.kbit.linear_plan.device(1, 64, 128, torch.bfloat16, 7, torch.device("cuda"))
-    assert torch.ops.kbit._launch_record() == ([], [], [], [], [], [])
+    assert torch.ops.kbit._launch_record() == ([], [], [], [], [], [], [], [], [])

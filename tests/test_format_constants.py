@@ -53,3 +53,20 @@ def test_the_extension_uses_the_same_constants():
         torch.ops.kbit._check_quantize(torch.randn(4, fmt.BLOCK_SIZE + 1), cb, 4)
     q, a = fmt.repack(*fmt.quantize(torch.randn(fmt.TILE_N + 1, 3 * fmt.BLOCK_SIZE), cb, 4))
     torch.ops.kbit._check_dequantize_runtime(q, a, cb, fmt.TILE_N + 1, 3 * fmt.BLOCK_SIZE, torch.float32)
+
+
+@pytest.mark.skipif(not ops.HAS_CPU_KERNELS, reason="the CPU extension (with the C++ checks) is not built or not loadable")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_representable_bound_is_the_headers(dtype):
+    """|w| up to kRangeMax64 / 64 (the largest scale, 31, and the 1/64 above it that rounds to it) quantizes at
+    scale 1, just above it is refused: the one bound the C++ check (which the reference asks) and range_scale read."""
+    assert fmt.RANGE_MAX == fmt._FORMAT["kRangeMax64"] / 64 == 31 * (1 + 1 / 64) and fmt.E4M4_MAX == 31.0
+    at_bound = torch.zeros(2, fmt.BLOCK_SIZE)
+    at_bound[1, 3] = -fmt.RANGE_MAX  # exact in fp32 and fp16 (11 significant bits); bf16 rounds it up to 31.5
+    if dtype != torch.bfloat16:
+        fmt.check_representable(at_bound.to(dtype))
+    above = at_bound.clone()
+    above[0, 0] = torch.nextafter(torch.tensor(fmt.RANGE_MAX), torch.tensor(100.0)).item() if dtype == torch.float32 else 32.0
+    with pytest.raises(ValueError, match="above the largest E4M4 block scale 31.0"):
+        fmt.check_representable(above.to(dtype))
+    assert fmt.range_scale(fmt.RANGE_MAX) == 1.0 and fmt.range_scale(32.0) == 2.0

@@ -107,8 +107,8 @@ def test_route_reference_groups_slots_by_local_expert():
 def test_max_chunks_bounds_every_routing():
     """The routing's chunk list (kbit::_moe_max_chunks rows) covers the chunks any split of the slots over the experts needs."""
     g = torch.Generator().manual_seed(0)
-    gemv_rows = torch.ops.kbit.moe_plan(2, 1, 8, 4, "gemv")[1]
-    assert torch.ops.kbit.moe_plan(1, 1, 8, 4, "gemv")[1] == 1 and gemv_rows > 1  # one-row chunks for one token
+    gemv_rows = ops.named(torch.ops.kbit.moe_plan, 2, 1, 8, 4, "gemv").chunk_rows
+    assert ops.named(torch.ops.kbit.moe_plan, 1, 1, 8, 4, "gemv").chunk_rows == 1 and gemv_rows > 1  # one row: one token
     for _ in range(3000):
         E = int(torch.randint(1, 24, (1,), generator=g))
         S = int(torch.randint(0, 100, (1,), generator=g))
@@ -186,8 +186,9 @@ def test_moe_plan_paths_and_workspace():
     on Hopper from 32 slots per expert the grouped wgmma (k = 2: 48, k = 5: 64; 128-row chunks up to 128 per
     expert at k = 3, 4 and 96 at k = 2, 5, 256 beyond);
     the workspace always bounds the chunks; forced paths and bad names."""
-    def plan(tokens, top_k, experts, *path, bits=4):
-        return torch.ops.kbit.moe_plan(tokens, top_k, experts, bits, *path)
+    def plan(tokens, top_k, experts, *path, bits=4):  # (path, chunk_rows, max_chunks)
+        p = ops.named(torch.ops.kbit.moe_plan, tokens, top_k, experts, bits, *path)
+        return p.path, p.chunk_rows, p.max_chunks
 
     # Few slots: the direct GEMV (no routing, one CTA row per slot); forced, the routed GEMV's chunks.
     assert plan(1, 8, 128) == ("gemv_direct", 1, 8) and plan(1, 8, 128, "gemv") == ("gemv", 1, 8)
@@ -214,7 +215,8 @@ def test_moe_plan_paths_and_workspace():
     # never. Its register-operand kernel (128-row chunks) up to 128 slots per expert (k = 2, 5: 96), the
     # warp-specialized one (256) past it.
     def hopper(tokens, *path, bits=4):
-        return torch.ops.kbit.moe_plan(tokens, 8, 128, bits, *(path or ("auto",)), 9)
+        p = ops.named(torch.ops.kbit.moe_plan, tokens, 8, 128, bits, *(path or ("auto",)), 9)
+        return p.path, p.chunk_rows, p.max_chunks
 
     assert hopper(511)[0] == "grouped_mma" and hopper(512) == ("grouped_wgmma", 128, torch.ops.kbit._moe_max_chunks(4096, 128, 128))
     assert hopper(2048)[:2] == ("grouped_wgmma", 128) and hopper(2049) == ("grouped_wgmma", 256, torch.ops.kbit._moe_max_chunks(16392, 128, 256))
@@ -237,8 +239,36 @@ def test_moe_plan_paths_and_workspace():
         plan(1, 1, 8, bits=6)
     names = ("auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct", "grouped_wgmma")
     assert [torch.ops.kbit._moe_path_id(name) for name in names] == [0, 1, 2, 3, 4, 5]
-    with pytest.raises(ValueError, match="is not one of auto, gemv, grouped_mm, grouped_mma, gemv_direct"):
+    with pytest.raises(ValueError, match="is not one of auto, gemv, grouped_mm, grouped_mma, gemv_direct, grouped_wgmma$"):
         torch.ops.kbit._moe_path_id("fastest")
+    with pytest.raises(ValueError, match="is not one of auto"):  # the reference is the dtype's, never forced
+        torch.ops.kbit._moe_path_id("reference")
+
+
+@requires_extension
+def test_moe_plan_kernel_pdl_and_reference():
+    """The plan names each path's kernel (what kbit::_launch_record records), whether its routing kernels launch
+    as programmatic dependents (sm_90 on), and sends fp32 activations to the reference whatever is forced."""
+    def plan(tokens, path="auto", sm_major=9, dtype=None, bits=4):
+        return ops.named(torch.ops.kbit.moe_plan, tokens, 8, 128, bits, path, sm_major, dtype)
+
+    kernels = {"gemv_direct": "moe_gemv_direct", "gemv": "moe_gemv", "grouped_mma": "mma_grouped",
+               "grouped_mm": "grouped_mm"}
+    for path, kernel in kernels.items():
+        assert plan(300, path).kernel == kernel, path
+    assert plan(512).kernel == "wgmma_rs_grouped" and plan(4096).kernel == "wgmma_ws_grouped"
+    assert plan(5000, sm_major=8).kernel == "grouped_mm" and plan(1).kernel == "moe_gemv_direct"
+    assert plan(300).pdl and not plan(300, sm_major=8).pdl
+    for dtype in (torch.bfloat16, torch.float16):
+        assert plan(300, dtype=dtype)[:2] == plan(300)[:2] == ("grouped_mma", "mma_grouped")
+    for path in ("auto", "gemv", "grouped_wgmma"):
+        ref = plan(300, path, dtype=torch.float32)
+        assert (ref.path, ref.kernel, ref.chunk_rows, ref.max_chunks) == ("reference", "none", 0, 0), path
+    with pytest.raises(ValueError, match="is not one of auto"):
+        plan(300, "reference")
+    assert torch.ops.kbit._moe_kernel_id("mma_grouped") != torch.ops.kbit._moe_kernel_id("moe_gemv")
+    with pytest.raises(ValueError, match="is not one of moe_gemv_direct, moe_gemv, mma_grouped"):
+        torch.ops.kbit._moe_kernel_id("none")
 
 
 @requires_extension
@@ -248,8 +278,8 @@ def test_the_grouped_wgmma_kernel_can_be_forced(kernel, tokens, rows):
     expert): 128-row chunks at 256 slots per expert, 256-row chunks at 64; read once per process, so each runs
     in a child."""
     code = (f"import torch, vllm_kbit; p = torch.ops.kbit.moe_plan({tokens}, 8, 128, 4, 'auto', 9); "
-            f"assert p == ('grouped_wgmma', {rows}, torch.ops.kbit._moe_max_chunks({8 * tokens}, 128, {rows})), p; "
-            "print('ok')")
+            f"assert p[:4] == ('grouped_wgmma', 'wgmma_{kernel}_grouped', {rows}, "
+            f"torch.ops.kbit._moe_max_chunks({8 * tokens}, 128, {rows})), p; print('ok')")
     run = subprocess.run([sys.executable, "-c", code], env=child_env(VLLM_KBIT_MOE_WGMMA=kernel), capture_output=True,
                          text=True, timeout=300)
     assert run.returncode == 0 and "ok" in run.stdout, run.stderr[-2000:]

@@ -15,12 +15,14 @@ CPU runs the PyTorch reference below, with each expert's weights decoded once an
 ``kbit::_fused_moe_cuda`` (csrc/ops/moe_ops.cpp: device-side routing, then by slots per
 expert the direct kbit GEMV (few slots: no routing, the combine in the down projection), the
 grouped dequant + MMA, or dequantize + ``torch._grouped_mm``;
-``torch.ops.kbit.moe_plan`` says which, and how large the routing's workspace is); fp32
-activations on CUDA run the reference. :func:`route_reference` is the
+``torch.ops.kbit.moe_plan`` says which, and how large the routing's workspace is); activations the
+planner sends to the ``reference`` path (fp32) run the reference on CUDA too. :func:`route_reference` is the
 routing those kernels compute, in PyTorch.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -88,14 +90,20 @@ def _fused_moe_reference(
     return out.to(x.dtype)
 
 
+@functools.cache
+def _runs_reference(dtype: torch.dtype) -> bool:
+    """Whether the planner sends activations of ``dtype`` to the reference path (csrc/plan/plan.cpp: moe_plan)."""
+    return torch.ops.kbit.moe_plan(0, 0, 1, fmt.SUPPORTED_BITS[0], "auto", 0, dtype)[0] == "reference"
+
+
 def _fused_moe_cuda(
     x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size, expert_map,
     apply_router_weight_on_input,
 ):
-    """CUDA: the fused kernels for bf16/fp16 activations, the reference for fp32 (or without the extension).
+    """CUDA: the fused kernels, or the reference where the plan's path is (fp32 activations) or without the extension.
 
     Both check the arguments with the same rules (check_fused_moe, csrc/ops/checks.cpp)."""
-    if x.dtype == torch.float32 or not ops.HAS_CUDA_KERNELS:
+    if not ops.HAS_CUDA_KERNELS or _runs_reference(x.dtype):
         return _fused_moe_reference(
             x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
             expert_map, apply_router_weight_on_input,

@@ -14,6 +14,8 @@ turns this off (each call decodes again: less memory, ~100x slower decode steps)
 
 from __future__ import annotations
 
+import collections
+import functools
 import glob
 import os
 import warnings
@@ -67,6 +69,7 @@ _VARIANTS = {
     "_check_bits": "_check_bits(Scalar k) -> ()",
     "_check_codebook": "_check_codebook(Tensor codebook, int k) -> ()",
     "_check_weight_amax": "_check_weight_amax(float amax, bool bounded) -> ()",
+    "_check_representable": "_check_representable(Tensor W) -> ()",
     # kbit::linear and fused_moe's CUDA composition with their plans forced (path: kbit::_linear_path_id, -1 =
     # auto / kbit::_moe_path_id, 0 = auto; 0 = the rule for the rest: csrc/plan/plan.h, LinearForced / MoeForced).
     "_linear_forced": _variant("linear", "_linear_forced", ", int path=-1, int row_groups=0, int splits=0, int producers=0"),
@@ -189,8 +192,8 @@ def _load_cpu_extension() -> bool:
 
 
 # HAS_CPU_KERNELS: kbit::quantize on CPU tensors runs the compiled kernel (kbit::_quantize_cpu), and the
-# reference's checks ask the C++ ones (reference.check).
-HAS_CPU_KERNELS = fmt.CHECKS_LOADED = _load_cpu_extension()
+# reference's checks ask the C++ ones (reference.check, which reads this).
+HAS_CPU_KERNELS = _load_cpu_extension()
 
 
 def _quantize_cpu(W, codebook, k, search_scale=fmt.DEFAULT_SEARCH_SCALE):
@@ -265,6 +268,26 @@ if HAS_EXTENSION:  # CUDA tensors run the kernel; without the extension the refe
 if not HAS_EXTENSION:
     for _name in _CUDA_KERNEL_OPS:
         _lib.impl(_name, _REFERENCE[_name], "CUDA")
+
+
+# ----------------------------------------------------------------------------- plans as named tuples
+
+
+@functools.cache
+def _returns_type(schema_name: str, overload: str, names: tuple[str, ...]):
+    return collections.namedtuple(f"{schema_name.split('::')[-1]}_{overload or 'default'}", names)
+
+
+def named(op: torch._ops.OpOverload, *args, **kwargs):
+    """``op(*args, **kwargs)`` as a namedtuple of the return names in its schema: the plans
+    (``named(torch.ops.kbit.linear_plan.default, M, N, K, ...)``, ``linear_plan.device``, ``moe_plan.default``,
+    ``moe_plan.device``) name every field, so callers read ``plan.splits`` instead of an index. The names are the
+    C++ schema's (csrc/ops/dispatch.cpp), written once."""
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        op = op.default
+    schema = op._schema
+    names = tuple(r.name for r in schema.returns)
+    return _returns_type(schema.name, schema.overload_name, names)(*op(*args, **kwargs))
 
 
 # ----------------------------------------------------------------------------- fake (meta) implementations

@@ -45,10 +45,10 @@ SUPPORTED_BITS = tuple(range(_FORMAT["kMinBits"], _FORMAT["kMaxBits"] + 1))
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 E4M4_BIAS = _FORMAT["kE4M4Bias"]
-E4M4_MAX = 2.0 ** (15 - E4M4_BIAS) * (1 + 15 / 16)  # code 255 (e = 15, m = 15): the largest scale a block can have
+E4M4_MAX = float(_FORMAT["kE4M4Max"])  # code 255 (e = 15, m = 15): the largest scale a block can have
 # Range scale (:func:`range_scale`): layers whose max |w| lies in [RANGE_MIN, RANGE_MAX] are quantized as they are.
 RANGE_MIN = 2.0**-4
-RANGE_MAX = E4M4_MAX * (1 + 1 / 64)  # the largest |w| the E4M4 code 255 still holds (check_representable's bound)
+RANGE_MAX = _FORMAT["kRangeMax64"] / 64  # the largest |w| the E4M4 code 255 still holds (check_representable's bound)
 RANGE_TARGET = 16.0  # a range-scaled layer's max |W / s| lies in (RANGE_TARGET / 2, RANGE_TARGET]
 _RANGE_EXP_MIN, _RANGE_EXP_MAX = -100, 127  # s stays a normal fp32 power of two, codebook * s finite and exact
 # Scale search (see block_scales): E4M4 code offsets tried around each block's absmax code,
@@ -64,14 +64,21 @@ TILE_KB = _FORMAT["kTileKB"]
 # ----------------------------------------------------------------------------- checks
 # Every op's argument rules and their one-line messages are stated once, in C++ (csrc/ops/checks.cpp): the CUDA
 # ops run them, and the CPU extension (vllm_kbit._cpu) registers them as kbit::_check_<rule>, which the
-# functions here ask. vllm_kbit.ops sets CHECKS_LOADED when it loads that extension; without it nothing is
-# checked (docs/development.md, "Argument checks").
-CHECKS_LOADED = False
+# functions here ask. Without that extension nothing is checked (docs/development.md, "Argument checks").
+
+
+@functools.cache
+def checks_loaded() -> bool:
+    """Whether the C++ checks are loaded. Asks vllm_kbit.ops, which defines their schemas and loads the CPU
+    extension, on the first check: whichever module is imported first, the checks are on where they are built."""
+    from vllm_kbit import ops  # noqa: PLC0415 (ops imports this module: a top-level import would be circular)
+
+    return ops.HAS_CPU_KERNELS
 
 
 def check(rule: str, *args) -> None:
     """Raises what kbit::_check_<rule> raises for ``args`` (a one-line ValueError or TypeError)."""
-    if CHECKS_LOADED:
+    if checks_loaded():
         getattr(torch.ops.kbit, "_check_" + rule)(*args)
 
 
@@ -107,7 +114,7 @@ def check_representable(W: torch.Tensor) -> None:
 
     Syncs with the host (one reduction): a load-time check, never on a forward path.
     """
-    check("weight_amax", weight_amax(W), True)
+    check("representable", W)
 
 
 def range_scale(amax: float) -> float:

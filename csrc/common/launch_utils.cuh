@@ -10,6 +10,7 @@
 // returns once the previous grid has completed and its writes are visible. pdl_launch_dependents()
 // lets the next kernel start early; it is only a scheduling hint (visibility comes from the
 // dependent's wait). Launched without the attribute (VLLM_KBIT_PDL=0, before sm_90), both are no-ops.
+// Whether a launch carries the attribute is the plan's (csrc/plan/plan.h: pdl_rule); launch_kernel takes it.
 #pragma once
 
 #include <algorithm>
@@ -35,10 +36,6 @@ inline int persistent_grid(Kernel kernel, int threads, int64_t work_blocks) {
   return static_cast<int>(std::max<int64_t>(1, std::min(work_blocks, resident)));
 }
 
-// Whether launches on `device` carry the PDL attribute: on for sm_90+ unless VLLM_KBIT_PDL=0
-// (overrides.h). Defined in launch_utils.cu.
-bool pdl_enabled(int device);
-
 // Waits for the previous grid in the stream (no-op when not launched as a dependent).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -55,10 +52,10 @@ __device__ __forceinline__ void pdl_launch_dependents() {
 
 // Launches kernel<<<grid, block, smem, stream>>>(args...) with cudaLaunchKernelEx: in thread-block
 // clusters of `cluster_x` CTAs along x when cluster_x > 0, and as a programmatic dependent of the
-// previous kernel when pdl_enabled(). Every kernel launched here calls pdl_wait() as described above.
+// previous kernel when `pdl` (the plan's). Every kernel launched here calls pdl_wait() as described above.
 template <typename... KernelArgs, typename... Args>
 inline void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
-                          int cluster_x, Args&&... args) {
+                          int cluster_x, bool pdl, Args&&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = grid;
   config.blockDim = block;
@@ -73,7 +70,7 @@ inline void launch_kernel(void (*kernel)(KernelArgs...), dim3 grid, dim3 block, 
     attr[n].val.clusterDim.z = 1;
     ++n;
   }
-  if (pdl_enabled(c10::cuda::current_device())) {
+  if (pdl) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n].val.programmaticStreamSerializationAllowed = 1;
     ++n;

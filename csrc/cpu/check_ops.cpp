@@ -12,6 +12,7 @@ namespace {
 void bits_op(const c10::Scalar& k) { check_bits(k); }
 void codebook_op(const at::Tensor& codebook, int64_t k) { check_codebook(codebook, k); }
 void weight_amax_op(double amax, bool bounded) { check_weight_amax(amax, bounded); }
+void representable_op(const at::Tensor& W) { check_representable(W); }
 void quantize_op(const at::Tensor& W, const at::Tensor& codebook, int64_t k, bool) { check_quantize(W, codebook, k); }
 void dequantize_op(const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, at::ScalarType dtype) {
   check_dequantize(q, a, cb, dtype);
@@ -40,6 +41,7 @@ TORCH_LIBRARY_IMPL(kbit, CompositeExplicitAutograd, m) {
   m.impl("_check_bits", &kbit::bits_op);
   m.impl("_check_codebook", &kbit::codebook_op);
   m.impl("_check_weight_amax", &kbit::weight_amax_op);
+  m.impl("_check_representable", &kbit::representable_op);
   m.impl("_check_quantize", &kbit::quantize_op);
   m.impl("_check_dequantize", &kbit::dequantize_op);
   m.impl("_check_repack", &kbit::repack_op);

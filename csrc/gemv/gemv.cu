@@ -12,8 +12,8 @@
 // Dequantization per block of 32 elements: the k plane words are regrouped into index words
 // whose 4-bit (k <= 4) or 8-bit (k = 5) fields each hold one element's index (bit b of field s
 // of word r = bit F*s + r of plane b), then each index picks its codebook value from a register
-// with one shuffle (or, where the planner says so, each index pair its two values from a per-CTA
-// table in shared memory: gemv_table_blocks), the value is multiplied into all M activation rows,
+// with one shuffle (or, where the plan says so, each index pair its two values from a per-CTA
+// table in shared memory: plan.h, gemv_table_blocks), the value is multiplied into all M activation rows,
 // and the block's E4M4 scale is applied once to the block's fp32 partial sum instead of once per element.
 //
 // The tile/dequant core (k-tile loop, block dot product, warp and cluster sums) is
@@ -80,45 +80,57 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
   });
 }
 
+// What the launch takes from the plan: K splits, the decode (table blocks) and programmatic dependent launch.
+struct GemvLaunch {
+  int splits;
+  int table_blocks;
+  bool pdl;
+};
+
 template <typename T, int BITS, int M>
 void launch_typed(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
-                  const at::Tensor& codebook, const T* bias, int N, int K, at::Tensor& C, int splits) {
+                  const at::Tensor& codebook, const T* bias, int N, int K, at::Tensor& C, const GemvLaunch& g) {
   const int n_tiles = static_cast<int>(qweight_rt.size(0)), k_tiles = static_cast<int>(qweight_rt.size(1));
-  const auto launch = [&](auto kernel, size_t smem) {
-    launch_kernel(kernel, dim3(static_cast<unsigned>(n_tiles * splits)), dim3(kThreads), smem,
-                  at::cuda::getCurrentCUDAStream(), splits, reinterpret_cast<const T*>(A.data_ptr()),
-                  reinterpret_cast<const uint4*>(qweight_rt.data_ptr()),
+  const auto launch = [&](auto kernel, size_t smem, int table_blocks) {
+    const dim3 grid(static_cast<unsigned>(n_tiles * g.splits));
+    record_launch({"gemv", 0, 0, grid.y, grid.x / g.splits, g.splits, 0, table_blocks, g.pdl});
+    launch_kernel(kernel, grid, dim3(kThreads), smem, at::cuda::getCurrentCUDAStream(), g.splits, g.pdl,
+                  reinterpret_cast<const T*>(A.data_ptr()), reinterpret_cast<const uint4*>(qweight_rt.data_ptr()),
                   reinterpret_cast<const uint32_t*>(absmax_rt.data_ptr()), codebook.data_ptr<float>(), bias,
-                  reinterpret_cast<T*>(C.data_ptr()), N, K, k_tiles, splits);
+                  reinterpret_cast<T*>(C.data_ptr()), N, K, k_tiles, g.splits);
   };
+  // The plan's decode (gemv_table_blocks): 0 (shuffle), kGemvMixedTableBlocks (one row only) or 4 (table).
   if constexpr (gemv_table_possible(BITS, M)) {
-    const int tb = gemv_table_blocks(BITS, M, false);  // 0, kGemvMixedTableBlocks (one row only) or 4
     if constexpr (M == 1) {
-      if (tb == kGemvMixedTableBlocks) return launch(gemv_kernel<T, BITS, M, kGemvMixedTableBlocks>, Lut<BITS>::kBytes);
+      if (g.table_blocks == kGemvMixedTableBlocks) {
+        return launch(gemv_kernel<T, BITS, M, kGemvMixedTableBlocks>, Lut<BITS>::kBytes, kGemvMixedTableBlocks);
+      }
     }
-    if (tb > 0) return launch(gemv_kernel<T, BITS, M, 4>, Lut<BITS>::kBytes);
+    if (g.table_blocks == 4) return launch(gemv_kernel<T, BITS, M, 4>, Lut<BITS>::kBytes, 4);
   }
-  launch(gemv_kernel<T, BITS, M, 0>, 0);
+  KBIT_CHECK(g.table_blocks == 0, "kbit gemv: no kernel decodes ", g.table_blocks, " blocks of each k-tile by table at k=",
+             BITS, " with ", M, " rows");
+  launch(gemv_kernel<T, BITS, M, 0>, 0, 0);
 }
 
 template <typename T, int BITS>
 void launch_bits(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, const T* bias,
-                 int N, int K, at::Tensor& C, int splits) {
+                 int N, int K, at::Tensor& C, const GemvLaunch& g) {
   switch (A.size(0)) {
-    case 1: return launch_typed<T, BITS, 1>(A, q, a, cb, bias, N, K, C, splits);
-    case 2: return launch_typed<T, BITS, 2>(A, q, a, cb, bias, N, K, C, splits);
-    case 3: return launch_typed<T, BITS, 3>(A, q, a, cb, bias, N, K, C, splits);
-    case 4: return launch_typed<T, BITS, 4>(A, q, a, cb, bias, N, K, C, splits);
+    case 1: return launch_typed<T, BITS, 1>(A, q, a, cb, bias, N, K, C, g);
+    case 2: return launch_typed<T, BITS, 2>(A, q, a, cb, bias, N, K, C, g);
+    case 3: return launch_typed<T, BITS, 3>(A, q, a, cb, bias, N, K, C, g);
+    case 4: return launch_typed<T, BITS, 4>(A, q, a, cb, bias, N, K, C, g);
     default: KBIT_CHECK(false, "kbit gemv: M=", A.size(0), " is outside 1..", kGemvMaxM);
   }
 }
 
 template <typename T>
 void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb,
-                  const std::optional<at::Tensor>& bias, int N, int K, at::Tensor& C, int splits) {
+                  const std::optional<at::Tensor>& bias, int N, int K, at::Tensor& C, const GemvLaunch& g) {
   const T* bias_ptr = bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr;
   with_bits(q.size(2), "kbit gemv", [&](auto bits) {
-    launch_bits<T, decltype(bits)::value>(A, q, a, cb, bias_ptr, N, K, C, splits);
+    launch_bits<T, decltype(bits)::value>(A, q, a, cb, bias_ptr, N, K, C, g);
   });
 }
 
@@ -130,15 +142,16 @@ void launch_gemv(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Te
   const int64_t n_tiles = qweight_rt.size(0), k_tiles = qweight_rt.size(1);
   KBIT_CHECK(N <= INT32_MAX && K <= INT32_MAX && n_tiles * k_tiles <= INT32_MAX, "kbit gemv: weight too large");
   const int64_t max_splits = std::min<int64_t>(kGemvMaxSplits, k_tiles);
-  KBIT_CHECK(plan.path == LinearPath::kGemv && plan.splits >= 1 && plan.splits <= max_splits, "kbit gemv: the plan (",
-             linear_path_name(plan.path), ", splits=", plan.splits, ") is not a GEMV with 1..", max_splits, " splits");
-  const int s = static_cast<int>(plan.splits);
-  record_launch("gemv", 0, 0, 0, s);
+  KBIT_CHECK(plan.path == LinearPath::kGemv && plan.splits >= 1 && plan.splits <= max_splits && plan.cols == n_tiles &&
+                 plan.m_blocks == 1,
+             "kbit gemv: the plan (", linear_path_name(plan.path), ", splits=", plan.splits, ", grid ", plan.cols,
+             " x ", plan.m_blocks, ") is not a GEMV with 1..", max_splits, " splits over ", n_tiles, " x 1 CTAs");
+  const GemvLaunch g{static_cast<int>(plan.splits), static_cast<int>(plan.table_blocks), plan.pdl};
   if (A.scalar_type() == at::kBFloat16) {
-    launch_dtype<__nv_bfloat16>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C, s);
+    launch_dtype<__nv_bfloat16>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C, g);
   } else {
     KBIT_CHECK(A.scalar_type() == at::kHalf, "kbit gemv: activations must be bf16 or fp16");
-    launch_dtype<__half>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C, s);
+    launch_dtype<__half>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C, g);
   }
 }
 

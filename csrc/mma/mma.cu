@@ -66,6 +66,8 @@ void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Ten
              plan.m_blocks, ") does not cover M=", L.M);
   L.config = {static_cast<int>(plan.p), static_cast<int>(plan.r), static_cast<int>(plan.m_blocks)};
   L.splits = static_cast<int>(plan.splits);
+  L.cols = static_cast<int>(plan.cols);
+  L.pdl = plan.pdl;
   launch_k(L, qweight_rt.size(2), A.scalar_type() == at::kBFloat16);
 }
 
@@ -81,6 +83,8 @@ void launch_mma_grouped(const at::Tensor& A, const at::Tensor& chunks, const at:
              ") does not match chunks of ", chunk_rows, " rows in a list of ", chunks.size(0));
   L.config = {static_cast<int>(plan.p), static_cast<int>(plan.r), static_cast<int>(plan.m_blocks)};
   L.splits = static_cast<int>(plan.splits);
+  L.cols = static_cast<int>(plan.cols);
+  L.pdl = plan.pdl;
   L.chunks = chunks.data_ptr<int>();
   L.num_chunks = num_chunks.data_ptr<int>();
   L.expert_qbytes = qweight.stride(0) * static_cast<int64_t>(sizeof(int32_t));

@@ -24,7 +24,7 @@ void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Ten
 // valid, as the MoE routing writes them); W: stacked runtime tensors [E, n_tiles, k_tiles, k, 64, 4] /
 // [E, n_tiles, k_tiles, 64, 4]. chunk_rows is 8, 16, 32 or 64 (one CTA row per chunk: plan.p = chunk_rows
 // / 8, plan.m_blocks = max_chunks); A is contiguous bf16 [rows, K], C [rows, N] bf16; rows outside the
-// chunks are not written. plan: moe_grouped_mma_plan (r, splits), validated here.
+// chunks are not written. plan: moe_proj_plan for mma_grouped (r, splits, grid, pdl), validated here.
 // chunks_early: the chunk list was written at least two launches before this one (not by the kernel
 // right before it), so the weight prologue overlaps the previous kernel's tail (MmaParams).
 // The caller validates the tensors (moe_ops.cpp), including max_chunks <= kMmaMaxGridRows.

@@ -457,7 +457,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
 
 // ----------------------------------------------------------------------------- launch
 
-// One launch as planned (plan.h: linear_plan / moe_grouped_mma_plan): the launcher decides nothing.
+// One launch as planned (plan.h: linear_plan / moe_proj_plan): the launcher decides nothing.
 struct MmaLaunch {
   const void* A;
   const void* qweight;
@@ -468,6 +468,8 @@ struct MmaLaunch {
   int M, N, K, n_tiles, k_tiles;
   MmaConfig config;  // grouped: m_blocks = the chunk list's length
   int splits;
+  int cols;           // the plan's CTA columns per split (validated against the launch's tile shape)
+  bool pdl;           // the plan's programmatic dependent launch
   const int* chunks;  // grouped only (else nullptr): int32 [m_blocks, 4], see MmaParams
   const int* num_chunks;
   int64_t expert_qbytes, expert_abytes;
@@ -537,14 +539,16 @@ void launch_instance(const MmaLaunch& L) {
   const int splits = L.splits;
   KBIT_CHECK(splits >= 1 && splits <= std::min(kMmaMaxSplits, L.k_tiles), "kbit mma: splits=", splits,
               " outside 1..", std::min(kMmaMaxSplits, L.k_tiles));
-  record_launch(kGrouped ? "mma_grouped" : "mma", P, R, L.config.m_blocks, splits);
+  KBIT_CHECK(L.cols == cols, "kbit mma: the plan's ", L.cols, " CTA columns are not the ", cols, " of ", L.n_tiles,
+             " n-tiles at r=", R);
+  const dim3 grid(static_cast<unsigned>(cols * splits), static_cast<unsigned>(L.config.m_blocks));
+  record_launch({kGrouped ? "mma_grouped" : "mma", P, R, grid.y, grid.x / splits, splits, 0, 0, L.pdl});
   const MmaParams<T> prm{static_cast<const T*>(L.A), static_cast<const uint8_t*>(L.qweight),
                          static_cast<const uint8_t*>(L.absmax), L.codebook, static_cast<const T*>(L.bias),
                          static_cast<T*>(L.C), L.M, L.N, L.K, L.n_tiles, L.k_tiles, splits,
                          reinterpret_cast<const int4*>(L.chunks), L.num_chunks, L.expert_qbytes, L.expert_abytes,
                          L.chunks_early};
-  launch_kernel(kernel, dim3(static_cast<unsigned>(cols * splits), static_cast<unsigned>(L.config.m_blocks)),
-                dim3(kThreads), S::kSmemBytes, L.stream, splits, prm);
+  launch_kernel(kernel, grid, dim3(kThreads), S::kSmemBytes, L.stream, splits, L.pdl, prm);
 }
 
 // Launches the instance of the launch's (p, r) (KBIT_MMA_INSTANCES); kGrouped: the routed-expert kernels

@@ -15,7 +15,8 @@
 
 namespace kbit {
 
-// Chunk heights, chunk counts and split counts are the planner's (csrc/plan/plan.h: moe_plan).
+// Chunk heights, chunk counts, split counts and `pdl` (launch as a programmatic dependent: MoePlan::pdl) are
+// the planner's (csrc/plan/plan.h: moe_plan).
 
 // topk_ids int32 [S] (global ids), expert_map int32 [global experts] or none -> offsets int32
 // [E + 1], pos int32 [S], slot_of int32 [S] (-1 past offsets[E]), and when chunks has rows:
@@ -23,7 +24,7 @@ namespace kbit {
 // num_chunks[0] valid, the rest {-1, 0, 0, 0}).
 void launch_moe_route(const at::Tensor& topk_ids, const std::optional<at::Tensor>& expert_map, int64_t num_experts,
                       int64_t chunk_rows, at::Tensor& offsets, at::Tensor& pos, at::Tensor& slot_of, at::Tensor& chunks,
-                      at::Tensor& num_chunks);
+                      at::Tensor& num_chunks, bool pdl);
 
 // How the grouped GEMV reads activation row p of a chunk.
 enum class MoeStage : int {
@@ -34,7 +35,7 @@ enum class MoeStage : int {
 // Grouped kbit GEMV, one launch: C[p, :N] = A_p @ dequant(W_e)^T for every row p of every valid
 // chunk (expert e). W: stacked runtime tensors [E, n_tiles, k_tiles, k, 64, 4] / [E, .., 64, 4].
 // C is A's dtype for kGather and float32 for kSiluMul. Rows outside the chunks are not written.
-// plan: moe_gemv_plan for chunks.size(0) grid rows (its K splits), validated here.
+// plan: moe_proj_plan for moe_gemv over chunks.size(0) grid rows (K splits, decode, pdl), validated here.
 void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at::Tensor>& slot_of,
                      const std::optional<at::Tensor>& slot_weight, int64_t top_k, const at::Tensor& chunks,
                      const at::Tensor& num_chunks, const at::Tensor& qweight, const at::Tensor& absmax,
@@ -47,7 +48,7 @@ void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at
 // the down projection that follows). kSiluMul: C[s] (fp32 [S, N], a workspace) = silu * up of row s of A
 // @ dequant(W_e)^T; the last of a token's top_k CTAs of an n-tile to finish sums their rows of C into
 // out[t] = sum_j w_s C[s], s = t * top_k + j, w = slot_weight (1 without), j in order as in
-// launch_moe_combine, in out's dtype (A's). Every element of out is written. plan: moe_gemv_plan for S
+// launch_moe_combine, in out's dtype (A's). Every element of out is written. plan: moe_proj_plan for moe_gemv_direct over S
 // grid rows (its K splits), validated here.
 void launch_moe_gemv_direct(MoeStage stage, const at::Tensor& A, const at::Tensor& topk_ids,
                             const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& slot_weight,
@@ -57,14 +58,14 @@ void launch_moe_gemv_direct(MoeStage stage, const at::Tensor& A, const at::Tenso
 
 // xp[p] = bf16(x[slot_of[p] / top_k] * (slot_weight or 1)), zero rows where slot_of[p] < 0.
 void launch_moe_gather(const at::Tensor& x, const at::Tensor& slot_of, const std::optional<at::Tensor>& slot_weight,
-                       int64_t top_k, at::Tensor& xp);
+                       int64_t top_k, at::Tensor& xp, bool pdl);
 
 // h[p, i] = silu(g[p, i]) * g[p, I + i] in fp32, rounded once to h's dtype (bf16).
-void launch_moe_silu_mul(const at::Tensor& g, at::Tensor& h);
+void launch_moe_silu_mul(const at::Tensor& g, at::Tensor& h, bool pdl);
 
 // out[t] = sum_j w[t, j] * y[pos[t, j]] in fp32, j in order (deterministic); pos < 0 adds
 // nothing; without weights every w is 1 (router weights already applied to the input).
 void launch_moe_combine(const at::Tensor& y, const at::Tensor& pos, const std::optional<at::Tensor>& weights,
-                        int64_t top_k, at::Tensor& out);
+                        int64_t top_k, at::Tensor& out, bool pdl);
 
 }  // namespace kbit

@@ -4,13 +4,13 @@
 
 namespace kbit {
 namespace moe_gemv {
-template void launch_moe_gemv_stage<MoeStage::kGather>(bool, int, int, const MoeGemvParams&, int);
+template void launch_moe_gemv_stage<MoeStage::kGather>(const MoeGemvParams&, const StageLaunch&);
 }  // namespace moe_gemv
 
 namespace {
 
 // The fields both modes share: weights, codebook, output, shape and the planned K split count
-// (moe_gemv_plan for `rows` CTA rows of n-tiles side by side).
+// (moe_proj_plan for `rows` CTA rows of n-tiles side by side).
 moe_gemv::MoeGemvParams common_params(const at::Tensor& A, int64_t top_k, const at::Tensor& qweight,
                                       const at::Tensor& absmax, const at::Tensor& codebook, int64_t N, int64_t K,
                                       at::Tensor& C, int64_t rows, const MoeProjPlan& plan) {
@@ -32,22 +32,23 @@ moe_gemv::MoeGemvParams common_params(const at::Tensor& A, int64_t top_k, const 
   p.K = static_cast<int>(K);
   p.n_tiles = static_cast<int>(n_tiles);
   p.k_tiles = static_cast<int>(k_tiles);
-  KBIT_CHECK(plan.splits >= 1 && plan.splits <= std::min<int64_t>(kGemvMaxSplits, k_tiles) && plan.m_blocks == rows,
-             "kbit moe gemv: the plan (splits=", plan.splits, ", m_blocks=", plan.m_blocks, ") is not 1..",
-             std::min<int64_t>(kGemvMaxSplits, k_tiles), " splits over ", rows, " CTA rows");
+  KBIT_CHECK(plan.splits >= 1 && plan.splits <= std::min<int64_t>(kGemvMaxSplits, k_tiles) && plan.m_blocks == rows &&
+                 plan.cols == n_tiles,
+             "kbit moe gemv: the plan (splits=", plan.splits, ", grid ", plan.cols, " x ", plan.m_blocks, ") is not 1..",
+             std::min<int64_t>(kGemvMaxSplits, k_tiles), " splits over ", n_tiles, " x ", rows, " CTAs");
   p.splits = static_cast<int>(plan.splits);
   return p;
 }
 
-void launch_stage(MoeStage stage, bool bf16, int64_t bits, int64_t chunk_rows, const moe_gemv::MoeGemvParams& p,
-                  int64_t rows) {
+void launch_stage(MoeStage stage, const at::Tensor& A, int64_t bits, int64_t chunk_rows,
+                  const moe_gemv::MoeGemvParams& p, int64_t rows, const MoeProjPlan& plan, const char* kernel) {
   using namespace moe_gemv;
+  const StageLaunch s{A.scalar_type() == at::kBFloat16, static_cast<int>(bits), static_cast<int>(chunk_rows),
+                      static_cast<int>(rows), static_cast<int>(plan.table_blocks), plan.pdl, kernel};
   if (stage == MoeStage::kGather) {
-    launch_moe_gemv_stage<MoeStage::kGather>(bf16, static_cast<int>(bits), static_cast<int>(chunk_rows), p,
-                                            static_cast<int>(rows));
+    launch_moe_gemv_stage<MoeStage::kGather>(p, s);
   } else {
-    launch_moe_gemv_stage<MoeStage::kSiluMul>(bf16, static_cast<int>(bits), static_cast<int>(chunk_rows), p,
-                                             static_cast<int>(rows));
+    launch_moe_gemv_stage<MoeStage::kSiluMul>(p, s);
   }
 }
 
@@ -61,12 +62,11 @@ void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at
   const int64_t max_chunks = chunks.size(0);
   if (max_chunks == 0) return;
   moe_gemv::MoeGemvParams p = common_params(A, top_k, qweight, absmax, codebook, N, K, C, max_chunks, plan);
-  record_launch("moe_gemv", 0, 0, max_chunks, p.splits);
   p.slot_of = slot_of.has_value() ? slot_of->data_ptr<int>() : nullptr;
   p.slot_weight = slot_weight.has_value() ? slot_weight->data_ptr<float>() : nullptr;
   p.chunks = reinterpret_cast<const int4*>(chunks.data_ptr<int>());
   p.num_chunks = num_chunks.data_ptr<int>();
-  launch_stage(stage, A.scalar_type() == at::kBFloat16, qweight.size(3), chunk_rows, p, max_chunks);
+  launch_stage(stage, A, qweight.size(3), chunk_rows, p, max_chunks, plan, "moe_gemv");
 }
 
 void launch_moe_gemv_direct(MoeStage stage, const at::Tensor& A, const at::Tensor& topk_ids,
@@ -79,7 +79,6 @@ void launch_moe_gemv_direct(MoeStage stage, const at::Tensor& A, const at::Tenso
   KBIT_CHECK(topk_ids.scalar_type() == at::kInt && arrivals.scalar_type() == at::kInt && top_k >= 1 && S % top_k == 0,
               "kbit moe gemv direct: int32 topk_ids and arrivals, and top_k dividing the slots");
   moe_gemv::MoeGemvParams p = common_params(A, top_k, qweight, absmax, codebook, N, K, C, S, plan);
-  record_launch("moe_gemv_direct", 0, 0, S, p.splits);
   p.slot_weight = slot_weight.has_value() ? slot_weight->data_ptr<float>() : nullptr;
   p.ids = topk_ids.data_ptr<int>();
   p.expert_map = expert_map.has_value() ? expert_map->data_ptr<int>() : nullptr;
@@ -97,7 +96,7 @@ void launch_moe_gemv_direct(MoeStage stage, const at::Tensor& A, const at::Tenso
     p.slot_weight = nullptr;
     p.out = out->data_ptr();
   }
-  launch_stage(stage, A.scalar_type() == at::kBFloat16, qweight.size(3), 1, p, S);
+  launch_stage(stage, A, qweight.size(3), 1, p, S, plan, "moe_gemv_direct");
 }
 
 }  // namespace kbit

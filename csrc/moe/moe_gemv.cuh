@@ -245,41 +245,53 @@ __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constan
   }
 }
 
+// What one launch takes besides the kernel's parameters: the grid rows (chunks, or slots for the direct mode),
+// the chunk height (1: the one-row kernel) and, from the plan, the decode and programmatic dependent launch.
+struct StageLaunch {
+  bool bf16;
+  int bits, chunk_rows, grid_rows;
+  int table_blocks;  // 0 (shuffle) or 4 (table: gemv_table_blocks, grouped)
+  bool pdl;
+  const char* kernel;  // the name the launch is recorded under
+};
+
 template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS>
-void launch_typed(const MoeGemvParams& p, int max_chunks) {
-  const auto launch = [&](auto kernel, size_t smem) {
-    launch_kernel(kernel, dim3(static_cast<unsigned>(static_cast<int64_t>(max_chunks) * p.n_tiles * p.splits)),
-                  dim3(kThreads), smem, at::cuda::getCurrentCUDAStream(), p.splits, p);
+void launch_typed(const MoeGemvParams& p, const StageLaunch& s) {
+  const auto launch = [&](auto kernel, size_t smem, int table_blocks) {
+    const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(s.grid_rows) * p.n_tiles * p.splits));
+    record_launch({s.kernel, 0, 0, s.grid_rows, grid.x / (static_cast<unsigned>(s.grid_rows) * p.splits), p.splits, 0,
+                   table_blocks, s.pdl});
+    launch_kernel(kernel, grid, dim3(kThreads), smem, at::cuda::getCurrentCUDAStream(), p.splits, s.pdl, p);
   };
   if constexpr (gemv_table_possible(BITS, MAX_ROWS)) {
-    if (gemv_table_blocks(BITS, MAX_ROWS, true) > 0) {
-      return launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, true>, Lut<BITS>::kBytes);
-    }
+    if (s.table_blocks == 4) return launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, true>, Lut<BITS>::kBytes, 4);
   }
-  launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, false>, 0);
+  KBIT_CHECK(s.table_blocks == 0, "kbit moe gemv: no kernel decodes ", s.table_blocks,
+             " blocks of each k-tile by table at k=", BITS, " with chunks of ", MAX_ROWS, " rows");
+  launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, false>, 0, 0);
 }
 
 template <typename T, typename O, MoeStage STAGE, int MAX_ROWS>
-void launch_bits(int bits, const MoeGemvParams& p, int max_chunks) {
-  with_bits(bits, "kbit moe gemv", [&](auto k) { launch_typed<T, O, decltype(k)::value, STAGE, MAX_ROWS>(p, max_chunks); });
+void launch_bits(const MoeGemvParams& p, const StageLaunch& s) {
+  with_bits(s.bits, "kbit moe gemv", [&](auto k) { launch_typed<T, O, decltype(k)::value, STAGE, MAX_ROWS>(p, s); });
 }
 
 // One stage for both activation dtypes and both chunk sizes (1 row: T = 1, registers of a
 // one-row GEMV; up to 4 rows otherwise). Instantiated once per stage, in its own file.
 template <MoeStage STAGE>
-void launch_moe_gemv_stage(bool bf16, int bits, int chunk_rows, const MoeGemvParams& p, int max_chunks) {
+void launch_moe_gemv_stage(const MoeGemvParams& p, const StageLaunch& s) {
   using O16 = std::conditional_t<STAGE == MoeStage::kGather, __nv_bfloat16, float>;
   using O16h = std::conditional_t<STAGE == MoeStage::kGather, __half, float>;
-  if (bf16) {
-    if (chunk_rows == 1) return launch_bits<__nv_bfloat16, O16, STAGE, 1>(bits, p, max_chunks);
-    return launch_bits<__nv_bfloat16, O16, STAGE, kMoeChunkRows>(bits, p, max_chunks);
+  if (s.bf16) {
+    if (s.chunk_rows == 1) return launch_bits<__nv_bfloat16, O16, STAGE, 1>(p, s);
+    return launch_bits<__nv_bfloat16, O16, STAGE, kMoeChunkRows>(p, s);
   }
-  if (chunk_rows == 1) return launch_bits<__half, O16h, STAGE, 1>(bits, p, max_chunks);
-  return launch_bits<__half, O16h, STAGE, kMoeChunkRows>(bits, p, max_chunks);
+  if (s.chunk_rows == 1) return launch_bits<__half, O16h, STAGE, 1>(p, s);
+  return launch_bits<__half, O16h, STAGE, kMoeChunkRows>(p, s);
 }
 
 
-extern template void launch_moe_gemv_stage<MoeStage::kSiluMul>(bool, int, int, const MoeGemvParams&, int);
+extern template void launch_moe_gemv_stage<MoeStage::kSiluMul>(const MoeGemvParams&, const StageLaunch&);
 
 }  // namespace moe_gemv
 }  // namespace kbit

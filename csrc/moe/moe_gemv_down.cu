@@ -3,6 +3,6 @@
 
 namespace kbit {
 namespace moe_gemv {
-template void launch_moe_gemv_stage<MoeStage::kSiluMul>(bool, int, int, const MoeGemvParams&, int);
+template void launch_moe_gemv_stage<MoeStage::kSiluMul>(const MoeGemvParams&, const StageLaunch&);
 }  // namespace moe_gemv
 }  // namespace kbit

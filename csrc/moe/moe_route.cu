@@ -229,7 +229,7 @@ void dispatch_half(at::ScalarType t, const char* what, F&& f) {
 
 void launch_moe_route(const at::Tensor& topk_ids, const std::optional<at::Tensor>& expert_map, int64_t num_experts,
                       int64_t chunk_rows, at::Tensor& offsets, at::Tensor& pos, at::Tensor& slot_of, at::Tensor& chunks,
-                      at::Tensor& num_chunks) {
+                      at::Tensor& num_chunks, bool pdl) {
   KBIT_CHECK(num_experts >= 1 && num_experts <= kRouteMaxExperts, "kbit fused_moe: ", num_experts,
               " local experts; supported: 1..", kRouteMaxExperts);
   const int64_t S = topk_ids.numel();
@@ -238,7 +238,7 @@ void launch_moe_route(const at::Tensor& topk_ids, const std::optional<at::Tensor
               kMoeWsChunkRows);
   const int E = static_cast<int>(num_experts);
   const size_t smem = (2 * static_cast<size_t>(E) + 1) * sizeof(int);
-  launch_kernel(moe_route_kernel, dim3(1), dim3(kRouteThreads), smem, at::cuda::getCurrentCUDAStream(), 0,
+  launch_kernel(moe_route_kernel, dim3(1), dim3(kRouteThreads), smem, at::cuda::getCurrentCUDAStream(), 0, pdl,
       topk_ids.data_ptr<int>(), static_cast<int>(S), expert_map.has_value() ? expert_map->data_ptr<int>() : nullptr,
       expert_map.has_value() ? static_cast<int>(expert_map->numel()) : 0, E, static_cast<int>(chunk_rows),
       offsets.data_ptr<int>(),
@@ -247,28 +247,28 @@ void launch_moe_route(const at::Tensor& topk_ids, const std::optional<at::Tensor
 }
 
 void launch_moe_gather(const at::Tensor& x, const at::Tensor& slot_of, const std::optional<at::Tensor>& slot_weight,
-                       int64_t top_k, at::Tensor& xp) {
+                       int64_t top_k, at::Tensor& xp, bool pdl) {
   const int64_t S = xp.size(0), H = xp.size(1);
   if (S == 0) return;
   dispatch_half(x.scalar_type(), "gather", [&](auto tag) {
     using T = decltype(tag);
-    launch_kernel(moe_gather_kernel<T>, elt_grid(S, H), dim3(kEltThreads), 0, at::cuda::getCurrentCUDAStream(), 0,
+    launch_kernel(moe_gather_kernel<T>, elt_grid(S, H), dim3(kEltThreads), 0, at::cuda::getCurrentCUDAStream(), 0, pdl,
         reinterpret_cast<const T*>(x.data_ptr()), slot_of.data_ptr<int>(),
         slot_weight.has_value() ? slot_weight->data_ptr<float>() : nullptr, static_cast<int>(top_k),
         static_cast<int>(H), reinterpret_cast<__nv_bfloat16*>(xp.data_ptr()));
   });
 }
 
-void launch_moe_silu_mul(const at::Tensor& g, at::Tensor& h) {
+void launch_moe_silu_mul(const at::Tensor& g, at::Tensor& h, bool pdl) {
   const int64_t S = h.size(0), I = h.size(1);
   if (S == 0) return;
-  launch_kernel(moe_silu_mul_kernel, elt_grid(S, I), dim3(kEltThreads), 0, at::cuda::getCurrentCUDAStream(), 0,
+  launch_kernel(moe_silu_mul_kernel, elt_grid(S, I), dim3(kEltThreads), 0, at::cuda::getCurrentCUDAStream(), 0, pdl,
                 reinterpret_cast<const __nv_bfloat16*>(g.data_ptr()), static_cast<int>(I),
                 reinterpret_cast<__nv_bfloat16*>(h.data_ptr()));
 }
 
 void launch_moe_combine(const at::Tensor& y, const at::Tensor& pos, const std::optional<at::Tensor>& weights,
-                        int64_t top_k, at::Tensor& out) {
+                        int64_t top_k, at::Tensor& out, bool pdl) {
   const int64_t T = out.size(0), H = out.size(1);
   if (T == 0) return;
   const float* w = weights.has_value() ? weights->data_ptr<float>() : nullptr;
@@ -277,7 +277,7 @@ void launch_moe_combine(const at::Tensor& y, const at::Tensor& pos, const std::o
     const auto go = [&](auto y_tag) {
       using Y = decltype(y_tag);
       launch_kernel(moe_combine_kernel<Y, T_>, elt_grid(T, H), dim3(kEltThreads), 0, at::cuda::getCurrentCUDAStream(),
-          0, reinterpret_cast<const Y*>(y.data_ptr()), pos.data_ptr<int>(), w, static_cast<int>(top_k),
+          0, pdl, reinterpret_cast<const Y*>(y.data_ptr()), pos.data_ptr<int>(), w, static_cast<int>(top_k),
           static_cast<int>(H), reinterpret_cast<T_*>(out.data_ptr()));
     };
     if (y.scalar_type() == at::kFloat) {

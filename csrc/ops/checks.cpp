@@ -107,7 +107,7 @@ void check_contiguous(const at::Tensor& t, const char* what) {
 }
 
 void check_weight_shape(int64_t N, int64_t K) {
-  KBIT_CHECK_VALUE(N > 0 && K > 0 && K % kBlockSize == 0, "kbit: weight shape [", N, ", ", K,
+  KBIT_CHECK_VALUE(N > 0 && whole_blocks(K), "kbit: weight shape [", N, ", ", K,
                    "] needs N > 0 and K a positive multiple of ", kBlockSize);
 }
 
@@ -147,7 +147,7 @@ void check_block_count(int64_t n_blocks) {
 int64_t check_quantize(const at::Tensor& W, const at::Tensor& codebook, int64_t k) {
   check_float_dtype(W, "weight");
   KBIT_CHECK_VALUE(W.dim() == 2, "kbit: weight must be 2-D [N, K], got shape ", W.sizes());
-  KBIT_CHECK_VALUE(W.size(1) % kBlockSize == 0 && W.size(1) > 0, "kbit: weight K=", W.size(1), " (shape ", W.sizes(),
+  KBIT_CHECK_VALUE(whole_blocks(W.size(1)), "kbit: weight K=", W.size(1), " (shape ", W.sizes(),
                    ") is not a positive multiple of ", kBlockSize);
   check_contiguous(W, "weight");
   check_codebook(codebook, k);
@@ -212,7 +212,7 @@ int64_t check_fused_moe(const at::Tensor& x, const at::Tensor& topk_ids, const a
   KBIT_CHECK_TYPE(at::isFloatingType(topk_weights.scalar_type()), "kbit: fused_moe topk_weights must be a float tensor, got ",
                   topk_weights.scalar_type());
   const int64_t H = x.size(1);
-  KBIT_CHECK_VALUE(H > 0 && I > 0 && H % kBlockSize == 0 && I % kBlockSize == 0, "kbit: fused_moe hidden size ", H,
+  KBIT_CHECK_VALUE(whole_blocks(H) && whole_blocks(I), "kbit: fused_moe hidden size ", H,
                    " and intermediate size ", I, " must be positive multiples of ", kBlockSize);
   const int64_t E = w13_qweight.size(0), k = check_stacked_bits(w13_qweight, "fused_moe", "w13_");
   const std::string note = msg::build("intermediate size ", I, ", ");
@@ -236,18 +236,20 @@ int64_t check_fused_moe(const at::Tensor& x, const at::Tensor& topk_ids, const a
 
 void check_weight_amax(double amax, bool bounded) {
   KBIT_CHECK_VALUE(std::isfinite(amax), "kbit: weight has NaN or Inf values; cannot quantize");
-  // The largest scale, code 255: 2^(15 - bias) * (1 + 15/16); up to 1/64 above it still rounds to it.
-  constexpr double kE4M4Max = (1 << (15 - kE4M4Bias)) * (1 + 15 / 16.0);
-  if (!bounded || amax <= kE4M4Max * (1 + 1.0 / 64)) return;
+  // Up to kRangeMax64 / 64: the largest scale (code 255) and the 1/64 above it that still rounds to it.
+  if (!bounded || amax <= kRangeMax64 / 64.0) return;
   char amax_text[32], max_text[32];
   std::snprintf(amax_text, sizeof(amax_text), "%.4g", amax);
-  std::snprintf(max_text, sizeof(max_text), "%.1f", kE4M4Max);
+  std::snprintf(max_text, sizeof(max_text), "%.1f", static_cast<double>(kE4M4Max));
   KBIT_CHECK_VALUE(false, "kbit: weight has |w| = ", std::string(amax_text), ", above the largest E4M4 block scale ",
                    std::string(max_text), "; leave this module unquantized (modules_to_not_convert)");
 }
 
 void check_representable(const at::Tensor& W) {
-  if (W.numel() > 0) check_weight_amax(W.abs().amax().item<double>(), true);
+  if (W.numel() == 0) return;
+  // min and max rather than abs().amax(): no temporary the size of W (a whole MoE layer's experts at load).
+  const auto [lo, hi] = at::aminmax(W);
+  check_weight_amax(at::maximum(hi, -lo).item<double>(), true);
 }
 
 }  // namespace kbit

@@ -36,7 +36,8 @@ int64_t check_fused_moe(const at::Tensor& x, const at::Tensor& topk_ids, const a
 // A weight's largest |w|: finite, and with bounded at most what the largest E4M4 scale holds (quantize
 // at range scale 1; reference.range_scale asks only for finite).
 void check_weight_amax(double amax, bool bounded);
-// check_weight_amax(max |W|, true): one reduction and a host sync, a load-time check.
+// check_weight_amax(max |W|, true): one reduction and a host sync, a load-time check (the CUDA quantize op, and
+// the reference's check_representable through kbit::_check_representable).
 void check_representable(const at::Tensor& W);
 
 // Pieces of the rules above, for the C++-only ops (csrc/ops/moe_ops.cpp): t is contiguous; a [N, K] weight has

@@ -66,7 +66,7 @@ at::Tensor launch_plan(const at::Tensor& x, const at::Tensor& qweight_rt, const 
                        const LinearPlan& plan) {
   if (plan.path == LinearPath::kDequantCublas) {
     const at::Tensor W = dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.scalar_type());
-    record_launch("dequant_cublas", 0, 0, 0, 1);
+    record_launch({"dequant_cublas", 0, 0, 0, 0, 1});
     return at::linear(x, W, bias);
   }
   const int64_t M = x.numel() / K;
@@ -82,11 +82,10 @@ at::Tensor launch_plan(const at::Tensor& x, const at::Tensor& qweight_rt, const 
     KBIT_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9, "kbit ", linear_path_name(plan.path),
                ": needs a Hopper (sm_90) GPU");
     if (plan.path == LinearPath::kWgmma) {
-      launch_wgmma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C);
+      launch_wgmma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, plan);
     } else {
-      launch_wgmma_ws(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, plan.producers);
+      launch_wgmma_ws(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, plan);
     }
-    record_launch(linear_path_name(plan.path), 0, 0, 0, 1, plan.producers);
   }
   return C;
 }

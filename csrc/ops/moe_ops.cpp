@@ -41,12 +41,12 @@ struct Routing {
 };
 
 Routing route(const at::Tensor& ids, const std::optional<at::Tensor>& expert_map, int64_t E, int64_t chunk_rows,
-              int64_t max_chunks) {
+              int64_t max_chunks, bool pdl) {
   const auto i32 = ids.options().dtype(at::kInt);
   const int64_t S = ids.numel();
   Routing r{at::empty({E + 1}, i32), at::empty({S}, i32), at::empty({S}, i32), at::empty({max_chunks, 4}, i32),
             at::empty({1}, i32)};
-  launch_moe_route(ids, expert_map, E, chunk_rows, r.offsets, r.pos, r.slot_of, r.chunks, r.num_chunks);
+  launch_moe_route(ids, expert_map, E, chunk_rows, r.offsets, r.pos, r.slot_of, r.chunks, r.num_chunks, pdl);
   return r;
 }
 
@@ -81,10 +81,9 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
                           int64_t down_row_groups, int64_t producers) {
   const int64_t k = check_fused_moe(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook,
                                     I, expert_map);
-  // What the kernels need beyond the op's rules: CUDA, 16-bit activations, contiguous weights, E they index.
+  // What the kernels need beyond the op's rules: CUDA, contiguous weights, E they index, and (the plan's path)
+  // 16-bit activations.
   check_cuda(x, "x");
-  KBIT_CHECK(x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf, "kbit fused_moe: x has dtype ",
-              x.scalar_type(), "; the CUDA kernels support bfloat16 and float16");
   const int64_t T = x.size(0), H = x.size(1), E = w13_qweight.size(0), top_k = topk_ids.size(1);
   KBIT_CHECK_VALUE(E <= kMaxLocalExperts, "kbit fused_moe: w13_qweight must be [E, ...] with 1 <= E <= ",
               kMaxLocalExperts, " local experts, got ", w13_qweight.sizes());
@@ -95,7 +94,9 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
   const DeviceFacts facts = device_facts(x.get_device());
   const MoeForced forced{moe_path_from_id(path_id), gate_up_splits, down_splits, gate_up_row_groups, down_row_groups,
                          producers};
-  const MoePlan plan = moe_plan(T, top_k, E, k, forced, H, I, facts);
+  const MoePlan plan = moe_plan(T, top_k, E, k, forced, H, I, facts, x.scalar_type());
+  KBIT_CHECK(plan.path != MoePath::kReference, "kbit fused_moe: x has dtype ", x.scalar_type(),
+             "; the CUDA kernels support bfloat16 and float16");
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0 || top_k == 0) return out.zero_();
 
@@ -120,14 +121,14 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     return out;
   }
   if (plan.path == MoePath::kGemv) {
-    const Routing r = route(ids, map, E, rows, max_chunks);
+    const Routing r = route(ids, map, E, rows, max_chunks, plan.pdl);
     at::Tensor h13 = at::empty({S, 2 * I}, x.options());
     launch_moe_gemv(MoeStage::kGather, xc, r.slot_of, input_weights, top_k, r.chunks, r.num_chunks, w13_qweight,
                     w13_absmax, codebook, 2 * I, H, rows, h13, plan.gate_up);
     at::Tensor y = at::empty({S, H}, x.options().dtype(at::kFloat));
     launch_moe_gemv(MoeStage::kSiluMul, h13, std::nullopt, std::nullopt, top_k, r.chunks, r.num_chunks, w2_qweight,
                     w2_absmax, codebook, H, I, rows, y, plan.down);
-    launch_moe_combine(y, r.pos, output_weights, top_k, out);
+    launch_moe_combine(y, r.pos, output_weights, top_k, out, plan.pdl);
     return out;
   }
   if (plan.path == MoePath::kGroupedMma || plan.path == MoePath::kGroupedWgmma) {
@@ -136,40 +137,42 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
                      "this one is sm_", facts.sm_major, "x; supported there: auto, gemv, grouped_mm, grouped_mma, gemv_direct");
     KBIT_CHECK(max_chunks <= kMmaMaxGridRows, "kbit fused_moe: ", S, " slots need up to ", max_chunks,
                 " chunks of ", rows, " rows; the grouped ", wgmma ? "wgmma" : "MMA", " launches at most ", kMmaMaxGridRows);
-    const Routing r = route(ids, map, E, rows, max_chunks);
+    const Routing r = route(ids, map, E, rows, max_chunks, plan.pdl);
     at::Tensor xp = at::empty({S, H}, x.options().dtype(at::kBFloat16));
-    launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp);
-    // One projection over the routing's chunks. The routing ran before the gather (and before gate_up for
-    // down): the grouped MMA prefetches weights early.
+    launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp, plan.pdl);
+    // One projection over the routing's chunks by the plan's kernel. The routing ran before the gather (and
+    // before gate_up for down): the grouped MMA prefetches weights early.
     const auto project = [&](const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, int64_t N, int64_t K,
                              at::Tensor& C, const MoeProjPlan& proj) {
-      if (wgmma && rows == kMoeRsChunkRows) {
-        launch_wgmma_rs_grouped(A, r.chunks, q, a, codebook, N, K, C);
-      } else if (wgmma) {
-        launch_wgmma_ws_grouped(A, r.chunks, q, a, codebook, N, K, C, proj.producers);
+      if (plan.kernel == MoeKernel::kWgmmaRsGrouped) {
+        launch_wgmma_rs_grouped(A, r.chunks, q, a, codebook, N, K, C, proj);
+      } else if (plan.kernel == MoeKernel::kWgmmaWsGrouped) {
+        launch_wgmma_ws_grouped(A, r.chunks, q, a, codebook, N, K, C, proj);
       } else {
+        KBIT_CHECK(plan.kernel == MoeKernel::kMmaGrouped, "kbit fused_moe: the plan's kernel ",
+                   moe_kernel_name(plan.kernel), " is not a grouped MMA or wgmma");
         launch_mma_grouped(A, r.chunks, r.num_chunks, q, a, codebook, N, K, rows, C, proj, true);
       }
     };
     at::Tensor g = at::empty({S, 2 * I}, xp.options());
     project(xp, w13_qweight, w13_absmax, 2 * I, H, g, plan.gate_up);
     at::Tensor h = at::empty({S, I}, xp.options());
-    launch_moe_silu_mul(g, h);  // rows past the chunks are garbage in g and h and never read again
+    launch_moe_silu_mul(g, h, plan.pdl);  // rows past the chunks are garbage in g and h and never read again
     at::Tensor y = at::empty({S, H}, xp.options());
     project(h, w2_qweight, w2_absmax, H, I, y, plan.down);
-    launch_moe_combine(y, r.pos, output_weights, top_k, out);
+    launch_moe_combine(y, r.pos, output_weights, top_k, out, plan.pdl);
     return out;
   }
-  const Routing r = route(ids, map, E, rows, max_chunks);
+  const Routing r = route(ids, map, E, rows, max_chunks, plan.pdl);
   const at::Tensor offs = r.offsets.narrow(0, 1, E);  // end row of each expert's group
   at::Tensor xp = at::empty({S, H}, x.options().dtype(at::kBFloat16));
-  launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp);
+  launch_moe_gather(xc, r.slot_of, input_weights, top_k, xp, plan.pdl);
   const at::Tensor g = at::_grouped_mm(xp, dequantize_stacked(w13_qweight, w13_absmax, codebook, 2 * I, H).transpose(1, 2), offs);
   at::Tensor h = at::empty({S, I}, xp.options());
-  launch_moe_silu_mul(g, h);
+  launch_moe_silu_mul(g, h, plan.pdl);
   const at::Tensor y = at::_grouped_mm(h, dequantize_stacked(w2_qweight, w2_absmax, codebook, H, I).transpose(1, 2), offs);
-  record_launch("grouped_mm", 0, 0, 0, 0);
-  launch_moe_combine(y, r.pos, output_weights, top_k, out);
+  record_launch({moe_kernel_name(plan.kernel)});
+  launch_moe_combine(y, r.pos, output_weights, top_k, out, plan.pdl);
   return out;
 }
 
@@ -183,21 +186,21 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route
               "kbit _moe_route: needs max_chunks >= 0, chunk_rows in 1..", kMoeWsChunkRows, " and 1..",
               kMaxLocalExperts, " experts");
   const c10::DeviceGuard guard(topk_ids.device());
+  const DeviceFacts facts = device_facts(topk_ids.get_device());
   const Routing r = route(topk_ids.to(at::kInt).contiguous().view({-1}), int32_map(expert_map, topk_ids), num_experts,
-                          chunk_rows, max_chunks);
+                          chunk_rows, max_chunks, pdl_rule(facts.sm_major));
   return {r.offsets, r.pos, r.slot_of, r.chunks, r.num_chunks};
 }
 
 // One grouped projection on rows that are already grouped by expert (chunks from _moe_route):
-// C[p] = A[p] @ dequant(W_e)^T; rows outside the chunks are left unwritten. The chunk height picks
-// the kernel: 1 or 4 rows the grouped GEMV, 8/16/24/32/64 the grouped MMA, 128 the register-operand and 256 the
-// warp-specialized grouped wgmma (Hopper).
-// splits forces the K split
-// count (GEMV: CTAs per row block; MMA: cluster size), row_groups the MMA's row groups per warp (0:
-// the rules, for sweeps against them).
+// C[p] = A[p] @ dequant(W_e)^T; rows outside the chunks are left unwritten. `kernel` is a MoE plan's
+// (kbit::_moe_kernel_id of moe_plan's kernel: moe_gemv, mma_grouped, wgmma_rs_grouped or wgmma_ws_grouped,
+// the last two Hopper only) and chunk_rows the chunk height given to _moe_route; the planner plans the
+// projection for them (moe_proj_plan) with splits / row_groups / producers forced where not 0 (sweeps).
 at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
                                const at::Tensor& qweight, const at::Tensor& absmax, const at::Tensor& codebook,
-                               int64_t N, int64_t K, int64_t chunk_rows, int64_t splits, int64_t row_groups) {
+                               int64_t N, int64_t K, int64_t kernel_id, int64_t chunk_rows, int64_t splits,
+                               int64_t row_groups, int64_t producers) {
   KBIT_CHECK(A.is_cuda() && A.dim() == 2 && A.size(1) == K && A.is_contiguous() &&
                   (A.scalar_type() == at::kBFloat16 || A.scalar_type() == at::kHalf),
               "kbit _moe_grouped_linear: A must be contiguous bf16/fp16 [rows, K=", K, "], got ", A.sizes());
@@ -211,36 +214,29 @@ at::Tensor moe_grouped_linear_op(const at::Tensor& A, const at::Tensor& chunks, 
   check_contiguous(qweight, "qweight");
   check_contiguous(absmax, "absmax");
   check_codebook(codebook, k);
-  const c10::DeviceGuard guard(A.device());
-  at::Tensor C = at::empty({A.size(0), N}, A.options());
-  const bool mma = mma_grouped_chunk_rows(chunk_rows);
-  const bool rs = chunk_rows == kMoeRsChunkRows, wgmma = rs || chunk_rows == kMoeWsChunkRows;
-  KBIT_CHECK(chunk_rows == 1 || chunk_rows == kMoeChunkRows || mma || wgmma,
-              "kbit _moe_grouped_linear: chunk_rows must be 1 or ", kMoeChunkRows, " (GEMV), ", mma_grouped_chunk_rows_text(),
-              " (MMA), ", kMoeRsChunkRows, " or ", kMoeWsChunkRows, " (wgmma, Hopper), as given to _moe_route");
+  const MoeKernel kernel = moe_kernel_from_id(kernel_id);
+  KBIT_CHECK_VALUE(kernel != MoeKernel::kGemvDirect && kernel != MoeKernel::kGroupedMm,
+                   "kbit _moe_grouped_linear: runs moe_gemv, mma_grouped, wgmma_rs_grouped or wgmma_ws_grouped, not ",
+                   moe_kernel_name(kernel));
   KBIT_CHECK(chunks.size(0) <= kMmaMaxGridRows, "kbit _moe_grouped_linear: at most ", kMmaMaxGridRows, " chunks");
-  KBIT_CHECK(!mma || A.scalar_type() == at::kBFloat16, "kbit _moe_grouped_linear: the grouped MMA takes bf16 A");
-  KBIT_CHECK_VALUE(mma || row_groups == 0, "kbit _moe_grouped_linear: row_groups apply to the grouped MMA ",
-                   "(chunk_rows ", mma_grouped_chunk_rows_text(), ") only");
-  const int64_t k_tiles = qweight.size(2);
+  const c10::DeviceGuard guard(A.device());
   const DeviceFacts facts = device_facts(A.get_device());
-  // The forced splits and row groups are checked by the planner's functions, as fused_moe's are.
-  if (wgmma) {
-    KBIT_CHECK_VALUE(facts.sm_major == 9, "kbit _moe_grouped_linear: chunk_rows=", chunk_rows,
-                     " (the grouped wgmma) needs a Hopper GPU (sm_90), this one is sm_", facts.sm_major, "x");
-    KBIT_CHECK_VALUE(splits == 0, "kbit _moe_grouped_linear: splits do not apply to the grouped wgmma (chunk_rows=",
-                     chunk_rows, "); pass 0");
-    if (rs) {
-      launch_wgmma_rs_grouped(A, chunks, qweight, absmax, codebook, N, K, C);
+  // The planner checks the chunk height and the forced fields against the kernel, as fused_moe's.
+  const MoeProjPlan plan = moe_proj_plan(kernel, A.size(0), qweight.size(0), chunk_rows, chunks.size(0),
+                                         qweight.size(1), qweight.size(2), k, facts, row_groups, splits, producers);
+  at::Tensor C = at::empty({A.size(0), N}, A.options());
+  if (kernel == MoeKernel::kWgmmaRsGrouped || kernel == MoeKernel::kWgmmaWsGrouped) {
+    KBIT_CHECK_VALUE(facts.sm_major == 9, "kbit _moe_grouped_linear: ", moe_kernel_name(kernel),
+                     " needs a Hopper GPU (sm_90), this one is sm_", facts.sm_major, "x");
+    if (kernel == MoeKernel::kWgmmaRsGrouped) {
+      launch_wgmma_rs_grouped(A, chunks, qweight, absmax, codebook, N, K, C, plan);
     } else {
-      launch_wgmma_ws_grouped(A, chunks, qweight, absmax, codebook, N, K, C, ws_producers(k));
+      launch_wgmma_ws_grouped(A, chunks, qweight, absmax, codebook, N, K, C, plan);
     }
-  } else if (mma) {
-    const MoeProjPlan plan = moe_grouped_mma_plan(A.size(0), qweight.size(0), chunk_rows, chunks.size(0), qweight.size(1),
-                                                  k_tiles, k, facts, row_groups, splits);
+  } else if (kernel == MoeKernel::kMmaGrouped) {
+    KBIT_CHECK(A.scalar_type() == at::kBFloat16, "kbit _moe_grouped_linear: the grouped MMA takes bf16 A");
     launch_mma_grouped(A, chunks, num_chunks, qweight, absmax, codebook, N, K, chunk_rows, C, plan);
   } else if (chunks.size(0) > 0) {
-    const MoeProjPlan plan = moe_gemv_plan(chunks.size(0), qweight.size(1), k_tiles, facts, splits);
     launch_moe_gemv(MoeStage::kGather, A, std::nullopt, std::nullopt, 1, chunks, num_chunks, qweight, absmax, codebook,
                     N, K, chunk_rows, C, plan);
   }
@@ -258,7 +254,7 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
       "(Tensor offsets, Tensor pos, Tensor slot_of, Tensor chunks, Tensor num_chunks)");
   m.def(
       "_moe_grouped_linear(Tensor A, Tensor chunks, Tensor num_chunks, Tensor qweight, Tensor absmax, Tensor codebook, "
-      "int N, int K, int chunk_rows, int splits=0, int row_groups=0) -> Tensor");
+      "int N, int K, int kernel, int chunk_rows, int splits=0, int row_groups=0, int producers=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kbit, CUDA, m) {

@@ -61,12 +61,16 @@ constexpr int64_t rs_max_slots_per_expert(int64_t bits) { return bits == 3 || bi
 constexpr int kMaxDevices = 64;  // devices whose facts are cached
 
 constexpr const char* kLinearPathNames[] = {"gemv", "mma", "wgmma", "wgmma_ws", "dequant_cublas"};
-constexpr const char* kMoePathNames[] = {"auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct", "grouped_wgmma"};
+constexpr const char* kMoePathNames[] = {"auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct", "grouped_wgmma",
+                                         "reference"};
+constexpr int kForcedMoePaths = 6;  // the first ones: a caller may force them (the reference is the dtype's)
+constexpr const char* kMoeKernelNames[] = {"none", "moe_gemv_direct", "moe_gemv", "mma_grouped", "wgmma_rs_grouped",
+                                           "wgmma_ws_grouped", "grouped_mm"};
 
 template <size_t N>
-std::string joined(const char* const (&names)[N]) {
+std::string joined(const char* const (&names)[N], size_t first = 0, size_t count = N) {
   std::string s;
-  for (size_t i = 0; i < N; ++i) s += (i ? ", " : "") + std::string(names[i]);
+  for (size_t i = first; i < first + count && i < N; ++i) s += (i > first ? ", " : "") + std::string(names[i]);
   return s;
 }
 
@@ -199,6 +203,11 @@ int gemv_table_blocks(int64_t bits, int64_t rows, bool grouped) {
   return bits == 4 ? mixed : 4;
 }
 
+bool pdl_rule(int64_t sm_major) {
+  // Programmatic dependent launch (griddepcontrol) exists from sm_90 on.
+  return overrides::pdl() && sm_major >= 9;
+}
+
 int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
   // Cost model: k-tile slots the busiest SM spends (its CTAs times the slowest warp's k-tiles plus
   // kCtaOverhead, times the warps), slowed down when fewer than kStreamingWarps warps per SM have loads
@@ -309,10 +318,10 @@ LinearPath linear_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
 
 LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t bits, const DeviceFacts& facts,
                        const LinearForced& forced) {
-  KBIT_CHECK_VALUE(M >= 1 && N >= 1 && K >= 1 && K % kBlockSize == 0 && facts.num_sms >= 1 && facts.ctas_per_sm >= 1,
+  KBIT_CHECK_VALUE(M >= 1 && N >= 1 && whole_blocks(K) && facts.num_sms >= 1 && facts.ctas_per_sm >= 1,
                    "kbit linear_plan: needs M, N, num_sms, ctas_per_sm >= 1 and K a positive multiple of ", kBlockSize,
                    ", got M=", M, " N=", N, " K=", K, " num_sms=", facts.num_sms, " ctas_per_sm=", facts.ctas_per_sm);
-  LinearPlan plan{linear_path(M, N, K, dtype, bits, facts.sm_major), 1, 1, 0, 0, 0, 0};
+  LinearPlan plan{linear_path(M, N, K, dtype, bits, facts.sm_major)};
   if (forced.path >= 0) {
     KBIT_CHECK_VALUE(forced.path < static_cast<int64_t>(std::size(kLinearPathNames)), "kbit linear_plan: path id ",
                      forced.path, " is not one kbit::_linear_path_id returns");
@@ -324,6 +333,10 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
     KBIT_CHECK(forced.splits >= 0 && forced.splits <= plan.max_splits, "kbit linear_plan: gemv splits=", forced.splits,
                      " outside 0 (heuristic) .. ", plan.max_splits);
     plan.splits = forced.splits > 0 ? forced.splits : gemv_splits(n_tiles, k_tiles, facts.num_sms);
+    plan.m_blocks = 1;  // one CTA row multiplies every row of x
+    plan.cols = n_tiles;
+    plan.table_blocks = gemv_table_blocks(bits, M, /*grouped=*/false);
+    plan.pdl = pdl_rule(facts.sm_major);
   } else if (plan.path == LinearPath::kMma) {
     const int p = mma_config(M, n_tiles).p;
     KBIT_CHECK(forced.row_groups == 0 || mma_built(p, static_cast<int>(forced.row_groups)),
@@ -344,12 +357,22 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
       plan.splits = mma_splits((n_tiles + c.r - 1) / c.r, c.m_blocks, k_tiles, facts.num_sms, f.ctas_per_sm,
                                kMmaSplitCostDense, f.cluster_ctas);
     }
+    plan.cols = (n_tiles + c.r - 1) / c.r;
+    plan.pdl = pdl_rule(facts.sm_major);
   } else {
     KBIT_CHECK_VALUE(forced.splits == 0 && forced.row_groups == 0, "kbit linear_plan: splits and row_groups apply to ",
                      "the gemv and mma paths only, not ", linear_path_name(plan.path));
   }
+  if (plan.path == LinearPath::kWgmma) {
+    // One CTA per kMoeRsChunkRows rows of x and per warpgroup count of n-tiles (the same kernel as the grouped one's).
+    const int64_t wg = wgmma_rs_warpgroups(bits, /*grouped=*/false);
+    plan.m_blocks = (M + kMoeRsChunkRows - 1) / kMoeRsChunkRows;
+    plan.cols = (n_tiles + wg - 1) / wg;
+  }
   if (plan.path == LinearPath::kWgmmaWs) {
     plan.producers = ws_producers(bits, forced.producers);
+    plan.m_blocks = (M + kMoeWsChunkRows - 1) / kMoeWsChunkRows;
+    plan.cols = (n_tiles + kWgmmaWsTileN - 1) / kWgmmaWsTileN;
   } else {
     KBIT_CHECK_VALUE(forced.producers == 0, "kbit linear_plan: producers apply to the wgmma_ws path only, not ",
                      linear_path_name(plan.path));
@@ -377,9 +400,9 @@ const char* moe_path_name(MoePath path) { return kMoePathNames[static_cast<int>(
 
 MoePath moe_path_from_name(const std::string& name) {
   const auto* names = std::begin(kMoePathNames);
-  const auto* it = std::find(names, std::end(kMoePathNames), name);
-  KBIT_CHECK_VALUE(it != std::end(kMoePathNames), "kbit fused_moe: path '", name, "' is not one of ",
-                   joined(kMoePathNames));
+  const auto* it = std::find(names, names + kForcedMoePaths, name);
+  KBIT_CHECK_VALUE(it != names + kForcedMoePaths, "kbit fused_moe: path '", name, "' is not one of ",
+                   joined(kMoePathNames, 0, kForcedMoePaths));
   return static_cast<MoePath>(it - names);
 }
 
@@ -387,16 +410,32 @@ int64_t moe_path_override_id() {
   const std::string& name = overrides::moe_path();
   if (name.empty()) return static_cast<int64_t>(MoePath::kAuto);
   const auto* names = std::begin(kMoePathNames);
-  const auto* it = std::find(names, std::end(kMoePathNames), name);
-  KBIT_CHECK_VALUE(it != std::end(kMoePathNames), "kbit: VLLM_KBIT_MOE_PATH=", name, " is not one of ",
-                   joined(kMoePathNames));
+  const auto* it = std::find(names, names + kForcedMoePaths, name);
+  KBIT_CHECK_VALUE(it != names + kForcedMoePaths, "kbit: VLLM_KBIT_MOE_PATH=", name, " is not one of ",
+                   joined(kMoePathNames, 0, kForcedMoePaths));
   return it - names;
 }
 
 MoePath moe_path_from_id(int64_t id) {
-  KBIT_CHECK_VALUE(id >= 0 && id < static_cast<int64_t>(std::size(kMoePathNames)), "kbit fused_moe: path id ", id,
+  KBIT_CHECK_VALUE(id >= 0 && id < kForcedMoePaths, "kbit fused_moe: path id ", id,
                    " is not one kbit::_moe_path_id returns");
   return static_cast<MoePath>(id);
+}
+
+const char* moe_kernel_name(MoeKernel kernel) { return kMoeKernelNames[static_cast<int>(kernel)]; }
+
+MoeKernel moe_kernel_from_name(const std::string& name) {
+  const auto* names = std::begin(kMoeKernelNames);
+  const auto* it = std::find(names + 1, std::end(kMoeKernelNames), name);
+  KBIT_CHECK_VALUE(it != std::end(kMoeKernelNames), "kbit: MoE kernel '", name, "' is not one of ",
+                   joined(kMoeKernelNames, 1));
+  return static_cast<MoeKernel>(it - names);
+}
+
+MoeKernel moe_kernel_from_id(int64_t id) {
+  KBIT_CHECK_VALUE(id >= 1 && id < static_cast<int64_t>(std::size(kMoeKernelNames)), "kbit: MoE kernel id ", id,
+                   " is not one kbit::_moe_kernel_id returns");
+  return static_cast<MoeKernel>(id);
 }
 
 std::string mma_grouped_chunk_rows_text() {
@@ -408,6 +447,9 @@ std::string mma_grouped_chunk_rows_text() {
   return text;
 }
 
+namespace {
+
+// The grouped MMA's plan for one projection (moe_proj_plan).
 MoeProjPlan moe_grouped_mma_plan(int64_t rows, int64_t experts, int64_t chunk_rows, int64_t grid_rows, int64_t n_tiles,
                                  int64_t k_tiles, int64_t bits, const DeviceFacts& facts, int64_t row_groups,
                                  int64_t splits) {
@@ -437,20 +479,24 @@ MoeProjPlan moe_grouped_mma_plan(int64_t rows, int64_t experts, int64_t chunk_ro
     plan.splits = mma_splits((n_tiles + plan.r - 1) / plan.r, expected, k_tiles, facts.num_sms, f.ctas_per_sm,
                              kMmaSplitCostGrouped);
   }
+  plan.cols = (n_tiles + plan.r - 1) / plan.r;
+  plan.pdl = pdl_rule(facts.sm_major);
   return plan;
 }
 
-MoeProjPlan moe_gemv_plan(int64_t grid_rows, int64_t n_tiles, int64_t k_tiles, const DeviceFacts& facts,
-                          int64_t splits) {
+// The grouped GEMV's plan for one projection (moe_proj_plan): grid_rows CTA rows of n_tiles n-tiles over k_tiles.
+MoeProjPlan moe_gemv_plan(int64_t grid_rows, int64_t chunk_rows, int64_t n_tiles, int64_t k_tiles, int64_t bits,
+                          const DeviceFacts& facts, int64_t splits) {
   MoeProjPlan plan;
   plan.m_blocks = grid_rows;
+  plan.cols = n_tiles;
   KBIT_CHECK_VALUE(splits >= 0 && splits <= std::min<int64_t>(kGemvMaxSplits, k_tiles), "kbit fused_moe: splits=",
                    splits, " outside 0 (the rule) .. ", std::min<int64_t>(kGemvMaxSplits, k_tiles), " for the GEMV");
   plan.splits = splits > 0 ? splits : gemv_splits(grid_rows * n_tiles, k_tiles, facts.num_sms);
+  plan.table_blocks = gemv_table_blocks(bits, chunk_rows, /*grouped=*/true);
+  plan.pdl = pdl_rule(facts.sm_major);
   return plan;
 }
-
-namespace {
 
 // Forced values where the path has no such field are refused, not ignored.
 void check_moe_forced_fields(const MoeForced& f, MoePath path) {
@@ -466,14 +512,63 @@ void check_moe_forced_fields(const MoeForced& f, MoePath path) {
 
 }  // namespace
 
+MoeProjPlan moe_proj_plan(MoeKernel kernel, int64_t rows, int64_t experts, int64_t chunk_rows, int64_t grid_rows,
+                          int64_t n_tiles, int64_t k_tiles, int64_t bits, const DeviceFacts& facts,
+                          int64_t row_groups, int64_t splits, int64_t producers) {
+  const bool gemv = kernel == MoeKernel::kGemv || kernel == MoeKernel::kGemvDirect;
+  const bool wgmma = kernel == MoeKernel::kWgmmaRsGrouped || kernel == MoeKernel::kWgmmaWsGrouped;
+  KBIT_CHECK_VALUE(gemv || wgmma || kernel == MoeKernel::kMmaGrouped, "kbit: the MoE kernel ", moe_kernel_name(kernel),
+                   " has no projection plan");
+  KBIT_CHECK_VALUE(row_groups == 0 || kernel == MoeKernel::kMmaGrouped, "kbit: row_groups apply to the grouped MMA ",
+                   "(mma_grouped) only, not ", moe_kernel_name(kernel));
+  KBIT_CHECK_VALUE(splits == 0 || !wgmma, "kbit: splits do not apply to the grouped wgmma (",
+                   moe_kernel_name(kernel), ")");
+  KBIT_CHECK_VALUE(producers == 0 || kernel == MoeKernel::kWgmmaWsGrouped, "kbit fused_moe: producers apply to the ",
+                   "warp-specialized grouped_wgmma kernel, not ", moe_kernel_name(kernel),
+                   kernel == MoeKernel::kWgmmaRsGrouped ? " (VLLM_KBIT_MOE_WGMMA=rs)" : "");
+  KBIT_CHECK_VALUE(facts.num_sms >= 1, "kbit moe_plan: needs num_sms >= 1 to plan the projections, got ",
+                   facts.num_sms);
+  if (kernel == MoeKernel::kMmaGrouped) {
+    return moe_grouped_mma_plan(rows, experts, chunk_rows, grid_rows, n_tiles, k_tiles, bits, facts, row_groups,
+                                splits);
+  }
+  if (gemv) {
+    const bool direct = kernel == MoeKernel::kGemvDirect;
+    KBIT_CHECK_VALUE(chunk_rows == 1 || (!direct && chunk_rows == kMoeChunkRows), "kbit: ", moe_kernel_name(kernel),
+                     " takes chunks of 1", direct ? "" : " or " + std::to_string(kMoeChunkRows), " rows, not ",
+                     chunk_rows);
+    return moe_gemv_plan(grid_rows, chunk_rows, n_tiles, k_tiles, bits, facts, splits);
+  }
+  // The grouped wgmma: one CTA per chunk and group of n-tiles, no splits, no programmatic dependent launch.
+  const bool rs = kernel == MoeKernel::kWgmmaRsGrouped;
+  const int64_t want_rows = rs ? kMoeRsChunkRows : kMoeWsChunkRows;
+  KBIT_CHECK_VALUE(chunk_rows == want_rows, "kbit: ", moe_kernel_name(kernel), " takes chunks of ", want_rows,
+                   " rows, not ", chunk_rows);
+  MoeProjPlan plan;
+  plan.m_blocks = grid_rows;
+  plan.splits = 1;
+  const int64_t tiles_per_cta = rs ? wgmma_rs_warpgroups(bits, /*grouped=*/true) : kWgmmaWsTileN;
+  plan.cols = (n_tiles + tiles_per_cta - 1) / tiles_per_cta;
+  plan.producers = rs ? 0 : ws_producers(bits, producers);
+  return plan;
+}
+
 MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, const MoeForced& forced, int64_t hidden,
-                 int64_t intermediate, const DeviceFacts& facts) {
+                 int64_t intermediate, const DeviceFacts& facts, at::ScalarType dtype) {
   MoePath path = forced.path;
   KBIT_CHECK_VALUE(tokens >= 0 && top_k >= 0 && experts >= 1 && experts <= kMaxLocalExperts,
                    "kbit moe_plan: needs tokens, top_k >= 0 and 1..", kMaxLocalExperts, " local experts, got ", tokens,
                    ", ", top_k, " and ", experts);
   KBIT_CHECK_VALUE(bits >= kMinBits && bits <= kMaxBits, "kbit moe_plan: k=", bits, " is not supported; supported: ",
                    kMinBits, "..", kMaxBits);
+  KBIT_CHECK_VALUE(path != MoePath::kReference, "kbit moe_plan: the reference path is picked by dtype, not forced");
+  MoePlan plan{path, MoeKernel::kNone, pdl_rule(facts.sm_major), kMoeChunkRows, 0, 0, {}, {}};
+  // The kernels take 16-bit activations (the grouped paths run fp16 in bf16); fp32 runs the reference.
+  if (dtype != at::kBFloat16 && dtype != at::kHalf) {
+    plan.path = MoePath::kReference;
+    plan.chunk_rows = 0;
+    return plan;
+  }
   const int64_t S = tokens * top_k;
   if (path == MoePath::kAuto) {
     path = S <= kGemvMaxSlots && 2 * S <= experts                            ? MoePath::kGemvDirect
@@ -485,44 +580,39 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, c
   const bool rs = path == MoePath::kGroupedWgmma && moe_wgmma_rs(S, experts, bits, forced.producers);
   KBIT_CHECK_VALUE(!rs || forced.producers == 0, "kbit fused_moe: producers apply to the warp-specialized ",
                    "grouped_wgmma kernel, not the register-operand one (VLLM_KBIT_MOE_WGMMA=rs)");
-  MoePlan plan{path, kMoeChunkRows, 0, 0, {}, {}};  // grouped mm: the routing's offsets only, no chunk list
+  plan.path = path;  // grouped mm: the routing's offsets only, no chunk list
   if (path == MoePath::kGemvDirect) {
+    plan.kernel = MoeKernel::kGemvDirect;
     plan.chunk_rows = 1;  // CTA row s multiplies slot s's row
     plan.max_chunks = S;
   } else if (path == MoePath::kGemv) {
+    plan.kernel = MoeKernel::kGemv;
     plan.chunk_rows = moe_chunk_rows(tokens);
     plan.max_chunks = moe_max_chunks(S, experts, plan.chunk_rows);
   } else if (path == MoePath::kGroupedMma) {
+    plan.kernel = MoeKernel::kMmaGrouped;
     plan.chunk_rows = moe_mma_chunk_rows(S, experts, static_cast<int>(bits));
     plan.max_chunks = moe_max_chunks(S, experts, plan.chunk_rows);
     plan.expected_chunks = moe_expected_chunks(S, experts, plan.chunk_rows);
   } else if (path == MoePath::kGroupedWgmma) {
+    plan.kernel = rs ? MoeKernel::kWgmmaRsGrouped : MoeKernel::kWgmmaWsGrouped;
     plan.chunk_rows = rs ? kMoeRsChunkRows : kMoeWsChunkRows;
     plan.max_chunks = moe_max_chunks(S, experts, plan.chunk_rows);
     plan.expected_chunks = moe_expected_chunks(S, experts, plan.chunk_rows);
+  } else {
+    plan.kernel = MoeKernel::kGroupedMm;
   }
   if (hidden <= 0 || intermediate <= 0 || S == 0 || plan.max_chunks == 0) return plan;
   KBIT_CHECK_VALUE(facts.num_sms >= 1, "kbit moe_plan: needs num_sms >= 1 to plan the projections, got ",
                    facts.num_sms);
-  // gate_up: [2I, H] per expert; down: [H, I].
-  const int64_t gu_n = n_tiles_of(2 * intermediate), gu_k = k_tiles_of(hidden);
-  const int64_t dn_n = n_tiles_of(hidden), dn_k = k_tiles_of(intermediate);
-  if (path == MoePath::kGemvDirect || path == MoePath::kGemv) {
-    // The direct GEMV has one CTA row per slot, the routed one one per chunk.
-    const int64_t grid_rows = path == MoePath::kGemvDirect ? S : plan.max_chunks;
-    plan.gate_up = moe_gemv_plan(grid_rows, gu_n, gu_k, facts, forced.gate_up_splits);
-    plan.down = moe_gemv_plan(grid_rows, dn_n, dn_k, facts, forced.down_splits);
-  } else if (path == MoePath::kGroupedMma) {
-    plan.gate_up = moe_grouped_mma_plan(S, experts, plan.chunk_rows, plan.max_chunks, gu_n, gu_k, bits, facts,
-                                        forced.gate_up_row_groups, forced.gate_up_splits);
-    plan.down = moe_grouped_mma_plan(S, experts, plan.chunk_rows, plan.max_chunks, dn_n, dn_k, bits, facts,
-                                     forced.down_row_groups, forced.down_splits);
-  } else if (path == MoePath::kGroupedWgmma) {
-    // One CTA per chunk and pair of n-tiles, no splits: the grid rows and producers are the whole plan.
-    plan.gate_up.m_blocks = plan.down.m_blocks = plan.max_chunks;
-    plan.gate_up.splits = plan.down.splits = 1;
-    plan.gate_up.producers = plan.down.producers = rs ? 0 : ws_producers(bits, forced.producers);
-  }
+  // gate_up: [2I, H] per expert; down: [H, I]. The direct GEMV has one CTA row per slot, the others one per chunk.
+  const int64_t grid_rows = path == MoePath::kGemvDirect ? S : plan.max_chunks;
+  plan.gate_up = moe_proj_plan(plan.kernel, S, experts, plan.chunk_rows, grid_rows, n_tiles_of(2 * intermediate),
+                               k_tiles_of(hidden), bits, facts, forced.gate_up_row_groups, forced.gate_up_splits,
+                               forced.producers);
+  plan.down = moe_proj_plan(plan.kernel, S, experts, plan.chunk_rows, grid_rows, n_tiles_of(hidden),
+                            k_tiles_of(intermediate), bits, facts, forced.down_row_groups, forced.down_splits,
+                            forced.producers);
   return plan;
 }
 
@@ -536,8 +626,8 @@ struct LaunchRing {
 thread_local LaunchRing launch_ring;
 }  // namespace
 
-void record_launch(const char* kernel, int64_t p, int64_t r, int64_t m_blocks, int64_t splits, int64_t producers) {
-  launch_ring.records[launch_ring.count % kLaunchRecords] = {kernel, p, r, m_blocks, splits, producers};
+void record_launch(const LaunchRecord& record) {
+  launch_ring.records[launch_ring.count % kLaunchRecords] = record;
   ++launch_ring.count;
 }
 

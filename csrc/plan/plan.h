@@ -1,8 +1,10 @@
 // The planner: every choice of which kernel runs and how, in one place. From the shapes of a call and
 // the facts of the GPU (queried once per device: SM count, compute capability, and per MMA instance its
 // occupancy and cluster capacity), it decides the dense linear's path, the MMA tile shape (p, r), the
-// K splits of the GEMV and MMA kernels, the routed experts' path, chunk height, chunk counts and each
-// projection's splits / row groups. Launchers take a plan and decide nothing (they validate it).
+// K splits of the GEMV and MMA kernels, every kernel's grid, the GEMV decode, the wgmma_ws producers,
+// programmatic dependent launch, the routed experts' path (fp32: the reference), their projections' kernel
+// (rs or ws for the grouped wgmma), chunk height, chunk counts and each projection's splits / row groups.
+// Launchers take a plan and decide nothing (they validate it and record what they launched).
 // kbit::linear_plan and kbit::moe_plan expose the plans (csrc/ops/dispatch.cpp); the measurements behind
 // every bound and rule are in docs/decisions.md. Host C++ only: no tensors, no kernel symbols (the MMA
 // instance facts come from the MMA launcher, mma.cu).
@@ -28,6 +30,10 @@ constexpr int kMoeChunkRows = 4;      // most rows of one expert a grouped-GEMV 
 constexpr int kMoeWsChunkRows = 256;  // rows of one chunk of the grouped wgmma (wgmma_ws.cu: a CTA's 256 rows of A)
 constexpr int kMoeRsChunkRows = 128;  // ... of its register-operand kernel (wgmma.cu: a CTA's 128 rows, the widest N)
 constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memory counters (2 ints each)
+constexpr int kWgmmaWsTileN = 2;  // runtime n-tiles of one warp-specialized wgmma CTA (wgmma_ws.cu: kWeightRows)
+// Warpgroups of one register-operand wgmma CTA, one runtime n-tile each (wgmma.cu: kWarpGroupsOf): three where
+// the grouped kernel decodes through the table (k <= 4), two elsewhere.
+constexpr int wgmma_rs_warpgroups(int64_t bits, bool grouped) { return grouped && bits <= 4 ? 3 : 2; }
 
 // The (p, r) MMA instances built for every k, dtype and launch kind (dense and grouped): narrow warps
 // (r = 1) at every p, wide ones (4 row groups; 2 at p = 8, where the accumulators fill the registers).
@@ -134,6 +140,11 @@ constexpr bool gemv_table_possible(int64_t bits, int64_t rows) {
 }
 int gemv_table_blocks(int64_t bits, int64_t rows, bool grouped);
 
+// Whether the kernels launched through launch_kernel (launch_utils.cuh: the GEMV, MMA and routing kernels) carry
+// the programmatic-dependent-launch attribute on a GPU of compute capability major sm_major: from sm_90 on,
+// unless VLLM_KBIT_PDL=0. The wgmma kernels, the dequantize kernel and cuBLAS launch without it.
+bool pdl_rule(int64_t sm_major);
+
 // Rows per chunk of the grouped GEMV for T tokens: 1 for T = 1 (a one-row kernel, fewer registers), else
 // kMoeChunkRows.
 int64_t moe_chunk_rows(int64_t tokens);
@@ -167,10 +178,14 @@ LinearPath linear_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
 
 struct LinearPlan {
   LinearPath path;
-  int64_t splits;          // K splits per n-tile (GEMV) or CTA column (MMA); 1 for the other paths
-  int64_t max_splits;      // the most splits the kernel accepts for this weight
-  int64_t p, r, m_blocks;  // the MMA tile shape (MmaConfig); 0 for the other paths
-  int64_t producers;       // wgmma_ws: producer warpgroups (ws_producers); 0 for the other paths
+  int64_t splits = 1;        // K splits per n-tile (GEMV) or CTA column (MMA); 1 for the other paths
+  int64_t max_splits = 1;    // the most splits the kernel accepts for this weight
+  int64_t p = 0, r = 0;      // the MMA tile shape (MmaConfig); 0 for the other paths
+  int64_t m_blocks = 0;      // CTA rows of the kernel's grid (its y); 0 for dequant_cublas
+  int64_t cols = 0;          // CTA columns per K split (the grid's x / splits); 0 for dequant_cublas
+  int64_t producers = 0;     // wgmma_ws: producer warpgroups (ws_producers); 0 for the other paths
+  int64_t table_blocks = 0;  // GEMV: blocks of each k-tile decoded through the table (gemv_table_blocks); else 0
+  bool pdl = false;          // launched as a programmatic dependent (pdl_rule; the GEMV and MMA kernels only)
 };
 
 // -1 for "auto", else the id (LinearPath) of a linear_path_name; anything else raises a one-line ValueError.
@@ -208,11 +223,15 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
 // kGemvDirect: the grouped GEMV without routing (one chunk per slot) and with the combine folded into
 // the down projection: two launches in all (moe_ops.cpp). kGroupedWgmma: the warp-specialized dequant +
 // wgmma kernel over chunks of up to kMoeWsChunkRows rows (Hopper only).
-enum class MoePath : int64_t { kAuto = 0, kGemv = 1, kGroupedMm = 2, kGroupedMma = 3, kGemvDirect = 4, kGroupedWgmma = 5 };
+// kReference: activations no kernel takes (fp32): kbit::fused_moe runs its PyTorch implementation
+// (vllm_kbit/moe.py asks the plan); the planner picks it by dtype, no caller forces it.
+enum class MoePath : int64_t {
+  kAuto = 0, kGemv = 1, kGroupedMm = 2, kGroupedMma = 3, kGemvDirect = 4, kGroupedWgmma = 5, kReference = 6
+};
 
 const char* moe_path_name(MoePath path);
-// "auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct" or "grouped_wgmma"; anything else raises a
-// one-line ValueError.
+// "auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct" or "grouped_wgmma" (the paths a caller may force);
+// anything else raises a one-line ValueError.
 MoePath moe_path_from_name(const std::string& name);
 // The path of an id kbit::_moe_path_id returned (kernels take ids: a `str` argument of a C++ kernel
 // brings libstdc++ stream code into the extension through torch's argument unboxing).
@@ -220,13 +239,28 @@ MoePath moe_path_from_id(int64_t id);
 // The MoE path VLLM_KBIT_MOE_PATH forces, as its id (0: auto, unset).
 int64_t moe_path_override_id();
 
-// One projection of a grouped launch: the GEMV's K splits, or the grouped MMA's tile (p, r), grid rows
-// (m_blocks: the chunk list's length) and K splits, or the grouped wgmma's grid rows and producer
-// warpgroups; 0 where a field does not apply or is not planned.
+// The kernel of each projection of a MoE plan, named as the launchers record it (kbit::_launch_record):
+// "none" (the reference path: nothing launches), "moe_gemv_direct", "moe_gemv", "mma_grouped", "wgmma_rs_grouped"
+// (register operand, wgmma.cu), "wgmma_ws_grouped" (warp-specialized, wgmma_ws.cu) or "grouped_mm".
+enum class MoeKernel : int64_t {
+  kNone = 0, kGemvDirect = 1, kGemv = 2, kMmaGrouped = 3, kWgmmaRsGrouped = 4, kWgmmaWsGrouped = 5, kGroupedMm = 6
+};
+const char* moe_kernel_name(MoeKernel kernel);
+// The kernel of a name moe_kernel_name gives (not "none"); anything else raises a one-line ValueError.
+MoeKernel moe_kernel_from_name(const std::string& name);
+MoeKernel moe_kernel_from_id(int64_t id);
+
+// One projection of a grouped launch: its kernel's grid (m_blocks CTA rows: one per chunk, or per slot for the
+// direct GEMV; cols CTA columns per K split), the GEMV's K splits and decode, the grouped MMA's tile (p, r)
+// and K splits, the grouped wgmma's producer warpgroups (warp-specialized kernel), and whether the kernel
+// launches as a programmatic dependent; 0 where a field does not apply or is not planned.
 struct MoeProjPlan {
   int64_t splits = 0;
   int64_t p = 0, r = 0, m_blocks = 0;
   int64_t producers = 0;
+  int64_t cols = 0;
+  int64_t table_blocks = 0;  // grouped GEMV: blocks of each k-tile decoded through the table (gemv_table_blocks)
+  bool pdl = false;
 };
 
 // What a caller forces instead of the rules (kbit::_fused_moe_cuda, kbit::moe_plan.device, sweeps); 0: the
@@ -242,6 +276,8 @@ struct MoeForced {
 
 struct MoePlan {
   MoePath path;             // never kAuto
+  MoeKernel kernel;         // what each projection launches (kNone for the reference)
+  bool pdl;                 // the routing, gather, SiLU and combine kernels launch as programmatic dependents
   int64_t chunk_rows;       // rows of one expert one CTA multiplies (the routing's chunk height)
   int64_t max_chunks;       // chunk rows the routing allocates (its workspace), bounded by slots; gemv_direct:
                             // the CTA rows of its grid, one per slot (no routing)
@@ -251,20 +287,20 @@ struct MoePlan {
 
 // The plan of kbit::fused_moe for T tokens with top_k picks each over E local experts of k-bit weights
 // (the rules, or what `forced` fixes), hidden size H and intermediate size I (0: the projections are not
-// planned), on the GPU the facts describe (auto takes the grouped wgmma on Hopper only: facts.sm_major == 9).
+// planned), on the GPU the facts describe (auto takes the grouped wgmma on Hopper only: facts.sm_major == 9),
+// for activations of `dtype` (fp32: the reference path, whatever is forced).
 MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, const MoeForced& forced,
-                 int64_t hidden = 0, int64_t intermediate = 0, const DeviceFacts& facts = {});
+                 int64_t hidden = 0, int64_t intermediate = 0, const DeviceFacts& facts = {},
+                 at::ScalarType dtype = at::kBFloat16);
 
-// The grouped MMA's plan for one projection of an expert's [N, K] weights (n_tiles x k_tiles) with
-// `rows` rows of A grouped into chunks of chunk_rows over `experts` experts, in a grid of grid_rows CTA
-// rows; row_groups / splits force r / the split count (0: the rules).
-MoeProjPlan moe_grouped_mma_plan(int64_t rows, int64_t experts, int64_t chunk_rows, int64_t grid_rows, int64_t n_tiles,
-                                 int64_t k_tiles, int64_t bits, const DeviceFacts& facts, int64_t row_groups = 0,
-                                 int64_t splits = 0);
-// The grouped GEMV's plan for one projection: grid_rows CTA rows of n_tiles n-tiles over k_tiles;
-// splits forces the count (0: gemv_splits).
-MoeProjPlan moe_gemv_plan(int64_t grid_rows, int64_t n_tiles, int64_t k_tiles, const DeviceFacts& facts,
-                          int64_t splits = 0);
+// The plan of one grouped projection of an expert's [N, K] weights (n_tiles x k_tiles at k bits) by `kernel`
+// over `rows` rows of A (the slots) grouped into chunks of chunk_rows over `experts` experts, in a grid of
+// grid_rows CTA rows; row_groups / splits / producers force r / the split count / the producer warpgroups
+// (0: the rules; refused where the kernel has no such field). moe_plan plans both projections with it, and
+// kbit::_moe_grouped_linear its one.
+MoeProjPlan moe_proj_plan(MoeKernel kernel, int64_t rows, int64_t experts, int64_t chunk_rows, int64_t grid_rows,
+                          int64_t n_tiles, int64_t k_tiles, int64_t bits, const DeviceFacts& facts,
+                          int64_t row_groups = 0, int64_t splits = 0, int64_t producers = 0);
 
 // ----------------------------------------------------------------------------- what launched
 
@@ -273,9 +309,12 @@ MoeProjPlan moe_gemv_plan(int64_t grid_rows, int64_t n_tiles, int64_t k_tiles, c
 // launches (kbit::_launch_record).
 struct LaunchRecord {
   const char* kernel;
-  int64_t p, r, m_blocks, splits, producers;
+  int64_t p = 0, r = 0, m_blocks = 0, cols = 0, splits = 0, producers = 0, table_blocks = 0;
+  bool pdl = false;
 };
-void record_launch(const char* kernel, int64_t p, int64_t r, int64_t m_blocks, int64_t splits, int64_t producers = 0);
+// Each launcher records the values it launched with (its grid, kernel instance and launch attributes), not
+// its plan's fields, so that the comparison tests the launch.
+void record_launch(const LaunchRecord& record);
 // The launches recorded on this thread since the last call, oldest first (at most kLaunchRecords).
 constexpr int kLaunchRecords = 16;
 int take_launch_records(LaunchRecord* out);

@@ -57,10 +57,14 @@ template <int BITS>
 using RsLut = Lut<kLutBits<BITS>, true>;
 template <int BITS>
 constexpr int rs_lut_bytes(bool grouped) { return rs_uses_lut<BITS>(grouped) ? RsLut<BITS>::kBytes : 0; }
-// Warpgroups per CTA, one runtime n-tile each: 2, or 3 where the table decodes (grouped, k <= 4; the third
-// copies no activations). k = 5's shuffle decode keeps 2: at the 168 registers of 3 it spills.
+// Warpgroups per CTA, one runtime n-tile each (the planner sizes the grid by it: plan.h, wgmma_rs_warpgroups):
+// 2, or 3 where the table decodes (grouped, k <= 4; the third copies no activations). k = 5's shuffle decode
+// keeps 2: at the 168 registers of 3 it spills.
 template <int BITS, bool kGrouped>
-constexpr int kWarpGroupsOf = rs_uses_lut<BITS>(kGrouped) ? 3 : 2;
+constexpr int kWarpGroupsOf = wgmma_rs_warpgroups(BITS, kGrouped);
+static_assert(kWarpGroupsOf<4, true> == 3 && kWarpGroupsOf<5, true> == 2 && kWarpGroupsOf<4, false> == 2 &&
+                  rs_uses_lut<4>(true) && !rs_uses_lut<5>(true) && !rs_uses_lut<4>(false),
+              "three warpgroups exactly where the table decodes");
 constexpr int kCopyThreads = 256;  // the activation copies' threads: the first two warpgroups
 static_assert(kMoeRsChunkRows == kRows, "a grouped chunk is one CTA's activation rows");
 
@@ -349,16 +353,21 @@ __global__ void __launch_bounds__(128 * WG, 1) wgmma_kernel(const __grid_constan
   }
 }
 
-// The activations permuted into the kernel's k order, then the kernel. Dense: q [n_tiles, k_tiles, k, ...];
-// grouped: q [E, n_tiles, k_tiles, k, ...] and chunks from moe_route.
+// The activations permuted into the kernel's k order, then the kernel on the plan's grid of `cols` x `grid_rows`
+// CTAs, validated here. Dense: q [n_tiles, k_tiles, k, ...]; grouped: q [E, n_tiles, k_tiles, k, ...] and chunks
+// from moe_route.
 template <typename T, int BITS>
 void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb,
                   const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C,
-                  const at::Tensor* chunks) {
+                  const at::Tensor* chunks, int64_t grid_rows, int64_t cols, const char* name) {
   const bool grouped = chunks != nullptr;
   const int M = static_cast<int>(A.size(0));
   const int n_tiles = static_cast<int>(q.size(grouped ? 1 : 0)), k_tiles = static_cast<int>(q.size(grouped ? 2 : 1));
-  const int grid_rows = grouped ? static_cast<int>(chunks->size(0)) : (M + kRows - 1) / kRows;
+  const int64_t want_rows = grouped ? chunks->size(0) : (M + kRows - 1) / kRows;
+  const int64_t want_cols = (n_tiles + wgmma_rs_warpgroups(BITS, grouped) - 1) / wgmma_rs_warpgroups(BITS, grouped);
+  KBIT_CHECK(grid_rows == want_rows && cols == want_cols, name, ": the plan's grid ", cols, " x ", grid_rows,
+             " is not the ", want_cols, " x ", want_rows, " CTAs covering ", n_tiles, " n-tiles and ",
+             grouped ? "the chunk list" : "M rows");
   if (M == 0 || grid_rows == 0) return;
   const int Kp = k_tiles * kTileK;
   const cudaStream_t stream = at::cuda::getCurrentCUDAStream();
@@ -382,7 +391,8 @@ void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
   const auto go = [&](auto grouped_c, int bytes) {
     constexpr bool kGrouped = decltype(grouped_c)::value;
     constexpr int WG = kWarpGroupsOf<BITS, kGrouped>;
-    const dim3 grid((n_tiles + WG - 1) / WG, grid_rows);
+    const dim3 grid(static_cast<unsigned>(cols), static_cast<unsigned>(grid_rows));
+    record_launch({name, 0, 0, grid.y, grid.x, 1, 0, 0, false});  // launched without programmatic dependence
     opt_in_shared_memory<wgmma_kernel<T, BITS, kGrouped>>(bytes, A.get_device());
     wgmma_kernel<T, BITS, kGrouped><<<grid, 128 * WG, bytes, stream>>>(prm);
   };
@@ -400,19 +410,24 @@ void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
 
 void launch_wgmma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                   const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
-                  at::Tensor& C) {
+                  at::Tensor& C, const LinearPlan& plan) {
+  KBIT_CHECK(plan.path == LinearPath::kWgmma && plan.splits == 1 && !plan.pdl, "kbit wgmma: the plan (",
+             linear_path_name(plan.path), ") is not the wgmma path's");
   dispatch_type_and_bits(A.scalar_type(), qweight_rt.size(2), "kbit wgmma", [&](auto type, auto bits) {
-    launch_typed<decltype(type), decltype(bits)::value>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, nullptr);
+    launch_typed<decltype(type), decltype(bits)::value>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, nullptr,
+                                                        plan.m_blocks, plan.cols, "wgmma");
   });
 }
 
 void launch_wgmma_rs_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& qweight,
                              const at::Tensor& absmax, const at::Tensor& codebook, int64_t N, int64_t K,
-                             at::Tensor& C) {
+                             at::Tensor& C, const MoeProjPlan& plan) {
+  KBIT_CHECK(plan.splits == 1 && plan.producers == 0 && !plan.pdl, "kbit wgmma_rs_grouped: the plan (splits=",
+             plan.splits, ", producers=", plan.producers, ") is not the register-operand kernel's");
   dispatch_type_and_bits(A.scalar_type(), qweight.size(3), "kbit wgmma_rs_grouped", [&](auto type, auto bits) {
-    launch_typed<decltype(type), decltype(bits)::value>(A, qweight, absmax, codebook, std::nullopt, N, K, C, &chunks);
+    launch_typed<decltype(type), decltype(bits)::value>(A, qweight, absmax, codebook, std::nullopt, N, K, C, &chunks,
+                                                        plan.m_blocks, plan.cols, "wgmma_rs_grouped");
   });
-  record_launch("wgmma_rs_grouped", 0, 0, chunks.size(0), 1);
 }
 
 }  // namespace kbit

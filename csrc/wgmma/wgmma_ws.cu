@@ -398,10 +398,13 @@ __global__ void __launch_bounds__(kThreads<NP>, 1) wgmma_ws_kernel(const __grid_
   }
 }
 
+static_assert(kWeightRows == kWgmmaWsTileN * kTileN, "the planner sizes the grid by kWgmmaWsTileN n-tiles per CTA");
+
 template <typename T, int BITS, int NP>
-void launch_np(const WsParams<T>& prm, int grid_rows, int device) {
+void launch_np(const WsParams<T>& prm, int grid_rows, int cols, int device, const char* name) {
   opt_in_shared_memory<wgmma_ws_kernel<T, BITS, NP>>(smem_bytes<BITS>(), device);
-  const dim3 grid((prm.n_tiles + 1) / 2, grid_rows);
+  const dim3 grid(static_cast<unsigned>(cols), static_cast<unsigned>(grid_rows));
+  record_launch({name, 0, 0, grid.y, grid.x, 1, NP, 0, false});  // launched without programmatic dependence
   wgmma_ws_kernel<T, BITS, NP><<<grid, kThreads<NP>, smem_bytes<BITS>(), at::cuda::getCurrentCUDAStream()>>>(prm);
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
@@ -409,20 +412,26 @@ void launch_np(const WsParams<T>& prm, int grid_rows, int device) {
 // The plan's producer count (k = 5 is built with one: its shuffle decode needs the registers a second
 // producer warpgroup would take).
 template <typename T, int BITS>
-void launch(const WsParams<T>& prm, int grid_rows, int producers, int device) {
+void launch(const WsParams<T>& prm, int grid_rows, int cols, int producers, int device, const char* name) {
   KBIT_CHECK(producers == 1 || (producers == 2 && BITS <= 4), "kbit wgmma_ws: no kernel with ", producers,
              " producer warpgroups for k=", BITS);
   if constexpr (BITS <= 4) {
-    if (producers == 2) return launch_np<T, BITS, 2>(prm, grid_rows, device);
+    if (producers == 2) return launch_np<T, BITS, 2>(prm, grid_rows, cols, device, name);
   }
-  launch_np<T, BITS, 1>(prm, grid_rows, device);
+  launch_np<T, BITS, 1>(prm, grid_rows, cols, device, name);
 }
 
-// Both launches: a dense weight is a stack of one expert without a chunk list (chunks == nullptr).
+// Both launches: a dense weight is a stack of one expert without a chunk list (chunks == nullptr). The plan's
+// grid (cols x grid_rows) must be the one covering the n-tiles and M rows (dense) or the chunk list (grouped).
 void launch_ws(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& codebook,
                const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C, int64_t bits,
-               int64_t n_tiles, int64_t k_tiles, const at::Tensor* chunks, int64_t grid_rows, int64_t producers,
-               const char* what) {
+               int64_t n_tiles, int64_t k_tiles, const at::Tensor* chunks, int64_t grid_rows, int64_t cols,
+               int64_t producers, const char* what, const char* name) {
+  const int64_t want_rows = chunks != nullptr ? chunks->size(0) : (A.size(0) + kActRows - 1) / kActRows;
+  const int64_t want_cols = (n_tiles + kWgmmaWsTileN - 1) / kWgmmaWsTileN;
+  KBIT_CHECK(grid_rows == want_rows && cols == want_cols, what, ": the plan's grid ", cols, " x ", grid_rows,
+             " is not the ", want_cols, " x ", want_rows, " CTAs covering ", n_tiles, " n-tiles and ",
+             chunks != nullptr ? "the chunk list" : "M rows");
   dispatch_type_and_bits(A.scalar_type(), bits, what, [&](auto type, auto k) {
     using T = decltype(type);
     const WsParams<T> prm{reinterpret_cast<const T*>(A.data_ptr()),
@@ -436,7 +445,8 @@ void launch_ws(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, co
                           chunks != nullptr ? reinterpret_cast<const int4*>(chunks->data_ptr<int>()) : nullptr,
                           chunks != nullptr ? q.numel() / q.size(0) / 4 : 0,
                           chunks != nullptr ? a.numel() / a.size(0) / 4 : 0};
-    launch<T, decltype(k)::value>(prm, static_cast<int>(grid_rows), static_cast<int>(producers), A.get_device());
+    launch<T, decltype(k)::value>(prm, static_cast<int>(grid_rows), static_cast<int>(cols), static_cast<int>(producers),
+                                  A.get_device(), name);
   });
 }
 
@@ -444,18 +454,21 @@ void launch_ws(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, co
 
 void launch_wgmma_ws(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                      const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
-                     at::Tensor& C, int64_t producers) {
+                     at::Tensor& C, const LinearPlan& plan) {
+  KBIT_CHECK(plan.path == LinearPath::kWgmmaWs && plan.splits == 1 && !plan.pdl, "kbit wgmma_ws: the plan (",
+             linear_path_name(plan.path), ") is not the wgmma_ws path's");
   launch_ws(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, qweight_rt.size(2), qweight_rt.size(0),
-            qweight_rt.size(1), nullptr, (A.size(0) + kActRows - 1) / kActRows, producers, "kbit wgmma_ws");
+            qweight_rt.size(1), nullptr, plan.m_blocks, plan.cols, plan.producers, "kbit wgmma_ws", "wgmma_ws");
 }
 
 void launch_wgmma_ws_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& qweight,
                              const at::Tensor& absmax, const at::Tensor& codebook, int64_t N, int64_t K,
-                             at::Tensor& C, int64_t producers) {
-  record_launch("wgmma_ws_grouped", 0, 0, chunks.size(0), 1, producers);
+                             at::Tensor& C, const MoeProjPlan& plan) {
+  KBIT_CHECK(plan.splits == 1 && !plan.pdl, "kbit wgmma_ws grouped: the plan (splits=", plan.splits,
+             ") is not the warp-specialized kernel's");
   if (chunks.size(0) == 0) return;
   launch_ws(A, qweight, absmax, codebook, std::nullopt, N, K, C, qweight.size(3), qweight.size(1), qweight.size(2),
-            &chunks, chunks.size(0), producers, "kbit wgmma_ws grouped");
+            &chunks, plan.m_blocks, plan.cols, plan.producers, "kbit wgmma_ws grouped", "wgmma_ws_grouped");
 }
 
 }  // namespace kbit

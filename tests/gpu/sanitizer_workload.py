@@ -86,7 +86,8 @@ def grouped(k: int, quick: bool) -> None:
         S = int(counts.sum())
         route = torch.ops.kbit._moe_route(slot_ids, None, E, 128, torch.ops.kbit._moe_max_chunks(S, E, 128))
         A = torch.randn(S, H, device="cuda", dtype=torch.bfloat16)
-        out = torch.ops.kbit._moe_grouped_linear(A, route[3], route[4], q13, a13, cb, 2 * I, H, 128, 0, 0)
+        rs = torch.ops.kbit._moe_kernel_id("wgmma_rs_grouped")
+        out = torch.ops.kbit._moe_grouped_linear(A, route[3], route[4], q13, a13, cb, 2 * I, H, rs, 128, 0, 0)
         check(f"grouped wgmma (register operand) k={k}", out)
     # The direct GEMV: one token (its automatic path), and several tokens forced (the combine counters).
     gemv_direct = torch.ops.kbit._moe_path_id("gemv_direct")

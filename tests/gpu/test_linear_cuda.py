@@ -22,9 +22,10 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs 
 gpu = [pytest.mark.gpu, requires_cuda]
 
 def _plan(M, N, K, path="auto"):
-    """torch.ops.kbit.linear_plan on this GPU: (path, splits, max_splits, p, r, m_blocks, producers)."""
+    """torch.ops.kbit.linear_plan on this GPU's facts, its fields named (path, splits, max_splits, p, r, ...)."""
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
-    return torch.ops.kbit.linear_plan(M, N, K, torch.bfloat16, props.major, props.multi_processor_count, 1, path)
+    return vllm_kbit.ops.named(torch.ops.kbit.linear_plan, M, N, K, torch.bfloat16, props.major,
+                               props.multi_processor_count, 1, path)
 
 
 # The target shapes of docs/architecture.md ("Target shapes"), as (K, N); the MoE gate_up is the
@@ -130,7 +131,7 @@ def _mma(x, w, bias=None, row_groups=0, splits=0):
 
 def _built_row_groups(M):
     """The r (16-row groups per warp) the MMA kernel is built with at this M (mma_kernel.cuh: launch_bits)."""
-    return [1, 2 if _plan(M, 64, 128, "mma")[3] == 8 else 4]
+    return [1, 2 if _plan(M, 64, 128, "mma").p == 8 else 4]
 
 
 def _random_mma_case(seed):
@@ -141,7 +142,7 @@ def _random_mma_case(seed):
     k = rng.choice(fmt.SUPPORTED_BITS)
     dtype = rng.choice([torch.bfloat16, torch.float16])
     row_groups = rng.choice([0] + _built_row_groups(M))
-    splits = rng.choice([0, 0, rng.randint(1, _plan(M, N, K, "mma")[2])])
+    splits = rng.choice([0, 0, rng.randint(1, _plan(M, N, K, "mma").max_splits)])
     return M, N, K, k, dtype, rng.random() < 0.5, row_groups, splits
 
 
@@ -278,7 +279,7 @@ def test_gemv_every_split_count(N, K, k):
     x = torch.randn(4, K, generator=gen).to(torch.float16).cuda()
     ref = _reference(x, flat, bias)
     for M in (1, 2, 3, 4):
-        for splits in range(0, _plan(M, N, K, "gemv")[2] + 1):
+        for splits in range(0, _plan(M, N, K, "gemv").max_splits + 1):
             _poison_cache(M * N * 2)
             out = _forced(x[:M], w, "gemv", bias, splits=splits)
             _check(out, ref[:M], torch.float16, f"gemv M={M} S={splits}")

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm_kbit import ops
 from vllm_kbit import reference as fmt
 from vllm_kbit.moe import kbit_fused_moe, route_reference, stack_runtime
 
@@ -205,9 +206,14 @@ def test_fp32_activations_run_the_reference():
     ex = Experts(4, 64, 32, 4, gen)
     ids, weights = random_routing(5, 4, 2, gen, "random")
     x = torch.randn(5, 64, generator=gen).cuda()
+    assert ops.named(torch.ops.kbit.moe_plan, 5, 2, 4, 4, "auto", 9, torch.float32).path == "reference"
+    torch.ops.kbit._launch_record()
     out = kbit_fused_moe(x, ids, weights, *ex.args(), ex.I)
+    assert torch.ops.kbit._launch_record()[0] == []  # the plan's reference path: no kernel of ours
     ref = reference(x, ids, weights, ex, None, False)
     assert out.dtype == torch.float32
+    with pytest.raises(ValueError, match="the CUDA kernels support bfloat16 and float16"):
+        torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), ex.I, None, False)
     torch.testing.assert_close(out, ref, atol=1e-4, rtol=1e-4)
 
 
@@ -246,7 +252,7 @@ def test_routing_matches_reference(seed):
     expert_map = None
     if rng.random() < 0.4:
         expert_map = torch.randint(-1, E, (E,), generator=gen, dtype=torch.int32).cuda()
-    gemv_rows = torch.ops.kbit.moe_plan(T, top_k, E, 4, "gemv")[1]
+    gemv_rows = ops.named(torch.ops.kbit.moe_plan, T, top_k, E, 4, "gemv").chunk_rows
     R = rng.choice([gemv_rows, gemv_rows, 4, 8, 16, 64])  # GEMV and grouped-MMA chunk heights
     G = torch.ops.kbit._moe_max_chunks(T * top_k, E, R)
     offsets, pos, slot_of, chunks, num_chunks = torch.ops.kbit._moe_route(ids, expert_map, E, R, G)
@@ -269,6 +275,18 @@ def test_routing_matches_reference(seed):
     unused = chunks.cpu()[len(want):]  # loaded by grouped-GEMV CTAs before they check num_chunks
     assert (unused == torch.tensor([-1, 0, 0, 0], dtype=torch.int32)).all()
     assert S >= n_local
+
+
+# The kernel of _moe_grouped_linear for each chunk height (a MoE plan's kernel: moe_plan's `kernel`).
+KERNEL_OF_ROWS = {1: "moe_gemv", 4: "moe_gemv", 8: "mma_grouped", 16: "mma_grouped", 24: "mma_grouped",
+                  32: "mma_grouped", 64: "mma_grouped", 128: "wgmma_rs_grouped", 256: "wgmma_ws_grouped"}
+
+
+def grouped_linear(A, chunks, num_chunks, ex, N, K, rows, *forced, kernel=None):
+    """kbit::_moe_grouped_linear with the kernel a plan names for `rows`-row chunks (or `kernel`)."""
+    kernel_id = torch.ops.kbit._moe_kernel_id(kernel or KERNEL_OF_ROWS[rows])
+    return torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, kernel_id, rows,
+                                              *forced)
 
 
 @pytest.mark.parametrize("rows", [1, 4, 8, 16, 24, 32, 64, 128, 256])
@@ -297,17 +315,26 @@ def test_grouped_single_projection(rows, M):
              else [(0, 0), (1, 1), (2, wide), (3, 1), (4, wide), (0, 1)])
     for splits, row_groups in cases:
         poison_cache()
-        C = torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, splits,
-                                               row_groups)
+        C = grouped_linear(A, chunks, num_chunks, ex, N, K, rows, splits, row_groups)
         check(C, ref, torch.bfloat16, "gemv" if rows <= 4 else "mma")
-    if rows in (128, 256):  # the grouped wgmmas plan nothing a caller could force
+    # A kernel takes only its own chunk heights (the plan's), not another kernel's.
+    other = "mma_grouped" if rows <= 4 or rows >= 128 else "moe_gemv"
+    with pytest.raises(ValueError, match=f"takes chunks of .* rows, not {rows}$"):
+        grouped_linear(A, chunks, num_chunks, ex, N, K, rows, kernel=other)
+    if rows in (128, 256):  # the grouped wgmmas plan nothing a caller could force but the producers (ws)
         with pytest.raises(ValueError, match="do not apply to the grouped wgmma"):
-            torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, 2)
+            grouped_linear(A, chunks, num_chunks, ex, N, K, rows, 2)
+        if rows == 128:
+            with pytest.raises(ValueError, match="producers apply to the warp-specialized grouped_wgmma kernel"):
+                grouped_linear(A, chunks, num_chunks, ex, N, K, rows, 0, 0, 1)
+        else:
+            C = grouped_linear(A, chunks, num_chunks, ex, N, K, rows, 0, 0, 1)  # one producer warpgroup, forced
+            check(C, ref, torch.bfloat16, "grouped_wgmma")
         return
     with pytest.raises(ValueError, match="splits=5 outside"):  # 5 > the 4 k-tiles
-        torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, 5)
+        grouped_linear(A, chunks, num_chunks, ex, N, K, rows, 5)
     with pytest.raises(ValueError, match="row_groups"):  # 3 row groups per warp: no such instance (GEMV: none)
-        torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, rows, 0, 3)
+        grouped_linear(A, chunks, num_chunks, ex, N, K, rows, 0, 3)
 
 
 @pytest.mark.parametrize("k", [2, 3, 4, 5])
@@ -330,7 +357,7 @@ def test_grouped_register_operand_wgmma_fits_each_chunk(dtype, k):
     starts = [sum(counts[:e]) for e in range(E)]
     ref = torch.cat([A[s : s + c].float() @ ex.W13[e].T for e, (s, c) in enumerate(zip(starts, counts))])
     poison_cache()
-    C = torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, N, K, 128, 0, 0)
+    C = grouped_linear(A, chunks, num_chunks, ex, N, K, 128)
     check(C, ref, dtype, "grouped_wgmma")
 
 

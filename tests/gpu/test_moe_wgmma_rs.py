@@ -17,6 +17,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from child_env import child_env  # noqa: E402
+from vllm_kbit import ops  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
@@ -36,8 +37,10 @@ def test_routed_suites_on_each_grouped_wgmma_kernel(kernel):
 
 def test_the_rule_picks_the_kernel_by_rows_per_expert_and_a_forced_producer_count_picks_ws():
     def plan(tokens, **forced):
-        p = torch.ops.kbit.moe_plan.device(tokens, 8, 128, 4, 2048, 768, torch.device("cuda"), "grouped_wgmma", **forced)
-        return p[1], p[4][-1]  # chunk rows, gate_up producers
+        p = ops.named(torch.ops.kbit.moe_plan.device, tokens, 8, 128, 4, 2048, 768, torch.device("cuda"),
+                      "grouped_wgmma", **forced)
+        assert p.kernel == {128: "wgmma_rs_grouped", 256: "wgmma_ws_grouped"}[p.chunk_rows], p
+        return p.chunk_rows, p.gate_up_producers
 
     assert plan(768) == (128, 0) and plan(2048)[0] == 128  # 48 and 128 slots per expert (k = 4)
     assert plan(2049)[0] == 256 and plan(4096)[0] == 256 and plan(4096)[1] > 0

@@ -1,12 +1,18 @@
 """The planner's answer is what launches (csrc/plan/plan.h): over a sweep of shapes, bits, dtypes and paths,
 kbit::linear_plan.device and kbit::moe_plan.device on this GPU against the configuration the launchers
-recorded (kbit::_launch_record: kernel, p, r, grid rows, K splits of every launch since the last call)."""
+recorded (kbit::_launch_record: of every launch since the last call the kernel, its tile (p, r), grid (CTA rows,
+CTA columns per split), K splits, producer warpgroups, GEMV decode (table blocks) and whether it launched as a
+programmatic dependent)."""
+
+import collections
+import functools
 
 import pytest
 import torch
 
+from vllm_kbit import ops
 from test_linear_cuda import DESIGN_SHAPES, _random_weight  # a sibling: pytest puts tests/gpu on sys.path
-from test_moe_cuda import Experts, random_routing
+from test_moe_cuda import KERNEL_OF_ROWS, Experts, random_routing
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -15,9 +21,32 @@ DEVICE = torch.device("cuda", 0)
 MS = (1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 100, 128, 129, 300, 512, 513)
 
 
+@functools.cache
+def launch_type():
+    """Launch(kernel, p, r, m_blocks, cols, splits, producers, table_blocks, pdl): kbit::_launch_record's return
+    names (asked when a test runs: CPU-only collections import this module without the extension)."""
+    return collections.namedtuple("Launch", [r.name for r in torch.ops.kbit._launch_record.default._schema.returns])
+
+
+def Launch(*fields):
+    return launch_type()(*fields)
+
+
+def plan_fields():
+    return launch_type()._fields[1:]  # every field but the kernel is a plan field of the same name
+
+
 def launched():
-    """The launches since the last call, as (kernel, p, r, m_blocks, splits, producers) tuples."""
-    return list(zip(*torch.ops.kbit._launch_record()))
+    """The launches since the last call, as Launch tuples."""
+    return [Launch(*fields) for fields in zip(*torch.ops.kbit._launch_record())]
+
+
+def linear_plan(*args):
+    return ops.named(torch.ops.kbit.linear_plan.device, *args)
+
+
+def moe_plan(*args):
+    return ops.named(torch.ops.kbit.moe_plan.device, *args)
 
 
 def forced(x, w, path, row_groups=0, splits=0, producers=0):
@@ -28,12 +57,8 @@ def forced(x, w, path, row_groups=0, splits=0, producers=0):
 
 
 def expected_linear(plan):
-    path, splits, _, p, r, m_blocks, producers = plan
-    if path == "gemv":
-        return [("gemv", 0, 0, 0, splits, 0)]
-    if path == "mma":
-        return [("mma", p, r, m_blocks, splits, 0)]
-    return [(path, 0, 0, 0, 1, producers)]
+    """The one launch of a dense plan: its path's kernel with the plan's fields."""
+    return [Launch(plan.path, *(getattr(plan, f) for f in plan_fields()))]
 
 
 def _weights():
@@ -48,23 +73,26 @@ def _weights():
 def test_linear_launches_its_plan(dtype):
     torch.cuda.set_device(DEVICE)
     props = torch.cuda.get_device_properties(DEVICE)
+    pdl = torch.ops.kbit._pdl_enabled()
     launched()
     for K, N, k, w in _weights():
         for M in MS:
-            plan = torch.ops.kbit.linear_plan.device(M, N, K, dtype, k, DEVICE)
+            plan = linear_plan(M, N, K, dtype, k, DEVICE)
             x = torch.randn(M, K, dtype=dtype, device=DEVICE)
             torch.ops.kbit.linear(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None)
             got = launched()
             assert got == expected_linear(plan), (M, N, K, k, dtype, plan)
-            # The plan on given facts agrees but for the MMA split count (it cannot see cluster capacities).
-            given = torch.ops.kbit.linear_plan(M, N, K, dtype, props.major, props.multi_processor_count)
-            # (and the wgmma_ws producer count at k = 5, and so its path at M = 33..64 on >= 2^25 weights, not
-            # among these: given facts name no k)
-            assert given[0] == plan[0] and given[2:6] == plan[2:6], (M, N, K, given, plan)
-            if plan[0] == "wgmma_ws":
-                assert plan[6] == (1 if k == 5 else 2), (M, N, K, k, plan)
-            if plan[0] == "gemv":
-                assert given[1] == plan[1]
+            # PDL: the GEMV and MMA kernels as the GPU allows, the wgmma kernels and cuBLAS never.
+            assert plan.pdl == (pdl and plan.path in ("gemv", "mma")), plan
+            # The plan on given facts with the same k agrees but for the MMA split count (it cannot see
+            # cluster capacities).
+            given = ops.named(torch.ops.kbit.linear_plan, M, N, K, dtype, props.major, props.multi_processor_count, 1,
+                              "auto", k)
+            assert (given._replace(splits=plan.splits) if plan.path == "mma" else given) == plan, (given, plan)
+            if plan.path == "wgmma_ws":
+                assert plan.producers == (1 if k == 5 else 2), (M, N, K, k, plan)
+            if plan.path == "gemv":
+                assert plan.table_blocks == {2: 0, 3: 4, 4: 3 if M == 1 else 4, 5: 0}[k], (M, k, plan)
 
 
 def test_large_weights_take_the_warp_specialized_wgmma_from_33_rows_where_it_has_two_producers():
@@ -75,10 +103,10 @@ def test_large_weights_take_the_warp_specialized_wgmma_from_33_rows_where_it_has
     N, K = 8192, 4096
     for k in (2, 3, 4, 5):
         w = _random_weight(N, K, k, gen)[0]
-        assert torch.ops.kbit.linear_plan.device(32, N, K, torch.bfloat16, k, DEVICE)[0] == "mma"
+        assert linear_plan(32, N, K, torch.bfloat16, k, DEVICE).path == "mma"
         for M in (33, 47, 64):
-            plan = torch.ops.kbit.linear_plan.device(M, N, K, torch.bfloat16, k, DEVICE)
-            assert plan[0] == ("mma" if k == 5 else "wgmma_ws"), (M, k, plan)
+            plan = linear_plan(M, N, K, torch.bfloat16, k, DEVICE)
+            assert plan.path == ("mma" if k == 5 else "wgmma_ws"), (M, k, plan)
             x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
             launched()
             out = torch.ops.kbit.linear(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None)
@@ -96,20 +124,20 @@ def test_forced_linear_launches_its_plan():
             continue
         for M in (1, 3, 8, 9, 20, 40, 64, 200):
             x = torch.randn(M, K, dtype=torch.bfloat16, device=DEVICE)
-            p = torch.ops.kbit.linear_plan.device(M, N, K, torch.bfloat16, k, DEVICE, "mma")[3]
+            p = linear_plan(M, N, K, torch.bfloat16, k, DEVICE, "mma").p
             k_tiles = -(-K // 128)
             for row_groups in (0, 1, 2 if p == 8 else 4):
                 for splits in (0, 1, 2, 8):
                     if splits > k_tiles:
                         continue
-                    plan = torch.ops.kbit.linear_plan.device(M, N, K, torch.bfloat16, k, DEVICE, "mma", row_groups, splits)
+                    plan = linear_plan(M, N, K, torch.bfloat16, k, DEVICE, "mma", row_groups, splits)
                     forced(x, w, "mma", row_groups, splits)
                     assert launched() == expected_linear(plan), (M, N, K, k, row_groups, splits, plan)
             if M <= 4:
                 for splits in (0, 1, 3):
                     if splits > k_tiles:
                         continue
-                    plan = torch.ops.kbit.linear_plan.device(M, N, K, torch.bfloat16, k, DEVICE, "gemv", 0, splits)
+                    plan = linear_plan(M, N, K, torch.bfloat16, k, DEVICE, "gemv", 0, splits)
                     forced(x, w, "gemv", 0, splits)
                     assert launched() == expected_linear(plan), (M, N, K, k, splits, plan)
 
@@ -122,26 +150,32 @@ def test_forced_paths_launch_their_kernel():
     for M in (1, 80, 300):
         x = torch.randn(M, 2048, dtype=torch.bfloat16, device=DEVICE)
         for path in ("wgmma", "wgmma_ws", "dequant_cublas", "mma") + (("gemv",) if M == 1 else ()):
-            plan = torch.ops.kbit.linear_plan.device(M, 10240, 2048, torch.bfloat16, 4, DEVICE, path)
+            plan = linear_plan(M, 10240, 2048, torch.bfloat16, 4, DEVICE, path)
             forced(x, w, path)
             assert launched() == expected_linear(plan), (M, path, plan)
-        plan = torch.ops.kbit.linear_plan.device(M, 10240, 2048, torch.bfloat16, 4, DEVICE, "wgmma_ws", 0, 0, 1)
+            if path in ("wgmma", "wgmma_ws"):  # a CTA per 128 (256) rows and 2 n-tiles of the 160
+                assert (plan.m_blocks, plan.cols) == (-(-M // (128 if path == "wgmma" else 256)), 80), plan
+        plan = linear_plan(M, 10240, 2048, torch.bfloat16, 4, DEVICE, "wgmma_ws", 0, 0, 1)
         forced(x, w, "wgmma_ws", producers=1)
-        assert plan[6] == 1 and launched() == expected_linear(plan), (M, plan)
+        assert plan.producers == 1 and launched() == expected_linear(plan), (M, plan)
     with pytest.raises(ValueError, match="producers apply to the wgmma_ws path only"):
         forced(x, w, "wgmma", producers=1)
     with pytest.raises(ValueError, match="producers=3 is not built for k=4"):
         forced(x, w, "wgmma_ws", producers=3)
 
 
-def expected_moe(plan):
-    path, chunk_rows, _, _, gate_up, down = plan
-    if path == "grouped_mm":
-        return [("grouped_mm", 0, 0, 0, 0, 0)]
-    kernel = {"gemv_direct": "moe_gemv_direct", "gemv": "moe_gemv", "grouped_mma": "mma_grouped",
-              "grouped_wgmma": "wgmma_rs_grouped" if chunk_rows == 128 else "wgmma_ws_grouped"}[path]
-    return [(kernel, proj[1], proj[2], proj[3], proj[0], proj[4]) for proj in (gate_up, down)]
+def proj_launch(plan, proj):
+    """The launch of one projection of a MoE plan: the plan's kernel with the projection's fields."""
+    return Launch(plan.kernel, *(getattr(plan, f"{proj}_{f}") for f in plan_fields()))
 
+
+def expected_moe(plan):
+    if plan.path == "grouped_mm":  # dequantize + cuBLAS: one record, no grid of ours
+        return [Launch("grouped_mm", *(0,) * (len(plan_fields()) - 1), False)]
+    return [proj_launch(plan, proj) for proj in ("gate_up", "down")]
+
+
+GEMV_MMA = ("moe_gemv_direct", "moe_gemv", "mma_grouped")  # the kernels that launch as programmatic dependents
 
 # (E, top_k, H, I): tiny, Qwen3-30B-A3B-like, GLM-4.7-Flash-like and a 4-expert rank.
 MOE_SHAPES = [(8, 2, 128, 64), (128, 8, 2048, 768), (64, 4, 2048, 1536), (4, 2, 512, 256)]
@@ -151,20 +185,23 @@ MOE_SHAPES = [(8, 2, 128, 64), (128, 8, 2048, 768), (64, 4, 2048, 1536), (4, 2, 
 def test_fused_moe_launches_its_plan(E, top_k, H, I):
     torch.cuda.set_device(DEVICE)
     gen = torch.Generator().manual_seed(E + H)
+    sm_major = torch.cuda.get_device_capability(DEVICE)[0]
+    pdl = torch.ops.kbit._pdl_enabled()
     for k in (2, 3, 4, 5) if H * I <= 512 * 256 else (2, 4, 5):
         ex = Experts(E, H, I, k, gen)
         for T in (1, 2, 3, 8, 16, 33, 64, 256, 1024, 2048):
             x = torch.randn(T, H, dtype=torch.bfloat16, generator=gen).cuda() / 4
             ids, weights = random_routing(T, E, top_k, gen, "random")
             for path in ("auto", "gemv_direct", "gemv", "grouped_mma", "grouped_mm", "grouped_wgmma"):
-                plan = torch.ops.kbit.moe_plan.device(T, top_k, E, k, H, I, DEVICE, path)
+                plan = moe_plan(T, top_k, E, k, H, I, DEVICE, path)
                 launched()
                 path_id = torch.ops.kbit._moe_path_id(path)
                 torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, None, False, path_id)
                 assert launched() == expected_moe(plan), (T, top_k, E, H, I, k, path, plan)
-                # The plan without sizes names the same path and routing workspace.
-                sm_major = torch.cuda.get_device_capability(DEVICE)[0]
-                assert torch.ops.kbit.moe_plan(T, top_k, E, k, path, sm_major) == plan[:3]
+                assert plan.pdl == pdl and plan.gate_up_pdl == (pdl and plan.kernel in GEMV_MMA), plan
+                # The plan without sizes names the same path, kernel, routing workspace and PDL.
+                host = ops.named(torch.ops.kbit.moe_plan, T, top_k, E, k, path, sm_major)
+                assert tuple(host) == tuple(getattr(plan, f) for f in host._fields), (host, plan)
 
 
 # Forced fields per path: (path, gate_up_splits, down_splits, gate_up_row_groups, down_row_groups, producers).
@@ -187,19 +224,20 @@ def test_forced_fused_moe_launches_its_plan():
             ids, weights = random_routing(T, E, top_k, gen, "random")
             ref = torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, None, False, 0).float()
             for path, *fields in MOE_FORCED:
-                wide = 2 if torch.ops.kbit.moe_plan.device(T, top_k, E, k, H, I, DEVICE, path)[4][1] == 8 else 4
+                wide = 2 if moe_plan(T, top_k, E, k, H, I, DEVICE, path).gate_up_p == 8 else 4
                 fields = [wide if f == "W" else f for f in fields]
                 if path == "grouped_wgmma" and (torch.cuda.get_device_capability(DEVICE)[0] != 9 or
                                                 (k == 5 and fields[4] == 2)):
                     continue
-                plan = torch.ops.kbit.moe_plan.device(T, top_k, E, k, H, I, DEVICE, path, *fields)
+                plan = moe_plan(T, top_k, E, k, H, I, DEVICE, path, *fields)
                 launched()
                 out = torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, None, False,
                                                      torch.ops.kbit._moe_path_id(path), *fields)
                 assert launched() == expected_moe(plan), (T, k, path, fields, plan)
-                for proj, s, rg in ((plan[4], fields[0], fields[2]), (plan[5], fields[1], fields[3])):
-                    assert (s == 0 or proj[0] == s) and (rg == 0 or proj[2] == rg), (path, fields, plan)
-                assert fields[4] == 0 or plan[4][4] == plan[5][4] == fields[4], (path, fields, plan)
+                for proj, s, rg in (("gate_up", fields[0], fields[2]), ("down", fields[1], fields[3])):
+                    launch = proj_launch(plan, proj)
+                    assert (s == 0 or launch.splits == s) and (rg == 0 or launch.r == rg), (path, fields, plan)
+                assert fields[4] == 0 or plan.gate_up_producers == plan.down_producers == fields[4], (path, fields, plan)
                 err = (out.float() - ref).abs().max().item() / ref.abs().max().item()
                 assert err < 0.05, (T, k, path, fields, err)
     x, ids, weights = x[:8], ids[:8], weights[:8]
@@ -212,3 +250,27 @@ def test_forced_fused_moe_launches_its_plan():
     with pytest.raises(ValueError, match="row_groups=3 is not a built grouped MMA shape"):
         torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, None, False,
                                        torch.ops.kbit._moe_path_id("grouped_mma"), 0, 0, 3, 0, 0)
+
+
+@pytest.mark.parametrize("path", ["gemv", "grouped_mma", "grouped_wgmma"])
+def test_grouped_linear_launches_the_plans_projection(path):
+    """kbit::_moe_grouped_linear takes a plan's kernel and chunk height and plans nothing else itself: routed with
+    the plan's chunk list, its gate_up launch is the plan's gate_up projection (moe_plan.device), at every k."""
+    if path == "grouped_wgmma" and torch.cuda.get_device_capability(DEVICE)[0] != 9:
+        pytest.skip("the grouped wgmma is built for Hopper")
+    torch.cuda.set_device(DEVICE)
+    gen = torch.Generator().manual_seed(4)
+    E, top_k, H, I = 16, 4, 512, 256
+    for k in (2, 3, 4, 5):
+        ex = Experts(E, H, I, k, gen)
+        for T in (2, 40, 300, 1500):
+            plan = moe_plan(T, top_k, E, k, H, I, DEVICE, path)
+            ids, _ = random_routing(T, E, top_k, gen, "random")
+            _, _, slot_of, chunks, num_chunks = torch.ops.kbit._moe_route(ids, None, E, plan.chunk_rows,
+                                                                          plan.max_chunks)
+            assert KERNEL_OF_ROWS[plan.chunk_rows] == plan.kernel, plan
+            A = torch.randn(T * top_k, H, generator=gen).to(torch.bfloat16).cuda()
+            launched()
+            torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, 2 * I, H,
+                                               torch.ops.kbit._moe_kernel_id(plan.kernel), plan.chunk_rows)
+            assert launched() == [proj_launch(plan, "gate_up")], (T, k, plan)
