@@ -17,6 +17,7 @@
 #include <cuda_fp16.h>
 
 #include "launch_utils.cuh"
+#include "plan.h"
 #include "rotate.h"
 
 namespace kbit {
@@ -112,9 +113,11 @@ void launch_typed(const at::Tensor& x2, const at::Tensor& signs, int64_t block, 
   const T* xp = reinterpret_cast<const T*>(x2.data_ptr());
   T* op = reinterpret_cast<T*>(out2.data_ptr());
   const float* sp = signs.data_ptr<float>();
+  // A programmatic dependent where the planner's rule says so: the next GEMM's weight fetch overlaps this kernel.
+  const bool pdl = pdl_rule(device_facts(x2.get_device()).sm_major);
   auto go = [&](auto b) {
     constexpr int B = decltype(b)::value;
-    launch_kernel(rotate_kernel<T, B>, grid, dim3(kRotateWarps * 32), 0, stream, 0, xp, x2.stride(0), sp, op, M, K, inverse);
+    launch_kernel(rotate_kernel<T, B>, grid, dim3(kRotateWarps * 32), 0, stream, 0, pdl, xp, x2.stride(0), sp, op, M, K, inverse);
   };
   switch (block) {
     case 2: return go(std::integral_constant<int, 2>{});
