@@ -95,7 +95,7 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
   const MoeForced forced{moe_path_from_id(path_id), gate_up_splits, down_splits, gate_up_row_groups, down_row_groups,
                          producers};
   const MoePlan plan = moe_plan(T, top_k, E, k, forced, H, I, facts, x.scalar_type());
-  KBIT_CHECK(plan.path != MoePath::kReference, "kbit fused_moe: x has dtype ", x.scalar_type(),
+  KBIT_CHECK_TYPE(plan.path != MoePath::kReference, "kbit fused_moe: x has dtype ", x.scalar_type(),
              "; the CUDA kernels support bfloat16 and float16");
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0 || top_k == 0) return out.zero_();
