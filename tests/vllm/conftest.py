@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 from kbit_e2e import MIXED, ONLINE, TEXT_PROMPTS, run_engine, settings_of
 
-from vllm_kbit.testing import tiny_models
+from kbit_dev import tiny_models
 
 
 @pytest.fixture(scope="session", autouse=True)

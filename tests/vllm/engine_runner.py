@@ -15,6 +15,9 @@ import json
 import os
 import sys
 
+# kbit_dev (the checkout's fixtures) from the repository root; this runs as a script in tests/vllm.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
 
 def main(spec_path: str, out_path: str) -> None:
     os.environ.setdefault("VLLM_ALLOW_INSECURE_SERIALIZATION", "1")  # apply_model pickles the probe functions
@@ -32,7 +35,7 @@ def main(spec_path: str, out_path: str) -> None:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     from vllm import LLM
 
-    from vllm_kbit.vllm.compat import shutdown_engine
+    from kbit_dev.engine import shutdown_engine
 
     with open(spec_path) as f:
         spec = json.load(f)

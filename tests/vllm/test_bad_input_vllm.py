@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from vllm_kbit.cli import main as cli_main
 from vllm_kbit.convert import ConvertError, convert
 from vllm_kbit.settings import KbitSettings
-from vllm_kbit.testing import tiny_models
+from kbit_dev import tiny_models
 
 from kbit_e2e import assert_every_layer_accounted_for, load_summaries, online_kwargs, run_engine, settings_of
 

@@ -31,7 +31,6 @@ def test_installed_vllm_is_in_the_supported_range():
     from vllm_kbit.vllm import compat
 
     assert compat.OLDEST_SUPPORTED <= compat.VLLM_VERSION <= compat.NEWEST_TESTED
-    assert compat.LLM.__name__ == "LLM" and compat.TokensPrompt is not None
 
 
 def test_cpu_select_experts_is_softmax_top_k():

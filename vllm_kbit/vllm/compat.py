@@ -89,7 +89,6 @@ __all__ = [
     "register_weight_loader_v2_supported_method",
     "replace_parameter",
     "set_weight_attrs",
-    "shutdown_engine",
 ]
 
 
@@ -162,36 +161,3 @@ def _first_attribute(name: str, modules: tuple[str, ...]):
         if hasattr(mod, name):
             return getattr(mod, name)
     raise ImportError(f"vllm-kbit: vLLM {vllm.__version__} has no {name} in any of {', '.join(modules)}")
-
-
-def shutdown_engine(llm) -> None:
-    """Stops an ``LLM``'s engine and joins vLLM's output thread while the interpreter is still fully alive.
-
-    Left to itself, vLLM stops the engine from a finalizer at interpreter exit and does not wait for its
-    daemon thread ``EngineCoreOutputQueueThread``. If that thread frees its last outputs (which hold
-    tensors) after the interpreter has started finalizing, torch's dealloc re-takes the GIL, CPython ends
-    the thread with ``pthread_exit``, and the unwind through a noexcept C++ frame calls std::terminate:
-    the process aborts (rc -6, "terminate called without an active exception") although its output was
-    complete. A race at process exit, not specific to any model or quantization; joining the thread here
-    removes it. Also frees the engine's memory before another engine starts in the same process.
-    """
-    client = llm.llm_engine.engine_core
-    client.shutdown()
-    thread = getattr(client, "output_queue_thread", None)
-    if thread is not None:
-        thread.join(timeout=60)
-
-
-# The offline-inference entry points, imported on first use (``from vllm import LLM`` loads the engine).
-_LAZY = {
-    "LLM": ("vllm", "LLM"),
-    "SamplingParams": ("vllm", "SamplingParams"),
-    "TokensPrompt": ("vllm.inputs", "TokensPrompt"),
-}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
