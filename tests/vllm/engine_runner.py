@@ -1,7 +1,8 @@
 """Runs one vLLM engine in its own process for the tests: ``python engine_runner.py SPEC.json OUT.json``.
 
 SPEC: {"model": dir, "llm_kwargs": {...}, "prompts": [[token ids]...], "text_prompts": [str...],
-       "max_tokens": n, "logprobs": n, "probes": [[token ids]...]}
+       "max_tokens": n, "logprobs": n, "probes": [[token ids]...],
+       "loras": [adapter dirs], "prompt_loras": [index into loras or -1, per prompt and per probe]}
 OUT:  {"tokens": [[ids]], "logprobs": [[{id: logprob}]], "texts": [str], "layers": {name: info},
        "probes": [{"argmax": [ids], "logprob": [floats]}], "memory": {VmHWM, ...}}
 
@@ -63,6 +64,7 @@ def main(spec_path: str, out_path: str) -> None:
 def run(llm, spec: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     from vllm_kbit.vllm.inspect import layer_summary, process_memory
 
@@ -72,13 +74,18 @@ def run(llm, spec: dict) -> dict:
         max_tokens=spec.get("max_tokens", 16), temperature=0.0, logprobs=spec.get("logprobs", 5), ignore_eos=True
     )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec.get("prompts", [])] + spec.get("text_prompts", [])
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    # LoRA: each prompt (and probe) i with adapter prompt_loras[i] (-1: none), all in one batch.
+    loras = [LoRARequest(f"adapter{i}", i + 1, path) for i, path in enumerate(spec.get("loras", []))]
+    lora_of = [loras[i] if i >= 0 else None for i in spec.get("prompt_loras", [])]
+    outputs = llm.generate(prompts, params, use_tqdm=False, **({"lora_request": lora_of + [None] * (
+        len(prompts) - len(lora_of))} if loras else {}))
     # Teacher-forced probes: on fixed token sequences, the model's greedy (argmax) next token and the
     # logprob of the actual next token at every position, independent of what the model generated.
     probe_out = llm.generate(
         [TokensPrompt(prompt_token_ids=p) for p in spec.get("probes", [])],
         SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
         use_tqdm=False,
+        **({"lora_request": lora_of} if loras else {}),
     ) if spec.get("probes") else []
     probes = []
     for o, seq in zip(probe_out, spec.get("probes", [])):
