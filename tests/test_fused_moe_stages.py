@@ -63,3 +63,44 @@ def test_hooks_see_each_slot_and_their_additions_count():
     torch.testing.assert_close(got.float(), want, atol=3e-2, rtol=3e-2)
     plain = fused_moe_stages(x, ids, weights, *_pack(w13, w2), w13[0].codebook, I)
     assert (got.float() - plain.float()).abs().max() > 0.1  # the deltas changed the result
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("T", [1, 3, 16, 300, 2048])
+@pytest.mark.parametrize("expert_map", [None, "half"])
+def test_cuda_stages_equal_the_fused_op(T, expert_map):
+    """On CUDA the stages run the fused op's routing and grouped kernels (at the planner's chunk height, the grouped
+    MMA where the plan routes no chunks): equal to the fused op up to bf16 rounding of the intermediate results,
+    at decode (GEMV plans), medium and prefill (grouped wgmma) sizes, with and without an expert map. Also inside a
+    CUDA graph."""
+    from vllm_kbit import ops
+
+    if not ops.HAS_CUDA_KERNELS:
+        pytest.skip("the CUDA extension is not built")
+    import vllm_kbit
+
+    gen = torch.Generator().manual_seed(T)
+    E, H, I, top_k, k = 16, 256, 128, 4, 4
+    w13 = [vllm_kbit.quantize((torch.randn(2 * I, H, generator=gen) * 0.05).to(torch.bfloat16), k) for _ in range(E)]
+    w2 = [vllm_kbit.quantize((torch.randn(H, I, generator=gen) * 0.05).to(torch.bfloat16), k) for _ in range(E)]
+    emap = None
+    if expert_map == "half":  # this rank holds the odd global experts of 2 E
+        emap = torch.full((2 * E,), -1, dtype=torch.int32)
+        emap[1::2] = torch.arange(E, dtype=torch.int32)
+        emap = emap.cuda()
+    packed = [t.cuda() for t in _pack(w13, w2)]
+    cb = w13[0].codebook.cuda()
+    x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
+    ids = torch.stack([torch.randperm(E * (2 if emap is not None else 1), generator=gen)[:top_k]
+                       for _ in range(T)]).to(torch.int32).cuda()
+    weights = torch.softmax(torch.randn(T, top_k, generator=gen), -1).cuda()
+    want = kbit_fused_moe(x, ids, weights, *packed, cb, I, emap, False)
+    got = fused_moe_stages(x, ids, weights, *packed, cb, I, emap)
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+    graph, out = torch.cuda.CUDAGraph(), None
+    fused_moe_stages(x, ids, weights, *packed, cb, I, emap)  # warm-up outside the graph
+    with torch.cuda.graph(graph):
+        out = fused_moe_stages(x, ids, weights, *packed, cb, I, emap)
+    graph.replay()
+    torch.testing.assert_close(out, got)

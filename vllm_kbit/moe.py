@@ -204,6 +204,8 @@ def fused_moe_stages(
     E = w13_qweight.shape[0]
     S = T * top_k
     ids = topk_ids.reshape(-1)
+    if S == 0:
+        return torch.zeros_like(x)
     if x.is_cuda and ops.HAS_CUDA_KERNELS and x.dtype != torch.float32:
         project = _cuda_projections(x, ids, w13_qweight, codebook, H, I, E, expert_map)
         h13 = project(x, ids_to_token=top_k, q=w13_qweight, a=w13_absmax, N=2 * I, K=H)

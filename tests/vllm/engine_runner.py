@@ -2,7 +2,8 @@
 
 SPEC: {"model": dir, "llm_kwargs": {...}, "prompts": [[token ids]...], "text_prompts": [str...],
        "max_tokens": n, "logprobs": n, "probes": [[token ids]...],
-       "loras": [adapter dirs], "prompt_loras": [index into loras or -1, per prompt and per probe]}
+       "loras": [adapter dirs], "prompt_loras": [index into loras or -1, per prompt and per probe],
+       "probe_by_prefix": bool (probes from one request per prefix instead of prompt_logprobs)}
 OUT:  {"tokens": [[ids]], "logprobs": [[{id: logprob}]], "texts": [str], "layers": {name: info},
        "probes": [{"argmax": [ids], "logprob": [floats]}], "memory": {VmHWM, ...}}
 
@@ -81,19 +82,8 @@ def run(llm, spec: dict) -> dict:
         len(prompts) - len(lora_of))} if loras else {}))
     # Teacher-forced probes: on fixed token sequences, the model's greedy (argmax) next token and the
     # logprob of the actual next token at every position, independent of what the model generated.
-    probe_out = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in spec.get("probes", [])],
-        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
-        use_tqdm=False,
-        **({"lora_request": lora_of} if loras else {}),
-    ) if spec.get("probes") else []
-    probes = []
-    for o, seq in zip(probe_out, spec.get("probes", [])):
-        argmax, actual = [], []
-        for pos, step in enumerate(o.prompt_logprobs[1:], start=1):
-            argmax.append(next(t for t, lp in step.items() if lp.rank == 1))
-            actual.append(step[seq[pos]].logprob)
-        probes.append({"argmax": argmax, "logprob": actual})
+    probes = (probe_prefixes if spec.get("probe_by_prefix") else probe_prompt_logprobs)(
+        llm, spec.get("probes", []), lora_of if loras else None)
     return {
         "probes": probes,
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
@@ -105,6 +95,51 @@ def run(llm, spec: dict) -> dict:
         "layers_per_rank": layers,
         "memory": memory[0],
     }
+
+
+def probe_prompt_logprobs(llm, probes: list[list[int]], lora_of) -> list[dict]:
+    """The probes from one request each (prompt_logprobs): at every position the greedy next token and the logprob
+    of the actual one."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if not probes:
+        return []
+    out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probes],
+                       SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False,
+                       **({"lora_request": lora_of} if lora_of else {}))
+    result = []
+    for o, seq in zip(out, probes):
+        argmax, actual = [], []
+        for pos, step in enumerate(o.prompt_logprobs[1:], start=1):
+            argmax.append(next(t for t, lp in step.items() if lp.rank == 1))
+            actual.append(step[seq[pos]].logprob)
+        result.append({"argmax": argmax, "logprob": actual})
+    return result
+
+
+def probe_prefixes(llm, probes: list[list[int]], lora_of) -> list[dict]:
+    """The same probes from one request per prefix (seq[:pos] -> one token with the whole distribution's logprobs):
+    for engines where prompt_logprobs cannot run (vLLM's LoRA logits processor on its CPU build fails on prompt
+    logprobs). Needs the engine's max_logprobs at the vocabulary size."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    prompts, loras, where = [], [], []
+    for i, seq in enumerate(probes):
+        for pos in range(1, len(seq)):
+            prompts.append(TokensPrompt(prompt_token_ids=seq[:pos]))
+            loras.append(lora_of[i] if lora_of else None)
+            where.append((i, pos))
+    out = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, logprobs=vocab), use_tqdm=False,
+                       **({"lora_request": loras} if lora_of else {}))
+    result = [{"argmax": [], "logprob": []} for _ in probes]
+    for o, (i, pos) in zip(out, where):
+        step = o.outputs[0].logprobs[0]
+        result[i]["argmax"].append(o.outputs[0].token_ids[0])
+        result[i]["logprob"].append(step[probes[i][pos]].logprob)
+    return result
 
 
 if __name__ == "__main__":

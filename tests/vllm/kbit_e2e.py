@@ -75,16 +75,17 @@ def dequantized_checkpoint(src: str, dst: str, settings: KbitSettings) -> str:
 
 def run_engine(model: str, workdir: str, llm_kwargs: dict | None = None, env: dict | None = None,
                text_prompts: list[str] | None = None, check: bool = True, loras: list[str] | None = None,
-               prompt_loras: list[int] | None = None) -> dict | subprocess.CompletedProcess:
+               prompt_loras: list[int] | None = None, probe_by_prefix: bool = False) -> dict | subprocess.CompletedProcess:
     """Starts one engine in a fresh process, generates greedily from PROMPTS and returns the runner's JSON.
-    ``loras``: LoRA adapter directories; ``prompt_loras``: the adapter of each prompt and probe (-1: none)."""
+    ``loras``: LoRA adapter directories; ``prompt_loras``: the adapter of each prompt and probe (-1: none);
+    ``probe_by_prefix``: the probes from one request per prefix (engine_runner.probe_prefixes)."""
     os.makedirs(workdir, exist_ok=True)
     spec_path, out_path = os.path.join(workdir, "spec.json"), os.path.join(workdir, "out.json")
     with open(spec_path, "w") as f:
         json.dump(
             {"model": model, "llm_kwargs": llm_kwargs or {}, "prompts": PROMPTS, "text_prompts": text_prompts or [],
              "max_tokens": MAX_TOKENS, "logprobs": 5, "probes": PROBES, "loras": loras or [],
-             "prompt_loras": prompt_loras or []},
+             "prompt_loras": prompt_loras or [], "probe_by_prefix": probe_by_prefix},
             f,
         )
     proc = subprocess.run(
@@ -318,6 +319,9 @@ def _nbytes(dtype: str, shape: list[int]) -> int:
 # LoRA runs: three random adapters (kbit_dev.lora) served at once beside the base model: prompt / probe i uses
 # adapter PROMPT_LORAS[i] (-1: none), all in one batch, with room for four adapters (max_loras).
 LORA_ENGINE = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 8}
+# vLLM's LoRA logits processor fails on prompt_logprobs on its CPU build, so every engine of the LoRA comparison
+# (the references too, for the same computation) probes one request per prefix, with all logprobs returned.
+PROBE_BY_PREFIX = {"max_logprobs": 384}  # tiny_models.VOCAB_SIZE
 N_ADAPTERS = 3
 PROMPT_LORAS = [i % (N_ADAPTERS + 1) - 1 for i in range(len(PROMPTS))]
 
@@ -336,17 +340,18 @@ def lora_runs(engine, tiny, tmp_path_factory, kind: str, targets: tuple[str, ...
     adapters = [make_adapter(tiny[kind], str(root / f"adapter{i}"), seed=100 + i, targets=targets)
                 for i in range(N_ADAPTERS)]
     deq_dir = dequantized_checkpoint(tiny[kind], str(root / "deq4"), settings_of(ONLINE[4]))
-    extra = dict(llm_kwargs or {})
+    extra = {**PROBE_BY_PREFIX, **(llm_kwargs or {})}
+    by_prefix = {"probe_by_prefix": True}
     specs = [(f"{kind}-online4-lora{tag}", tiny[kind], {**online_kwargs(ONLINE[4]), **LORA_ENGINE, **extra},
-              None, None, {"loras": adapters, "prompt_loras": PROMPT_LORAS})]
+              None, None, {"loras": adapters, "prompt_loras": PROMPT_LORAS, **by_prefix})]
     for i, adapter in enumerate(adapters):
         merged = str(root / f"deq4-merged{i}")
         import shutil
 
         shutil.copytree(deq_dir, merged)
         merge_adapter(merged, adapter)
-        specs.append((f"{kind}-deq4-merged{i}{tag}", merged, extra, None, None, {}))
-    specs.append((f"{kind}-deq4-plain{tag}", deq_dir, extra, None, None, {}))
+        specs.append((f"{kind}-deq4-merged{i}{tag}", merged, extra, None, None, by_prefix))
+    specs.append((f"{kind}-deq4-plain{tag}", deq_dir, extra, None, None, by_prefix))
     for key, model, kwargs, env, text, lora in specs:
         engine.start(key, model, kwargs, env, text, **lora)
     got, *refs = [engine(key, model, kwargs, env, text, **lora) for key, model, kwargs, env, text, lora in specs]
