@@ -135,7 +135,7 @@ def _vllm_output_to(log_path: str):
         "disable_existing_loggers": False,
         "formatters": {"plain": {"format": "%(levelname)s %(asctime)s [%(name)s] %(message)s"}},
         "handlers": {"file": {"class": "logging.FileHandler", "filename": log_path, "formatter": "plain"}},
-        "loggers": {"vllm": {"handlers": ["file"], "level": "DEBUG", "propagate": False}},
+        "loggers": {"vllm": {"handlers": ["file"], "level": "INFO", "propagate": False}},
     }
     config_path = log_path + ".logging.json"
     with open(config_path, "w") as f:
