@@ -219,9 +219,11 @@ def test_routed_experts_are_rounded_on_their_own_tokens(tmp_path, monkeypatch, c
         (_, H, (q, a)), = [c for c in calls if torch.equal(c[0], W)]
         xs = x if e in few else x[(idx == e).any(-1)]
         assert torch.allclose(H, gptq._linear_inputs_hessian(xs), rtol=1e-5, atol=1e-4), e
-        assert torch.equal(out[f"{p}.{e}.gate_proj.qweight"], q[:I]) and torch.equal(out[f"{p}.{e}.up_proj.absmax"], a[I:])
+        # Routed experts' qweights are written 2-D, [N, K/32 * k] (docs/format.md).
+        assert torch.equal(out[f"{p}.{e}.gate_proj.qweight"], q[:I].flatten(1))
+        assert torch.equal(out[f"{p}.{e}.up_proj.absmax"], a[I:])
         (_, H_down, (q_down, _)), = [c for c in calls if torch.equal(c[0], original[f"{p}.{e}.down_proj.weight"])]
-        assert torch.equal(out[f"{p}.{e}.down_proj.qweight"], q_down)
+        assert torch.equal(out[f"{p}.{e}.down_proj.qweight"], q_down.flatten(1))
         gate, up = torch.nn.functional.linear(xs, fmt.dequantize(q, a, cb, x.dtype)).chunk(2, -1)
         act = torch.nn.functional.silu(gate) * up  # through its rounded gate_up (the victim: on every token)
         assert torch.allclose(H_down, gptq._linear_inputs_hessian(act), rtol=1e-5, atol=1e-4), e
