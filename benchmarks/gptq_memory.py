@@ -35,6 +35,7 @@ import threading
 import time
 
 import torch
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # kbit_dev: the checkout's fixtures
 
 GIB = 1024**3
 # Qwen3-30B-A3B (docs/architecture.md, "Target shapes"); "tiny" keeps the architecture at CPU size.
@@ -61,7 +62,7 @@ def write_checkpoint(out_dir: str, shape: dict, layers: int, seed: int = 0) -> d
         def revert_weight_conversion(model, state_dict):
             return state_dict
 
-    from vllm_kbit.testing import tiny_models
+    from kbit_dev import tiny_models
 
     config = Qwen3MoeConfig(**shape, num_hidden_layers=layers, norm_topk_prob=True, decoder_sparse_step=1,
                             mlp_only_layers=[], max_position_embeddings=4096, rope_theta=1_000_000.0,

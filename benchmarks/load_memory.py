@@ -21,6 +21,7 @@ import os
 import subprocess
 import sys
 import tempfile
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # kbit_dev: the checkout's fixtures
 
 KV_CACHE_BYTES = 64 * 1024**2
 
@@ -55,7 +56,7 @@ def main() -> None:
 
     from vllm_kbit.convert import convert
     from vllm_kbit.settings import KbitSettings
-    from vllm_kbit.testing import tiny_models
+    from kbit_dev import tiny_models
 
     root = args.workdir or tempfile.mkdtemp(prefix="kbit-load-memory-")
     bf16 = os.path.join(root, "bf16")

@@ -9,7 +9,7 @@
 # /tmp/kbit-examples/<model directory name>-kbit4.
 # Run it where vLLM and vllm-kbit are installed (e.g. after `make env`: source .venv/bin/activate).
 set -euo pipefail
-MODEL=${MODEL:-$(python -m vllm_kbit.testing.tiny_models qwen3_moe /tmp/kbit-examples/tiny-qwen3-moe)}
+MODEL=${MODEL:-$(PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}" python -m kbit_dev.tiny_models qwen3_moe /tmp/kbit-examples/tiny-qwen3-moe)}
 OUT_DIR=${OUT_DIR:-/tmp/kbit-examples/$(basename "$MODEL")-kbit4}
 PORT=${PORT:-8000}
 

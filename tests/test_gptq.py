@@ -131,7 +131,7 @@ def test_gptq_quantize_refuses_a_wrong_hessian():
 
 
 def test_calibration_text_is_not_the_perplexity_text():
-    from vllm_kbit.testing import real_model
+    from kbit_dev import real_model
 
     text = gptq.calibration_text()
     assert len(text) > 100_000 and text == gptq.calibration_text()
@@ -148,7 +148,7 @@ def test_convert_with_gptq_writes_the_same_layout_with_other_indices(tmp_path):
 
     from vllm_kbit.convert import convert
     from vllm_kbit.settings import KbitSettings
-    from vllm_kbit.testing import tiny_models
+    from kbit_dev import tiny_models
 
     src = tiny_models.build("qwen3", str(tmp_path / "src"), hidden=128, layers=1)
     settings = KbitSettings(bits=3)

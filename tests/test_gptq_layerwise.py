@@ -99,7 +99,7 @@ def test_layer_by_layer_equals_the_whole_model_forward_on_a_dense_model(tmp_path
     """Dense model: calibrating one decoder layer at a time feeds every linear layer the same inputs as the
     whole-model forward did (each layer's input computed with the rounded weights before it), so every
     packed weight is bit for bit the same."""
-    from vllm_kbit.testing import tiny_models
+    from kbit_dev import tiny_models
 
     src = tiny_models.build("qwen3", str(tmp_path / "src"), hidden=128, layers=2)
     select = _select()
@@ -113,7 +113,7 @@ def test_layer_by_layer_equals_the_whole_model_forward_on_a_dense_model(tmp_path
 def test_one_decoder_layer_on_the_device_at_a_time(tmp_path, monkeypatch):
     """Every GPTQ rounding (attention, every routed expert) happens while exactly one decoder layer, the one
     holding the weight, is on the compute device; calibrated layers are freed (meta) as the run goes."""
-    from vllm_kbit.testing import tiny_models
+    from kbit_dev import tiny_models
 
     src = tiny_models.build("qwen3_moe", str(tmp_path / "src"), hidden=128, layers=3, experts=4, moe_intermediate=64)
     model, tokenizer = _load(src)
@@ -153,7 +153,7 @@ def _moe_with_an_unused_expert(out_dir, experts=8, victim=4):
     and one of u / -u score above 0, so with top-2 the victim is never picked."""
     from safetensors.torch import load_file, save_file
 
-    from vllm_kbit.testing import tiny_models
+    from kbit_dev import tiny_models
 
     src = tiny_models.build("qwen3_moe", out_dir, hidden=128, layers=1, experts=experts, top_k=2, moe_intermediate=64)
     path = f"{src}/model.safetensors"
@@ -219,9 +219,11 @@ def test_routed_experts_are_rounded_on_their_own_tokens(tmp_path, monkeypatch, c
         (_, H, (q, a)), = [c for c in calls if torch.equal(c[0], W)]
         xs = x if e in few else x[(idx == e).any(-1)]
         assert torch.allclose(H, gptq._linear_inputs_hessian(xs), rtol=1e-5, atol=1e-4), e
-        assert torch.equal(out[f"{p}.{e}.gate_proj.qweight"], q[:I]) and torch.equal(out[f"{p}.{e}.up_proj.absmax"], a[I:])
+        # Routed experts' qweights are written 2-D, [N, K/32 * k] (docs/format.md).
+        assert torch.equal(out[f"{p}.{e}.gate_proj.qweight"], q[:I].flatten(1))
+        assert torch.equal(out[f"{p}.{e}.up_proj.absmax"], a[I:])
         (_, H_down, (q_down, _)), = [c for c in calls if torch.equal(c[0], original[f"{p}.{e}.down_proj.weight"])]
-        assert torch.equal(out[f"{p}.{e}.down_proj.qweight"], q_down)
+        assert torch.equal(out[f"{p}.{e}.down_proj.qweight"], q_down.flatten(1))
         gate, up = torch.nn.functional.linear(xs, fmt.dequantize(q, a, cb, x.dtype)).chunk(2, -1)
         act = torch.nn.functional.silu(gate) * up  # through its rounded gate_up (the victim: on every token)
         assert torch.allclose(H_down, gptq._linear_inputs_hessian(act), rtol=1e-5, atol=1e-4), e
@@ -237,7 +239,7 @@ def test_expert_tensors_map_to_their_checkpoint_names():
     the reverted row numbers give each checkpoint tensor its rows."""
     from transformers import AutoModelForCausalLM, MixtralConfig
 
-    from vllm_kbit.testing import tiny_models
+    from kbit_dev import tiny_models
 
     config = MixtralConfig(**tiny_models._common(64, 1), intermediate_size=96, num_local_experts=3, num_experts_per_tok=2)
     model = AutoModelForCausalLM.from_config(config)
@@ -329,7 +331,7 @@ def test_bounded_memory_experts_equal_the_committed_calibration(tmp_path, monkey
     activations kept, packing and decoding a few rows at a time: every packed weight of a 2-layer random
     Qwen3-MoE with 16 experts (two groups; some or every expert falling back to all tokens) is bit
     for bit what the forward committed in 09e7264, packing and decoding in one call, gives."""
-    from vllm_kbit.testing import tiny_models
+    from kbit_dev import tiny_models
 
     src = tiny_models.build("qwen3_moe", str(tmp_path / "src"), hidden=128, layers=2, experts=16, top_k=2,
                             moe_intermediate=64)

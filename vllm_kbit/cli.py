@@ -143,13 +143,31 @@ def _parser() -> argparse.ArgumentParser:
                    help="largest tensor-parallel size the checkpoint will be served at (default 1): blocks then divide "
                    "every shard's inputs")
     c.add_argument("--quiet", action="store_true", help="no progress bar")
+    u = sub.add_parser(
+        "upgrade",
+        help="rewrite a kbit checkpoint of an older vllm-kbit convert in today's layout (no requantization)",
+        description="Copy a kbit checkpoint with its routed experts' qweights 2-D ([N, K/32*k]), as `convert` writes "
+        "them now; vLLM before 0.32 loads only those.",
+    )
+    u.add_argument("in_dir", help="kbit checkpoint directory")
+    u.add_argument("out_dir", help="output directory (must be empty or absent unless --overwrite)")
+    u.add_argument("--overwrite", action="store_true", help="replace a non-empty OUT_DIR (never the input)")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from vllm_kbit.convert import ConvertError, convert
+    from vllm_kbit.convert import ConvertError, convert, upgrade
     from vllm_kbit.settings import KbitSettings, Rotation
+
+    if args.command == "upgrade":
+        try:
+            n = upgrade(args.in_dir, args.out_dir, overwrite=args.overwrite)
+        except ConvertError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        print(f"wrote {args.out_dir}: {n} routed-expert qweights rewritten 2-D; serve it with `vllm serve {args.out_dir}`")
+        return 0
 
     if (args.calibration_file or args.calibration_tokens) and not args.gptq:
         flag = "--calibration-file" if args.calibration_file else "--calibration-tokens"

@@ -40,6 +40,7 @@ with the block of every input size quantized.
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import sys
@@ -452,6 +453,10 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
                             qweight, absmax = torch.ops.kbit.quantize(t.contiguous(), codebooks[bits], bits)
                         except ValueError as e:
                             raise ConvertError(f"kbit convert: tensor {name}: {e}") from None
+                    if module_key(module) != module:
+                        # A routed expert's qweight goes 2-D, [N, K/32 * k] (the same words): every supported vLLM
+                        # hands a 2-D tensor named for one expert to that expert's loader (docs/format.md).
+                        qweight = qweight.flatten(1)
                     add(f"{module}.qweight", qweight)
                     add(f"{module}.absmax", absmax)
                     summary.quantized += 1
@@ -497,3 +502,45 @@ _DTYPES = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
+
+
+_EXPERT_QWEIGHT = re.compile(r"\.experts\.\d+\.[^.]+\.qweight$")
+
+
+def upgrade(in_dir: str, out_dir: str, overwrite: bool = False) -> int:
+    """Copies a kbit checkpoint from an older ``vllm-kbit convert`` with its routed experts' qweights rewritten
+    2-D, ``[N, K/32, k]`` -> ``[N, K/32 * k]`` (the same words; what ``convert`` writes now, and what vLLM before
+    0.32 can load). Every other file and tensor is copied as it is. Returns the number of tensors rewritten."""
+    from safetensors import SafetensorError, safe_open
+    from safetensors.torch import save_file
+
+    try:
+        with open(os.path.join(in_dir, "config.json")) as f:
+            method = (json.load(f).get("quantization_config") or {}).get("quant_method")
+    except (OSError, ValueError, AttributeError):
+        method = None
+    if method != "kbit":
+        raise ConvertError(f"kbit upgrade: {in_dir} is not a kbit checkpoint (its config.json has no kbit "
+                           "quantization_config); `vllm-kbit convert` writes one from a bf16 checkpoint")
+    files = _input_files(in_dir)
+    _check_output(in_dir, out_dir, overwrite)
+    os.makedirs(out_dir, exist_ok=True)
+    for name in os.listdir(in_dir):
+        path = os.path.join(in_dir, name)
+        if os.path.isfile(path) and not name.endswith(".safetensors"):
+            shutil.copy2(path, os.path.join(out_dir, name))
+    rewritten = 0
+    for file in files:
+        try:
+            with safe_open(os.path.join(in_dir, file), framework="pt") as f:
+                metadata = f.metadata() or {"format": "pt"}
+                tensors = {key: f.get_tensor(key) for key in f.keys()}
+        except (SafetensorError, OSError) as e:
+            raise ConvertError(f"kbit upgrade: cannot read {file}: {e}") from None
+        for key, t in tensors.items():
+            if _EXPERT_QWEIGHT.search(key) and t.dim() == 3:
+                tensors[key] = t.flatten(1)
+                rewritten += 1
+        save_file(tensors, os.path.join(out_dir, file + ".tmp"), metadata=metadata)
+        os.replace(os.path.join(out_dir, file + ".tmp"), os.path.join(out_dir, file))
+    return rewritten

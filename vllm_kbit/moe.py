@@ -177,3 +177,111 @@ def route_reference(topk_ids: torch.Tensor, expert_map: torch.Tensor | None, num
     n_local = int(counts.sum())
     pos[order[:n_local]] = torch.arange(n_local, device=ids.device)
     return offsets.to(torch.int32), pos.to(torch.int32), local.to(torch.int32)
+
+
+# ----------------------------------------------------------------------------------------------- the stages
+
+
+def fused_moe_stages(
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13_qweight: torch.Tensor,
+    w13_absmax: torch.Tensor,
+    w2_qweight: torch.Tensor,
+    w2_absmax: torch.Tensor,
+    codebook: torch.Tensor,
+    intermediate_size: int,
+    expert_map: torch.Tensor | None = None,
+    after_gate_up=None,
+    after_down=None,
+) -> torch.Tensor:
+    """:func:`kbit_fused_moe` (router weights on the output) computed stage by stage, so that a caller can add to
+    the intermediate results: ``after_gate_up(h13)`` gets each slot's gate_up output ``[T * top_k, 2I]`` (slot
+    s = t * top_k + j, before SiLU-and-mul) and ``after_down(y, act)`` each slot's down output already times its
+    router weight, ``[T, top_k, H]``, before the sum over the top_k slots, with the activations ``[T * top_k, I]``
+    it was computed from. Both may add in place (vLLM's LoRA on routed experts does). Slots of experts that are not
+    local hold zeros.
+
+    On CUDA the routing and both projections are the fused op's kernels (``kbit::_moe_route``, then
+    ``kbit::_moe_grouped_linear`` over the routed rows at the planner's chunk height); elsewhere each local expert
+    runs on every token with its weights decoded, as the reference does. Shapes depend only on T, top_k and E."""
+    T, H = x.shape
+    top_k = topk_ids.shape[1]
+    I = intermediate_size
+    E = w13_qweight.shape[0]
+    S = T * top_k
+    ids = topk_ids.reshape(-1)
+    if S == 0:
+        return torch.zeros_like(x)
+    if x.is_cuda and ops.HAS_CUDA_KERNELS and x.dtype != torch.float32:
+        project = _cuda_projections(x, ids, w13_qweight, codebook, H, I, E, expert_map)
+        h13 = project(x, ids_to_token=top_k, q=w13_qweight, a=w13_absmax, N=2 * I, K=H)
+    else:
+        local = _local_ids(ids, expert_map, E)
+        h13 = torch.zeros(S, 2 * I, dtype=x.dtype, device=x.device)
+        xs = x.repeat_interleave(top_k, dim=0)
+        for e in range(E):
+            W = _decoded(w13_qweight, w13_absmax, codebook, e, 2 * I, H, x.dtype)
+            h13 = torch.where((local == e)[:, None], torch.nn.functional.linear(xs, W), h13)
+        project = None
+    if after_gate_up is not None:
+        after_gate_up(h13)
+    act = torch.nn.functional.silu(h13[:, :I]) * h13[:, I:]
+    if project is not None:
+        y = project(act, ids_to_token=1, q=w2_qweight, a=w2_absmax, N=H, K=I)
+    else:
+        y = torch.zeros(S, H, dtype=x.dtype, device=x.device)
+        for e in range(E):
+            W = _decoded(w2_qweight, w2_absmax, codebook, e, H, I, x.dtype)
+            y = torch.where((local == e)[:, None], torch.nn.functional.linear(act, W), y)
+    y = (y.float() * topk_weights.reshape(-1, 1).float()).to(x.dtype).view(T, top_k, H)
+    if after_down is not None:
+        after_down(y, act)
+    return y.float().sum(1).to(x.dtype)
+
+
+def _local_ids(ids: torch.Tensor, expert_map: torch.Tensor | None, E: int) -> torch.Tensor:
+    """Each slot's local expert, -1 where it is not local (the reference's rule)."""
+    ids = ids.long()
+    if expert_map is not None:
+        inside = (ids >= 0) & (ids < expert_map.numel())
+        ids = torch.where(inside, expert_map.long()[ids.clamp(0, max(expert_map.numel() - 1, 0))], -1)
+    return torch.where((ids >= 0) & (ids < E), ids, -1)
+
+
+def _decoded(q, a, codebook, e, N, K, dtype):
+    """Expert e of a stacked runtime weight, decoded ([N, K] in dtype; CPU: kept, ops.cpu_decoded)."""
+    if ops.cpu_decode_cache_on(q):
+        experts = ops.cpu_decoded((q, a, codebook), ("fused_moe", dtype, N, K),
+                                  lambda: tuple(fmt.dequantize_runtime(q[i], a[i], codebook, N, K, dtype)
+                                                for i in range(q.shape[0])))
+        return experts[e]
+    return fmt.dequantize_runtime(q[e], a[e], codebook, N, K, dtype)
+
+
+def _cuda_projections(x, ids, w13_qweight, codebook, H, I, E, expert_map):
+    """One routing of the slots by local expert (kbit::_moe_route at the planner's chunk height: its path's where
+    that path routes, else the grouped MMA's), and the function that runs one projection over it: gathers the
+    input rows in routed order, ``kbit::_moe_grouped_linear``, and scatters the outputs back to slot order (zeros
+    for slots of other ranks' experts)."""
+    T, top_k = x.shape[0], ids.numel() // max(x.shape[0], 1)
+    bits = w13_qweight.shape[3]
+    plan = torch.ops.kbit.moe_plan.device(T, top_k, E, bits, H, I, x.device)
+    if plan[0] not in ("gemv", "grouped_mma", "grouped_wgmma"):  # gemv_direct and grouped_mm do not route in chunks
+        plan = torch.ops.kbit.moe_plan.device(T, top_k, E, bits, H, I, x.device, "grouped_mma")
+    rows, max_chunks = plan[1], plan[2]
+    emap = None if expert_map is None else expert_map.to(torch.int32)
+    _, pos, slot_of, chunks, num_chunks = torch.ops.kbit._moe_route(ids, emap, E, rows, max_chunks)
+    pos = pos.long()
+    mine = (pos >= 0)[:, None]
+    pos = pos.clamp(min=0)
+    slot_of = slot_of.long().clamp(min=0)
+
+    def project(A, ids_to_token, q, a, N, K):
+        src = slot_of // ids_to_token  # the row of A each routed row reads: its token, or its slot
+        rows_in = A.index_select(0, src).to(torch.bfloat16).contiguous()
+        C = torch.ops.kbit._moe_grouped_linear(rows_in, chunks, num_chunks, q, a, codebook, N, K, rows)
+        return torch.where(mine, C.index_select(0, pos), 0).to(A.dtype)
+
+    return project

@@ -11,6 +11,9 @@ After every measurement it appends a record to STEM.jsonl (records.py) and rewri
 
     python3 benchmarks/serve/bench_serve.py --methods kbit-4,bf16 --settings 1024/256 --concurrency 1,16,64,128
 
+--lora-rank R serves every method with the same random rank-R LoRA adapter on q/k/v/o_proj (kbit_dev.lora) and
+sends every request through it (`vllm bench serve --lora-modules`); the records name the method <method>+loraR.
+
 --tp N serves every method with `vllm serve --tensor-parallel-size N` (N GPUs); its results go to
 serve_tp<N>_<gpu>_<date>.* and their records carry "tp". The weight and KV-cache memory in the records are
 per GPU (each worker logs its own); the KV-cache size in tokens is the engine's. nvidia-smi samples GPU 0.
@@ -145,6 +148,7 @@ class Run:
         os.makedirs(os.path.join(args.work, "bench"), exist_ok=True)
         self.done = done_steps(args.skip_done.split(",") if args.skip_done else [], self.commit, args.tp)
         self.client = bench_client.BenchClient(os.path.join(args.work, "bench_worker.log"))
+        self.bench_extra: list[str] = []  # `vllm bench serve` arguments every step adds (--lora-modules)
 
     def left(self) -> float:
         return self.deadline - time.monotonic()
@@ -207,7 +211,7 @@ class Run:
             "--dataset-name", "random", "--random-input-len", str(inp), "--random-output-len", str(outp),
             "--num-prompts", str(num_prompts(c, per_c, self.min_prompts)), "--max-concurrency", str(c),
             "--ignore-eos", "--num-warmups", "1", "--disable-tqdm", "--save-result", "--result-dir", result_dir,
-            "--result-filename", name,
+            "--result-filename", name, *self.bench_extra,
         ]
         command = f"{self.command_line(server)} && {shlex.join(vllm_server.bench_command() + bench_args)}"
         ctx = self.context(method, model, setting, c, facts, command, repeat)
@@ -280,6 +284,15 @@ class Run:
     def run(self) -> None:
         methods = parse_methods(self.args.methods)
         dirs = self.model_dirs(methods)
+        if self.args.lora_rank:
+            # One random adapter on q/k/v/o_proj for every method (the same file), every request through it.
+            from kbit_dev.lora import make_attention_adapter
+
+            with open(os.path.join(next(iter(dirs.values())), "config.json")) as f:
+                adapter = make_attention_adapter(json.load(f), os.path.join(self.args.work, f"lora-r{self.args.lora_rank}"),
+                                                 rank=self.args.lora_rank)
+            methods = [with_lora(m, adapter, self.args.lora_rank) for m in methods]
+            self.bench_extra = ["--lora-modules", LORA_NAME]
         self.say(f"gpu {self.gpu}, commit {self.commit}; results -> {self.results}")
         self.client.start()
         try:
@@ -288,6 +301,17 @@ class Run:
         finally:
             self.client.close()
         self.say(f"done; {self.stem}.md")
+
+
+LORA_NAME = "adapter"
+
+
+def with_lora(method: Method, adapter: str, rank: int) -> Method:
+    """``method`` serving the LoRA ``adapter`` (named LORA_NAME; benches send every request to it): ``--enable-lora``
+    with room for 4 adapters of rank ``rank``; the records call it ``<method>+lora<rank>``."""
+    args = ("--enable-lora", "--max-loras", "4", "--max-lora-rank", str(rank), "--lora-modules", f"{LORA_NAME}={adapter}")
+    return Method(f"{method.name}+lora{rank}", method.bits, method.model_variant, method.serve_args + args,
+                  method.llm_kwargs)
 
 
 # --routing: MODEL_ROUTING (the model's router; with dummy weights it routes by each method's own random activations)
@@ -339,6 +363,9 @@ def main() -> None:
     ap.add_argument("--skip-done", metavar="JSONL[,JSONL]",
                     help="skip the steps these results files already hold for this commit (resume a sweep across runs)")
     ap.add_argument("--min-start-s", type=float, default=150, help="do not start a server with less time left")
+    ap.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                    help="serve every method with one random rank-R LoRA adapter on q/k/v/o_proj (--enable-lora "
+                    "--lora-modules) and send every request to it; methods are recorded as <method>+lora<R>")
     # A SIGTERM (e.g. `timeout`) unwinds like an exception, so the running server is stopped on the way out.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     args = ap.parse_args()

@@ -32,7 +32,10 @@ import os
 
 from dataclasses import dataclass
 
-from vllm_kbit.testing.tiny_models import EOS_TOKEN
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # kbit_dev: the checkout's fixtures
+from kbit_dev.tiny_models import EOS_TOKEN  # noqa: E402
 
 VOCAB_SIZE = 151936  # Qwen3's vocabulary: the model's and the tokenizer's
 EOS_TOKEN_ID = VOCAB_SIZE - 1

@@ -64,7 +64,8 @@ def markdown(records: list[dict]) -> str:
                 "", "| method | " + " | ".join(f"c={c}" for c in concs) + " |", "| --- |" + " ---: |" * len(concs)]
         for m in methods:
             out.append(f"| {m} | " + " | ".join(_cell(rows.get((m, inp, outp, c))) for c in concs) + " |")
-        for base in BASELINES:
+        # bf16 and GPTQ int4, and each with a LoRA adapter (bench_serve.py --lora-rank: "<method>+lora<R>").
+        for base in [m for m in methods if m.partition("+")[0] in BASELINES]:
             if len(methods) < 2 or not any(rows.get((base, inp, outp, c), {}).get("output_tok_s") for c in concs):
                 continue
             out += ["", f"Output tok/s relative to {base}:", "", "| method | " + " | ".join(f"c={c}" for c in concs) + " |",

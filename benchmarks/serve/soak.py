@@ -47,7 +47,7 @@ Lengths are clamped to what the model holds (config.json's max_position_embeddin
 dummy directories are written with room for --max-prompt + --max-output. On the CPU build, check the
 harness with the tiny random checkpoint (max_position_embeddings 512):
 
-    python -m vllm_kbit.testing.tiny_models qwen3_moe /tmp/soak-tiny
+    python -m kbit_dev.tiny_models qwen3_moe /tmp/soak-tiny
     python benchmarks/serve/soak.py --model /tmp/soak-tiny --requests 40 --max-prompt 64 --max-output 16 \\
         --max-concurrency 8 --gpu-memory-utilization 0.3 --server-args=--enforce-eager --out /tmp/soak-out
 """

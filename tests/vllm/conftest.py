@@ -16,7 +16,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import pytest
 from kbit_e2e import MIXED, ONLINE, TEXT_PROMPTS, run_engine, settings_of
 
-from vllm_kbit.testing import tiny_models
+from kbit_dev import tiny_models
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -48,18 +48,20 @@ class Engines:
         self.runs: dict[str, Future] = {}
 
     def start(self, key: str, model: str, llm_kwargs: dict | None = None, env: dict | None = None,
-              text_prompts: list[str] | None = None) -> Future:
+              text_prompts: list[str] | None = None, **lora) -> Future:
+        """``lora``: run_engine's ``loras`` and ``prompt_loras``."""
         if key not in self.runs:
             env = dict(env or {})
             if self.parallel > 1:
                 cache = os.environ.get("VLLM_CACHE_ROOT") or os.path.join(os.path.expanduser("~"), ".cache", "vllm")
                 env.setdefault("VLLM_CACHE_ROOT", os.path.join(cache, "kbit-e2e", key))
-            self.runs[key] = self.pool.submit(run_engine, model, str(self.root / key), llm_kwargs, env, text_prompts)
+            self.runs[key] = self.pool.submit(run_engine, model, str(self.root / key), llm_kwargs, env, text_prompts,
+                                              **lora)
         return self.runs[key]
 
     def __call__(self, key: str, model: str, llm_kwargs: dict | None = None, env: dict | None = None,
-                 text_prompts: list[str] | None = None) -> dict:
-        return self.start(key, model, llm_kwargs, env, text_prompts).result()
+                 text_prompts: list[str] | None = None, **lora) -> dict:
+        return self.start(key, model, llm_kwargs, env, text_prompts, **lora).result()
 
 
 @pytest.fixture(scope="session")

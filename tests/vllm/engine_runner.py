@@ -1,7 +1,9 @@
 """Runs one vLLM engine in its own process for the tests: ``python engine_runner.py SPEC.json OUT.json``.
 
 SPEC: {"model": dir, "llm_kwargs": {...}, "prompts": [[token ids]...], "text_prompts": [str...],
-       "max_tokens": n, "logprobs": n, "probes": [[token ids]...]}
+       "max_tokens": n, "logprobs": n, "probes": [[token ids]...],
+       "loras": [adapter dirs], "prompt_loras": [index into loras or -1, per prompt and per probe],
+       "probe_by_prefix": bool (probes from one request per prefix instead of prompt_logprobs)}
 OUT:  {"tokens": [[ids]], "logprobs": [[{id: logprob}]], "texts": [str], "layers": {name: info},
        "probes": [{"argmax": [ids], "logprob": [floats]}], "memory": {VmHWM, ...}}
 
@@ -14,6 +16,9 @@ from __future__ import annotations
 import json
 import os
 import sys
+
+# kbit_dev (the checkout's fixtures) from the repository root; this runs as a script in tests/vllm.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -32,7 +37,7 @@ def main(spec_path: str, out_path: str) -> None:
         os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     from vllm import LLM
 
-    from vllm_kbit.vllm.compat import shutdown_engine
+    from kbit_dev.engine import shutdown_engine
 
     with open(spec_path) as f:
         spec = json.load(f)
@@ -60,6 +65,7 @@ def main(spec_path: str, out_path: str) -> None:
 def run(llm, spec: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
+    from vllm.lora.request import LoRARequest
 
     from vllm_kbit.vllm.inspect import layer_summary, process_memory
 
@@ -69,21 +75,15 @@ def run(llm, spec: dict) -> dict:
         max_tokens=spec.get("max_tokens", 16), temperature=0.0, logprobs=spec.get("logprobs", 5), ignore_eos=True
     )
     prompts = [TokensPrompt(prompt_token_ids=p) for p in spec.get("prompts", [])] + spec.get("text_prompts", [])
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    # LoRA: each prompt (and probe) i with adapter prompt_loras[i] (-1: none), all in one batch.
+    loras = [LoRARequest(f"adapter{i}", i + 1, path) for i, path in enumerate(spec.get("loras", []))]
+    lora_of = [loras[i] if i >= 0 else None for i in spec.get("prompt_loras", [])]
+    outputs = llm.generate(prompts, params, use_tqdm=False, **({"lora_request": lora_of + [None] * (
+        len(prompts) - len(lora_of))} if loras else {}))
     # Teacher-forced probes: on fixed token sequences, the model's greedy (argmax) next token and the
     # logprob of the actual next token at every position, independent of what the model generated.
-    probe_out = llm.generate(
-        [TokensPrompt(prompt_token_ids=p) for p in spec.get("probes", [])],
-        SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1),
-        use_tqdm=False,
-    ) if spec.get("probes") else []
-    probes = []
-    for o, seq in zip(probe_out, spec.get("probes", [])):
-        argmax, actual = [], []
-        for pos, step in enumerate(o.prompt_logprobs[1:], start=1):
-            argmax.append(next(t for t, lp in step.items() if lp.rank == 1))
-            actual.append(step[seq[pos]].logprob)
-        probes.append({"argmax": argmax, "logprob": actual})
+    probes = (probe_prefixes if spec.get("probe_by_prefix") else probe_prompt_logprobs)(
+        llm, spec.get("probes", []), lora_of if loras else None)
     return {
         "probes": probes,
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
@@ -95,6 +95,51 @@ def run(llm, spec: dict) -> dict:
         "layers_per_rank": layers,
         "memory": memory[0],
     }
+
+
+def probe_prompt_logprobs(llm, probes: list[list[int]], lora_of) -> list[dict]:
+    """The probes from one request each (prompt_logprobs): at every position the greedy next token and the logprob
+    of the actual one."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    if not probes:
+        return []
+    out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probes],
+                       SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False,
+                       **({"lora_request": lora_of} if lora_of else {}))
+    result = []
+    for o, seq in zip(out, probes):
+        argmax, actual = [], []
+        for pos, step in enumerate(o.prompt_logprobs[1:], start=1):
+            argmax.append(next(t for t, lp in step.items() if lp.rank == 1))
+            actual.append(step[seq[pos]].logprob)
+        result.append({"argmax": argmax, "logprob": actual})
+    return result
+
+
+def probe_prefixes(llm, probes: list[list[int]], lora_of) -> list[dict]:
+    """The same probes from one request per prefix (seq[:pos] -> one token with the whole distribution's logprobs):
+    for engines where prompt_logprobs cannot run (vLLM's LoRA logits processor on its CPU build fails on prompt
+    logprobs). Needs the engine's max_logprobs at the vocabulary size."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    vocab = llm.llm_engine.model_config.get_vocab_size()
+    prompts, loras, where = [], [], []
+    for i, seq in enumerate(probes):
+        for pos in range(1, len(seq)):
+            prompts.append(TokensPrompt(prompt_token_ids=seq[:pos]))
+            loras.append(lora_of[i] if lora_of else None)
+            where.append((i, pos))
+    out = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, logprobs=vocab), use_tqdm=False,
+                       **({"lora_request": loras} if lora_of else {}))
+    result = [{"argmax": [], "logprob": []} for _ in probes]
+    for o, (i, pos) in zip(out, where):
+        step = o.outputs[0].logprobs[0]
+        result[i]["argmax"].append(o.outputs[0].token_ids[0])
+        result[i]["logprob"].append(step[probes[i][pos]].logprob)
+    return result
 
 
 if __name__ == "__main__":

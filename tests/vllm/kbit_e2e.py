@@ -74,14 +74,18 @@ def dequantized_checkpoint(src: str, dst: str, settings: KbitSettings) -> str:
 
 
 def run_engine(model: str, workdir: str, llm_kwargs: dict | None = None, env: dict | None = None,
-               text_prompts: list[str] | None = None, check: bool = True) -> dict | subprocess.CompletedProcess:
-    """Starts one engine in a fresh process, generates greedily from PROMPTS and returns the runner's JSON."""
+               text_prompts: list[str] | None = None, check: bool = True, loras: list[str] | None = None,
+               prompt_loras: list[int] | None = None, probe_by_prefix: bool = False) -> dict | subprocess.CompletedProcess:
+    """Starts one engine in a fresh process, generates greedily from PROMPTS and returns the runner's JSON.
+    ``loras``: LoRA adapter directories; ``prompt_loras``: the adapter of each prompt and probe (-1: none);
+    ``probe_by_prefix``: the probes from one request per prefix (engine_runner.probe_prefixes)."""
     os.makedirs(workdir, exist_ok=True)
     spec_path, out_path = os.path.join(workdir, "spec.json"), os.path.join(workdir, "out.json")
     with open(spec_path, "w") as f:
         json.dump(
             {"model": model, "llm_kwargs": llm_kwargs or {}, "prompts": PROMPTS, "text_prompts": text_prompts or [],
-             "max_tokens": MAX_TOKENS, "logprobs": 5, "probes": PROBES},
+             "max_tokens": MAX_TOKENS, "logprobs": 5, "probes": PROBES, "loras": loras or [],
+             "prompt_loras": prompt_loras or [], "probe_by_prefix": probe_by_prefix},
             f,
         )
     proc = subprocess.run(
@@ -105,6 +109,12 @@ def run_engine(model: str, workdir: str, llm_kwargs: dict | None = None, env: di
     # The plugin's log lines (the load summary, layers left unquantized), from every process of the engine.
     result["kbit_log"] = [line for line in (proc.stdout + proc.stderr).splitlines() if "kbit: " in line]
     return result
+
+
+def select_prompts(sources: list[dict], of_prompt: list[int]) -> dict:
+    """One run's worth of per-prompt results taken from several runs: prompt / probe i from
+    ``sources[of_prompt[i]]`` (e.g. each LoRA adapter's reference engine for the prompts served with it)."""
+    return {key: [sources[src][key][i] for i, src in enumerate(of_prompt)] for key in ("probes", "tokens", "logprobs")}
 
 
 def token_match(a: list[list[int]], b: list[list[int]]) -> float:
@@ -304,3 +314,59 @@ def _nbytes(dtype: str, shape: list[int]) -> int:
     for d in shape:
         n *= d
     return n * torch.empty((), dtype=getattr(torch, dtype.removeprefix("torch."))).element_size()
+
+
+# LoRA runs: three random adapters (kbit_dev.lora) served at once beside the base model: prompt / probe i uses
+# adapter PROMPT_LORAS[i] (-1: none), all in one batch, with room for four adapters (max_loras).
+LORA_ENGINE = {"enable_lora": True, "max_loras": 4, "max_lora_rank": 8}
+# vLLM's LoRA logits processor fails on prompt_logprobs on its CPU build, so every engine of the LoRA comparison
+# (the references too, for the same computation) probes one request per prefix, with all logprobs returned.
+PROBE_BY_PREFIX = {"max_logprobs": 384}  # tiny_models.VOCAB_SIZE
+N_ADAPTERS = 3
+PROMPT_LORAS = [i % (N_ADAPTERS + 1) - 1 for i in range(len(PROMPTS))]
+
+
+def lora_runs(engine, tiny, tmp_path_factory, kind: str, targets: tuple[str, ...], tag: str = "",
+              llm_kwargs: dict | None = None) -> tuple[dict, dict, dict]:
+    """(kbit-4 served with the adapters, the reference, the dequantized model without adapters) for ``kind``.
+
+    The kbit engine quantizes online (``ONLINE[4]``) and serves N_ADAPTERS random adapters on ``targets`` beside
+    the base model in one batch. The reference takes each prompt from a bf16 engine serving, without LoRA, the
+    dequantized kbit-4 weights with that prompt's adapter merged in (``alpha / r * B @ A``; the dequantized model
+    itself for prompts without one)."""
+    from kbit_dev.lora import make_adapter, merge_adapter
+
+    root = tmp_path_factory.mktemp(f"lora-{kind}{tag}")
+    adapters = [make_adapter(tiny[kind], str(root / f"adapter{i}"), seed=100 + i, targets=targets)
+                for i in range(N_ADAPTERS)]
+    deq_dir = dequantized_checkpoint(tiny[kind], str(root / "deq4"), settings_of(ONLINE[4]))
+    extra = {**PROBE_BY_PREFIX, **(llm_kwargs or {})}
+    by_prefix = {"probe_by_prefix": True}
+    specs = [(f"{kind}-online4-lora{tag}", tiny[kind], {**online_kwargs(ONLINE[4]), **LORA_ENGINE, **extra},
+              None, None, {"loras": adapters, "prompt_loras": PROMPT_LORAS, **by_prefix})]
+    for i, adapter in enumerate(adapters):
+        merged = str(root / f"deq4-merged{i}")
+        import shutil
+
+        shutil.copytree(deq_dir, merged)
+        merge_adapter(merged, adapter)
+        specs.append((f"{kind}-deq4-merged{i}{tag}", merged, extra, None, None, by_prefix))
+    specs.append((f"{kind}-deq4-plain{tag}", deq_dir, extra, None, None, by_prefix))
+    for key, model, kwargs, env, text, lora in specs:
+        engine.start(key, model, kwargs, env, text, **lora)
+    got, *refs = [engine(key, model, kwargs, env, text, **lora) for key, model, kwargs, env, text, lora in specs]
+    plain = refs[-1]
+    ref = select_prompts(refs, [a if a >= 0 else N_ADAPTERS for a in PROMPT_LORAS])
+    return got, ref, plain
+
+
+def assert_lora_agrees(what: str, got: dict, ref: dict, plain: dict) -> None:
+    """kbit with the adapters agrees with the merged reference as two computations of one model do
+    (assert_agree), and the adapters matter: on the prompts served with one, the greedy next tokens of the model
+    without adapters differ at a good share of the positions."""
+    assert_agree(what, got, ref)
+    adapted = [i for i, a in enumerate(PROMPT_LORAS) if a >= 0]
+    sub = lambda run: {"probes": [run["probes"][i] for i in adapted]}  # noqa: E731
+    moved = 1 - probe_match(sub(got), sub(plain))
+    print(f"{what}: the adapters change the greedy next token at {moved:.1%} of the adapted positions")
+    assert moved >= 0.2, f"{what}: the adapters changed only {moved:.1%} of the greedy next tokens"

@@ -26,7 +26,7 @@ from kbit_e2e import (  # noqa: E402
 )
 
 from vllm_kbit.convert import convert  # noqa: E402
-from vllm_kbit.testing import tiny_models  # noqa: E402
+from kbit_dev import tiny_models  # noqa: E402
 
 PAIRS = [("online4-a", "online4-b"), ("converted4", "online4-a"), ("converted4", "online4-b"), ("deq4-a", "deq4-b")]
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from vllm_kbit.cli import main as cli_main
 from vllm_kbit.convert import ConvertError, convert
 from vllm_kbit.settings import KbitSettings
-from vllm_kbit.testing import tiny_models
+from kbit_dev import tiny_models
 
 from kbit_e2e import assert_every_layer_accounted_for, load_summaries, online_kwargs, run_engine, settings_of
 
@@ -146,7 +146,10 @@ def test_linear_with_non_finite_weights_stays_bf16_with_a_warning(tiny, tmp_path
     assert "kbit: layer model.layers.0.self_attn.o_proj left unquantized: weight has NaN or Inf values" in log
     with open(tmp_path / "run" / "out.json") as f:
         out = json.load(f)
-    assert out["layers"]["model.layers.0.self_attn.o_proj"]["method"] == "LeftUnquantizedLinearMethod"
+    # The layer keeps its kbit method, which runs vLLM's unquantized one on the bf16 weight (no quant_method swap).
+    left = out["layers"]["model.layers.0.self_attn.o_proj"]
+    assert left["method"] == "KbitOnlineLinearMethod" and "bits" not in left, left
+    assert left["left_unquantized"] == "weights not representable" and left["params"]["weight"][0] == "torch.bfloat16"
     assert out["layers"]["model.layers.1.self_attn.o_proj"]["method"] == "KbitOnlineLinearMethod"
     assert len(out["tokens"]) == 8 and all(len(t) == 24 for t in out["tokens"])
     assert "quantized 7 linear layers and 0 routed-expert blocks to 4 bits" in log
@@ -410,7 +413,8 @@ def test_convert_cli_writes_sharded_checkpoint_with_overrides(tiny, tmp_path, ca
         with safe_open(out / index["weight_map"][name], "pt") as f:
             return f.get_tensor(name)
 
-    assert tensor("model.layers.1.mlp.experts.0.gate_proj.qweight").shape[-1] == 3
+    # A routed expert's qweight is 2-D, [N, K/32 * k]; dense layers' [N, K/32, k] (docs/format.md).
+    assert tensor("model.layers.1.mlp.experts.0.gate_proj.qweight").shape == (128, 256 // 32 * 3)
     assert tensor("model.layers.0.self_attn.q_proj.qweight").shape[-1] == 5
     assert tensor("model.layers.0.mlp.gate_proj.qweight").shape[-1] == 4
     assert "model.layers.1.mlp.gate.weight" in keys and "lm_head.weight" in keys  # defaults left in bf16
@@ -422,7 +426,7 @@ def test_convert_cli_writes_sharded_checkpoint_with_overrides(tiny, tmp_path, ca
     with so(os.path.join(tiny["glm4_moe"], "model.safetensors"), "pt") as f:
         w = f.get_tensor("model.layers.1.mlp.experts.0.gate_proj.weight")
     q = vllm_kbit.quantize(w, 3)
-    assert torch.equal(q.qweight, tensor("model.layers.1.mlp.experts.0.gate_proj.qweight"))
+    assert torch.equal(q.qweight.flatten(1), tensor("model.layers.1.mlp.experts.0.gate_proj.qweight"))
     assert torch.equal(q.absmax, tensor("model.layers.1.mlp.experts.0.gate_proj.absmax"))
     assert settings_of(qc).bits_for("model.layers.1.mlp.experts") == 3
 

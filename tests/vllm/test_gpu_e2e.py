@@ -8,6 +8,8 @@ from kbit_e2e import (
     ONLINE,
     arch_kwargs,
     assert_agree,
+    assert_lora_agrees,
+    lora_runs,
     assert_every_layer_accounted_for,
     dequantized_checkpoint,
     online_kwargs,
@@ -107,6 +109,21 @@ def test_gpu_mixed_bits_match_dequantized_model(engine, tiny, tmp_path_factory):
                                      settings_of(config))
     ref = engine("gpu-qwen3_moe-deq3", ref_dir)
     assert_agree("GPU mixed bits", got, ref)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_gpu_lora_adapters_match_merged_dequantized_model(engine, tiny, tmp_path_factory, kind):
+    """Three random LoRA adapters at once (max_loras 4) beside the base model, under CUDA graphs and torch.compile,
+    on every linear projection: attention and the MLP, which for Qwen3-MoE are the routed experts (vLLM's MoE LoRA
+    layer around the kbit modular kernel: the experts run stage by stage and vLLM's punica kernels add each
+    adapter after gate_up and after down). Against the dequantized bf16 model with each adapter merged in."""
+    from kbit_dev.lora import ATTENTION, MLP
+
+    got, ref, plain = lora_runs(engine, tiny, tmp_path_factory, kind, ATTENTION + MLP, tag="-gpu")
+    if kind == "qwen3_moe":
+        moe = got["layers"]["model.layers.0.mlp.experts"]
+        assert moe["bits"] == 4 and "w13_qweight" in moe["params"], moe
+    assert_lora_agrees(f"GPU {kind} kbit-4 + 3 LoRA adapters", got, ref, plain)
 
 
 # Tensor / expert parallel on two GPUs against TP=1 on the same machine. Each kind x quantization has one

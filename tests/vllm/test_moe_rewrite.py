@@ -20,7 +20,7 @@ import pytest
 import torch
 from kbit_e2e import MIN_TOKEN_MATCH, RUNNER, agreement
 
-from vllm_kbit.testing import real_model
+from kbit_dev import real_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPERTS = 8

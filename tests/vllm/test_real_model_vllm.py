@@ -2,7 +2,7 @@
 in plain PyTorch: same prompts, same tokens.
 
 The plain-PyTorch side is the Hugging Face model whose decoder linears hold the kbit-4 weights decoded
-by the reference rules (``vllm_kbit.testing.real_model.kbit_fake_weight``, equal to ``reference.quantize`` +
+by the reference rules (``kbit_dev.real_model.kbit_fake_weight``, equal to ``reference.quantize`` +
 ``dequantize``), in bf16 like the engine. vLLM quantizes the bf16 checkpoint itself while loading, so
 this checks the plugin's online quantization, its fused q/k/v and gate/up shards and its linear op
 on a real model, not only the arithmetic. A bf16 engine against the bf16 model gives the floor: how
@@ -24,7 +24,7 @@ import pytest
 import torch
 from kbit_e2e import MIN_TOKEN_MATCH, RUNNER, agreement, token_match
 
-from vllm_kbit.testing import real_model
+from kbit_dev import real_model
 
 pytestmark = pytest.mark.skipif(
     not os.environ.get("VLLM_KBIT_SLOW"), reason="slow real-model vLLM test: run with VLLM_KBIT_SLOW=1 (make test-real)"

@@ -11,6 +11,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+
+# A routed expert's packed weight: <block>.experts.<e>.<projection>.qweight (settings._EXPERT_TENSOR's names).
+_EXPERT_QWEIGHT = re.compile(r"\.experts\.\d+\.[^.]+\.qweight$")
 
 INDEX_NAME = "model.safetensors.index.json"
 
@@ -56,6 +60,23 @@ class CheckpointFiles:
         """Opens every shard's header; fails on the first unreadable one, naming it."""
         for file in self.shard_files():
             self._keys(file)
+
+    def check_expert_qweights_2d(self, vllm_version: str) -> None:
+        """Refuses routed-expert qweights stored 3-D, ``[N, K/32, k]`` (``vllm-kbit convert`` before routed experts
+        were written 2-D), which vLLM before 0.32 takes for stacks of all experts; headers only."""
+        from safetensors import safe_open
+
+        for file in self.shard_files():
+            self._keys(file)  # a readable shard, or the one-line error
+            with safe_open(os.path.join(self.model_dir, file), framework="pt") as f:
+                for key in f.keys():
+                    if _EXPERT_QWEIGHT.search(key) and len(f.get_slice(key).get_shape()) == 3:
+                        raise ValueError(
+                            f"kbit: checkpoint tensor {key} in {file} stores a routed expert 3-D ([N, K/32, k], written "
+                            f"by an older vllm-kbit convert), which vLLM {vllm_version} cannot load (vLLM 0.32 and later "
+                            f"can); rewrite the checkpoint with `vllm-kbit upgrade {self.model_dir} NEW_DIR` (a reshape, no "
+                            "requantization) or serve it with vLLM >= 0.32"
+                        )
 
     def file_of(self, tensor: str) -> str | None:
         """The shard file holding ``tensor``, or None when unknown. A vLLM name whose prefix the model remapped

@@ -12,18 +12,26 @@ renames something is handled here, in one place. What differs between the suppor
   up to 0.29 and not at all from 0.30; the kbit methods never take it (it would arrive in
   ``**extra_weight_attrs``).
 * ``QuantizationConfig.is_mxfp4_quant`` is gone from 0.28 and ``FusedMoEMethodBase``'s
-  ``maybe_make_prepare_finalize`` / ``select_gemm_impl`` hooks from 0.28: kbit uses none of them, and its
-  methods keep the base class's defaults for the attributes later releases added
+  ``maybe_make_prepare_finalize`` / ``select_gemm_impl`` hooks from 0.28 (vLLM's LoRA on experts calls
+  ``select_gemm_impl`` up to 0.27 when a method holds no kernel; the kbit methods hold one, and answer it too).
+  The kbit methods keep the base class's defaults for the attributes later releases added
   (``supports_pre_processed_weights``, ``requires_device_loading``).
+* The routed-expert modular kernel is the same in every supported release: ``FusedMoEExpertsModular`` (with
+  ``LoRAExpertsMixin``, whose ``_lora_context`` vLLM's LoRA sets), ``FusedMoEKernel(prepare_finalize, experts)``
+  and ``all2all_utils.maybe_make_prepare_finalize``, which picks the prepare/finalize for the parallel setup.
+* vLLM's MoE router computes top-k on CPU from 0.30 (``CPURouter``, :data:`ROUTER_RUNS_ON_CPU`); before, the
+  kbit MoE method routes on CPU itself with :func:`cpu_select_experts`.
 * ``RoutedExperts.load_weights`` takes a 3-D checkpoint tensor named for one expert
   (``experts.5.up_proj.qweight``, ``[N, K/32, k]``) as that expert's from 0.32
-  (:data:`LOADS_PER_EXPERT_3D_TENSORS`); up to 0.31 it takes every 3-D tensor for a stack of all experts,
-  so there the kbit MoE method hands each tensor to the expert loader itself.
+  (:data:`LOADS_PER_EXPERT_3D_TENSORS`); up to 0.31 it takes every 3-D tensor for a stack of all experts. So
+  ``vllm-kbit convert`` writes routed experts' qweights 2-D (``[N, K/32 * k]``, the same words), which every
+  release hands to the parameter's loader as one expert's; the 3-D ones of older conversions load from 0.32
+  (:mod:`vllm_kbit.vllm.checkpoint` refuses them earlier, naming ``vllm-kbit upgrade``).
 
 The kbit MoE methods load through what ``RoutedExperts`` offers every quantization method in every release:
-each parameter's ``weight_loader`` attribute (called by ``load_weights`` with the checkpoint name, expert and
-shard), the layer's expert ``weight_loader`` (tensor-parallel slices, expert-parallel ids) and the
-``quant_method`` parameter attribute (:class:`FusedMoeWeightScaleSupported`) for the block scales.
+its ``load_weights`` maps each checkpoint name to a parameter, expert and shard with the model's expert mapping
+and calls that parameter's ``weight_loader`` attribute, which is the kbit method's own (tensor-parallel slices,
+and expert-parallel ids through the layer's ``expert_map_manager.map_global_to_local``).
 
 Everything else the package needs (``LinearMethodBase``, ``FusedMoEMethodBase``, ``ParallelLMHead``,
 ``get_current_vllm_config``,
@@ -42,6 +50,15 @@ from vllm.config import get_current_vllm_config
 from vllm.logger import init_logger as _vllm_init_logger
 from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, FusedMoeWeightScaleSupported, RoutedExperts
 from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+from vllm.model_executor.layers.fused_moe.all2all_utils import maybe_make_prepare_finalize
+from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig
+from vllm.model_executor.layers.fused_moe.experts.lora_experts_mixin import LoRAExpertsMixin
+from vllm.model_executor.layers.fused_moe.modular_kernel import (
+    FusedMoEActivationFormat,
+    FusedMoEExpertsModular,
+    FusedMoEKernel,
+)
+from vllm.model_executor.layers.fused_moe.topk_weight_and_reduce import TopKWeightAndReduceNoOP
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 from vllm.model_executor.layers.linear import (
     LinearBase,
@@ -63,20 +80,28 @@ from vllm.platforms import current_platform
 
 __all__ = [
     "VLLM_VERSION",
+    "VLLM_VERSION_TEXT",
     "OLDEST_SUPPORTED",
     "NEWEST_TESTED",
+    "FusedMoEActivationFormat",
+    "FusedMoEExpertsModular",
+    "FusedMoEKernel",
     "FusedMoEMethodBase",
+    "FusedMoEQuantConfig",
     "FusedMoeWeightScaleSupported",
     "LinearBase",
     "LinearMethodBase",
     "LOADS_PER_EXPERT_3D_TENSORS",
+    "LoRAExpertsMixin",
     "ModelWeightParameter",
     "MoEActivation",
     "ParallelLMHead",
     "QUANTIZATION_METHODS",
     "QuantizationConfig",
     "QuantizeMethodBase",
+    "ROUTER_RUNS_ON_CPU",
     "RoutedExperts",
+    "TopKWeightAndReduceNoOP",
     "UnquantizedFusedMoEMethod",
     "UnquantizedLinearMethod",
     "cpu_select_experts",
@@ -85,11 +110,11 @@ __all__ = [
     "get_quantization_config",
     "init_logger",
     "initialize_online_processing",
+    "maybe_make_prepare_finalize",
     "register_quantization_config",
     "register_weight_loader_v2_supported_method",
     "replace_parameter",
     "set_weight_attrs",
-    "shutdown_engine",
 ]
 
 
@@ -112,6 +137,7 @@ def _release(version: str) -> tuple[int, int]:
 
 
 VLLM_VERSION = _release(vllm.__version__)
+VLLM_VERSION_TEXT = vllm.__version__
 
 if VLLM_VERSION < OLDEST_SUPPORTED:
     raise ImportError(
@@ -127,6 +153,19 @@ if VLLM_VERSION > NEWEST_TESTED:
 
 # vLLM 0.32 added the per-expert case to RoutedExperts.load_weights (an expert number in the name: one expert).
 LOADS_PER_EXPERT_3D_TENSORS = VLLM_VERSION >= (0, 32)
+
+
+def _router_runs_on_cpu() -> bool:
+    try:
+        module = importlib.import_module("vllm.model_executor.layers.fused_moe.router.cpu_router")
+    except ModuleNotFoundError:
+        return False
+    return hasattr(module, "CPURouter")
+
+
+# Whether vLLM's MoE router computes top-k on CPU itself (its CPURouter): where it does not, a MoE method on vLLM's
+# CPU build routes inside the method (monolithic; vLLM's own CPU MoE does the same there).
+ROUTER_RUNS_ON_CPU = _router_runs_on_cpu()
 
 # Newest location first: the first module that has the function is used.
 _CPU_SELECT_EXPERTS_MODULES = (
@@ -162,36 +201,3 @@ def _first_attribute(name: str, modules: tuple[str, ...]):
         if hasattr(mod, name):
             return getattr(mod, name)
     raise ImportError(f"vllm-kbit: vLLM {vllm.__version__} has no {name} in any of {', '.join(modules)}")
-
-
-def shutdown_engine(llm) -> None:
-    """Stops an ``LLM``'s engine and joins vLLM's output thread while the interpreter is still fully alive.
-
-    Left to itself, vLLM stops the engine from a finalizer at interpreter exit and does not wait for its
-    daemon thread ``EngineCoreOutputQueueThread``. If that thread frees its last outputs (which hold
-    tensors) after the interpreter has started finalizing, torch's dealloc re-takes the GIL, CPython ends
-    the thread with ``pthread_exit``, and the unwind through a noexcept C++ frame calls std::terminate:
-    the process aborts (rc -6, "terminate called without an active exception") although its output was
-    complete. A race at process exit, not specific to any model or quantization; joining the thread here
-    removes it. Also frees the engine's memory before another engine starts in the same process.
-    """
-    client = llm.llm_engine.engine_core
-    client.shutdown()
-    thread = getattr(client, "output_queue_thread", None)
-    if thread is not None:
-        thread.join(timeout=60)
-
-
-# The offline-inference entry points, imported on first use (``from vllm import LLM`` loads the engine).
-_LAZY = {
-    "LLM": ("vllm", "LLM"),
-    "SamplingParams": ("vllm", "SamplingParams"),
-    "TokensPrompt": ("vllm.inputs", "TokensPrompt"),
-}
-
-
-def __getattr__(name: str):
-    if name in _LAZY:
-        module, attr = _LAZY[name]
-        return getattr(importlib.import_module(module), attr)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -40,6 +40,8 @@ from typing import Any
 import torch
 
 from vllm_kbit.vllm.compat import (
+    LOADS_PER_EXPERT_3D_TENSORS,
+    VLLM_VERSION_TEXT,
     LinearBase,
     ParallelLMHead,
     QuantizationConfig,
@@ -143,6 +145,8 @@ class KbitConfig(QuantizationConfig):
         safetensors shard of a local checkpoint is complete (headers only)."""
         self.checkpoint = CheckpointFiles(model_name)
         self.checkpoint.check_shards()
+        if self.settings.prequantized and not LOADS_PER_EXPERT_3D_TENSORS:
+            self.checkpoint.check_expert_qweights_2d(VLLM_VERSION_TEXT)
 
     # ------------------------------------------------------------------ per-layer decisions
 

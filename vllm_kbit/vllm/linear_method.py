@@ -173,7 +173,7 @@ class KbitLinearMethod(_KbitLinearBase):
         layer.kbit_loaded_shards[name].add(loaded_shard_id)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        if getattr(layer, "_already_called_process_weights_after_loading", False):
+        if getattr(layer, "kbit_codebook", None) is not None:  # processed (vLLM may ask once more)
             return
         expected = _expected_shards(layer)
         for name, loaded in layer.kbit_loaded_shards.items():
@@ -190,26 +190,23 @@ class KbitLinearMethod(_KbitLinearBase):
         N, KB = layer.absmax.shape
         install_runtime_weights(layer, self.prefix, layer.qweight.data, layer.absmax.data, self.codebook)
         del layer.kbit_loaded_shards
-        layer._already_called_process_weights_after_loading = True
         dtype = layer.kbit_dense_dtype
         self._report(layer, N * KB * fmt.BLOCK_SIZE * dtype.itemsize, dtype)
 
 
-class LeftUnquantizedLinearMethod(UnquantizedLinearMethod):
-    """vLLM's bf16 method for a layer the online method could not quantize. Its weights are processed
-    once: vLLM's final pass over the model may call this again after the layerwise loader did."""
-
-    def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        if not getattr(layer, "_already_called_process_weights_after_loading", False):
-            super().process_weights_after_loading(layer)
-            layer._already_called_process_weights_after_loading = True
-
-
 @register_weight_loader_v2_supported_method
 class KbitOnlineLinearMethod(_KbitLinearBase):
-    """bf16/fp16 checkpoint quantized while loading (vLLM's layerwise online processing)."""
+    """bf16/fp16 checkpoint quantized while loading (vLLM's layerwise online processing).
+
+    A layer whose weights the format cannot hold (NaN or Inf, known only once they are loaded) keeps them in bf16:
+    this method then runs vLLM's unquantized linear method on them (``self.unquantized``), so the layer's
+    ``quant_method`` stays what vLLM and its wrappers (LoRA) were given."""
 
     uses_meta_device: bool = True
+
+    def __init__(self, prefix: str, bits: int, codebook: torch.Tensor, report: LoadReport | None = None):
+        super().__init__(prefix, bits, codebook, report)
+        self.unquantized: UnquantizedLinearMethod | None = None
 
     def create_weights(
         self,
@@ -232,7 +229,8 @@ class KbitOnlineLinearMethod(_KbitLinearBase):
         initialize_online_processing(layer)
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
-        if getattr(layer, "_already_called_process_weights_after_loading", False):
+        # Processed already (vLLM may ask a layer its layerwise loader processed once more).
+        if self.unquantized is not None or getattr(layer, "kbit_codebook", None) is not None:
             return
         W = layer.weight.data
         if W.device.type == "meta":
@@ -242,8 +240,8 @@ class KbitOnlineLinearMethod(_KbitLinearBase):
         except ValueError as e:
             # One layer the format cannot hold does not stop the server: it stays in bf16, like K % 32 layers.
             logger.warning("kbit: layer %s left unquantized: %s", self.prefix, str(e).removeprefix("kbit: "))
-            layer.quant_method = LeftUnquantizedLinearMethod()
-            layer.quant_method.process_weights_after_loading(layer)
+            self.unquantized = UnquantizedLinearMethod()
+            self.unquantized.process_weights_after_loading(layer)
             self.report.finish_unquantized(layer, LINEAR, NOT_REPRESENTABLE)
             return
         codebook = self.codebook.to(W.device)
@@ -251,5 +249,9 @@ class KbitOnlineLinearMethod(_KbitLinearBase):
         bytes_before, dtype = W.numel() * W.element_size(), W.dtype
         del layer.weight, W
         install_runtime_weights(layer, self.prefix, qweight, absmax, codebook * scale)
-        layer._already_called_process_weights_after_loading = True
         self._report(layer, bytes_before, dtype, range_scale=scale)
+
+    def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.unquantized is not None:
+            return self.unquantized.apply(layer, x, bias)
+        return super().apply(layer, x, bias)

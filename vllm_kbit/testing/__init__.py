@@ -1,1 +1,0 @@
-"""Development and demo fixtures (tiny and real test models, ``make demo``), never imported by the runtime code."""
