@@ -267,10 +267,11 @@ def _cuda_projections(x, ids, w13_qweight, codebook, H, I, E, expert_map):
     for slots of other ranks' experts)."""
     T, top_k = x.shape[0], ids.numel() // max(x.shape[0], 1)
     bits = w13_qweight.shape[3]
-    plan = torch.ops.kbit.moe_plan.device(T, top_k, E, bits, H, I, x.device)
-    if plan[0] not in ("gemv", "grouped_mma", "grouped_wgmma"):  # gemv_direct and grouped_mm do not route in chunks
-        plan = torch.ops.kbit.moe_plan.device(T, top_k, E, bits, H, I, x.device, "grouped_mma")
-    rows, max_chunks = plan[1], plan[2]
+    plan = ops.named(torch.ops.kbit.moe_plan.device, T, top_k, E, bits, H, I, x.device)
+    if plan.path not in ("gemv", "grouped_mma", "grouped_wgmma"):  # gemv_direct and grouped_mm do not route in chunks
+        plan = ops.named(torch.ops.kbit.moe_plan.device, T, top_k, E, bits, H, I, x.device, "grouped_mma")
+    rows, max_chunks = plan.chunk_rows, plan.max_chunks
+    kernel = torch.ops.kbit._moe_kernel_id(plan.kernel)  # the plan's kernel, run by _moe_grouped_linear as planned
     emap = None if expert_map is None else expert_map.to(torch.int32)
     _, pos, slot_of, chunks, num_chunks = torch.ops.kbit._moe_route(ids, emap, E, rows, max_chunks)
     pos = pos.long()
@@ -281,7 +282,7 @@ def _cuda_projections(x, ids, w13_qweight, codebook, H, I, E, expert_map):
     def project(A, ids_to_token, q, a, N, K):
         src = slot_of // ids_to_token  # the row of A each routed row reads: its token, or its slot
         rows_in = A.index_select(0, src).to(torch.bfloat16).contiguous()
-        C = torch.ops.kbit._moe_grouped_linear(rows_in, chunks, num_chunks, q, a, codebook, N, K, rows)
+        C = torch.ops.kbit._moe_grouped_linear(rows_in, chunks, num_chunks, q, a, codebook, N, K, kernel, rows)
         return torch.where(mine, C.index_select(0, pos), 0).to(A.dtype)
 
     return project
