@@ -1241,6 +1241,7 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
         "linears; stored: bytes of the packed tensors x 8 / weights. top-1: share of positions whose argmax equals the "
         "same model's bf16 argmax.",
         versions_line(meta),
+        *(f"- {n}" for n in meta.get("notes", [])),  # what was measured or done beside the run, said where it was
         "",
         "Setup, per tool:",
         "",
@@ -1256,6 +1257,13 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
         "routed to it: all of them here). AWQ's `pin_memory` of cached activations raises without an accelerator; it is "
         "made a no-op (pinning only speeds host-to-device copies). The packed checkpoint (`save_compressed`, "
         "pack-quantized) is decompressed by compressed-tensors.",
+        "- kbit with rotation (issue 61): `convert --gptq --rotate --rotation-seed S` (GPTQ on W R with the rotated "
+        "inputs' Hessian, blocks by `reference.rotation_block`: SmolLM2 64 on its 576 inputs, 512 on 1536; Gemma 128 / 1024), "
+        "decoded as Q(W R) R^T; online rows: the reference quantizer on W R. llm-compressor QuIP + GPTQ: `QuIPModifier("
+        "rotations=['v'], transform_type='random-hadamard', transform_block_size=b)` then `GPTQModifier` with the GPTQ "
+        "rows' scheme, b one size for every layer (llm-compressor takes one): kbit's smallest block (SmolLM2 64, Gemma "
+        "128); each quantized linear's effective weight probed through the module as llm-compressor left it "
+        "(W^T = module(I), float32).",
         "- HQQ: `HQQLinear` with `BaseQuantizeConfig(nbits, group_size=64)` (its default: optimize=True, axis 1; "
         "calibration-free), compute dtype bf16, decoded by `HQQLinear.dequantize`. 3-bit values are packed 10 per int32, 5-bit ones one per byte (HQQ has no 5-bit packing).",
         "- GPTQModel: `QuantizeConfig(bits, group_size=64)`, its other settings at their defaults (symmetric, its "
