@@ -1501,7 +1501,7 @@ def rotation_goals(records: list[dict], mkeys) -> list[str]:
 
         def ppl(name):
             if name in groups:
-                return sum(r["perplexity"] for r in groups[name]) / len(groups[name]), f"{name} ({len(groups[name])} seeds)"
+                return sum(r["perplexity"] for r in groups[name]) / len(groups[name]), f"{name} ({len(groups[name])} seed{'s' if len(groups[name]) > 1 else ''})"
             return (rows[name]["perplexity"], name) if name in rows else (None, name)
 
         def cell(p):
@@ -1547,6 +1547,8 @@ def combine(out_json: pathlib.Path, runs: list[pathlib.Path]) -> None:
             holder = main
         seen = {(r["model"], r["method"]) for r in holder["records"]}
         holder["records"] += [r for r in run["records"] if (r["model"], r["method"]) not in seen]
+        for v in ("versions_peer_venv", "versions_gptqmodel_venv"):  # from the first run that used that venv
+            holder[v] = holder.get(v) or run.get(v)
         holder["failures"] += run["failures"]
         holder["commands"].append(run["command"])
         holder["elapsed_s"] = holder.get("elapsed_s", 0) + (run["elapsed_s"] if holder["commands"][1:] else 0)
