@@ -16,6 +16,8 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <cmath>
+
 #include "launch_utils.cuh"
 #include "plan.h"
 #include "rotate.h"
@@ -39,7 +41,7 @@ __device__ __forceinline__ __nv_bfloat16 from_f32(float v) { return __float2bflo
 template <>
 __device__ __forceinline__ __half from_f32(float v) { return __float2half_rn(v); }
 
-// Butterflies over the bits of the register index i: element pairs (i, i + h) within one lane.
+// Butterflies over the bits of the register index i (index bits 5 and up): pairs (i, i + h) within one lane.
 template <int E>
 __device__ __forceinline__ void butterfly_registers(float (&v)[E]) {
 #pragma unroll
@@ -55,7 +57,7 @@ __device__ __forceinline__ void butterfly_registers(float (&v)[E]) {
   }
 }
 
-// Butterflies over the lane bits below `lanes` (min(b, 32)): the lane with the bit clear keeps a + b, its
+// Butterflies over the lane bits (index bits 0..4) below kLanes = min(b, 32): the lane with the bit clear keeps a + b, its
 // partner a - b (each sees the other's value through the shuffle, so the upper lane computes partner - own).
 template <int E, int kLanes>
 __device__ __forceinline__ void butterfly_lanes(float (&v)[E], int lane) {
@@ -75,7 +77,7 @@ template <typename T, int B>
 __global__ void __launch_bounds__(kRotateWarps * 32) rotate_kernel(const T* __restrict__ x, int64_t x_stride,
                                                                    const float* __restrict__ signs,
                                                                    T* __restrict__ out, int64_t M, int64_t K,
-                                                                   bool inverse) {
+                                                                   float scale, bool inverse) {
   constexpr int E = B >= 32 ? B / 32 : 1;
   constexpr int U = E * 32;
   const int lane = threadIdx.x & 31;
@@ -92,9 +94,10 @@ __global__ void __launch_bounds__(kRotateWarps * 32) rotate_kernel(const T* __re
     v[i] = to_f32(xr[i * 32 + lane]);
     if (!inverse) v[i] *= signs[col0 + i * 32 + lane];  // x R: diag(s) before H
   }
-  butterfly_registers(v);
+  // Low index bits first, as the reference's transform runs them: the same fp32 sums in the same order, so the
+  // result is the reference's bit for bit.
   butterfly_lanes<E, (B < 32 ? B : 32)>(v, lane);
-  const float scale = rsqrtf(static_cast<float>(B));
+  butterfly_registers(v);
   T* orow = out + row * K + col0;
 #pragma unroll
   for (int i = 0; i < E; ++i) {
@@ -115,9 +118,11 @@ void launch_typed(const at::Tensor& x2, const at::Tensor& signs, int64_t block, 
   const float* sp = signs.data_ptr<float>();
   // A programmatic dependent where the planner's rule says so: the next GEMM's weight fetch overlaps this kernel.
   const bool pdl = pdl_rule(device_facts(x2.get_device()).sm_major);
+  // 1 / sqrt(b) rounded once from double, as the reference's float32 multiply by Python's 1.0 / math.sqrt(b).
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(block)));
   auto go = [&](auto b) {
     constexpr int B = decltype(b)::value;
-    launch_kernel(rotate_kernel<T, B>, grid, dim3(kRotateWarps * 32), 0, stream, 0, pdl, xp, x2.stride(0), sp, op, M, K, inverse);
+    launch_kernel(rotate_kernel<T, B>, grid, dim3(kRotateWarps * 32), 0, stream, 0, pdl, xp, x2.stride(0), sp, op, M, K, scale, inverse);
   };
   switch (block) {
     case 2: return go(std::integral_constant<int, 2>{});
