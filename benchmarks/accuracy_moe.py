@@ -572,10 +572,8 @@ def vllm_main(argv: list[str]) -> None:
 
 
 def _real_model():
-    try:
-        from kbit_dev import real_model
-    except ImportError:
-        from vllm_kbit import real_model
+    from kbit_dev import real_model
+
     return real_model
 
 

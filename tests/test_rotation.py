@@ -202,7 +202,7 @@ def test_convert_writes_rotated_weights_and_the_rotation_it_used(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from vllm_kbit.convert import convert
-    from vllm_kbit.testing import tiny_models
+    from kbit_dev import tiny_models
 
     src = tiny_models.build("qwen3", str(tmp_path / "src"), hidden=128, layers=1)
     rot = Rotation(seed=3, max_block=64)
@@ -269,7 +269,7 @@ def test_cli_refuses_bad_rotation_flags_in_one_line(tmp_path, flags, match):
 
 
 def test_cli_refuses_a_tp_that_leaves_no_block(tmp_path):
-    from vllm_kbit.testing import tiny_models
+    from kbit_dev import tiny_models
 
     src = tiny_models.build("qwen3", str(tmp_path / "src"), hidden=128, layers=1)
     proc = _cli(src, str(tmp_path / "out"), "--rotate", "--rotation-tp", "3", "--quiet")
