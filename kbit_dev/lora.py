@@ -39,24 +39,32 @@ def _linear_shapes(model_dir: str, targets: tuple[str, ...]) -> dict[str, tuple[
     return shapes
 
 
-def make_adapter(model_dir: str, out_dir: str, seed: int = 0, targets: tuple[str, ...] = ATTENTION, rank: int = 8,
-                 alpha: int = 16, std: float = 0.05) -> str:
-    """A random rank-``rank`` adapter on every ``targets`` module of ``model_dir`` (routed experts included when
-    ``targets`` names their projections); returns ``out_dir``."""
+def _write_adapter(out_dir: str, shapes: dict, target_modules: list, seed: int, rank: int, alpha: int, std: float,
+                   **config) -> str:
+    """Random bf16 A / B of every module in ``shapes`` ({name: (out, in)}) and a PEFT adapter_config.json with
+    ``target_modules`` (and any other ``config`` keys) into ``out_dir``; returns ``out_dir``."""
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(seed)
     tensors = {}
-    for module, (n_out, n_in) in sorted(_linear_shapes(model_dir, targets).items()):
+    for module, (n_out, n_in) in shapes.items():
         tensors[f"{PREFIX}{module}.lora_A.weight"] = (torch.randn(rank, n_in, generator=g) * std).to(torch.bfloat16)
         tensors[f"{PREFIX}{module}.lora_B.weight"] = (torch.randn(n_out, rank, generator=g) * std).to(torch.bfloat16)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
         json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
-                   "target_modules": sorted(set(targets)), "bias": "none", "fan_in_fan_out": False,
-                   "use_rslora": False, "modules_to_save": None, "base_model_name_or_path": model_dir}, f, indent=1)
+                   "target_modules": target_modules, "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
+                   "modules_to_save": None, **config}, f, indent=1)
     return out_dir
+
+
+def make_adapter(model_dir: str, out_dir: str, seed: int = 0, targets: tuple[str, ...] = ATTENTION, rank: int = 8,
+                 alpha: int = 16, std: float = 0.05) -> str:
+    """A random rank-``rank`` adapter on every ``targets`` module of ``model_dir`` (routed experts included when
+    ``targets`` names their projections); returns ``out_dir``."""
+    return _write_adapter(out_dir, dict(sorted(_linear_shapes(model_dir, targets).items())), sorted(set(targets)),
+                          seed, rank, alpha, std, base_model_name_or_path=model_dir)
 
 
 def merge_adapter(model_dir: str, adapter_dir: str) -> None:
@@ -98,20 +106,7 @@ def make_attention_adapter(config: dict, out_dir: str, seed: int = 0, rank: int 
                            std: float = 0.05) -> str:
     """A random rank-``rank`` adapter on q/k/v/o_proj of every layer, from the model's config alone (for models
     served with dummy weights, which have no checkpoint to read shapes from); returns ``out_dir``."""
-    from safetensors.torch import save_file
-
-    g = torch.Generator().manual_seed(seed)
-    tensors = {}
-    for module, (n_out, n_in) in attention_shapes(config).items():
-        tensors[f"{PREFIX}{module}.lora_A.weight"] = (torch.randn(rank, n_in, generator=g) * std).to(torch.bfloat16)
-        tensors[f"{PREFIX}{module}.lora_B.weight"] = (torch.randn(n_out, rank, generator=g) * std).to(torch.bfloat16)
-    os.makedirs(out_dir, exist_ok=True)
-    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
-        json.dump({"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0,
-                   "target_modules": list(ATTENTION), "bias": "none", "fan_in_fan_out": False, "use_rslora": False,
-                   "modules_to_save": None}, f, indent=1)
-    return out_dir
+    return _write_adapter(out_dir, attention_shapes(config), list(ATTENTION), seed, rank, alpha, std)
 
 
 if __name__ == "__main__":
