@@ -327,13 +327,14 @@ PROMPT_LORAS = [i % (N_ADAPTERS + 1) - 1 for i in range(len(PROMPTS))]
 
 
 def lora_runs(engine, tiny, tmp_path_factory, kind: str, targets: tuple[str, ...], tag: str = "",
-              llm_kwargs: dict | None = None) -> tuple[dict, dict, dict]:
+              llm_kwargs: dict | None = None, ref_kwargs: dict | None = None) -> tuple[dict, dict, dict]:
     """(kbit-4 served with the adapters, the reference, the dequantized model without adapters) for ``kind``.
 
     The kbit engine quantizes online (``ONLINE[4]``) and serves N_ADAPTERS random adapters on ``targets`` beside
     the base model in one batch. The reference takes each prompt from a bf16 engine serving, without LoRA, the
     dequantized kbit-4 weights with that prompt's adapter merged in (``alpha / r * B @ A``; the dequantized model
-    itself for prompts without one)."""
+    itself for prompts without one). ``ref_kwargs`` go to the reference engines only (the GPU test runs them eager:
+    they check the arithmetic, and four more CUDA-graph captures cost minutes)."""
     from kbit_dev.lora import make_adapter, merge_adapter
 
     root = tmp_path_factory.mktemp(f"lora-{kind}{tag}")
@@ -350,8 +351,8 @@ def lora_runs(engine, tiny, tmp_path_factory, kind: str, targets: tuple[str, ...
 
         shutil.copytree(deq_dir, merged)
         merge_adapter(merged, adapter)
-        specs.append((f"{kind}-deq4-merged{i}{tag}", merged, extra, None, None, by_prefix))
-    specs.append((f"{kind}-deq4-plain{tag}", deq_dir, extra, None, None, by_prefix))
+        specs.append((f"{kind}-deq4-merged{i}{tag}", merged, {**extra, **(ref_kwargs or {})}, None, None, by_prefix))
+    specs.append((f"{kind}-deq4-plain{tag}", deq_dir, {**extra, **(ref_kwargs or {})}, None, None, by_prefix))
     for key, model, kwargs, env, text, lora in specs:
         engine.start(key, model, kwargs, env, text, **lora)
     got, *refs = [engine(key, model, kwargs, env, text, **lora) for key, model, kwargs, env, text, lora in specs]

@@ -116,10 +116,12 @@ def test_gpu_lora_adapters_match_merged_dequantized_model(engine, tiny, tmp_path
     """Three random LoRA adapters at once (max_loras 4) beside the base model, under CUDA graphs and torch.compile,
     on every linear projection: attention and the MLP, which for Qwen3-MoE are the routed experts (vLLM's MoE LoRA
     layer around the kbit modular kernel: the experts run stage by stage and vLLM's punica kernels add each
-    adapter after gate_up and after down). Against the dequantized bf16 model with each adapter merged in."""
+    adapter after gate_up and after down). Against the dequantized bf16 model with each adapter merged in, run
+    eager. Five engines: start them together (KBIT_E2E_ENGINES=5, one test at a time)."""
     from kbit_dev.lora import ATTENTION, MLP
 
-    got, ref, plain = lora_runs(engine, tiny, tmp_path_factory, kind, ATTENTION + MLP, tag="-gpu")
+    got, ref, plain = lora_runs(engine, tiny, tmp_path_factory, kind, ATTENTION + MLP, tag="-gpu",
+                                ref_kwargs={"enforce_eager": True})
     if kind == "qwen3_moe":
         moe = got["layers"]["model.layers.0.mlp.experts"]
         assert moe["bits"] == 4 and "w13_qweight" in moe["params"], moe
