@@ -240,10 +240,8 @@ def fused_moe_stages(
     ids = topk_ids.reshape(-1)
     if S == 0:
         return torch.zeros_like(x)
-    xr, rot_act = x, lambda act: act  # the projections' inputs: x R_13 and act R_2 when rotated
-    if rotation is not None:
-        xr = torch.ops.kbit.hadamard_rotate(x, rotation.w13_signs, rotation.w13_block)
-        rot_act = lambda act: torch.ops.kbit.hadamard_rotate(act, rotation.w2_signs, rotation.w2_block)  # noqa: E731
+    # The projections' inputs: x R_13 and act R_2 for rotated experts; the hooks get x and act as they are.
+    xr = x if rotation is None else torch.ops.kbit.hadamard_rotate(x, rotation.w13_signs, rotation.w13_block)
     if x.is_cuda and ops.HAS_CUDA_KERNELS and x.dtype != torch.float32:
         project = _cuda_projections(x, ids, w13_qweight, codebook, H, I, E, expert_map)
         h13 = project(xr, ids_to_token=top_k, q=w13_qweight, a=w13_absmax, N=2 * I, K=H)
@@ -258,7 +256,7 @@ def fused_moe_stages(
     if after_gate_up is not None:
         after_gate_up(h13)
     act = torch.nn.functional.silu(h13[:, :I]) * h13[:, I:]
-    act_in = rot_act(act)
+    act_in = act if rotation is None else torch.ops.kbit.hadamard_rotate(act, rotation.w2_signs, rotation.w2_block)
     if project is not None:
         y = project(act_in, ids_to_token=1, q=w2_qweight, a=w2_absmax, N=H, K=I)
     else:

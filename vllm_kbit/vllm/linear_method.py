@@ -57,10 +57,10 @@ def shard_rotation(rotation: Rotation, prefix: str, what: str, K: int, K_shard: 
     block = rotation.block(K)
     if K_shard % block:
         raise ValueError(
-            f"kbit: layer {prefix!r} ({what}) is rotated in blocks of {block} over its {K} inputs, which does not "
-            f"divide this rank's {K_shard} inputs (tensor parallel {K // K_shard}); the checkpoint's rotation covers "
-            f"tensor parallel sizes dividing {rotation.tp} (convert with --rotation-tp {K // K_shard}, or serve at a "
-            "smaller tensor-parallel size)")
+            f"kbit: layer {prefix!r} ({what}) is rotated in blocks of {block} over its {K} inputs, which do not "
+            f"divide this rank's {K_shard} inputs at tensor parallel {K // K_shard}; the rotation was made for tensor "
+            f"parallel {rotation.tp} (supported: sizes dividing it); convert with --rotation-tp {K // K_shard} "
+            f"(online: rotation {{\"tp\": {K // K_shard}}}) or serve at tensor parallel {rotation.tp}")
     return rotation.signs(K)[rank * K_shard : (rank + 1) * K_shard].contiguous(), block
 
 
@@ -68,7 +68,12 @@ def layer_rotation(layer: torch.nn.Module, rotation: Rotation, prefix: str, inpu
                    input_size: int) -> None:
     """A rotated linear layer's input rotation, kept on the layer (kbit_rot_signs is registered on the weights'
     device with them: install_runtime_weights)."""
-    rank = getattr(layer, "tp_rank", 0) if input_size_per_partition != input_size else 0
+    rank = 0
+    if input_size_per_partition != input_size:  # row parallel: vLLM's LinearBase names the layer's rank
+        rank = getattr(layer, "tp_rank", None)
+        if rank is None:
+            raise ValueError(f"kbit: layer {prefix!r} shards its {input_size} inputs but has no tp_rank; a rotated "
+                             "layer needs its tensor-parallel rank to slice the rotation's signs")
     layer.kbit_rotation = shard_rotation(rotation, prefix, "input", input_size, input_size_per_partition, rank)
 
 

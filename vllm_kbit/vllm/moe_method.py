@@ -219,8 +219,9 @@ class _KbitMoEBase(FusedMoEMethodBase):
         if rotation is not None:
             moe = layer.moe_config
             H, I, Ip = moe.hidden_dim, moe.intermediate_size, moe.intermediate_size_per_partition
+            rank = moe.tp_rank if Ip != I else 0
             self.rotations = (shard_rotation(rotation, prefix, "experts' gate_up input", H, H, 0),
-                              shard_rotation(rotation, prefix, "experts' down input", I, Ip, moe.tp_rank if Ip != I else 0))
+                              shard_rotation(rotation, prefix, "experts' down input", I, Ip, rank))
 
     # ------------------------------------------------------------------ the modular kernel
 
