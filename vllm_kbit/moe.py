@@ -264,10 +264,11 @@ def fused_moe_stages(
         for e in range(E):
             W = _decoded(w2_qweight, w2_absmax, codebook, e, H, I, x.dtype)
             y = torch.where((local == e)[:, None], torch.nn.functional.linear(act_in, W), y)
-    y = (y.float() * topk_weights.reshape(-1, 1).float()).to(x.dtype).view(T, top_k, H)
+    # In place, one pass each: the product in fp32 (the weights' type) rounded once, the sum accumulated in fp32.
+    y = y.mul_(topk_weights.reshape(-1, 1).float()).view(T, top_k, H)
     if after_down is not None:
         after_down(y, act)
-    return y.float().sum(1).to(x.dtype)
+    return y.sum(1, dtype=torch.float32).to(x.dtype)
 
 
 def _local_ids(ids: torch.Tensor, expert_map: torch.Tensor | None, E: int) -> torch.Tensor:
