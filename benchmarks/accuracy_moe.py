@@ -786,7 +786,7 @@ def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pat
                     packed[key] = f.get_tensor(key)
     from vllm_kbit.settings import KbitSettings
 
-    settings = KbitSettings.from_dict(json.loads((out_dir / "config.json").read_text())["quantization_config"], serving=False)
+    settings = KbitSettings.from_dict(json.loads((out_dir / "config.json").read_text())["quantization_config"])
     cb, rot = settings.codebook(k), settings.rotation
     out, stored, gptq_rounded = {}, 0, 0
     for n in ev.names:

@@ -116,6 +116,22 @@ def _moe(device, x=None, ids=None, weights=None, I_=I, expert_map=None, cb=None)
     )
 
 
+def _rotated(args: tuple, **rotation) -> tuple:
+    """An op's arguments with its keyword-only rotation arguments (the last element, a dict: run_case passes it as
+    keywords)."""
+    return (*args, rotation)
+
+
+def _signs(device, n, dtype=torch.float32):
+    return fmt.rotation_signs(n, 0).to(device, dtype)
+
+
+def _linear_wide(device, kk):
+    """A valid linear call on a [N, kk] weight."""
+    q_rt, a_rt, cb = _runtime(device, KBITS, N, kk)
+    return (_x(device, features=kk), q_rt, a_rt, cb, N, kk, None)
+
+
 _K6 = "k=6 is not supported; k must be one of"
 _CB = "codebook has 16 entries but k=3 needs 8"
 
@@ -193,6 +209,16 @@ CASES: list[Case] = [
     Case("linear-qweight-on-cpu", "linear", lambda d: (lambda a: _linear(d, q=a[1].cpu()))(_linear(d)), ValueError, "runtime qweight is on cpu but x is on cuda", cuda_only=True),
     Case("linear-codebook-on-cpu", "linear", lambda d: _linear(d, cb=_cb("cpu", 4)), ValueError, "codebook is on cpu but x is on cuda", cuda_only=True),
     Case("linear-bias-on-cpu", "linear", lambda d: _linear(d, bias=torch.zeros(N, dtype=torch.bfloat16)), ValueError, "bias is on cpu but x is on cuda", cuda_only=True),
+    # linear(..., *, rot_signs, rot_block): a rotated layer's input rotation
+    Case("linear-rot-block-without-signs", "linear", lambda d: _rotated(_linear(d), rot_block=16), ValueError, "rot_block=16 without rot_signs; give both"),
+    Case("linear-rot-signs-without-block", "linear", lambda d: _rotated(_linear(d), rot_signs=_signs(d, K)), ValueError, "rot_block=0 is not supported for 64 inputs; supported: a power of two 2..1024 dividing 64"),
+    Case("linear-rot-signs-length", "linear", lambda d: _rotated(_linear(d), rot_signs=_signs(d, K // 2), rot_block=16), ValueError, r"rot_signs have shape \[32\]; expected a contiguous \[64\]"),
+    Case("linear-rot-signs-2d", "linear", lambda d: _rotated(_linear(d), rot_signs=_signs(d, K).view(2, K // 2), rot_block=16), ValueError, r"rot_signs have shape \[2, 32\]"),
+    Case("linear-rot-signs-bfloat16", "linear", lambda d: _rotated(_linear(d), rot_signs=_signs(d, K, torch.bfloat16), rot_block=16), TypeError, "rot_signs have dtype torch.bfloat16; expected float32"),
+    Case("linear-rot-block-not-power-of-two", "linear", lambda d: _rotated(_linear(d), rot_signs=_signs(d, K), rot_block=24), ValueError, "rot_block=24 is not supported for 64 inputs"),
+    Case("linear-rot-block-not-dividing", "linear", lambda d: _rotated(_linear(d), rot_signs=_signs(d, K), rot_block=128), ValueError, "rot_block=128 is not supported for 64 inputs; supported: a power of two 2..1024 dividing 64"),
+    Case("linear-rot-block-too-large", "linear", lambda d: _rotated(_linear_wide(d, 2048), rot_signs=_signs(d, 2048), rot_block=2048), ValueError, "rot_block=2048 is not supported for 2048 inputs; supported: a power of two 2..1024"),
+    Case("linear-rot-signs-on-cpu", "linear", lambda d: _rotated(_linear(d), rot_signs=_signs("cpu", K), rot_block=16), ValueError, "rot_signs are on cpu, x on cuda", cuda_only=True),
     # fused_moe(x, topk_ids, topk_weights, w13_q, w13_a, w2_q, w2_a, codebook, I, expert_map, on_input)
     Case("fused_moe-topk_weights-int64", "fused_moe", lambda d: _moe(d, weights=torch.ones(T, TOP_K, dtype=torch.int64, device=d)), TypeError, "topk_weights must be a float tensor, got torch.int64"),
     Case("fused_moe-topk_ids-float", "fused_moe", lambda d: _moe(d, ids=torch.zeros(T, TOP_K, device=d)), TypeError, "topk_ids must be an integer tensor"),
@@ -205,6 +231,12 @@ CASES: list[Case] = [
     Case("fused_moe-codebook-size", "fused_moe", lambda d: _moe(d, cb=_cb(d, 3)), ValueError, r"codebook must be float32 \[16\]"),
     Case("fused_moe-expert_map-float", "fused_moe", lambda d: _moe(d, expert_map=torch.zeros(E, device=d)), ValueError, "expert_map must be a 1-D integer tensor"),
     Case("fused_moe-ids-on-cpu", "fused_moe", lambda d: _moe(d, ids=torch.zeros(T, TOP_K, dtype=torch.int32)), ValueError, "needs every tensor on x's device", cuda_only=True),
+    # fused_moe(..., *, w13_rot_signs, w13_rot_block, w2_rot_signs, w2_rot_block): over H and over I
+    Case("fused_moe-w13-rot-signs-length", "fused_moe", lambda d: _rotated(_moe(d), w13_rot_signs=_signs(d, I), w13_rot_block=16), ValueError, r"w13_rot_signs have shape \[32\]; expected a contiguous \[64\]"),
+    Case("fused_moe-w13-rot-block-without-signs", "fused_moe", lambda d: _rotated(_moe(d), w13_rot_block=16), ValueError, "w13_rot_block=16 without w13_rot_signs"),
+    Case("fused_moe-w2-rot-signs-float64", "fused_moe", lambda d: _rotated(_moe(d), w2_rot_signs=_signs(d, I, torch.float64), w2_rot_block=16), TypeError, "w2_rot_signs have dtype torch.float64; expected float32"),
+    Case("fused_moe-w2-rot-block-not-dividing", "fused_moe", lambda d: _rotated(_moe(d), w13_rot_signs=_signs(d, H), w13_rot_block=64, w2_rot_signs=_signs(d, I), w2_rot_block=64), ValueError, "w2_rot_block=64 is not supported for 32 inputs; supported: a power of two 2..1024 dividing 32"),
+    Case("fused_moe-w2-rot-signs-on-cpu", "fused_moe", lambda d: _rotated(_moe(d), w2_rot_signs=_signs("cpu", I), w2_rot_block=16), ValueError, "w2_rot_signs are on cpu, x on cuda", cuda_only=True),
 ]
 
 CASES_BY_ID = {c.id: c for c in CASES}
@@ -239,9 +271,11 @@ def routing_result(case_id: str, device: str) -> tuple[torch.Tensor, torch.Tenso
 def run_case(case: Case, device: str, check_op: bool = False) -> str | None:
     """Runs one case; None when it raised as expected, else what went wrong."""
     args = case.build(device)
+    kwargs = args[-1] if args and isinstance(args[-1], dict) else {}  # keyword-only arguments (_rotated)
+    args = args[:-1] if kwargs else args
     op = getattr(torch.ops.kbit, f"_check_{case.op}" if check_op else case.op)
     try:
-        op(*args)
+        op(*args, **kwargs)
     except case.error as e:
         message = str(e)
         if "\n" in message:

@@ -165,7 +165,7 @@ def test_settings_round_trip_and_refuse_bad_rotation():
     s = KbitSettings(bits=3, rotation={"seed": 5, "max_block": 256})
     d = s.to_dict()
     assert d["rotation"] == {"method": "hadamard", "seed": 5, "max_block": 256, "tp": 1}
-    assert KbitSettings.from_dict(d, serving=False).rotation == s.rotation and KbitSettings(bits=3).rotation is None
+    assert KbitSettings.from_dict(d).rotation == s.rotation and KbitSettings(bits=3).rotation is None
     assert "rotation" not in KbitSettings(bits=3).to_dict()  # checkpoints without it: as before
     rec = s.rotation.recorded([576, 1536])
     assert rec.to_dict()["blocks"] == {"576": 64, "1536": 256} and rec.block(576) == 64
@@ -175,23 +175,18 @@ def test_settings_round_trip_and_refuse_bad_rotation():
                        ({"blocks": {"576": 48}}, "blocks\\['576'\\]=48"), ({"blocks": {"x": 64}}, "blocks key 'x'"),
                        ({"blocks": [1]}, "blocks must be a dict"), ({"seed": "0"}, "seed='0'")]:
         with pytest.raises(ValueError, match=match) as e:
-            KbitSettings.from_dict({"quant_method": "kbit", "bits": 3, "rotation": bad}, serving=False)
+            KbitSettings.from_dict({"quant_method": "kbit", "bits": 3, "rotation": bad})
         assert "\n" not in str(e.value)
     with pytest.raises(ValueError, match="rotation must be a dict"):
-        KbitSettings.from_dict({"quant_method": "kbit", "rotation": 3}, serving=False)
+        KbitSettings.from_dict({"quant_method": "kbit", "rotation": 3})
 
 
-def test_a_rotated_config_is_refused_where_it_would_be_served_until_the_runtime_rotates(monkeypatch):
-    """The vLLM plugin reads configs with serving=True: a rotated one must not run as if it were not rotated."""
-    import vllm_kbit.settings as settings_mod
-
-    config = {"quant_method": "kbit", "bits": 3, "prequantized": True, "rotation": {"seed": 0}}
-    if not settings_mod.RUNTIME_ROTATION:
-        with pytest.raises(ValueError, match="does not rotate inputs when serving yet") as e:
-            KbitSettings.from_dict(config)
-        assert "\n" not in str(e.value)
-    monkeypatch.setattr(settings_mod, "RUNTIME_ROTATION", True)
-    assert KbitSettings.from_dict(config).rotation == Rotation(seed=0)
+def test_a_rotated_config_is_read_where_it_is_served():
+    """The vLLM plugin reads the same settings the converter wrote: the rotation with its blocks."""
+    config = {"quant_method": "kbit", "bits": 3, "prequantized": True,
+              "rotation": {"method": "hadamard", "seed": 0, "max_block": 1024, "tp": 2, "blocks": {"576": 32}}}
+    got = KbitSettings.from_dict(config).rotation
+    assert got == Rotation(seed=0, tp=2, blocks={576: 32}) and got.block(576) == 32 and got.block(2048) == 1024
 
 
 def test_convert_writes_rotated_weights_and_the_rotation_it_used(tmp_path):
@@ -209,7 +204,7 @@ def test_convert_writes_rotated_weights_and_the_rotation_it_used(tmp_path):
     rtn_dir = str(tmp_path / "rtn")
     convert(src, rtn_dir, KbitSettings(bits=3, rotation=rot), progress=False)
     config = json.load(open(f"{rtn_dir}/config.json"))["quantization_config"]
-    got = KbitSettings.from_dict(config, serving=False)
+    got = KbitSettings.from_dict(config)
     orig = load_file(f"{src}/model.safetensors")
     packed = load_file(f"{rtn_dir}/model-00001-of-00001.safetensors")
     Ks = sorted({orig[n[: -len('.qweight')] + '.weight'].shape[1] for n in packed if n.endswith(".qweight")})

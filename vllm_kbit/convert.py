@@ -339,7 +339,7 @@ def _convert(in_dir, out_dir, config, files, settings, device, max_shard_bytes, 
     from safetensors.torch import save_file
     from tqdm import tqdm
 
-    settings = KbitSettings.from_dict({**settings.to_dict(), "prequantized": True}, serving=False)
+    settings = KbitSettings.from_dict({**settings.to_dict(), "prequantized": True})
     tied_head = settings.quantize_lm_head and tied_word_embeddings(config)
     codebooks = {k: settings.codebook(k).to(device) for k in settings.bit_widths}
 

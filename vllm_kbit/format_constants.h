@@ -14,6 +14,8 @@ constexpr int kRangeMax64 = 2015;   // the largest |w| quantized at scale 1, in 
 constexpr int kScaleSearchRadius = 8;  // scale search: codes absmax-8 .. absmax+8 around each block's absmax code
 constexpr int kTileN = 64;          // runtime tile: kTileN rows (output features) ...
 constexpr int kTileKB = 4;          // ... by kTileKB blocks along K
+constexpr int kRotationMinBlock = 2;     // a layer's input rotation (format.md, section 9): Hadamard blocks b of
+constexpr int kRotationMaxBlock = 1024;  // powers of two kRotationMinBlock..kRotationMaxBlock (one warp's registers)
 
 static_assert(kE4M4Max * 16 == (1 << (15 - kE4M4Bias)) * 31 && kRangeMax64 == kE4M4Max * 65, "code 255's value");
 

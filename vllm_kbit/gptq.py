@@ -41,7 +41,6 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_kbit import reference as fmt
-from vllm_kbit.settings import RUNTIME_ROTATION
 
 DEFAULT_DAMP = 0.01  # added to H's diagonal, as a fraction of its mean diagonal
 DEFAULT_CALIBRATION_TOKENS = 16384  # enough rows for H of wide layers (K up to several thousand)
@@ -49,10 +48,9 @@ DEFAULT_CALIBRATION_WINDOW = 512
 DEFAULT_ACT_ORDER = True  # columns in order of decreasing H[i, i] (see the module docstring)
 # Whether `convert --gptq` rotates (settings.Rotation: randomized Hadamard on each layer's input) without
 # --rotate / --no-rotate. Rotation measured better with GPTQ on both packaged models (docs/decisions.md,
-# "Rotation"), so it is the default as soon as the vLLM layers serve rotated checkpoints (settings.RUNTIME_ROTATION);
-# until then a rotated checkpoint could not be served, and --rotate asks for it explicitly.
+# "Rotation"), and the vLLM layers serve rotated checkpoints, so it is the default.
 ROTATE_WITH_GPTQ = True
-DEFAULT_ROTATE = ROTATE_WITH_GPTQ and RUNTIME_ROTATION
+DEFAULT_ROTATE = ROTATE_WITH_GPTQ
 # How GPTQ picks a block's E4M4 scale among the reference's candidates: "mse" the reference's plain
 # block error; "hdiag" each column's squared error weighted by its input energy H[i, i]; "gptq" weighted
 # by 1 / [H^-1]_ii of the columns still open when it is rounded (GPTQ's own loss for that column).

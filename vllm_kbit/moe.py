@@ -39,16 +39,21 @@ _MOE_PATH = torch.ops.kbit._moe_path_override() if ops.HAS_EXTENSION else 0  # 0
 
 def _fused_moe_reference(
     x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size, expert_map,
-    apply_router_weight_on_input,
+    apply_router_weight_on_input, *, w13_rot_signs=None, w13_rot_block=0, w2_rot_signs=None, w2_rot_block=0,
 ):
     """out[t] = sum_j w[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])), e = topk_ids[t, j].
 
+    Rotated experts (docs/format.md, section 9) take x R_13 into gate_up and (silu(gate) * up) R_2 into down:
+    :func:`reference.hadamard_rotate` with the given signs and block, rounded to x's dtype.
     Device-side only (no host sync, no data-dependent shapes): each local expert
     runs on every token and a per-token combine weight (zero where the expert was
     not picked) selects the result.
     """
     fmt.check("fused_moe", x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook,
-              intermediate_size, expert_map, apply_router_weight_on_input)
+              intermediate_size, expert_map, apply_router_weight_on_input, w13_rot_signs, w13_rot_block, w2_rot_signs,
+              w2_rot_block)
+    if w13_rot_signs is not None:
+        x = fmt.hadamard_rotate(x, w13_rot_signs, w13_rot_block)
     T, H = x.shape
     I = intermediate_size
     E = w13_qweight.shape[0]
@@ -86,6 +91,8 @@ def _fused_moe_reference(
             scale = combine[:, e : e + 1]
         gate_up = torch.nn.functional.linear(xe, w13)
         h = torch.nn.functional.silu(gate_up[:, :I]) * gate_up[:, I:]
+        if w2_rot_signs is not None:
+            h = fmt.hadamard_rotate(h, w2_rot_signs, w2_rot_block)
         out += torch.nn.functional.linear(h, w2).float() * scale
     return out.to(x.dtype)
 
@@ -98,19 +105,21 @@ def _runs_reference(dtype: torch.dtype) -> bool:
 
 def _fused_moe_cuda(
     x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size, expert_map,
-    apply_router_weight_on_input,
+    apply_router_weight_on_input, *, w13_rot_signs=None, w13_rot_block=0, w2_rot_signs=None, w2_rot_block=0,
 ):
     """CUDA: the fused kernels, or the reference where the plan's path is (fp32 activations) or without the extension.
 
     Both check the arguments with the same rules (check_fused_moe, csrc/ops/checks.cpp)."""
+    rotation = dict(w13_rot_signs=w13_rot_signs, w13_rot_block=w13_rot_block, w2_rot_signs=w2_rot_signs,
+                    w2_rot_block=w2_rot_block)
     if not ops.HAS_CUDA_KERNELS or _runs_reference(x.dtype):
         return _fused_moe_reference(
             x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
-            expert_map, apply_router_weight_on_input,
+            expert_map, apply_router_weight_on_input, **rotation,
         )
     return torch.ops.kbit._fused_moe_cuda(
         x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, int(intermediate_size),
-        expert_map, apply_router_weight_on_input, _MOE_PATH,
+        expert_map, apply_router_weight_on_input, _MOE_PATH, **rotation,
     )
 
 
@@ -121,7 +130,7 @@ _lib.impl("fused_moe", _fused_moe_cuda, "CUDA")
 @torch.library.register_fake("kbit::fused_moe")
 def _fused_moe_fake(
     x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size, expert_map,
-    apply_router_weight_on_input,
+    apply_router_weight_on_input, *, w13_rot_signs=None, w13_rot_block=0, w2_rot_signs=None, w2_rot_block=0,
 ):
     return torch.empty_like(x)
 
@@ -138,16 +147,31 @@ def kbit_fused_moe(
     intermediate_size: int,
     expert_map: torch.Tensor | None = None,
     apply_router_weight_on_input: bool = False,
+    rotation: "ExpertsRotation | None" = None,
 ) -> torch.Tensor:
     """Routed-expert MLPs of a MoE block on kbit weights; see the module docstring for the layout.
 
     Slots whose expert id is outside the local experts (negative, >= E without expert_map, or not
-    mapped to a local expert) contribute zero; nothing is read for them.
+    mapped to a local expert) contribute zero; nothing is read for them. ``rotation``: the experts' input
+    rotations when they are stored rotated (gate_up on the hidden size, down on the intermediate size).
     """
     return torch.ops.kbit.fused_moe(
         x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, intermediate_size,
-        expert_map, apply_router_weight_on_input,
+        expert_map, apply_router_weight_on_input, **(rotation.op_kwargs() if rotation is not None else {}),
     )
+
+
+class ExpertsRotation:
+    """The input rotations of a block of rotated routed experts: ``w13`` = (signs [H], block) of the hidden states
+    (gate_up's input) and ``w2`` = (signs [I], block) of the SiLU-and-mul output (down's input); docs/format.md,
+    section 9. Under tensor parallelism I is this rank's shard and its signs the matching slice."""
+
+    def __init__(self, w13_signs: torch.Tensor, w13_block: int, w2_signs: torch.Tensor, w2_block: int):
+        self.w13_signs, self.w13_block, self.w2_signs, self.w2_block = w13_signs, w13_block, w2_signs, w2_block
+
+    def op_kwargs(self) -> dict:
+        return dict(w13_rot_signs=self.w13_signs, w13_rot_block=self.w13_block, w2_rot_signs=self.w2_signs,
+                    w2_rot_block=self.w2_block)
 
 
 def stack_runtime(flat: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -195,13 +219,15 @@ def fused_moe_stages(
     expert_map: torch.Tensor | None = None,
     after_gate_up=None,
     after_down=None,
+    rotation: ExpertsRotation | None = None,
 ) -> torch.Tensor:
     """:func:`kbit_fused_moe` (router weights on the output) computed stage by stage, so that a caller can add to
     the intermediate results: ``after_gate_up(h13)`` gets each slot's gate_up output ``[T * top_k, 2I]`` (slot
     s = t * top_k + j, before SiLU-and-mul) and ``after_down(y, act)`` each slot's down output already times its
     router weight, ``[T, top_k, H]``, before the sum over the top_k slots, with the activations ``[T * top_k, I]``
     it was computed from. Both may add in place (vLLM's LoRA on routed experts does). Slots of experts that are not
-    local hold zeros.
+    local hold zeros. Rotated experts (``rotation``) multiply x R_13 and act R_2; the hooks see the unrotated x
+    (their caller's) and act, so adapters computed from them add what they add to an unrotated layer.
 
     On CUDA the routing and both projections are the fused op's kernels (``kbit::_moe_route``, then
     ``kbit::_moe_grouped_linear`` over the routed rows at the planner's chunk height); elsewhere each local expert
@@ -214,13 +240,15 @@ def fused_moe_stages(
     ids = topk_ids.reshape(-1)
     if S == 0:
         return torch.zeros_like(x)
+    # The projections' inputs: x R_13 and act R_2 for rotated experts; the hooks get x and act as they are.
+    xr = x if rotation is None else torch.ops.kbit.hadamard_rotate(x, rotation.w13_signs, rotation.w13_block)
     if x.is_cuda and ops.HAS_CUDA_KERNELS and x.dtype != torch.float32:
         project = _cuda_projections(x, ids, w13_qweight, codebook, H, I, E, expert_map)
-        h13 = project(x, ids_to_token=top_k, q=w13_qweight, a=w13_absmax, N=2 * I, K=H)
+        h13 = project(xr, ids_to_token=top_k, q=w13_qweight, a=w13_absmax, N=2 * I, K=H)
     else:
         local = _local_ids(ids, expert_map, E)
         h13 = torch.zeros(S, 2 * I, dtype=x.dtype, device=x.device)
-        xs = x.repeat_interleave(top_k, dim=0)
+        xs = xr.repeat_interleave(top_k, dim=0)
         for e in range(E):
             W = _decoded(w13_qweight, w13_absmax, codebook, e, 2 * I, H, x.dtype)
             h13 = torch.where((local == e)[:, None], torch.nn.functional.linear(xs, W), h13)
@@ -228,13 +256,14 @@ def fused_moe_stages(
     if after_gate_up is not None:
         after_gate_up(h13)
     act = torch.nn.functional.silu(h13[:, :I]) * h13[:, I:]
+    act_in = act if rotation is None else torch.ops.kbit.hadamard_rotate(act, rotation.w2_signs, rotation.w2_block)
     if project is not None:
-        y = project(act, ids_to_token=1, q=w2_qweight, a=w2_absmax, N=H, K=I)
+        y = project(act_in, ids_to_token=1, q=w2_qweight, a=w2_absmax, N=H, K=I)
     else:
         y = torch.zeros(S, H, dtype=x.dtype, device=x.device)
         for e in range(E):
             W = _decoded(w2_qweight, w2_absmax, codebook, e, H, I, x.dtype)
-            y = torch.where((local == e)[:, None], torch.nn.functional.linear(act, W), y)
+            y = torch.where((local == e)[:, None], torch.nn.functional.linear(act_in, W), y)
     y = (y.float() * topk_weights.reshape(-1, 1).float()).to(x.dtype).view(T, top_k, H)
     if after_down is not None:
         after_down(y, act)

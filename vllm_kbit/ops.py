@@ -42,22 +42,29 @@ _SCHEMAS = {
         "dequantize_runtime(Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, SymInt N, SymInt K, "
         "ScalarType dtype) -> Tensor"
     ),
+    # A rotated layer (docs/format.md, section 9) is given its input rotation: float32 signs [K] and the Hadamard
+    # block; the op computes (x R) W^T. Keyword-only, so the C++ variants' extra arguments stay positional.
     "linear": (
         "linear(Tensor x, Tensor qweight_rt, Tensor absmax_rt, Tensor codebook, SymInt N, SymInt K, "
-        "Tensor? bias) -> Tensor"
+        "Tensor? bias, *, Tensor? rot_signs=None, int rot_block=0) -> Tensor"
     ),
+    # w13_rot_*: the rotation of the hidden states (gate_up's input, once for every expert); w2_rot_*: that of
+    # each routed slot's SiLU-and-mul output (down's input, over the intermediate size).
     "fused_moe": (
         "fused_moe(Tensor x, Tensor topk_ids, Tensor topk_weights, Tensor w13_qweight, Tensor w13_absmax, "
         "Tensor w2_qweight, Tensor w2_absmax, Tensor codebook, SymInt intermediate_size, Tensor? expert_map, "
-        "bool apply_router_weight_on_input) -> Tensor"
+        "bool apply_router_weight_on_input, *, Tensor? w13_rot_signs=None, int w13_rot_block=0, "
+        "Tensor? w2_rot_signs=None, int w2_rot_block=0) -> Tensor"
     ),
 }
 
 
 def _variant(op: str, name: str, extra_args: str = "", returns: str | None = None) -> str:
-    """The schema of `op` renamed, with extra trailing arguments and/or other returns."""
+    """The schema of `op` renamed, with extra arguments after its positional ones (before its keyword-only ones,
+    so positional calls of the variant keep working) and/or other returns."""
     args, ret = _SCHEMAS[op].split(" -> ")
-    return f"{name}({args[len(op) + 1 : -1]}{extra_args}) -> {returns or ret}"
+    positional, star, keyword = args[len(op) + 1 : -1].partition(", *")
+    return f"{name}({positional}{extra_args}{star}{keyword}) -> {returns or ret}"
 
 
 # Variants the C++ extensions implement: the argument checks on any device (csrc/ops/checks.cpp, registered
@@ -65,7 +72,8 @@ def _variant(op: str, name: str, extra_args: str = "", returns: str | None = Non
 # the reference also asks alone; the dense plan forced and fused_moe's CUDA composition with its plan forced
 # (tests, benchmarks, sweeps). The CUDA extension's C++-only ops (plans, routing pieces) are defined in csrc/.
 _VARIANTS = {
-    **{f"_check_{op}": _variant(op, f"_check_{op}", returns="()") for op in _SCHEMAS},
+    # (every argument positional: reference.check passes them so)
+    **{f"_check_{op}": _variant(op, f"_check_{op}", returns="()").replace(", *, ", ", ") for op in _SCHEMAS},
     "_check_bits": "_check_bits(Scalar k) -> ()",
     "_check_codebook": "_check_codebook(Tensor codebook, int k) -> ()",
     "_check_weight_amax": "_check_weight_amax(float amax, bool bounded) -> ()",
@@ -162,9 +170,12 @@ def cpu_decode_cache_nbytes() -> int:
     return total
 
 
-def _linear_reference(x, qweight_rt, absmax_rt, codebook, N, K, bias):
-    """out[..., N] = x[..., K] @ dequant(W).T (+ bias), in x's dtype."""
-    fmt.check("linear", x, qweight_rt, absmax_rt, codebook, N, K, bias)
+def _linear_reference(x, qweight_rt, absmax_rt, codebook, N, K, bias, *, rot_signs=None, rot_block=0):
+    """out[..., N] = x[..., K] @ dequant(W).T (+ bias), in x's dtype; rotated layers get x R first (rot_signs,
+    rot_block: :func:`reference.hadamard_rotate`, rounded to x's dtype as the CUDA rotation is)."""
+    fmt.check("linear", x, qweight_rt, absmax_rt, codebook, N, K, bias, rot_signs, rot_block)
+    if rot_signs is not None:
+        x = fmt.hadamard_rotate(x, rot_signs, rot_block)
     W = cpu_decoded(
         (qweight_rt, absmax_rt, codebook),
         ("linear", x.dtype, N, K),
@@ -334,5 +345,5 @@ def _dequantize_runtime_fake(qweight_rt, absmax_rt, codebook, N, K, dtype):
 
 
 @torch.library.register_fake("kbit::linear")
-def _linear_fake(x, qweight_rt, absmax_rt, codebook, N, K, bias):
+def _linear_fake(x, qweight_rt, absmax_rt, codebook, N, K, bias, *, rot_signs=None, rot_block=0):
     return x.new_empty(*x.shape[:-1], N)

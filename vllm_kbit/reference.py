@@ -512,8 +512,10 @@ def dequantize_runtime(
 # (x R = H(x * s) per block): after it they would only flip whole columns of the mixed weight.
 # The rule for b and s is written here once; the converter records it (settings.KbitSettings.rotation) and the
 # runtime asks it (rotation_block, rotation_signs, hadamard_rotate / torch.ops.kbit.hadamard_rotate).
-ROTATION_MAX_BLOCK = 1024  # default cap on b: the largest power of two dividing K / tp, at most this
-ROTATION_MIN_BLOCK = 2
+# Blocks the runtime rotates (kbit::linear / fused_moe's rotation arguments, the CUDA kernel): powers of two
+# ROTATION_MIN_BLOCK..ROTATION_MAX_BLOCK; the default cap on b is the largest (format_constants.h).
+ROTATION_MAX_BLOCK = _FORMAT["kRotationMaxBlock"]
+ROTATION_MIN_BLOCK = _FORMAT["kRotationMinBlock"]
 ROTATION_DEFAULT_SEED = 0
 _SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1

@@ -35,8 +35,9 @@ with a warning: the embedding lookup reads the same tensor and stays bf16.
 
 ``rotation``: optional, ``{"seed": 0, "max_block": 1024, "tp": 1}`` (every key optional; a converted checkpoint
 adds ``"method": "hadamard"`` and ``"blocks": {"<K>": b}``): every quantized layer stores Q(W R) and is fed x R,
-R a randomized Hadamard transform of its input (:class:`Rotation`, docs/format.md section 9). Absent (the
-default) means no rotation.
+R a randomized Hadamard transform of its input (:class:`Rotation`, docs/format.md section 9); the vLLM layers
+rotate their inputs inside the kbit ops. Absent (the default) means no rotation; online quantization rotates only
+when it is given (``--hf-overrides``), since without calibration rotation measured worse.
 
 Names are checkpoint (Hugging Face) module names. A fused vLLM layer (qkv_proj,
 gate_up_proj) is looked up through its shards (q_proj, k_proj, v_proj, ...); all
@@ -86,10 +87,6 @@ _KNOWN_KEYS = {
     "rotation",
 }
 ROTATION_METHOD = "hadamard"
-# Whether the vLLM layers apply the rotation (feed x R) yet. Until they do, a config with a rotation is refused
-# where it would be served (from_dict(serving=True): the vLLM plugin's call), so a rotated checkpoint never
-# runs as if it were not rotated; convert and the tools that decode checkpoints read it with serving=False.
-RUNTIME_ROTATION = False
 _ROTATION_KEYS = {"method", "seed", "max_block", "tp", "blocks"}
 
 
@@ -195,7 +192,7 @@ class KbitSettings:
     # ------------------------------------------------------------------ (de)serialisation
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any], serving: bool = True) -> "KbitSettings":
+    def from_dict(cls, config: dict[str, Any]) -> "KbitSettings":
         if not isinstance(config, dict):
             raise ValueError(f"kbit: quantization_config must be a dict, got {type(config).__name__}")
         method = config.get("quant_method", QUANT_METHOD)
@@ -207,10 +204,6 @@ class KbitSettings:
         blocksize = config.get("blocksize", fmt.BLOCK_SIZE)
         if blocksize != fmt.BLOCK_SIZE:
             raise ValueError(f"kbit: blocksize={blocksize!r} is not supported; the format uses {fmt.BLOCK_SIZE}")
-        if serving and config.get("rotation") is not None and not RUNTIME_ROTATION:
-            raise ValueError("kbit: this checkpoint's layers are rotated (quantization_config.rotation) and this "
-                             "vllm-kbit does not rotate inputs when serving yet; decode it with vllm_kbit.settings "
-                             "(Rotation.rotate(..., inverse=True)) or convert without --rotate")
         overrides = config.get("bits_overrides") or {}
         if not isinstance(overrides, dict):
             raise ValueError(f"kbit: bits_overrides must be a dict {{regex: bits}}, got {overrides!r}")

@@ -24,13 +24,15 @@ void dequantize_runtime_op(const at::Tensor& q, const at::Tensor& a, const at::T
   check_dequantize_runtime(q, a, cb, N, K, dtype);
 }
 void linear_op(const at::Tensor& x, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, int64_t N, int64_t K,
-               const std::optional<at::Tensor>& bias) {
-  check_linear(x, q, a, cb, N, K, bias);
+               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& rot_signs, int64_t rot_block) {
+  check_linear(x, q, a, cb, N, K, bias, rot_signs, rot_block);
 }
 void fused_moe_op(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights, const at::Tensor& w13_q,
                   const at::Tensor& w13_a, const at::Tensor& w2_q, const at::Tensor& w2_a, const at::Tensor& cb, int64_t I,
-                  const std::optional<at::Tensor>& expert_map, bool) {
-  check_fused_moe(x, ids, weights, w13_q, w13_a, w2_q, w2_a, cb, I, expert_map);
+                  const std::optional<at::Tensor>& expert_map, bool, const std::optional<at::Tensor>& w13_rot_signs,
+                  int64_t w13_rot_block, const std::optional<at::Tensor>& w2_rot_signs, int64_t w2_rot_block) {
+  check_fused_moe(x, ids, weights, w13_q, w13_a, w2_q, w2_a, cb, I, expert_map, w13_rot_signs, w13_rot_block,
+                  w2_rot_signs, w2_rot_block);
 }
 
 }  // namespace

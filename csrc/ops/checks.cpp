@@ -183,8 +183,30 @@ int64_t check_dequantize_runtime(const at::Tensor& qweight_rt, const at::Tensor&
   return k;
 }
 
+bool check_rotation(const std::optional<at::Tensor>& signs, int64_t block, int64_t K, const c10::Device& device,
+                    const char* op, const char* what) {
+  if (!signs.has_value()) {
+    KBIT_CHECK_VALUE(block == 0, "kbit: ", op, " got ", what, "block=", block, " without ", what,
+                     "signs; give both (float32 [", K, "] signs and the block) or neither (no rotation)");
+    return false;
+  }
+  const at::Tensor& s = *signs;
+  KBIT_CHECK_TYPE(s.scalar_type() == at::kFloat, "kbit: ", op, " ", what, "signs have dtype ", s.scalar_type(),
+                  "; expected float32 (+-1 values)");
+  KBIT_CHECK_VALUE(s.dim() == 1 && s.size(0) == K && s.is_contiguous(), "kbit: ", op, " ", what, "signs have shape ",
+                   s.sizes(), "; expected a contiguous [", K, "] (one sign per input)");
+  KBIT_CHECK_VALUE(s.device() == device, "kbit: ", op, " ", what, "signs are on ", s.device(), ", x on ", device,
+                   "; expected one device");
+  KBIT_CHECK_VALUE(block >= kRotationMinBlock && block <= kRotationMaxBlock && (block & (block - 1)) == 0 &&
+                       K % block == 0,
+                   "kbit: ", op, " ", what, "block=", block, " is not supported for ", K, " inputs; supported: a power ",
+                   "of two ", kRotationMinBlock, "..", kRotationMaxBlock, " dividing ", K);
+  return true;
+}
+
 int64_t check_linear(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
-                     const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
+                     const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& rot_signs, int64_t rot_block) {
   check_float_dtype(x, "x");
   KBIT_CHECK_VALUE(x.dim() >= 1, "kbit: x must be [..., K] with K=", K, ", got a 0-d tensor");
   KBIT_CHECK_VALUE(x.size(-1) == K, "kbit: x has ", x.size(-1), " features but the weight has K=", K);
@@ -194,6 +216,7 @@ int64_t check_linear(const at::Tensor& x, const at::Tensor& qweight_rt, const at
                      "kbit: bias must be [", N, "] of x's dtype ", x.scalar_type(), ", got ", bias->scalar_type(), " ",
                      bias->sizes());
   }
+  check_rotation(rot_signs, rot_block, K, x.device(), "linear", "rot_");
   return k;
 }
 
@@ -201,7 +224,8 @@ int64_t check_linear(const at::Tensor& x, const at::Tensor& qweight_rt, const at
 int64_t check_fused_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                         const at::Tensor& w13_qweight, const at::Tensor& w13_absmax, const at::Tensor& w2_qweight,
                         const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
-                        const std::optional<at::Tensor>& expert_map) {
+                        const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& w13_rot_signs,
+                        int64_t w13_rot_block, const std::optional<at::Tensor>& w2_rot_signs, int64_t w2_rot_block) {
   check_float_dtype(x, "x");
   KBIT_CHECK_VALUE(x.dim() == 2 && topk_ids.dim() == 2 && topk_ids.sizes() == topk_weights.sizes() &&
                        topk_ids.size(0) == x.size(0),
@@ -231,6 +255,8 @@ int64_t check_fused_moe(const at::Tensor& x, const at::Tensor& topk_ids, const a
   }
   KBIT_CHECK_VALUE(!expert_map.has_value() || expert_map->device() == x.device(),
                    "kbit: fused_moe needs every tensor on x's device ", x.device());
+  check_rotation(w13_rot_signs, w13_rot_block, H, x.device(), "fused_moe", "w13_rot_");
+  check_rotation(w2_rot_signs, w2_rot_block, I, x.device(), "fused_moe", "w2_rot_");
   return k;
 }
 

@@ -26,12 +26,23 @@ int64_t check_repack(const at::Tensor& qweight, const at::Tensor& absmax);
 int64_t check_unrepack(const at::Tensor& qweight_rt, const at::Tensor& absmax_rt, int64_t N, int64_t K);
 int64_t check_dequantize_runtime(const at::Tensor& qweight_rt, const at::Tensor& absmax_rt, const at::Tensor& codebook,
                                  int64_t N, int64_t K, at::ScalarType dtype);
+// The rotation arguments (rot_signs, rot_block; fused_moe: one pair per projection) are optional: no signs and
+// block 0 means the layer is not rotated (check_rotation).
 int64_t check_linear(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
-                     const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias);
+                     const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
+                     const std::optional<at::Tensor>& rot_signs = std::nullopt, int64_t rot_block = 0);
 int64_t check_fused_moe(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                         const at::Tensor& w13_qweight, const at::Tensor& w13_absmax, const at::Tensor& w2_qweight,
                         const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
-                        const std::optional<at::Tensor>& expert_map);
+                        const std::optional<at::Tensor>& expert_map,
+                        const std::optional<at::Tensor>& w13_rot_signs = std::nullopt, int64_t w13_rot_block = 0,
+                        const std::optional<at::Tensor>& w2_rot_signs = std::nullopt, int64_t w2_rot_block = 0);
+// A layer input rotation over K inputs (x R, docs/format.md section 9): either none (no signs, block 0) or
+// float32 contiguous signs [K] on `device` and a power-of-two block in kRotationMinBlock..kRotationMaxBlock
+// dividing K. `op` and `what` name the arguments in the message (e.g. "fused_moe", "w2_rot_"). Returns whether
+// the layer is rotated.
+bool check_rotation(const std::optional<at::Tensor>& signs, int64_t block, int64_t K, const c10::Device& device,
+                    const char* op, const char* what);
 
 // A weight's largest |w|: finite, and with bounded at most what the largest E4M4 scale holds (quantize
 // at range scale 1; reference.range_scale asks only for finite).

@@ -20,11 +20,11 @@ namespace kbit {
 namespace {
 
 using LinearPlanTuple = std::tuple<std::string, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t,
-                                   bool>;
+                                   bool, std::string>;
 
 LinearPlanTuple as_tuple(const LinearPlan& p) {
   return {linear_path_name(p.path), p.splits, p.max_splits, p.p, p.r, p.m_blocks, p.cols, p.producers, p.table_blocks,
-          p.pdl};
+          p.pdl, input_rotation_name(p.rotation)};
 }
 
 void check_plan_bits(int64_t bits, bool zero_ok) {
@@ -35,10 +35,10 @@ void check_plan_bits(int64_t bits, bool zero_ok) {
 // Given facts: every MMA instance holds ctas_per_sm CTAs per SM, cluster capacities unknown; bits 0: not named
 // (planned as k <= 4, GEMV decode by shuffle).
 LinearPlanTuple linear_plan_op(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t sm_major, int64_t num_sms,
-                               int64_t ctas_per_sm, const std::string& path, int64_t bits) {
+                               int64_t ctas_per_sm, const std::string& path, int64_t bits, bool rotated) {
   check_plan_bits(bits, true);
   const LinearForced forced{linear_path_id(path)};
-  return as_tuple(linear_plan(M, N, K, dtype, bits, given_facts(sm_major, num_sms, ctas_per_sm), forced));
+  return as_tuple(linear_plan(M, N, K, dtype, bits, given_facts(sm_major, num_sms, ctas_per_sm), forced, rotated));
 }
 
 int gpu_index(const c10::Device& device, const char* op) {
@@ -50,10 +50,10 @@ int gpu_index(const c10::Device& device, const char* op) {
 // the rules).
 LinearPlanTuple linear_plan_device_op(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t bits,
                                       const c10::Device& device, const std::string& path, int64_t row_groups,
-                                      int64_t splits, int64_t producers) {
+                                      int64_t splits, int64_t producers, bool rotated) {
   check_plan_bits(bits, false);
   const LinearForced forced{linear_path_id(path), row_groups, splits, producers};
-  return as_tuple(linear_plan(M, N, K, dtype, bits, device_facts(gpu_index(device, "linear_plan")), forced));
+  return as_tuple(linear_plan(M, N, K, dtype, bits, device_facts(gpu_index(device, "linear_plan")), forced, rotated));
 }
 
 at::ScalarType moe_dtype(const std::optional<at::ScalarType>& dtype) { return dtype.value_or(at::kBFloat16); }
@@ -62,18 +62,20 @@ at::ScalarType moe_dtype(const std::optional<at::ScalarType>& dtype) { return dt
 // for activations of dtype (default bf16; fp32: the reference).
 std::tuple<std::string, std::string, int64_t, int64_t, int64_t, bool> moe_plan_op(
     int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, const std::string& path, int64_t sm_major,
-    const std::optional<at::ScalarType>& dtype) {
+    const std::optional<at::ScalarType>& dtype, bool gate_up_rotated, bool down_rotated) {
   DeviceFacts facts;
   facts.sm_major = sm_major;
   const MoeForced forced{moe_path_from_name(path)};
-  const MoePlan p = moe_plan(tokens, top_k, experts, bits, forced, 0, 0, facts, moe_dtype(dtype));
+  const MoePlan p = moe_plan(tokens, top_k, experts, bits, forced, 0, 0, facts, moe_dtype(dtype), gate_up_rotated,
+                             down_rotated);
   return {moe_path_name(p.path), moe_kernel_name(p.kernel), p.chunk_rows, p.max_chunks, p.expected_chunks, p.pdl};
 }
 
-// One projection's fields in the schema's order: splits, p, r, m_blocks, cols, producers, table_blocks, pdl.
-using ProjTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool>;
+// One projection's fields in the schema's order: splits, p, r, m_blocks, cols, producers, table_blocks, pdl,
+// rotation.
+using ProjTuple = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, std::string>;
 ProjTuple proj_tuple(const MoeProjPlan& p) {
-  return {p.splits, p.p, p.r, p.m_blocks, p.cols, p.producers, p.table_blocks, p.pdl};
+  return {p.splits, p.p, p.r, p.m_blocks, p.cols, p.producers, p.table_blocks, p.pdl, input_rotation_name(p.rotation)};
 }
 
 // On a GPU: what kbit::fused_moe launches for hidden size H and intermediate size I there, with the fields
@@ -81,13 +83,15 @@ ProjTuple proj_tuple(const MoeProjPlan& p) {
 auto moe_plan_device_op(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, int64_t hidden,
                         int64_t intermediate, const c10::Device& device, const std::string& path,
                         int64_t gate_up_splits, int64_t down_splits, int64_t gate_up_row_groups,
-                        int64_t down_row_groups, int64_t producers, const std::optional<at::ScalarType>& dtype) {
+                        int64_t down_row_groups, int64_t producers, const std::optional<at::ScalarType>& dtype,
+                        bool gate_up_rotated, bool down_rotated) {
   KBIT_CHECK_VALUE(hidden >= 1 && intermediate >= 1, "kbit moe_plan: hidden and intermediate sizes must be >= 1, got ",
                    hidden, " and ", intermediate);
   const MoeForced forced{moe_path_from_name(path), gate_up_splits, down_splits, gate_up_row_groups, down_row_groups,
                          producers};
   const MoePlan p = moe_plan(tokens, top_k, experts, bits, forced, hidden, intermediate,
-                             device_facts(gpu_index(device, "moe_plan")), moe_dtype(dtype));
+                             device_facts(gpu_index(device, "moe_plan")), moe_dtype(dtype), gate_up_rotated,
+                             down_rotated);
   return std::tuple_cat(std::make_tuple(std::string(moe_path_name(p.path)), std::string(moe_kernel_name(p.kernel)),
                                         p.chunk_rows, p.max_chunks, p.expected_chunks, p.pdl),
                         proj_tuple(p.gate_up), proj_tuple(p.down));
@@ -165,23 +169,25 @@ int64_t mma_grouped_r_op(int64_t p, int64_t n_tiles, int64_t k_tiles, int64_t bi
 // and each projection's (MoeProjPlan) prefixed gate_up_ and down_.
 #define KBIT_LINEAR_PLAN_RETURNS                                                                                \
   "(str path, int splits, int max_splits, int p, int r, int m_blocks, int cols, int producers, int table_blocks, " \
-  "bool pdl)"
+  "bool pdl, str rotation)"
 #define KBIT_PROJ_RETURNS(P)                                                                                     \
   "int " P "_splits, int " P "_p, int " P "_r, int " P "_m_blocks, int " P "_cols, int " P "_producers, int " P \
-  "_table_blocks, bool " P "_pdl"
+  "_table_blocks, bool " P "_pdl, str " P "_rotation"
 TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("linear_plan(int M, int N, int K, ScalarType dtype, int sm_major, int num_sms, int ctas_per_sm=1, "
-        "str path=\"auto\", int bits=0) -> " KBIT_LINEAR_PLAN_RETURNS,
+        "str path=\"auto\", int bits=0, bool rotated=False) -> " KBIT_LINEAR_PLAN_RETURNS,
         &kbit::linear_plan_op);
   m.def("linear_plan.device(int M, int N, int K, ScalarType dtype, int bits, Device device, str path=\"auto\", "
-        "int row_groups=0, int splits=0, int producers=0) -> " KBIT_LINEAR_PLAN_RETURNS,
+        "int row_groups=0, int splits=0, int producers=0, bool rotated=False) -> " KBIT_LINEAR_PLAN_RETURNS,
         &kbit::linear_plan_device_op);
   m.def("moe_plan(int tokens, int top_k, int experts, int bits, str path=\"auto\", int sm_major=0, "
-        "ScalarType? dtype=None) -> (str path, str kernel, int chunk_rows, int max_chunks, int expected_chunks, bool pdl)",
+        "ScalarType? dtype=None, bool gate_up_rotated=False, bool down_rotated=False) -> (str path, str kernel, "
+        "int chunk_rows, int max_chunks, int expected_chunks, bool pdl)",
         &kbit::moe_plan_op);
   m.def("moe_plan.device(int tokens, int top_k, int experts, int bits, int hidden, int intermediate, Device device, "
         "str path=\"auto\", int gate_up_splits=0, int down_splits=0, int gate_up_row_groups=0, int down_row_groups=0, "
-        "int producers=0, ScalarType? dtype=None) -> (str path, str kernel, int chunk_rows, int max_chunks, "
+        "int producers=0, ScalarType? dtype=None, bool gate_up_rotated=False, bool down_rotated=False) -> "
+        "(str path, str kernel, int chunk_rows, int max_chunks, "
         "int expected_chunks, bool pdl, " KBIT_PROJ_RETURNS("gate_up") ", " KBIT_PROJ_RETURNS("down") ")",
         &kbit::moe_plan_device_op);
   m.def("_launch_record() -> (str[] kernel, int[] p, int[] r, int[] m_blocks, int[] cols, int[] splits, "

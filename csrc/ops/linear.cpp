@@ -7,6 +7,7 @@
 // shapes alone, so calls are capturable in CUDA graphs.
 #include "plan.h"
 #include "gemv.cuh"
+#include "rotate.h"
 #include "mma.cuh"
 #include "wgmma.cuh"
 
@@ -28,8 +29,9 @@ namespace {
 
 // The op's checks (checks.cpp) plus the CUDA-only ones: every tensor on x's GPU.
 void check_inputs(const at::Tensor& x, const at::Tensor& q, const at::Tensor& a, const at::Tensor& cb, int64_t N,
-                  int64_t K, const std::optional<at::Tensor>& bias) {
-  check_linear(x, q, a, cb, N, K, bias);
+                  int64_t K, const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& rot_signs,
+                  int64_t rot_block) {
+  check_linear(x, q, a, cb, N, K, bias, rot_signs, rot_block);
   check_cuda(x, "x");
   check_device(q, x, "runtime qweight", "x");
   check_device(a, x, "runtime absmax", "x");
@@ -59,11 +61,21 @@ std::optional<at::Tensor> contiguous_bias(const std::optional<at::Tensor>& bias)
   return bias->contiguous();
 }
 
-// Runs `plan` for x [..., K] (M rows): one kernel, or dequantize + cuBLAS. Returns [M, N] (x's shape with
-// N last on the dequantize path). The caller holds the device guard.
-at::Tensor launch_plan(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+// Runs `plan` for x [..., K] (M rows): one kernel, or dequantize + cuBLAS, after the input rotation where the
+// plan has one (separate: x R into a scratch [M, K] of x's dtype, then the GEMM reads it). Returns [M, N] (x's
+// shape with N last on the dequantize path). The caller holds the device guard.
+at::Tensor launch_plan(const at::Tensor& x_in, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                        const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
-                       const LinearPlan& plan) {
+                       const LinearPlan& plan, const std::optional<at::Tensor>& rot_signs, int64_t rot_block) {
+  at::Tensor x = x_in;
+  if (plan.rotation == InputRotation::kSeparate) {
+    KBIT_CHECK(rot_signs.has_value(), "kbit linear: the plan rotates the input but no rot_signs were given");
+    at::Tensor x2 = x_in.reshape({-1, K});
+    if (x2.stride(1) != 1) x2 = x2.contiguous();
+    x = at::empty(x_in.sizes(), x_in.options().memory_format(at::MemoryFormat::Contiguous));
+    at::Tensor out2 = x.view({-1, K});
+    launch_rotate(x2, *rot_signs, rot_block, /*inverse=*/false, out2);
+  }
   if (plan.path == LinearPath::kDequantCublas) {
     const at::Tensor W = dequantize_runtime(qweight_rt, absmax_rt, codebook, N, K, x.scalar_type());
     record_launch({"dequant_cublas", 0, 0, 0, 0, 1});
@@ -91,16 +103,18 @@ at::Tensor launch_plan(const at::Tensor& x, const at::Tensor& qweight_rt, const 
 }
 
 at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
-                       const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias) {
-  check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
+                       const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
+                       const std::optional<at::Tensor>& rot_signs, int64_t rot_block) {
+  check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias, rot_signs, rot_block);
   const c10::DeviceGuard guard(x.device());
   std::vector<int64_t> out_shape(x.sizes().begin(), x.sizes().end());
   out_shape.back() = N;
   const int64_t M = x.numel() / K;
   if (M == 0) return at::empty(out_shape, x.options());
 
-  const LinearPlan plan = linear_plan(M, N, K, x.scalar_type(), qweight_rt.size(2), device_facts(x.get_device()));
-  const at::Tensor out = launch_plan(x, qweight_rt, absmax_rt, codebook, N, K, bias, plan);
+  const LinearPlan plan = linear_plan(M, N, K, x.scalar_type(), qweight_rt.size(2), device_facts(x.get_device()), {},
+                                      rot_signs.has_value());
+  const at::Tensor out = launch_plan(x, qweight_rt, absmax_rt, codebook, N, K, bias, plan, rot_signs, rot_block);
   return plan.path == LinearPath::kDequantCublas ? out : out.view(out_shape);
 }
 
@@ -108,8 +122,9 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const 
 // dense op's checks, plus 16-bit x, at least one row and int32 sizes. The caller holds the device guard.
 at::Tensor forced_kernel_input(const char* op, const at::Tensor& x, const at::Tensor& qweight_rt,
                                const at::Tensor& absmax_rt, const at::Tensor& codebook, int64_t N, int64_t K,
-                               const std::optional<at::Tensor>& bias) {
-  check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias);
+                               const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& rot_signs,
+                               int64_t rot_block) {
+  check_inputs(x, qweight_rt, absmax_rt, codebook, N, K, bias, rot_signs, rot_block);
   KBIT_CHECK(x.scalar_type() != at::kFloat, op, ": x must be bf16 or fp16");
   const int64_t M = x.numel() / K;
   KBIT_CHECK(M > 0 && M <= INT32_MAX && N <= INT32_MAX && K <= INT32_MAX, op,
@@ -122,15 +137,17 @@ at::Tensor forced_kernel_input(const char* op, const at::Tensor& x, const at::Te
 // kbit::linear is the entry point. x: 16-bit, at least one row (GEMV: at most kGemvMaxM).
 at::Tensor linear_forced_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                               const at::Tensor& codebook, int64_t N, int64_t K, const std::optional<at::Tensor>& bias,
-                              int64_t path, int64_t row_groups, int64_t splits, int64_t producers) {
+                              int64_t path, int64_t row_groups, int64_t splits, int64_t producers,
+                              const std::optional<at::Tensor>& rot_signs, int64_t rot_block) {
   const c10::DeviceGuard guard(x.device());
-  const at::Tensor A = forced_kernel_input("kbit _linear_forced", x, qweight_rt, absmax_rt, codebook, N, K, bias);
+  const at::Tensor A = forced_kernel_input("kbit _linear_forced", x, qweight_rt, absmax_rt, codebook, N, K, bias,
+                                           rot_signs, rot_block);
   const LinearForced forced{path, row_groups, splits, producers};
   const LinearPlan plan = linear_plan(A.size(0), N, K, x.scalar_type(), qweight_rt.size(2),
-                                      device_facts(x.get_device()), forced);
+                                      device_facts(x.get_device()), forced, rot_signs.has_value());
   KBIT_CHECK(plan.path != LinearPath::kGemv || A.size(0) <= kGemvMaxM, "kbit _linear_forced: x has ", A.size(0),
              " rows; the GEMV supports 1..", kGemvMaxM);
-  return launch_plan(A, qweight_rt, absmax_rt, codebook, N, K, bias, plan);
+  return launch_plan(A, qweight_rt, absmax_rt, codebook, N, K, bias, plan, rot_signs, rot_block);
 }
 
 }  // namespace

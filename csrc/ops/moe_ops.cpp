@@ -19,10 +19,14 @@
 //                shared memory, wgmma at full rate. Many rows per expert (prefill-sized batches).
 // The planner's moe_plan (csrc/plan/plan.h) picks the path, sizes the routing and plans each projection's
 // kernel; this file launches the plan. The grouped paths (MMA, mm, wgmma) run fp16 inputs in bf16.
+// Rotated experts (the plan's projections' rotation "separate"): x R_13 into a scratch once before gate_up (every
+// path), and the SiLU-and-mul output rotated in place before down (the grouped paths, the only ones the planner
+// gives a rotated down input).
 #include "checks.h"
 #include "plan.h"
 #include "mma.cuh"
 #include "moe.cuh"
+#include "rotate.h"
 #include "wgmma.cuh"
 
 #include <ATen/ATen.h>
@@ -78,9 +82,10 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
                           const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
                           const std::optional<at::Tensor>& expert_map, bool on_input, int64_t path_id,
                           int64_t gate_up_splits, int64_t down_splits, int64_t gate_up_row_groups,
-                          int64_t down_row_groups, int64_t producers) {
+                          int64_t down_row_groups, int64_t producers, const std::optional<at::Tensor>& w13_rot_signs,
+                          int64_t w13_rot_block, const std::optional<at::Tensor>& w2_rot_signs, int64_t w2_rot_block) {
   const int64_t k = check_fused_moe(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook,
-                                    I, expert_map);
+                                    I, expert_map, w13_rot_signs, w13_rot_block, w2_rot_signs, w2_rot_block);
   // What the kernels need beyond the op's rules: CUDA, contiguous weights, E they index, and (the plan's path)
   // 16-bit activations.
   check_cuda(x, "x");
@@ -94,14 +99,26 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
   const DeviceFacts facts = device_facts(x.get_device());
   const MoeForced forced{moe_path_from_id(path_id), gate_up_splits, down_splits, gate_up_row_groups, down_row_groups,
                          producers};
-  const MoePlan plan = moe_plan(T, top_k, E, k, forced, H, I, facts, x.scalar_type());
+  const MoePlan plan = moe_plan(T, top_k, E, k, forced, H, I, facts, x.scalar_type(), w13_rot_signs.has_value(),
+                                w2_rot_signs.has_value());
   KBIT_CHECK_TYPE(plan.path != MoePath::kReference, "kbit fused_moe: x has dtype ", x.scalar_type(),
              "; the CUDA kernels support bfloat16 and float16");
   at::Tensor out = at::empty({T, H}, x.options());
   if (T == 0 || top_k == 0) return out.zero_();
 
   at::Tensor xc = x.contiguous();
-  if (reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 != 0) xc = xc.clone();  // 8- and 16-byte vector loads
+  if (plan.gate_up.rotation == InputRotation::kSeparate) {  // x R_13, once for every expert's gate_up
+    at::Tensor xr = at::empty({T, H}, x.options());
+    launch_rotate(xc, *w13_rot_signs, w13_rot_block, /*inverse=*/false, xr);
+    xc = xr;
+  } else if (reinterpret_cast<uintptr_t>(xc.data_ptr()) % 16 != 0) {
+    xc = xc.clone();  // 8- and 16-byte vector loads
+  }
+  // The down projection's input (the SiLU-and-mul output h [S, I]) rotated in place: each warp of the rotation
+  // reads its whole unit before it writes it.
+  const auto rotate_down_input = [&](at::Tensor& h) {
+    if (plan.down.rotation == InputRotation::kSeparate) launch_rotate(h, *w2_rot_signs, w2_rot_block, false, h);
+  };
   const at::Tensor ids = topk_ids.to(at::kInt).contiguous().view({-1});
   const at::Tensor weights = topk_weights.to(at::kFloat).contiguous().view({-1});
   const std::optional<at::Tensor> map = int32_map(expert_map, x);
@@ -110,6 +127,9 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
   const std::optional<at::Tensor> output_weights = on_input ? std::nullopt : std::optional<at::Tensor>(weights);
   const int64_t rows = plan.chunk_rows, max_chunks = plan.max_chunks;
 
+  KBIT_CHECK(plan.down.rotation == InputRotation::kNone ||
+                 (plan.path != MoePath::kGemvDirect && plan.path != MoePath::kGemv),
+             "kbit fused_moe: the plan rotates the down input on a GEMV path");
   if (plan.path == MoePath::kGemvDirect) {
     at::Tensor h13 = at::empty({S, 2 * I}, x.options());
     at::Tensor arrivals = at::empty({T, w2_qweight.size(1)}, ids.options());  // zeroed by the gate_up launch
@@ -158,6 +178,7 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     project(xp, w13_qweight, w13_absmax, 2 * I, H, g, plan.gate_up);
     at::Tensor h = at::empty({S, I}, xp.options());
     launch_moe_silu_mul(g, h, plan.pdl);  // rows past the chunks are garbage in g and h and never read again
+    rotate_down_input(h);
     at::Tensor y = at::empty({S, H}, xp.options());
     project(h, w2_qweight, w2_absmax, H, I, y, plan.down);
     launch_moe_combine(y, r.pos, output_weights, top_k, out, plan.pdl);
@@ -170,6 +191,7 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
   const at::Tensor g = at::_grouped_mm(xp, dequantize_stacked(w13_qweight, w13_absmax, codebook, 2 * I, H).transpose(1, 2), offs);
   at::Tensor h = at::empty({S, I}, xp.options());
   launch_moe_silu_mul(g, h, plan.pdl);
+  rotate_down_input(h);
   const at::Tensor y = at::_grouped_mm(h, dequantize_stacked(w2_qweight, w2_absmax, codebook, H, I).transpose(1, 2), offs);
   record_launch({moe_kernel_name(plan.kernel)});
   launch_moe_combine(y, r.pos, output_weights, top_k, out, plan.pdl);

@@ -316,12 +316,19 @@ LinearPath linear_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
   return LinearPath::kDequantCublas;
 }
 
+const char* input_rotation_name(InputRotation rotation) {
+  return rotation == InputRotation::kSeparate ? "separate" : "none";
+}
+
+InputRotation input_rotation(bool rotated) { return rotated ? InputRotation::kSeparate : InputRotation::kNone; }
+
 LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t bits, const DeviceFacts& facts,
-                       const LinearForced& forced) {
+                       const LinearForced& forced, bool rotated) {
   KBIT_CHECK_VALUE(M >= 1 && N >= 1 && whole_blocks(K) && facts.num_sms >= 1 && facts.ctas_per_sm >= 1,
                    "kbit linear_plan: needs M, N, num_sms, ctas_per_sm >= 1 and K a positive multiple of ", kBlockSize,
                    ", got M=", M, " N=", N, " K=", K, " num_sms=", facts.num_sms, " ctas_per_sm=", facts.ctas_per_sm);
   LinearPlan plan{linear_path(M, N, K, dtype, bits, facts.sm_major)};
+  plan.rotation = input_rotation(rotated);
   if (forced.path >= 0) {
     KBIT_CHECK_VALUE(forced.path < static_cast<int64_t>(std::size(kLinearPathNames)), "kbit linear_plan: path id ",
                      forced.path, " is not one kbit::_linear_path_id returns");
@@ -554,7 +561,8 @@ MoeProjPlan moe_proj_plan(MoeKernel kernel, int64_t rows, int64_t experts, int64
 }
 
 MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, const MoeForced& forced, int64_t hidden,
-                 int64_t intermediate, const DeviceFacts& facts, at::ScalarType dtype) {
+                 int64_t intermediate, const DeviceFacts& facts, at::ScalarType dtype, bool gate_up_rotated,
+                 bool down_rotated) {
   MoePath path = forced.path;
   KBIT_CHECK_VALUE(tokens >= 0 && top_k >= 0 && experts >= 1 && experts <= kMaxLocalExperts,
                    "kbit moe_plan: needs tokens, top_k >= 0 and 1..", kMaxLocalExperts, " local experts, got ", tokens,
@@ -575,7 +583,12 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, c
            : facts.sm_major == 9 && S >= wgmma_min_slots_per_expert(bits) * experts ? MoePath::kGroupedWgmma
            : S <= kMmaMaxSlotsPerExpert * experts                                   ? MoePath::kGroupedMma
                                                                                     : MoePath::kGroupedMm;
+    // The GEMV paths compute SiLU-and-mul inside their down projection: nothing to rotate in between.
+    if (down_rotated && path == MoePath::kGemvDirect) path = MoePath::kGroupedMma;
   }
+  KBIT_CHECK_VALUE(!down_rotated || (path != MoePath::kGemvDirect && path != MoePath::kGemv), "kbit fused_moe: path ",
+                   moe_path_name(path), " cannot rotate the down projection's input (w2_rot_signs); supported with ",
+                   "it: auto, grouped_mma, grouped_wgmma, grouped_mm");
   check_moe_forced_fields(forced, path);
   const bool rs = path == MoePath::kGroupedWgmma && moe_wgmma_rs(S, experts, bits, forced.producers);
   KBIT_CHECK_VALUE(!rs || forced.producers == 0, "kbit fused_moe: producers apply to the warp-specialized ",
@@ -602,6 +615,8 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, c
   } else {
     plan.kernel = MoeKernel::kGroupedMm;
   }
+  plan.gate_up.rotation = input_rotation(gate_up_rotated);
+  plan.down.rotation = input_rotation(down_rotated);
   if (hidden <= 0 || intermediate <= 0 || S == 0 || plan.max_chunks == 0) return plan;
   KBIT_CHECK_VALUE(facts.num_sms >= 1, "kbit moe_plan: needs num_sms >= 1 to plan the projections, got ",
                    facts.num_sms);
@@ -613,6 +628,8 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, c
   plan.down = moe_proj_plan(plan.kernel, S, experts, plan.chunk_rows, grid_rows, n_tiles_of(hidden),
                             k_tiles_of(intermediate), bits, facts, forced.down_row_groups, forced.down_splits,
                             forced.producers);
+  plan.gate_up.rotation = input_rotation(gate_up_rotated);
+  plan.down.rotation = input_rotation(down_rotated);
   return plan;
 }
 

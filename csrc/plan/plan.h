@@ -162,6 +162,17 @@ int64_t moe_max_chunks(int64_t slots, int64_t experts, int64_t chunk_rows);
 // grouped MMA's row groups and split count (the grid itself is sized for moe_max_chunks).
 int64_t moe_expected_chunks(int64_t slots, int64_t experts, int64_t chunk_rows);
 
+// ----------------------------------------------------------------------------- input rotation
+
+// How a rotated layer's input x R (docs/format.md, section 9; the caller gives the signs and block) reaches its
+// kernel: kNone, not rotated; kSeparate, the rotation kernel (csrc/rotate/rotate.cu) writes x R into a scratch
+// tensor before the GEMM (MoE: the hidden states once before gate_up; SiLU-and-mul's output in place before down).
+enum class InputRotation : int64_t { kNone = 0, kSeparate = 1 };
+// "none", "separate".
+const char* input_rotation_name(InputRotation rotation);
+// The rule: separate wherever a rotated input is given.
+InputRotation input_rotation(bool rotated);
+
 // ----------------------------------------------------------------------------- dense linear
 
 enum class LinearPath { kGemv, kMma, kWgmma, kWgmmaWs, kDequantCublas };
@@ -186,6 +197,7 @@ struct LinearPlan {
   int64_t producers = 0;     // wgmma_ws: producer warpgroups (ws_producers); 0 for the other paths
   int64_t table_blocks = 0;  // GEMV: blocks of each k-tile decoded through the table (gemv_table_blocks); else 0
   bool pdl = false;          // launched as a programmatic dependent (pdl_rule; the GEMV and MMA kernels only)
+  InputRotation rotation = InputRotation::kNone;  // how a rotated layer's x R is made (input_rotation)
 };
 
 // -1 for "auto", else the id (LinearPath) of a linear_path_name; anything else raises a one-line ValueError.
@@ -214,9 +226,10 @@ int64_t ws_producers(int64_t bits, int64_t forced = 0);
 bool moe_wgmma_rs(int64_t slots, int64_t experts, int64_t bits, int64_t forced_producers = 0);
 
 // The plan of kbit::linear for M rows of x (dtype) and an [N, K] weight of k-bit codes on the GPU the
-// facts describe: exactly what launches. Raises a one-line ValueError for what no kernel serves.
+// facts describe, `rotated`: the layer is given an input rotation: exactly what launches. Raises a one-line
+// ValueError for what no kernel serves.
 LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t bits, const DeviceFacts& facts,
-                       const LinearForced& forced = {});
+                       const LinearForced& forced = {}, bool rotated = false);
 
 // ----------------------------------------------------------------------------- routed experts (MoE)
 
@@ -261,6 +274,7 @@ struct MoeProjPlan {
   int64_t cols = 0;
   int64_t table_blocks = 0;  // grouped GEMV: blocks of each k-tile decoded through the table (gemv_table_blocks)
   bool pdl = false;
+  InputRotation rotation = InputRotation::kNone;  // how a rotated projection's input is made (input_rotation)
 };
 
 // What a caller forces instead of the rules (kbit::_fused_moe_cuda, kbit::moe_plan.device, sweeps); 0: the
@@ -288,10 +302,13 @@ struct MoePlan {
 // The plan of kbit::fused_moe for T tokens with top_k picks each over E local experts of k-bit weights
 // (the rules, or what `forced` fixes), hidden size H and intermediate size I (0: the projections are not
 // planned), on the GPU the facts describe (auto takes the grouped wgmma on Hopper only: facts.sm_major == 9),
-// for activations of `dtype` (fp32: the reference path, whatever is forced).
+// for activations of `dtype` (fp32: the reference path, whatever is forced). gate_up_rotated / down_rotated: the
+// experts are given the rotation of the hidden states / of the SiLU-and-mul output. A separate rotation of the
+// down projection's input needs the SiLU-and-mul as its own kernel, which the GEMV paths fold into their down
+// projection: auto takes the grouped MMA instead of the direct GEMV there, and a forced GEMV path is refused.
 MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, const MoeForced& forced,
                  int64_t hidden = 0, int64_t intermediate = 0, const DeviceFacts& facts = {},
-                 at::ScalarType dtype = at::kBFloat16);
+                 at::ScalarType dtype = at::kBFloat16, bool gate_up_rotated = false, bool down_rotated = false);
 
 // The plan of one grouped projection of an expert's [N, K] weights (n_tiles x k_tiles at k bits) by `kernel`
 // over `rows` rows of A (the slots) grouped into chunks of chunk_rows over `experts` experts, in a grid of

@@ -274,3 +274,82 @@ def test_grouped_linear_launches_the_plans_projection(path):
             torch.ops.kbit._moe_grouped_linear(A, chunks, num_chunks, ex.q13, ex.a13, ex.codebook, 2 * I, H,
                                                torch.ops.kbit._moe_kernel_id(plan.kernel), plan.chunk_rows)
             assert launched() == [proj_launch(plan, "gate_up")], (T, k, plan)
+
+
+# ----------------------------------------------------------------------------- input rotation
+
+
+def expected_rotated(plan_launches, rotations):
+    """Kernel names of a rotated call: a "rotate" launch before each projection the plan rotates separately."""
+    out = []
+    for launch, rotation in zip(plan_launches, rotations):
+        out += (["rotate"] if rotation == "separate" else []) + [launch.kernel]
+    return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_rotated_linear_launches_its_plan(dtype):
+    """A rotated layer's plan has rotation "separate": the rotation kernel (PDL as the GPU allows), then the plan's
+    GEMM with the same fields as unrotated; the plan on given facts says the same."""
+    torch.cuda.set_device(DEVICE)
+    props = torch.cuda.get_device_properties(DEVICE)
+    pdl = torch.ops.kbit._pdl_enabled()
+    launched()
+    for K, N, k, w in _weights():
+        block = min(K & -K, 1024)
+        signs = torch.ones(K, device=DEVICE)
+        for M in (1, 5, 64, 300):
+            plan = linear_plan(M, N, K, dtype, k, DEVICE, "auto", 0, 0, 0, True)
+            assert plan.rotation == "separate" and plan._replace(rotation="none") == linear_plan(M, N, K, dtype, k, DEVICE)
+            given = ops.named(torch.ops.kbit.linear_plan, M, N, K, dtype, props.major, props.multi_processor_count, 1,
+                              "auto", k, True)
+            assert given.rotation == "separate", given
+            x = torch.randn(M, K, dtype=dtype, device=DEVICE)
+            torch.ops.kbit.linear(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, rot_signs=signs,
+                                  rot_block=block)
+            got = launched()
+            assert [g.kernel for g in got] == ["rotate", plan.path] and got[0].pdl == pdl, (M, N, K, k, got)
+            assert got[1:] == expected_linear(plan), (M, N, K, k, plan)
+
+
+@pytest.mark.parametrize("E,top_k,H,I", MOE_SHAPES)
+def test_rotated_fused_moe_launches_its_plan(E, top_k, H, I):
+    """Rotated experts: gate_up_rotation and down_rotation "separate", a rotation launch before each projection
+    (grouped mm: both before its one record), the projections as planned; auto never takes the direct GEMV with a
+    rotated down input, and forcing a GEMV path with one is refused."""
+    torch.cuda.set_device(DEVICE)
+    gen = torch.Generator().manual_seed(E + H + 1)
+    sm_major = torch.cuda.get_device_capability(DEVICE)[0]
+    r13 = dict(w13_rot_signs=torch.ones(H, device=DEVICE), w13_rot_block=min(H & -H, 1024))
+    r2 = dict(w2_rot_signs=torch.ones(I, device=DEVICE), w2_rot_block=min(I & -I, 1024))
+    for k in (2, 4):
+        ex = Experts(E, H, I, k, gen)
+        for T in (1, 3, 16, 64, 1024):
+            x = torch.randn(T, H, dtype=torch.bfloat16, generator=gen).cuda() / 4
+            ids, weights = random_routing(T, E, top_k, gen, "random")
+            for path in ("auto", "grouped_mma", "grouped_mm", "grouped_wgmma", "gemv_direct", "gemv"):
+                if path == "grouped_wgmma" and sm_major != 9:
+                    continue
+                for rot in (r13, {**r13, **r2}):
+                    down = "w2_rot_signs" in rot
+                    args = (T, top_k, E, k, H, I, DEVICE, path, 0, 0, 0, 0, 0, None, True, down)
+                    if down and path in ("gemv_direct", "gemv"):
+                        with pytest.raises(ValueError, match="cannot rotate the down projection's input"):
+                            moe_plan(*args)
+                        continue
+                    plan = moe_plan(*args)
+                    assert (plan.gate_up_rotation, plan.down_rotation) == ("separate", "separate" if down else "none")
+                    assert not (down and plan.path == "gemv_direct"), plan
+                    host = ops.named(torch.ops.kbit.moe_plan, T, top_k, E, k, path, sm_major, None, True, down)
+                    assert tuple(host) == tuple(getattr(plan, f) for f in host._fields), (host, plan)
+                    launched()
+                    torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, None, False,
+                                                   torch.ops.kbit._moe_path_id(path), **rot)
+                    got = launched()
+                    want = expected_moe(plan)
+                    if plan.path == "grouped_mm":
+                        names = ["rotate"] * (1 + down) + ["grouped_mm"]
+                    else:
+                        names = expected_rotated(want, (plan.gate_up_rotation, plan.down_rotation))
+                    assert [g.kernel for g in got] == names, (T, k, path, down, got)
+                    assert [g for g in got if g.kernel != "rotate"] == want, (T, k, path, down, plan)

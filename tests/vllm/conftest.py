@@ -14,7 +14,10 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import pytest
-from kbit_e2e import MIXED, ONLINE, TEXT_PROMPTS, run_engine, settings_of
+from kbit_e2e import (
+    GPTQ_CALIBRATION_TOKENS, MIXED, ONLINE, ROTATION, TEXT_PROMPTS, dequantized_converted_checkpoint, run_engine,
+    settings_of,
+)
 
 from kbit_dev import tiny_models
 
@@ -125,3 +128,26 @@ def converted_mixed(tiny, tmp_path_factory):
 def converted_offline(engine, converted_qwen3_moe):
     """Offline engine on the converted checkpoint, started with no quantization flag."""
     return engine("qwen3_moe-converted4", converted_qwen3_moe, text_prompts=TEXT_PROMPTS)
+
+
+@pytest.fixture(scope="session")
+def rotated(tiny, tmp_path_factory):
+    """rotated(kind, gptq=False, tp=1) -> (the kbit-4 checkpoint `vllm-kbit convert` writes with ROTATION at
+    --rotation-tp tp, its dequantized rotated model: the stored weights decoded in the original basis); each
+    converted once per session."""
+    from vllm_kbit.convert import convert
+
+    done: dict[tuple, tuple[str, str]] = {}
+
+    def get(kind: str, gptq: bool = False, tp: int = 1) -> tuple[str, str]:
+        if (kind, gptq, tp) not in done:
+            root = tmp_path_factory.mktemp(f"{kind}-rot{'-gptq' if gptq else ''}-tp{tp}")
+            out = str(root / "kbit")
+            config = {**ONLINE[4], "rotation": {**ROTATION, "tp": tp}}
+            summary = convert(tiny[kind], out, settings_of(config), progress=False, gptq=gptq,
+                              calibration_tokens=GPTQ_CALIBRATION_TOKENS if gptq else None)
+            assert summary.quantized > 0
+            done[(kind, gptq, tp)] = out, dequantized_converted_checkpoint(tiny[kind], out, str(root / "deq"))
+        return done[(kind, gptq, tp)]
+
+    return get

@@ -44,12 +44,20 @@ ONLINE = {
 MIXED = {"bits": 4, "bits_overrides": {r"mlp\.experts$": 3, r"self_attn\.": 5}}
 
 
+# Rotated checkpoints (docs/format.md, section 9): the seed, and the calibration budget of the rotated --gptq
+# conversions (tiny models: a quick calibration).
+ROTATION = {"seed": 1}
+GPTQ_CALIBRATION_TOKENS = 1024
+
+
 def settings_of(config: dict) -> KbitSettings:
     return KbitSettings.from_dict({"quant_method": "kbit", **config})
 
 
 def dequantized_checkpoint(src: str, dst: str, settings: KbitSettings) -> str:
-    """Copy of ``src`` whose quantized weights are replaced by their dequantized bf16 values (a plain checkpoint)."""
+    """Copy of ``src`` whose quantized weights are replaced by their dequantized bf16 values (a plain checkpoint).
+    With ``settings.rotation`` each weight is quantized as online quantization does, Q(W R) with W R in float32, and
+    decoded in the original basis, Q(W R) R^T (docs/format.md, section 9)."""
     from safetensors import safe_open
     from safetensors.torch import save_file
 
@@ -65,11 +73,55 @@ def dequantized_checkpoint(src: str, dst: str, settings: KbitSettings) -> str:
             for key in f.keys():
                 t = f.get_tensor(key)
                 bits = quantization_decision(key, tuple(t.shape), t.dtype, settings)
-                if bits is not None and bits > 0:
+                if bits is not None and bits > 0 and settings.rotation is not None:
+                    q = vllm_kbit.quantize(settings.rotation.rotate(t.float()), bits, settings.codebook(bits))
+                    t = settings.rotation.rotate(q.dequantize(torch.float32), inverse=True).to(t.dtype)
+                elif bits is not None and bits > 0:
                     q = vllm_kbit.quantize(t, bits, settings.codebook(bits))
                     t = q.dequantize(t.dtype)
                 out[key] = t.contiguous()
         save_file(out, os.path.join(dst, shard), metadata={"format": "pt"})
+    return dst
+
+
+def dequantized_converted_checkpoint(src: str, converted: str, dst: str) -> str:
+    """Copy of the bf16 checkpoint ``src`` whose weights are the values the converted checkpoint ``converted``
+    stores for them, decoded in the original basis: Q(W R) R^T for a rotated conversion (docs/format.md, section
+    9), Q(W) otherwise. A plain checkpoint: what the kbit engine on ``converted`` must compute."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    from vllm_kbit import reference as fmt
+
+    with open(os.path.join(converted, "config.json")) as f:
+        settings = KbitSettings.from_dict(json.load(f)["quantization_config"])
+    packed = {}
+    for shard in (f for f in os.listdir(converted) if f.endswith(".safetensors")):
+        packed.update(load_file(os.path.join(converted, shard)))
+    os.makedirs(dst, exist_ok=True)
+    for name in [f for f in os.listdir(src) if not f.endswith(".safetensors")]:
+        with open(os.path.join(src, name), "rb") as fi, open(os.path.join(dst, name), "wb") as fo:
+            fo.write(fi.read())
+    decoded = 0
+    for shard in sorted(f for f in os.listdir(src) if f.endswith(".safetensors")):
+        out = {}
+        with safe_open(os.path.join(src, shard), "pt") as f:
+            for key in f.keys():
+                t = f.get_tensor(key)
+                module = key.removesuffix(".weight")
+                if key.endswith(".weight") and f"{module}.qweight" in packed:
+                    a = packed[f"{module}.absmax"]
+                    N, KB = a.shape
+                    q = packed[f"{module}.qweight"]
+                    q = q.view(N, KB, q.numel() // (N * KB))  # routed experts' qweights are stored 2-D
+                    W = fmt.dequantize(q, a, settings.codebook(q.shape[2]), torch.float32)
+                    if settings.rotation is not None:
+                        W = settings.rotation.rotate(W, inverse=True)
+                    t = W.to(t.dtype)
+                    decoded += 1
+                out[key] = t.contiguous()
+        save_file(out, os.path.join(dst, shard), metadata={"format": "pt"})
+    assert decoded, f"no quantized weight of {src} found in {converted}"
     return dst
 
 
@@ -202,6 +254,20 @@ def report_token_differences(what: str, a: dict, b: dict) -> list[tuple[int, int
     return diffs
 
 
+def assert_rotated(what: str, result: dict, hidden: int | None = None) -> None:
+    """Every kbit layer holds its input rotation (layer_summary's ``rotation``): attention and dense layers one,
+    routed experts two, the first over the hidden size (when given)."""
+    kbit = {n: i for n, i in result["layers"].items() if "bits" in i}
+    assert kbit, what
+    for name, info in kbit.items():
+        rot = info.get("rotation", {})
+        if "Mo" in info["method"]:
+            assert set(rot) == {"kbit_w13_rot_signs", "kbit_w2_rot_signs"}, (what, name, info)
+            assert hidden is None or rot["kbit_w13_rot_signs"] == hidden, (what, name, info)
+        else:
+            assert set(rot) == {"kbit_rot_signs"}, (what, name, info)
+
+
 def packed_weight_differences(a: dict, b: dict) -> list[str]:
     """kbit layers whose packed weights (layer_summary's hash) differ between two runs, or that only one has."""
     ha, hb = ({n: i["hash"] for n, i in r["layers"].items() if "hash" in i} for r in (a, b))
@@ -327,22 +393,24 @@ PROMPT_LORAS = [i % (N_ADAPTERS + 1) - 1 for i in range(len(PROMPTS))]
 
 
 def lora_runs(engine, tiny, tmp_path_factory, kind: str, targets: tuple[str, ...], tag: str = "",
-              llm_kwargs: dict | None = None) -> tuple[dict, dict, dict]:
+              llm_kwargs: dict | None = None, rotation: dict | None = None) -> tuple[dict, dict, dict]:
     """(kbit-4 served with the adapters, the reference, the dequantized model without adapters) for ``kind``.
 
-    The kbit engine quantizes online (``ONLINE[4]``) and serves N_ADAPTERS random adapters on ``targets`` beside
-    the base model in one batch. The reference takes each prompt from a bf16 engine serving, without LoRA, the
-    dequantized kbit-4 weights with that prompt's adapter merged in (``alpha / r * B @ A``; the dequantized model
-    itself for prompts without one)."""
+    The kbit engine quantizes online (``ONLINE[4]``, with ``rotation`` when given: every layer fed x R) and serves
+    N_ADAPTERS random adapters on ``targets`` beside the base model in one batch. The reference takes each prompt
+    from a bf16 engine serving, without LoRA, the dequantized kbit-4 weights (decoded in the original basis when
+    rotated) with that prompt's adapter merged in (``alpha / r * B @ A``; the dequantized model itself for prompts
+    without one)."""
     from kbit_dev.lora import make_adapter, merge_adapter
 
+    config = {**ONLINE[4], **({"rotation": rotation} if rotation is not None else {})}
     root = tmp_path_factory.mktemp(f"lora-{kind}{tag}")
     adapters = [make_adapter(tiny[kind], str(root / f"adapter{i}"), seed=100 + i, targets=targets)
                 for i in range(N_ADAPTERS)]
-    deq_dir = dequantized_checkpoint(tiny[kind], str(root / "deq4"), settings_of(ONLINE[4]))
+    deq_dir = dequantized_checkpoint(tiny[kind], str(root / "deq4"), settings_of(config))
     extra = {**PROBE_BY_PREFIX, **(llm_kwargs or {})}
     by_prefix = {"probe_by_prefix": True}
-    specs = [(f"{kind}-online4-lora{tag}", tiny[kind], {**online_kwargs(ONLINE[4]), **LORA_ENGINE, **extra},
+    specs = [(f"{kind}-online4-lora{tag}", tiny[kind], {**online_kwargs(config), **LORA_ENGINE, **extra},
               None, None, {"loras": adapters, "prompt_loras": PROMPT_LORAS, **by_prefix})]
     for i, adapter in enumerate(adapters):
         merged = str(root / f"deq4-merged{i}")

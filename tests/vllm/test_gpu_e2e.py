@@ -6,11 +6,13 @@ import pytest
 import torch
 from kbit_e2e import (
     ONLINE,
+    ROTATION,
     arch_kwargs,
     assert_agree,
     assert_lora_agrees,
     lora_runs,
     assert_every_layer_accounted_for,
+    assert_rotated,
     dequantized_checkpoint,
     online_kwargs,
     packed_weight_differences,
@@ -126,6 +128,31 @@ def test_gpu_lora_adapters_match_merged_dequantized_model(engine, tiny, tmp_path
     assert_lora_agrees(f"GPU {kind} kbit-4 + 3 LoRA adapters", got, ref, plain)
 
 
+@pytest.mark.parametrize("kind,gptq", [("qwen3_moe", False), ("qwen3", True), *((k, False) for k in TARGETS)])
+def test_gpu_rotated_checkpoint_matches_dequantized_model(engine, rotated, kind, gptq):
+    """`vllm-kbit convert --rotate` (and --gptq, which rotates by default) served under CUDA graphs and
+    torch.compile: every kbit layer rotates its input inside the kbit ops, and the outputs agree with the bf16 model
+    of the stored weights decoded in the original basis (Q(W R) R^T)."""
+    out, deq = rotated(kind, gptq)
+    tag = f"gpu-{kind}-rot4{'-gptq' if gptq else ''}"
+    got, ref = _start_and_get(engine, [(tag, out, arch_kwargs(kind)), (f"{tag}-deq", deq, arch_kwargs(kind))])
+    assert_rotated(f"GPU {kind} rotated", got)
+    assert_agree(f"GPU {kind} rotated vs its dequantized model", got, ref)
+
+
+@pytest.mark.parametrize("kind", ["qwen3", "qwen3_moe"])
+def test_gpu_rotated_lora_adapters_match_merged_dequantized_model(engine, tiny, tmp_path_factory, kind):
+    """Online kbit-4 with a rotation and three LoRA adapters on attention and the MLP (Qwen3-MoE: the routed
+    experts stage by stage, the adapters' deltas from the unrotated hidden states and activations) against the
+    dequantized rotated model with each adapter merged in."""
+    from kbit_dev.lora import ATTENTION, MLP
+
+    got, ref, plain = lora_runs(engine, tiny, tmp_path_factory, kind, ATTENTION + MLP, tag="-gpu-rot",
+                                rotation=ROTATION)
+    assert_rotated(f"GPU {kind} rotated + LoRA", got)
+    assert_lora_agrees(f"GPU {kind} rotated kbit-4 + 3 LoRA adapters", got, ref, plain)
+
+
 # Tensor / expert parallel on two GPUs against TP=1 on the same machine. Each kind x quantization has one
 # TP=1 reference engine shared by its parallel variants; `parallel_engines` starts all the engines the
 # selected tests need at once (KBIT_E2E_ENGINES at a time), so the set takes a few engine start-ups, not twelve.
@@ -133,19 +160,23 @@ PARALLEL = {
     "tp2": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
     "tp2-ep": {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", "enable_expert_parallel": True},
 }
-QUANTS = ("online4", "converted-mixed")
+# converted-rotated: `convert --rotate --rotation-tp 2` (each rank rotates its shard of a row-parallel layer's and
+# of the experts' down inputs with its slice of the signs).
+QUANTS = ("online4", "converted-mixed", "converted-rotated")
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
 class ParallelEngines:
     """The engines of test_gpu_parallel_matches_tp1: (kind, quant, parallel or None for TP=1) -> runner output."""
 
-    def __init__(self, engine, tiny, converted_mixed):
-        self.engine, self.tiny, self.converted_mixed = engine, tiny, converted_mixed
+    def __init__(self, engine, tiny, converted_mixed, rotated):
+        self.engine, self.tiny, self.converted_mixed, self.rotated = engine, tiny, converted_mixed, rotated
 
     def spec(self, kind: str, quant: str, parallel: str | None) -> tuple[str, str, dict]:
         if quant == "online4":  # the TP=1 key is the one test_gpu_online_matches_dequantized_model starts
             key, model, kwargs = f"gpu-{kind}-online4", self.tiny[kind], online_kwargs(ONLINE[4])
+        elif quant == "converted-rotated":
+            key, model, kwargs = f"gpu-{kind}-converted-rotated-tp2", self.rotated(kind, tp=2)[0], {}
         else:  # a converted checkpoint, served with no quantization flag
             key, model, kwargs = f"gpu-{kind}-converted-mixed", self.converted_mixed(kind), {}
         if parallel is None:
@@ -160,8 +191,8 @@ class ParallelEngines:
 
 
 @pytest.fixture(scope="session")
-def parallel_engines(request, engine, tiny, converted_mixed):
-    engines = ParallelEngines(engine, tiny, converted_mixed)
+def parallel_engines(request, engine, tiny, converted_mixed, rotated):
+    engines = ParallelEngines(engine, tiny, converted_mixed, rotated)
     wanted = [item.callspec.params for item in request.session.items
               if getattr(item, "originalname", None) == "test_gpu_parallel_matches_tp1" and hasattr(item, "callspec")]
     for p in wanted:  # the TP=1 references first: every parallel test waits for one
@@ -207,6 +238,9 @@ def test_gpu_parallel_matches_tp1(parallel_engines, kind, quant, parallel):
                 assert (info["method"], info["bits"]) == ("KbitMoEMethod", 3), (name, info)
             elif ".self_attn." in name:
                 assert (info["method"], info["bits"]) == ("KbitLinearMethod", 5), (name, info)
+    if quant == "converted-rotated":
+        for layers in (tp1["layers"], *ranks):
+            assert_rotated(what, {"layers": layers})
     expert_parallel = PARALLEL[parallel].get("enable_expert_parallel", False)
     for r, layers in enumerate(ranks):
         assert set(layers) == set(tp1["layers"]), f"rank {r} has other layers than TP=1"

@@ -204,7 +204,7 @@ class KbitConfig(QuantizationConfig):
             return None
         cls = KbitLinearMethod if self.settings.prequantized else KbitOnlineLinearMethod
         self.report.plan(layer)
-        return cls(prefix, bits, self.settings.codebook(bits), report=self.report)
+        return cls(prefix, bits, self.settings.codebook(bits), report=self.report, rotation=self.settings.rotation)
 
     def get_quant_method(self, layer: torch.nn.Module, prefix: str) -> QuantizeMethodBase | None:
         if isinstance(layer, ParallelLMHead):
@@ -226,10 +226,11 @@ class KbitConfig(QuantizationConfig):
             if self.settings.prequantized:
                 method = KbitLinearMethod(
                     prefix, bits, self.settings.codebook(bits), self._shard_names(prefix), self.checkpoint,
-                    report=self.report,
+                    report=self.report, rotation=self.settings.rotation,
                 )
             else:
-                method = KbitOnlineLinearMethod(prefix, bits, self.settings.codebook(bits), report=self.report)
+                method = KbitOnlineLinearMethod(prefix, bits, self.settings.codebook(bits), report=self.report,
+                                                rotation=self.settings.rotation)
             self.report.plan(layer)
             return method
         if isinstance(layer, RoutedExperts):
@@ -239,9 +240,10 @@ class KbitConfig(QuantizationConfig):
                 return UnquantizedFusedMoEMethod(layer.moe_config)
             if self.settings.prequantized:
                 method = KbitMoEMethod(layer, prefix, bits, self.settings.codebook(bits), self.checkpoint,
-                                       report=self.report)
+                                       report=self.report, rotation=self.settings.rotation)
             else:
-                method = KbitOnlineMoEMethod(layer, prefix, bits, self.settings.codebook(bits), report=self.report)
+                method = KbitOnlineMoEMethod(layer, prefix, bits, self.settings.codebook(bits), report=self.report,
+                                             rotation=self.settings.rotation)
             self.report.plan(layer)
             return method
         return None

@@ -37,6 +37,10 @@ def layer_summary(model: torch.nn.Module) -> dict:
         if hasattr(module, "quant_config"):
             qc = module.quant_config
             info["quant_config"] = None if qc is None else type(qc).__name__
+        # Rotated kbit layers: the size of each input rotation's signs this rank holds (kbit_*rot_signs buffers).
+        rotated = {n: b.numel() for n, b in module.named_buffers(recurse=False) if n.endswith("rot_signs")}
+        if rotated:
+            info["rotation"] = rotated
         codebook = getattr(module, "kbit_codebook", None)
         if codebook is not None:
             info["bits"] = codebook.numel().bit_length() - 1

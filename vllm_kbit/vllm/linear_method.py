@@ -17,6 +17,13 @@ whose vocab-parallel loader shards N like a column-parallel layer's).
 Both end the same way: the flat tensors are repacked once to the runtime layout
 and ``apply`` calls ``torch.ops.kbit.linear`` (+ bias); the layer is then counted in the load's summary
 line (:mod:`vllm_kbit.vllm.load_report`).
+
+Rotated layers (``quantization_config.rotation``, docs/format.md section 9) store Q(W R): the layer holds its
+input rotation (``kbit_rot_signs``, a float32 buffer of this rank's K inputs, and ``kbit_rot_block``) and ``apply``
+hands it to the op, which feeds x R to the GEMM. A row-parallel layer's rank holds inputs
+[rank * K/tp, (rank + 1) * K/tp): its signs are that slice of the full K's, and the block must divide the shard
+(:func:`layer_rotation`). Online, the weight is rotated (float32) before it is quantized. vLLM's LoRA wrappers add
+their x A B to the base layer's output from the unrotated x, so rotating inside ``apply`` keeps them right.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 
 from vllm_kbit import reference as fmt
 from vllm_kbit import ops  # noqa: F401  (registers torch.ops.kbit)
+from vllm_kbit.settings import Rotation
 from vllm_kbit.vllm.checkpoint import CheckpointFiles
 from vllm_kbit.vllm.compat import (
     LinearMethodBase,
@@ -42,10 +50,38 @@ from vllm_kbit.vllm.load_report import LINEAR, NOT_REPRESENTABLE, LoadReport
 logger = init_logger(__name__)
 
 
+def shard_rotation(rotation: Rotation, prefix: str, what: str, K: int, K_shard: int, rank: int) -> tuple:
+    """(signs [K_shard] float32 on the CPU, block) of a rotated input of K inputs of which this rank holds
+    [rank * K_shard, (rank + 1) * K_shard): the slice of the full K's signs, and the block of K, which must divide
+    the shard (the recorded ``tp`` covers this tensor-parallel size); else a one-line ValueError."""
+    block = rotation.block(K)
+    if K_shard % block:
+        raise ValueError(
+            f"kbit: layer {prefix!r} ({what}) is rotated in blocks of {block} over its {K} inputs, which do not "
+            f"divide this rank's {K_shard} inputs at tensor parallel {K // K_shard}; the rotation was made for tensor "
+            f"parallel {rotation.tp} (supported: sizes dividing it); convert with --rotation-tp {K // K_shard} "
+            f"(online: rotation {{\"tp\": {K // K_shard}}}) or serve at tensor parallel {rotation.tp}")
+    return rotation.signs(K)[rank * K_shard : (rank + 1) * K_shard].contiguous(), block
+
+
+def layer_rotation(layer: torch.nn.Module, rotation: Rotation, prefix: str, input_size_per_partition: int,
+                   input_size: int) -> None:
+    """A rotated linear layer's input rotation, kept on the layer (kbit_rot_signs is registered on the weights'
+    device with them: install_runtime_weights)."""
+    rank = 0
+    if input_size_per_partition != input_size:  # row parallel: vLLM's LinearBase names the layer's rank
+        rank = getattr(layer, "tp_rank", None)
+        if rank is None:
+            raise ValueError(f"kbit: layer {prefix!r} shards its {input_size} inputs but has no tp_rank; a rotated "
+                             "layer needs its tensor-parallel rank to slice the rotation's signs")
+    layer.kbit_rotation = shard_rotation(rotation, prefix, "input", input_size, input_size_per_partition, rank)
+
+
 def install_runtime_weights(
     layer: torch.nn.Module, prefix: str, qweight: torch.Tensor, absmax: torch.Tensor, codebook: torch.Tensor
 ) -> None:
-    """Flat (qweight, absmax) of shape [N, K] -> runtime layout on the layer as ``qweight``/``absmax``."""
+    """Flat (qweight, absmax) of shape [N, K] -> runtime layout on the layer as ``qweight``/``absmax``; a rotated
+    layer's signs go to the same device (``kbit_rot_signs``)."""
     N, KB, k = qweight.shape
     if k != layer.kbit_bits:
         raise ValueError(f"kbit: layer {prefix!r} has {k}-bit qweight but its config says {layer.kbit_bits} bits")
@@ -54,6 +90,9 @@ def install_runtime_weights(
     replace_parameter(layer, "absmax", absmax_rt)
     layer.register_buffer("kbit_codebook", codebook.to(qweight_rt.device), persistent=False)
     layer.kbit_shape = (N, KB * fmt.BLOCK_SIZE)
+    if getattr(layer, "kbit_rotation", None) is not None:
+        signs, layer.kbit_rot_block = layer.kbit_rotation
+        layer.register_buffer("kbit_rot_signs", signs.to(qweight_rt.device), persistent=False)
 
 
 def _expected_shards(layer: torch.nn.Module) -> set:
@@ -66,11 +105,13 @@ def _expected_shards(layer: torch.nn.Module) -> set:
 
 
 class _KbitLinearBase(LinearMethodBase):
-    def __init__(self, prefix: str, bits: int, codebook: torch.Tensor, report: LoadReport | None = None):
+    def __init__(self, prefix: str, bits: int, codebook: torch.Tensor, report: LoadReport | None = None,
+                 rotation: Rotation | None = None):
         self.prefix = prefix
         self.bits = bits
         self.codebook = codebook
         self.report = report if report is not None else LoadReport()
+        self.rotation = rotation
 
     def _report(self, layer: torch.nn.Module, bytes_before: int, dtype: torch.dtype, range_scale: float = 1.0) -> None:
         self.report.finish(layer, LINEAR, self.bits, bytes_before, dtype, [layer.qweight, layer.absmax],
@@ -86,10 +127,16 @@ class _KbitLinearBase(LinearMethodBase):
         layer.kbit_bits = self.bits
         # The full K (LinearBase has it as input_size; ParallelLMHead, as embedding_dim, is sharded along N only).
         layer.kbit_input_size = input_size
+        layer.kbit_rotation = None
+        if self.rotation is not None:
+            layer_rotation(layer, self.rotation, self.prefix, input_size_per_partition, input_size)
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         N, K = layer.kbit_shape
-        return torch.ops.kbit.linear(x, layer.qweight, layer.absmax, layer.kbit_codebook, N, K, bias)
+        if layer.kbit_rotation is None:
+            return torch.ops.kbit.linear(x, layer.qweight, layer.absmax, layer.kbit_codebook, N, K, bias)
+        return torch.ops.kbit.linear(x, layer.qweight, layer.absmax, layer.kbit_codebook, N, K, bias,
+                                     rot_signs=layer.kbit_rot_signs, rot_block=layer.kbit_rot_block)
 
 
 @register_weight_loader_v2_supported_method
@@ -100,8 +147,9 @@ class KbitLinearMethod(_KbitLinearBase):
     order of vLLM's shard ids; with ``checkpoint`` they name the tensor and its file in load errors."""
 
     def __init__(self, prefix: str, bits: int, codebook: torch.Tensor, shard_names: list[str] | None = None,
-                 checkpoint: CheckpointFiles | None = None, report: LoadReport | None = None):
-        super().__init__(prefix, bits, codebook, report)
+                 checkpoint: CheckpointFiles | None = None, report: LoadReport | None = None,
+                 rotation: Rotation | None = None):
+        super().__init__(prefix, bits, codebook, report, rotation)
         self.shard_names = shard_names or [prefix]
         self.checkpoint = checkpoint or CheckpointFiles()
 
@@ -204,8 +252,9 @@ class KbitOnlineLinearMethod(_KbitLinearBase):
 
     uses_meta_device: bool = True
 
-    def __init__(self, prefix: str, bits: int, codebook: torch.Tensor, report: LoadReport | None = None):
-        super().__init__(prefix, bits, codebook, report)
+    def __init__(self, prefix: str, bits: int, codebook: torch.Tensor, report: LoadReport | None = None,
+                 rotation: Rotation | None = None):
+        super().__init__(prefix, bits, codebook, report, rotation)
         self.unquantized: UnquantizedLinearMethod | None = None
 
     def create_weights(
@@ -235,19 +284,24 @@ class KbitOnlineLinearMethod(_KbitLinearBase):
         W = layer.weight.data
         if W.device.type == "meta":
             raise ValueError(f"kbit: checkpoint has no weight for layer {self.prefix!r}")
+        bytes_before, dtype = W.numel() * W.element_size(), W.dtype
+        Wq = W  # what is quantized: W, or W R in float32 for a rotated layer
+        if layer.kbit_rotation is not None:
+            signs, block = layer.kbit_rotation
+            Wq = torch.ops.kbit.hadamard_rotate(W.float(), signs.to(W.device), block)
         try:
-            scale = fmt.weight_range_scale(W)
+            scale = fmt.weight_range_scale(Wq)
         except ValueError as e:
             # One layer the format cannot hold does not stop the server: it stays in bf16, like K % 32 layers.
             logger.warning("kbit: layer %s left unquantized: %s", self.prefix, str(e).removeprefix("kbit: "))
+            layer.kbit_rotation = None  # a bf16 layer takes x as it is
             self.unquantized = UnquantizedLinearMethod()
             self.unquantized.process_weights_after_loading(layer)
             self.report.finish_unquantized(layer, LINEAR, NOT_REPRESENTABLE)
             return
         codebook = self.codebook.to(W.device)
-        qweight, absmax = torch.ops.kbit.quantize(fmt.range_scaled(W, scale).contiguous(), codebook, self.bits)
-        bytes_before, dtype = W.numel() * W.element_size(), W.dtype
-        del layer.weight, W
+        qweight, absmax = torch.ops.kbit.quantize(fmt.range_scaled(Wq, scale).contiguous(), codebook, self.bits)
+        del layer.weight, W, Wq
         install_runtime_weights(layer, self.prefix, qweight, absmax, codebook * scale)
         self._report(layer, bytes_before, dtype, range_scale=scale)
 

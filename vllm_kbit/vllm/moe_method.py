@@ -26,6 +26,14 @@ wraps the same kernel and hands the experts its adapters (``LoRAExpertsMixin``),
 (:func:`vllm_kbit.moe.fused_moe_stages`) so the adapters add to gate_up before the activation and to down
 before the combine. ``w13_weight`` / ``w2_weight`` name the packed tensors too, as for vLLM's GPTQ experts:
 vLLM's modular method (LoRA) hands those to the kernel.
+
+Rotated experts (``quantization_config.rotation``, docs/format.md section 9) store Q(W13 R_H) and Q(W2 R_I): the
+layer holds both rotations (``kbit_w13_rot_signs`` over the hidden size, ``kbit_w2_rot_signs`` over this rank's
+slice of the intermediate size, and their blocks) and the experts hand them to the op
+(:class:`vllm_kbit.moe.ExpertsRotation`), which rotates the hidden states once for every expert and each slot's
+SiLU-and-mul output before down. Stage by stage (LoRA), only the projections' inputs are rotated: the adapters'
+deltas come from the unrotated hidden states and activations, as for an unrotated layer. Online, each expert is
+rotated (float32) before it is quantized.
 """
 
 from __future__ import annotations
@@ -36,7 +44,8 @@ import math
 import torch
 
 from vllm_kbit import reference as fmt
-from vllm_kbit.moe import fused_moe_stages, kbit_fused_moe, stack_runtime
+from vllm_kbit.moe import ExpertsRotation, fused_moe_stages, kbit_fused_moe, stack_runtime
+from vllm_kbit.settings import Rotation
 from vllm_kbit.vllm.checkpoint import CheckpointFiles
 from vllm_kbit.vllm.compat import (
     ROUTER_RUNS_ON_CPU,
@@ -55,6 +64,7 @@ from vllm_kbit.vllm.compat import (
     replace_parameter,
     set_weight_attrs,
 )
+from vllm_kbit.vllm.linear_method import shard_rotation
 from vllm_kbit.vllm.load_report import EXPERTS, LoadReport
 
 
@@ -90,10 +100,12 @@ class KbitExperts(LoRAExpertsMixin, FusedMoEExpertsModular):
     kernels, so there an adapter with expert weights is refused and the others run the fused op."""
 
     def __init__(self, moe_config, quant_config, w13_absmax: torch.Tensor, w2_absmax: torch.Tensor,
-                 codebook: torch.Tensor, max_num_tokens: int | None = None, num_dispatchers: int | None = None):
+                 codebook: torch.Tensor, max_num_tokens: int | None = None, num_dispatchers: int | None = None,
+                 rotation: ExpertsRotation | None = None):
         super().__init__(moe_config=moe_config, quant_config=quant_config, max_num_tokens=max_num_tokens,
                          num_dispatchers=num_dispatchers)
         self.w13_absmax, self.w2_absmax, self.codebook = w13_absmax, w2_absmax, codebook
+        self.rotation = rotation
         self.intermediate_size = moe_config.intermediate_size_per_partition
 
     @staticmethod
@@ -138,9 +150,10 @@ class KbitExperts(LoRAExpertsMixin, FusedMoEExpertsModular):
                 self.intermediate_size, expert_map)
         ctx = self._lora_context
         if ctx is None or not self._experts_have_lora(ctx):
-            output.copy_(kbit_fused_moe(*args, False))
+            output.copy_(kbit_fused_moe(*args, False, self.rotation))
             return None
-        output.copy_(fused_moe_stages(*args, *self._lora_hooks(ctx, hidden_states, topk_ids, topk_weights, expert_map)))
+        hooks = self._lora_hooks(ctx, hidden_states, topk_ids, topk_weights, expert_map)
+        output.copy_(fused_moe_stages(*args, *hooks, rotation=self.rotation))
         return None
 
     def _experts_have_lora(self, ctx) -> bool:
@@ -193,13 +206,22 @@ def _late_tensor_loader(layer: torch.nn.Module, prefix: str, param, loaded_weigh
 
 class _KbitMoEBase(FusedMoEMethodBase):
     def __init__(self, layer: torch.nn.Module, prefix: str, bits: int, codebook: torch.Tensor,
-                 report: LoadReport | None = None):
+                 report: LoadReport | None = None, rotation: Rotation | None = None):
         super().__init__(layer.moe_config)
         check_moe_layer(layer, prefix)
         self.prefix = prefix
         self.bits = bits
         self.codebook = codebook
         self.report = report if report is not None else LoadReport()
+        # Rotated experts: (signs, block) of gate_up's input (the hidden size, never sharded) and of down's (this
+        # rank's slice of the intermediate size, as the loader slices w2), checked against the shard now.
+        self.rotations = None
+        if rotation is not None:
+            moe = layer.moe_config
+            H, I, Ip = moe.hidden_dim, moe.intermediate_size, moe.intermediate_size_per_partition
+            rank = moe.tp_rank if Ip != I else 0
+            self.rotations = (shard_rotation(rotation, prefix, "experts' gate_up input", H, H, 0),
+                              shard_rotation(rotation, prefix, "experts' down input", I, Ip, rank))
 
     # ------------------------------------------------------------------ the modular kernel
 
@@ -214,7 +236,21 @@ class _KbitMoEBase(FusedMoEMethodBase):
                 f"kbit: MoE layer {self.prefix!r}: vLLM's all-to-all backend {backend!r} "
                 f"({type(prepare_finalize).__name__}) hands experts batched activations; the kbit experts take the "
                 "standard format (e.g. --all2all-backend allgather_reducescatter or deepep_high_throughput)")
-        return KbitExperts(self.moe, self.moe_quant_config, layer.w13_absmax, layer.w2_absmax, layer.kbit_codebook)
+        return KbitExperts(self.moe, self.moe_quant_config, layer.w13_absmax, layer.w2_absmax, layer.kbit_codebook,
+                           rotation=self._experts_rotation(layer))
+
+    def _experts_rotation(self, layer: torch.nn.Module) -> ExpertsRotation | None:
+        if self.rotations is None:
+            return None
+        (_, b13), (_, b2) = self.rotations
+        return ExpertsRotation(layer.kbit_w13_rot_signs, b13, layer.kbit_w2_rot_signs, b2)
+
+    def _rotated(self, which: int, W: torch.Tensor) -> torch.Tensor:
+        """One expert's weight as quantized: W R (float32) for rotated experts (which: 0 gate_up, 1 down), else W."""
+        if self.rotations is None:
+            return W
+        signs, block = self.rotations[which]
+        return torch.ops.kbit.hadamard_rotate(W.float(), signs.to(W.device), block)
 
     def select_gemm_impl(self, prepare_finalize, layer: torch.nn.Module) -> KbitExperts:
         """The experts for a prepare/finalize vLLM picked (vLLM up to 0.27 asks this where a method holds no kernel)."""
@@ -244,6 +280,9 @@ class _KbitMoEBase(FusedMoEMethodBase):
         layer.register_parameter("w13_weight", layer.w13_qweight)
         layer.register_parameter("w2_weight", layer.w2_qweight)
         layer.register_buffer("kbit_codebook", self.codebook.to(w13_q.device) * range_scale, persistent=False)
+        if self.rotations is not None:
+            for name, (signs, _) in zip(("kbit_w13_rot_signs", "kbit_w2_rot_signs"), self.rotations):
+                layer.register_buffer(name, signs.to(w13_q.device), persistent=False)
         self.report.finish(layer, EXPERTS, self.bits, bytes_before, dtype, [w13_q, w13_a, w2_q, w2_a],
                            range_scaled=self.prefix if range_scale != 1.0 else None)
         self._init_kernel(layer)
@@ -277,7 +316,7 @@ class _KbitMoEBase(FusedMoEMethodBase):
         )
         return kbit_fused_moe(x, topk_ids, topk_weights, layer.w13_qweight, layer.w13_absmax, layer.w2_qweight,
                               layer.w2_absmax, layer.kbit_codebook, layer.intermediate_size_per_partition,
-                              layer.expert_map, layer.apply_router_weight_on_input)
+                              layer.expert_map, layer.apply_router_weight_on_input, self._experts_rotation(layer))
 
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input) -> torch.Tensor:
         return self.moe_kernel.apply(
@@ -299,8 +338,9 @@ class KbitMoEMethod(_KbitMoEBase):
     """Pre-quantized kbit experts; ``checkpoint`` names the files of tensors in load errors."""
 
     def __init__(self, layer: torch.nn.Module, prefix: str, bits: int, codebook: torch.Tensor,
-                 checkpoint: CheckpointFiles | None = None, report: LoadReport | None = None):
-        super().__init__(layer, prefix, bits, codebook, report)
+                 checkpoint: CheckpointFiles | None = None, report: LoadReport | None = None,
+                 rotation: Rotation | None = None):
+        super().__init__(layer, prefix, bits, codebook, report, rotation)
         self.checkpoint = checkpoint or CheckpointFiles()
 
     def _tensor_name(self, layer: torch.nn.Module, expert_id: int, shard_id: str, kind: str) -> str:
@@ -435,8 +475,11 @@ class KbitOnlineMoEMethod(_KbitMoEBase):
             raise ValueError(f"kbit: checkpoint has no expert weights for MoE layer {self.prefix!r}")
         codebook = self.codebook.to(w13_full.device)
         amax = []
-        for name, W in (("w13", w13_full), ("w2", w2_full)):
+        for which, (name, W) in enumerate((("w13", w13_full), ("w2", w2_full))):
             amax.append(fmt.weight_amax(W))
+            if math.isfinite(amax[-1]) and self.rotations is not None:
+                # Rotated experts: the range of W R (each expert rotated here and again when quantized: one at a time).
+                amax[-1] = max(fmt.weight_amax(self._rotated(which, W[e])) for e in range(W.shape[0]))
             if not math.isfinite(amax[-1]):
                 # Routed experts have no bf16 fallback here: refuse, naming the first expert with NaN or Inf.
                 e = next(e for e in range(W.shape[0]) if not torch.isfinite(W[e]).all())
@@ -446,9 +489,10 @@ class KbitOnlineMoEMethod(_KbitMoEBase):
                 )
         scale = fmt.range_scale(max(amax))  # one per layer: the fused op takes one codebook for w13 and w2
         packed = {"w13": [], "w2": []}
-        for name, W in (("w13", w13_full), ("w2", w2_full)):
+        for which, (name, W) in enumerate((("w13", w13_full), ("w2", w2_full))):
             for e in range(W.shape[0]):
-                packed[name].append(torch.ops.kbit.quantize(fmt.range_scaled(W[e], scale).contiguous(), codebook, self.bits))
+                We = fmt.range_scaled(self._rotated(which, W[e]), scale).contiguous()
+                packed[name].append(torch.ops.kbit.quantize(We, codebook, self.bits))
         bytes_before = sum(w.numel() * w.element_size() for w in (w13_full, w2_full))
         dtype = w13_full.dtype
         del layer.w13_weight, layer.w2_weight, w13_full, w2_full, W
