@@ -97,7 +97,8 @@ void launch_typed_rot(const at::Tensor& A, const at::Tensor& qweight_rt, const a
   const int n_tiles = static_cast<int>(qweight_rt.size(0)), k_tiles = static_cast<int>(qweight_rt.size(1));
   const auto launch = [&](auto kernel, size_t smem, int table_blocks) {
     const dim3 grid(static_cast<unsigned>(n_tiles * g.splits));
-    record_launch({"gemv", 0, 0, grid.y, grid.x / g.splits, g.splits, 0, table_blocks, g.pdl});
+    record_launch({"gemv", 0, 0, grid.y, grid.x / g.splits, g.splits, 0, table_blocks, g.pdl,
+                   ROT ? InputRotation::kFused : InputRotation::kNone});
     launch_kernel(kernel, grid, dim3(kThreads), smem, at::cuda::getCurrentCUDAStream(), g.splits, g.pdl,
                   reinterpret_cast<const T*>(A.data_ptr()), reinterpret_cast<const uint4*>(qweight_rt.data_ptr()),
                   reinterpret_cast<const uint32_t*>(absmax_rt.data_ptr()), codebook.data_ptr<float>(), bias,

@@ -295,6 +295,8 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
   // transform finishes x · R for this k-tile. b divides K, so every k-tile of the block is inside K.
   const auto mix_block_tiles = [&](int m, float4 v, int kt) {
     const int own = kt & (rot.tiles - 1);
+    const float c_own = (__popc(own) & 1) ? -1.f : 1.f;  // H_P[own, own]
+    v = make_float4(c_own * v.x, c_own * v.y, c_own * v.z, c_own * v.w);
 #pragma unroll
     for (int t = 1; t < rotate_core::kFusedMaxTiles; ++t) {
       if (t < rot.tiles) {

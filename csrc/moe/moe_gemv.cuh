@@ -266,7 +266,7 @@ void launch_typed_rot(const MoeGemvParams& p, const StageLaunch& s) {
   const auto launch = [&](auto kernel, size_t smem, int table_blocks) {
     const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(s.grid_rows) * p.n_tiles * p.splits));
     record_launch({s.kernel, 0, 0, s.grid_rows, grid.x / (static_cast<unsigned>(s.grid_rows) * p.splits), p.splits, 0,
-                   table_blocks, s.pdl});
+                   table_blocks, s.pdl, ROT ? InputRotation::kFused : InputRotation::kNone});
     launch_kernel(kernel, grid, dim3(kThreads), smem, at::cuda::getCurrentCUDAStream(), p.splits, s.pdl, p);
   };
   if constexpr (gemv_table_possible(BITS, MAX_ROWS)) {

@@ -96,7 +96,7 @@ void launch_typed(const at::Tensor& x2, const at::Tensor& signs, int64_t block, 
   auto go = [&](auto b) {
     constexpr int B = decltype(b)::value;
     launch_kernel(rotate_kernel<T, B>, grid, dim3(kRotateWarps * 32), 0, stream, 0, pdl, xp, x2.stride(0), sp, op, M, K, scale, inverse);
-    record_launch({"rotate", 0, 0, static_cast<int64_t>(grid.x), 0, 0, 0, 0, pdl});  // a plan's rotation "separate"
+    record_launch({"rotate", 0, 0, static_cast<int64_t>(grid.x), 0, 0, 0, 0, pdl, InputRotation::kSeparate});
   };
   switch (block) {
     case 2: return go(std::integral_constant<int, 2>{});

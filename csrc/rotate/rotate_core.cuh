@@ -11,6 +11,7 @@
 #include <cuda_runtime.h>
 
 #include "check.h"
+#include "plan.h"
 
 namespace kbit {
 namespace rotate_core {
@@ -53,11 +54,11 @@ __device__ __forceinline__ void butterfly_lanes(float (&v)[E], int lane, int lan
 // b/4 lanes); larger blocks span P = b / 128 k-tiles, which the warp first mixes elementwise (H_b = H_P ⊗ H_128:
 // the k-tile part is a ±1 sum of the P k-tiles of the block, the in-tile part one H_128) at the cost of P - 1 extra
 // activation loads per k-tile. b = 2 would need a butterfly inside a register pair: not fused.
-constexpr int kFusedMinBlock = 4;
-constexpr int kFusedMaxBlock = 1024;
-constexpr int kFusedTileElems = 128;                                 // a GEMV k-tile row
-constexpr int kFusedMaxTiles = kFusedMaxBlock / kFusedTileElems;     // k-tiles one block spans at most
-constexpr bool fused_block(long long b) { return b >= kFusedMinBlock && b <= kFusedMaxBlock && (b & (b - 1)) == 0; }
+// The range is the planner's (plan.h: kFusedRotationMinBlock, kFusedRotationMaxBlock, fused_rotation_block).
+constexpr int kFusedTileElems = 128;                                             // a GEMV k-tile row
+constexpr int kFusedMaxTiles = kFusedRotationMaxBlock / kFusedTileElems;         // k-tiles one block spans at most
+static_assert(kFusedRotationMinBlock >= 4 && kFusedTileElems % kFusedRotationMinBlock == 0,
+              "a fused block covers whole lanes of 4 elements");
 
 // What a rotating GEMV needs: the signs (float32 over K, 16-byte aligned), the block b, the k-tiles it spans
 // (max(1, b / 128)), and scale = 1 / sqrt(b) in float32 (the reference's multiply by Python's 1.0 / math.sqrt(b)).
@@ -72,8 +73,8 @@ struct FusedRotation {
 // fused instances do not do (the planner decides which calls fuse; this guards the launch).
 inline FusedRotation fused_rotation(const char* op, const float* signs, int64_t block, int64_t K) {
   if (signs == nullptr) return {nullptr, 0, 1, 1.f};
-  KBIT_CHECK_VALUE(fused_block(block) && K % block == 0, op, ": a fused rotation needs a power-of-two block ",
-                   kFusedMinBlock, "..", kFusedMaxBlock, " dividing K=", K, "; got block=", block);
+  KBIT_CHECK_VALUE(fused_rotation_block(block) && K % block == 0, op, ": a fused rotation needs a power-of-two block ",
+                   kFusedRotationMinBlock, "..", kFusedRotationMaxBlock, " dividing K=", K, "; got block=", block);
   KBIT_CHECK_VALUE(reinterpret_cast<uintptr_t>(signs) % 16 == 0, op, ": the rotation signs must be 16-byte aligned");
   const int tiles = block > kFusedTileElems ? static_cast<int>(block / kFusedTileElems) : 1;
   return {signs, static_cast<int>(block), tiles, static_cast<float>(1.0 / std::sqrt(static_cast<double>(block)))};
