@@ -5,9 +5,10 @@
 #   bash benchmarks/run_tp2.sh RESULTS_DIR [--no-tests] [--no-bench]
 #
 # 1. Tests: `pytest -m gpu tests/vllm/test_gpu_e2e.py -k test_gpu_parallel_matches_tp1` in one process: the
-#    tiny qwen3_moe and glm4_moe, online kbit-4 and a converted mixed-bits checkpoint (routed experts 3 bits,
-#    attention 5), at TP=2 and at TP=2 with expert parallel, each against TP=1 (12 engines, 4 of them the
-#    TP=1 references, KBIT_E2E_ENGINES at a time). Log: RESULTS_DIR/tp2_tests.log.
+#    tiny qwen3_moe and glm4_moe, online kbit-4, a converted mixed-bits checkpoint (routed experts 3 bits,
+#    attention 5) and a rotated one (convert --rotate --rotation-tp 2), at TP=2 and at TP=2 with expert parallel,
+#    each against TP=1 (18 engines, 6 of them the TP=1 references, KBIT_E2E_ENGINES at a time).
+#    Log: RESULTS_DIR/tp2_tests.log.
 # 2. Serving benchmark at TP=2: benchmarks/serve/run.sh --tp 2 (Qwen3-30B-A3B shape, dummy weights,
 #    1024 in / 256 out). Results: RESULTS_DIR/serve_tp2_<gpu>_<date>.{jsonl,md,png}, the servers' log beside them,
 #    the harness's output in RESULTS_DIR/serve_tp2.log. Running the script again with the same RESULTS_DIR (on the
@@ -28,7 +29,7 @@ for arg in "$@"; do
   case $arg in
     --no-tests) RUN_TESTS=0 ;;
     --no-bench) RUN_BENCH=0 ;;
-    -h|--help) sed -n '2,26p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     -*) echo "run_tp2.sh: unknown option $arg (see --help)" >&2; exit 2 ;;
     *) [ -z "$RESULTS_ARG" ] || { echo "run_tp2.sh: one output folder only" >&2; exit 2; }; RESULTS_ARG=$arg ;;
   esac

@@ -277,3 +277,13 @@ def test_opcheck_hadamard_rotate():
     s = fmt.rotation_signs(256, 1)
     for args in ((x, s, 64), (x, s, 256, True), (x.float(), s, 2)):
         torch.library.opcheck(torch.ops.kbit.hadamard_rotate.default, args)
+
+
+def test_convert_gptq_rotates_by_default_now_that_rotated_checkpoints_serve():
+    """docs/decisions.md ("Rotation with --gptq"): measured better with GPTQ, so --gptq rotates unless --no-rotate;
+    round to nearest stays unrotated unless --rotate."""
+    from vllm_kbit import cli
+
+    assert gptq.DEFAULT_ROTATE is gptq.ROTATE_WITH_GPTQ is True and cli.DEFAULT_RTN_ROTATE is False
+    proc = subprocess.run([sys.executable, "-m", "vllm_kbit.cli", "convert", "--help"], capture_output=True, text=True)
+    assert "default: on with --gptq, off without" in " ".join(proc.stdout.split())

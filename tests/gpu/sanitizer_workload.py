@@ -2,7 +2,8 @@
 and each split count, every activation tile count p and row-group shape of the MMA kernel, dense (M = 1 .. 64,
 forced and heuristic row groups, ragged N) and grouped over experts (fused_moe's grouped MMA path at
 1 .. 64 rows per expert, the direct GEMV at 1 and 3 tokens), plus the wgmma kernels at one M each and the
-grouped wgmma's two kernels (warp-specialized through fused_moe, register-operand at every built wgmma N).
+grouped wgmma's two kernels (warp-specialized through fused_moe, register-operand at every built wgmma N), and
+rotated inputs (the rotation kernel before a dense and a grouped GEMM, in place on the experts' activations).
 Fresh random inputs; each output is checked finite (NaN-poisoned outputs would show).
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitizer_workload.py
@@ -99,6 +100,31 @@ def grouped(k: int, quick: bool) -> None:
         check(f"gemv direct k={k} T={T}", out)
 
 
+def rotated(k: int) -> None:
+    """Rotated inputs (the plan's rotation "separate"): the rotation into a scratch before a dense GEMV and MMA, and
+    before the experts' gate_up plus in place on the SiLU-and-mul output before down (grouped MMA and mm)."""
+    cb = fmt.normal_float_codebook(k, "cuda")
+    N, K = 320, 256
+    q, a = random_runtime(None, N, K, k)
+    signs = fmt.rotation_signs(K, 0, "cuda")
+    for M in (1, 33):
+        x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+        check(f"rotated linear k={k} M={M}",
+              torch.ops.kbit.linear(x, q, a, cb, N, K, None, rot_signs=signs, rot_block=256))
+    E, top_k, H, I = 16, 4, 256, 192
+    q13, a13 = random_runtime(E, 2 * I, H, k)
+    q2, a2 = random_runtime(E, H, I, k)
+    rot = dict(w13_rot_signs=fmt.rotation_signs(H, 0, "cuda"), w13_rot_block=256,
+               w2_rot_signs=fmt.rotation_signs(I, 0, "cuda"), w2_rot_block=64)
+    for T, name in ((3, "auto"), (40, "grouped_mma"), (150, "grouped_mm")):
+        ids = torch.topk(torch.rand(T, E, device="cuda"), top_k, dim=1).indices.to(torch.int32)
+        w = torch.softmax(torch.randn(T, top_k, device="cuda"), -1)
+        x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
+        out = torch.ops.kbit._fused_moe_cuda(x, ids, w, q13, a13, q2, a2, cb, I, None, False,
+                                             torch.ops.kbit._moe_path_id(name), **rot)
+        check(f"rotated fused_moe {name} k={k} T={T}", out)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="a few shapes per kernel (racecheck is slow)")
@@ -108,6 +134,7 @@ def main() -> None:
     for k in (int(b) for b in args.bits.split(",")):
         dense(k, args.quick)
         grouped(k, args.quick)
+        rotated(k)
     print("sanitizer workload done")
 
 

@@ -1,7 +1,8 @@
 """Rotated checkpoints (docs/format.md, section 9) served through vLLM's CPU build equal their dequantized rotated
 models: the bf16 checkpoint whose weights are what the conversion stored, decoded in the original basis
 (Q(W R) R^T), run unquantized. Round to nearest on the tiny Qwen3-MoE (attention, routed experts), GPTQ on the tiny
-dense Qwen3 (attention, dense MLP); online quantization with a rotation packs what convert writes.
+dense Qwen3 (attention, dense MLP), `--rotation-tp 2` at tensor parallel 2 (each rank its slice of the signs);
+online quantization with a rotation packs what convert writes.
 
 Each engine configuration starts once per session (see conftest.engine)."""
 
@@ -42,3 +43,22 @@ def test_rotated_gptq_dense_checkpoint_matches_its_dequantized_model(engine, rot
     assert_rotated("qwen3 --gptq rotated", got, 256)
     ref = engine("qwen3-rot4-gptq-deq", deq, text_prompts=TEXT_PROMPTS)
     assert_agree("qwen3 --gptq rotated vs its dequantized model", got, ref)
+
+
+def test_rotated_checkpoint_at_tensor_parallel_2_matches_its_dequantized_model(engine, rotated):
+    """`convert --rotate --rotation-tp 2` at TP=2: each rank rotates its shard of o_proj's and down's inputs (and of
+    the experts' intermediate size) with its slice of the signs; the reference is the dequantized rotated model at
+    TP=2, which shards and all-reduces as kbit does."""
+    out, deq = rotated("qwen3_moe", tp=2)
+    tp2 = {"tensor_parallel_size": 2}
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    got = engine("qwen3_moe-rot4-tp2", out, tp2, env=env, text_prompts=TEXT_PROMPTS)
+    ranks = got["layers_per_rank"]
+    assert len(ranks) == 2
+    for layers in ranks:
+        assert_rotated("qwen3_moe rotated TP2", {"layers": layers}, 256)
+        assert layers["model.layers.0.self_attn.o_proj"]["rotation"] == {"kbit_rot_signs": 128}  # K 256 / 2
+        assert layers["model.layers.0.self_attn.qkv_proj"]["rotation"] == {"kbit_rot_signs": 256}  # not sharded
+        assert layers["model.layers.0.mlp.experts"]["rotation"]["kbit_w2_rot_signs"] == 64  # I 128 / 2
+    ref = engine("qwen3_moe-rot4-tp2-deq", deq, tp2, env=env, text_prompts=TEXT_PROMPTS)
+    assert_agree("qwen3_moe rotated TP2 vs its dequantized model at TP2", got, ref)
