@@ -290,8 +290,8 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
   // its registers cost more than it saves (the 4-row grouped GEMV went from 168 to 249+
   // registers and 10% slower). Unrolled by two so the buffers swap roles without register copies.
   constexpr bool kPrefetchActivations = M <= 2;
-  // ROT, blocks over P = rot.tiles > 1 k-tiles: adds the block's other k-tiles of row m (signs applied) to this
-  // one's, each with its sign in row `own` of H_P (H_b = H_P ⊗ H_128, k-tile bits high), so that one in-tile
+  // ROT, blocks over P = rot.tiles > 1 k-tiles: sums this k-tile and the block's other k-tiles of row m (signs
+  // applied), each times its entry in row `own` of H_P (H_b = H_P ⊗ H_128, k-tile bits high), so that one in-tile
   // transform finishes x · R for this k-tile. b divides K, so every k-tile of the block is inside K.
   const auto mix_block_tiles = [&](int m, float4 v, int kt) {
     const int own = kt & (rot.tiles - 1);

@@ -2,7 +2,8 @@
 // hadamard_rotate), shared by the standalone rotation kernel (rotate.cu) and the GEMV kernels that rotate their
 // activations as they load them (gemv_core.cuh). Sylvester's H_b is one 2-point butterfly (a + c, a - c) per bit of
 // the index within a block, in any order; running them from the lowest bit up, in fp32, gives the reference's sums
-// in the reference's order, so every form here is the reference bit for bit.
+// in the reference's order: bit for bit the reference (the GEMV's blocks over 128 k-tiles sum their k-tiles first,
+// so theirs agree within fp32 rounding).
 #pragma once
 
 #include <cmath>
@@ -80,7 +81,10 @@ inline FusedRotation fused_rotation(const char* op, const float* signs, int64_t 
   return {signs, static_cast<int>(block), tiles, static_cast<float>(1.0 / std::sqrt(static_cast<double>(block)))};
 }
 
-__device__ __forceinline__ float4 mul4(float4 a, float4 b) { return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w); }
+// Elementwise product (activations times their ±1 signs: exact).
+__device__ __forceinline__ float4 mul4(float4 a, float4 b) {
+  return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w);
+}
 
 // The in-tile part of x · R on one k-tile row as the GEMV kernels hold it: lane l has elements 4l .. 4l+3 of 128
 // (v: fp32, signs applied, and for b > 128 already mixed across the block's k-tiles). Index bits 0-1 are the
