@@ -55,7 +55,7 @@ def test_linear_plan_fields():
         assert m.cols == -(-n_tiles // m.r) and m.pdl and m.table_blocks == 0
     assert plan(200, 14336, 2048, path="mma")[3:7] == (8, 2, 4, 112)  # 4 CTA rows of 64, 224 n-tiles / 2
     assert plan(40, 64 * 127, 2048, path="mma").r == 1  # under 128 n-tiles: narrow warps
-    assert plan(600, 14336, 4096)[1:] == (1, 1, 0, 0, 0, 0, 0, 0, False)  # dequant_cublas: no grid of ours
+    assert plan(600, 14336, 4096)[1:] == (1, 1, 0, 0, 0, 0, 0, 0, False, "none")  # dequant_cublas: no grid of ours
     # The register-operand wgmma: a CTA per 128 rows and per 2 n-tiles; no programmatic dependent launch.
     w = plan(100, 10240, 2048)
     assert (w.path, w.m_blocks, w.cols, w.splits, w.producers, w.pdl) == ("wgmma", 1, 80, 1, 0, False)
@@ -150,4 +150,4 @@ def test_device_plans_and_launch_record_off_gpu():
         torch.ops.kbit.moe_plan.device(1, 1, 8, 4, 128, 64, torch.device("cpu"))
     with pytest.raises(ValueError, match="k=7 is not supported"):
         torch.ops.kbit.linear_plan.device(1, 64, 128, torch.bfloat16, 7, torch.device("cuda"))
-    assert torch.ops.kbit._launch_record() == ([], [], [], [], [], [], [], [], [])
+    assert torch.ops.kbit._launch_record() == ([], [], [], [], [], [], [], [], [], [])

@@ -152,13 +152,21 @@ requires_extension = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="the C++ e
 
 @requires_extension
 def test_plans_name_the_rotation_and_keep_the_down_rotation_off_the_gemv_paths():
-    plain = ops.named(torch.ops.kbit.linear_plan, 1, 2048, 2048, torch.bfloat16, 9, 132, 1, "auto", 4)
-    rotated = ops.named(torch.ops.kbit.linear_plan, 1, 2048, 2048, torch.bfloat16, 9, 132, 1, "auto", 4, True)
-    assert plain.rotation == "none" and rotated.rotation == "separate" and rotated.path == plain.path
+    """The GEMV paths fuse the rotation for blocks 4..1024 (their activation load); the other paths and block 2
+    rotate separately, and a down rotation they cannot fuse keeps the MoE off the GEMV paths."""
+    plan = functools.partial(ops.named, torch.ops.kbit.linear_plan, N=2048, K=2048, dtype=torch.bfloat16, sm_major=9,
+                             num_sms=132, ctas_per_sm=1, path="auto", bits=4)
+    plain = plan(M=1)
+    assert plain.rotation == "none" and plain.path == "gemv"
+    for block, want in ((1024, "fused"), (128, "fused"), (4, "fused"), (2, "separate")):
+        rotated = plan(M=1, rot_block=block)
+        assert rotated.rotation == want and rotated._replace(rotation="none") == plain, (block, rotated)
+    assert plan(M=64, rot_block=1024).rotation == "separate" and plan(M=64, rot_block=1024).path != "gemv"
     moe = functools.partial(ops.named, torch.ops.kbit.moe_plan, 1, 8, 128, 4)
-    assert moe("auto", 9).path == moe("auto", 9, None, True, False).path == "gemv_direct"
-    assert moe("auto", 9, None, True, True).path == "grouped_mma"  # SiLU-and-mul on its own, then the rotation
+    assert moe("auto", 9).path == moe("auto", 9, None, 1024, 0).path == moe("auto", 9, None, 1024, 256).path == "gemv_direct"
+    assert moe("auto", 9, None, 1024, 2).path == "grouped_mma"  # SiLU-and-mul on its own, then the rotation
     for path in ("gemv_direct", "gemv"):
+        assert moe(path, 9, None, 128, 128).path == path
         with pytest.raises(ValueError, match=f"path {path} cannot rotate the down projection's input") as e:
-            moe(path, 9, None, False, True)
+            moe(path, 9, None, 0, 2)
         assert "\n" not in str(e.value)

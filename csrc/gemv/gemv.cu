@@ -40,12 +40,14 @@ static_assert(gemv_core::kWarps == kGemvWarps, "the planner's GEMV cost model co
 // ----------------------------------------------------------------------------- kernel
 
 // Grid: n_tiles * splits CTAs in clusters of `splits` (CTA = n-tile * splits + split). qweight and
-// absmax are the runtime layout viewed as 16-byte plane vectors and 4-code words.
-template <typename T, int BITS, int M, int TB>
+// absmax are the runtime layout viewed as 16-byte plane vectors and 4-code words. ROT: A is multiplied by the
+// rotation `rot` as it is loaded (a rotated layer's x · R; accumulate in gemv_core.cuh).
+template <typename T, int BITS, int M, int TB, bool ROT>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A, const uint4* __restrict__ qweight,
                                                         const uint32_t* __restrict__ absmax,
                                                         const float* __restrict__ codebook, const T* __restrict__ bias,
-                                                        T* __restrict__ C, int N, int K, int k_tiles, int splits) {
+                                                        T* __restrict__ C, int N, int K, int k_tiles, int splits,
+                                                        const rotate_core::FusedRotation rot) {
   __shared__ float4 a_stage[kWarps][M * kTileKB * kBlockSize / 4];  // per warp: its k-tile's activations, fp32
   __shared__ float warp_sums[kWarps][M][kTileN];
   __shared__ float cta_sums[M * kTileN];
@@ -58,7 +60,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
   const int kt_begin = split * k_tiles / splits, kt_end = (split + 1) * k_tiles / splits;
 
   float acc[kRowsPerLane][M];
-  accumulate<T, BITS, M, TB>(
+  accumulate<T, BITS, M, TB, ROT>(
       qweight, absmax, codebook, static_cast<int64_t>(n_tile) * k_tiles, kt_begin, kt_end, K, warp, lane,
       a_stage[warp], lut,
       [&](int m, int e) { return __ldg(reinterpret_cast<const uint2*>(A + static_cast<int64_t>(m) * K + e)); },
@@ -70,7 +72,7 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
         pdl_wait();               // first weight tile in flight; A is the previous kernel's output, C written below
         pdl_launch_dependents();  // the main loop only streams: the next kernel may start its weight prologue
       },
-      acc);
+      rot, acc);
   reduce_and_store<M>(acc, &warp_sums[0][0][0], cta_sums, warp, lane, split, splits, [&](int m, int r, float v) {
     const int n = n_tile * kTileN + r;
     if (n < N) {
@@ -80,37 +82,48 @@ __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A,
   });
 }
 
-// What the launch takes from the plan: K splits, the decode (table blocks) and programmatic dependent launch.
+// What the launch takes from the plan: K splits, the decode (table blocks) and programmatic dependent launch;
+// and the fused rotation (signs null: none).
 struct GemvLaunch {
   int splits;
   int table_blocks;
   bool pdl;
+  rotate_core::FusedRotation rot;
 };
 
-template <typename T, int BITS, int M>
-void launch_typed(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+template <typename T, int BITS, int M, bool ROT>
+void launch_typed_rot(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                   const at::Tensor& codebook, const T* bias, int N, int K, at::Tensor& C, const GemvLaunch& g) {
   const int n_tiles = static_cast<int>(qweight_rt.size(0)), k_tiles = static_cast<int>(qweight_rt.size(1));
   const auto launch = [&](auto kernel, size_t smem, int table_blocks) {
     const dim3 grid(static_cast<unsigned>(n_tiles * g.splits));
-    record_launch({"gemv", 0, 0, grid.y, grid.x / g.splits, g.splits, 0, table_blocks, g.pdl});
+    record_launch({"gemv", 0, 0, grid.y, grid.x / g.splits, g.splits, 0, table_blocks, g.pdl,
+                   ROT ? InputRotation::kFused : InputRotation::kNone});
     launch_kernel(kernel, grid, dim3(kThreads), smem, at::cuda::getCurrentCUDAStream(), g.splits, g.pdl,
                   reinterpret_cast<const T*>(A.data_ptr()), reinterpret_cast<const uint4*>(qweight_rt.data_ptr()),
                   reinterpret_cast<const uint32_t*>(absmax_rt.data_ptr()), codebook.data_ptr<float>(), bias,
-                  reinterpret_cast<T*>(C.data_ptr()), N, K, k_tiles, g.splits);
+                  reinterpret_cast<T*>(C.data_ptr()), N, K, k_tiles, g.splits, g.rot);
   };
   // The plan's decode (gemv_table_blocks): 0 (shuffle), kGemvMixedTableBlocks (one row only) or 4 (table).
   if constexpr (gemv_table_possible(BITS, M)) {
     if constexpr (M == 1) {
       if (g.table_blocks == kGemvMixedTableBlocks) {
-        return launch(gemv_kernel<T, BITS, M, kGemvMixedTableBlocks>, Lut<BITS>::kBytes, kGemvMixedTableBlocks);
+        return launch(gemv_kernel<T, BITS, M, kGemvMixedTableBlocks, ROT>, Lut<BITS>::kBytes, kGemvMixedTableBlocks);
       }
     }
-    if (g.table_blocks == 4) return launch(gemv_kernel<T, BITS, M, 4>, Lut<BITS>::kBytes, 4);
+    if (g.table_blocks == 4) return launch(gemv_kernel<T, BITS, M, 4, ROT>, Lut<BITS>::kBytes, 4);
   }
   KBIT_CHECK(g.table_blocks == 0, "kbit gemv: no kernel decodes ", g.table_blocks, " blocks of each k-tile by table at k=",
              BITS, " with ", M, " rows");
-  launch(gemv_kernel<T, BITS, M, 0>, 0, 0);
+  launch(gemv_kernel<T, BITS, M, 0, ROT>, 0, 0);
+}
+
+// The rotated instances where the launch rotates, the unrotated (today's code) elsewhere.
+template <typename T, int BITS, int M>
+void launch_typed(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
+                  const at::Tensor& codebook, const T* bias, int N, int K, at::Tensor& C, const GemvLaunch& g) {
+  if (g.rot.signs != nullptr) return launch_typed_rot<T, BITS, M, true>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, g);
+  launch_typed_rot<T, BITS, M, false>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, g);
 }
 
 template <typename T, int BITS>
@@ -138,7 +151,7 @@ void launch_dtype(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
 
 void launch_gemv(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                  const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
-                 at::Tensor& C, const LinearPlan& plan) {
+                 at::Tensor& C, const LinearPlan& plan, const float* rot_signs, int64_t rot_block) {
   const int64_t n_tiles = qweight_rt.size(0), k_tiles = qweight_rt.size(1);
   KBIT_CHECK(N <= INT32_MAX && K <= INT32_MAX && n_tiles * k_tiles <= INT32_MAX, "kbit gemv: weight too large");
   const int64_t max_splits = std::min<int64_t>(kGemvMaxSplits, k_tiles);
@@ -146,7 +159,8 @@ void launch_gemv(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Te
                  plan.m_blocks == 1,
              "kbit gemv: the plan (", linear_path_name(plan.path), ", splits=", plan.splits, ", grid ", plan.cols,
              " x ", plan.m_blocks, ") is not a GEMV with 1..", max_splits, " splits over ", n_tiles, " x 1 CTAs");
-  const GemvLaunch g{static_cast<int>(plan.splits), static_cast<int>(plan.table_blocks), plan.pdl};
+  const GemvLaunch g{static_cast<int>(plan.splits), static_cast<int>(plan.table_blocks), plan.pdl,
+                     rotate_core::fused_rotation("kbit gemv", rot_signs, rot_block, K)};
   if (A.scalar_type() == at::kBFloat16) {
     launch_dtype<__nv_bfloat16>(A, qweight_rt, absmax_rt, codebook, bias, static_cast<int>(N), static_cast<int>(K), C, g);
   } else {

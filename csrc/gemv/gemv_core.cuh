@@ -7,6 +7,7 @@
 
 #include "dequant_core.cuh"
 #include "kbit_format.cuh"
+#include "rotate_core.cuh"
 
 #include <cooperative_groups.h>
 
@@ -253,12 +254,14 @@ __device__ __forceinline__ void load_tile(const uint4* __restrict__ qweight, con
 // tile's loads are issued and before any activation load (the dense GEMV's PDL wait).
 // TB > 0 (k = 2..4): blocks 0..TB-1 of each k-tile decode through the table of pairs / quads at `lut`
 // (Lut<BITS>::kBytes of shared memory), which every thread of the CTA fills here: all of them must call this.
-template <typename T, int BITS, int M, int TB, typename Fetch, typename Widen, typename Ready>
+// ROT: the activations are rotated, x · R (rotate_core.cuh: fused_rotation), in registers right after widening,
+// before they are staged; without it `rot` is not read and the code is the unrotated one.
+template <typename T, int BITS, int M, int TB, bool ROT, typename Fetch, typename Widen, typename Ready>
 __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, const uint32_t* __restrict__ absmax,
                                            const float* __restrict__ codebook, int64_t band, int kt_begin, int kt_end,
                                            int K, int warp, int lane, float4* __restrict__ a_stage,
                                            uint8_t* __restrict__ lut, Fetch&& fetch, Widen&& widen, Ready&& ready,
-                                           float (&acc)[kRowsPerLane][M]) {
+                                           const rotate_core::FusedRotation& rot, float (&acc)[kRowsPerLane][M]) {
   constexpr bool kTable = TB > 0;
   static_assert(!kTable || BITS <= 4, "the GEMV's decode table is for k = 2..4");
   using Raw = decltype(fetch(0, 0));
@@ -270,12 +273,14 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[row][m] = 0.f;
 
-  // Lane l fetches elements 4l..4l+3 of every activation row of k-tile kt. Elements past K (the
-  // last k-tile's padding blocks, whose scales are 0) stay zero, so padding adds exactly nothing.
-  const auto fetch_tile = [&](Raw (&raw)[M], int kt) {
+  // Lane l fetches elements 4l..4l+3 of every activation row of k-tile kt (and with ROT their signs, one
+  // 16-byte load shared by the M rows). Elements past K (the last k-tile's padding blocks, whose scales are 0)
+  // stay zero, so padding adds exactly nothing; b divides K, so a rotation block is all data or all padding.
+  const auto fetch_tile = [&](Raw (&raw)[M], float4& sg, int kt) {
     const int e = kt * kTileKB * kBlockSize + 4 * lane;
 #pragma unroll
     for (int m = 0; m < M; ++m) raw[m] = e < K ? fetch(m, e) : Raw{};
+    if constexpr (ROT) sg = e < K ? __ldg(reinterpret_cast<const float4*>(rot.signs + e)) : float4{};
   };
   // Software pipeline over this warp's k-tiles, two register buffers used in turn: the next
   // tile's weight loads (and for M <= 2 its activation loads) are issued before the current tile
@@ -285,13 +290,41 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
   // its registers cost more than it saves (the 4-row grouped GEMV went from 168 to 249+
   // registers and 10% slower). Unrolled by two so the buffers swap roles without register copies.
   constexpr bool kPrefetchActivations = M <= 2;
+  // ROT, blocks over P = rot.tiles > 1 k-tiles: sums this k-tile and the block's other k-tiles of row m (signs
+  // applied), each times its entry in row `own` of H_P (H_b = H_P ⊗ H_128, k-tile bits high), so that one in-tile
+  // transform finishes x · R for this k-tile. b divides K, so every k-tile of the block is inside K.
+  const auto mix_block_tiles = [&](int m, float4 v, int kt) {
+    const int own = kt & (rot.tiles - 1);
+    const float c_own = (__popc(own) & 1) ? -1.f : 1.f;  // H_P[own, own]
+    v = make_float4(c_own * v.x, c_own * v.y, c_own * v.z, c_own * v.w);
+#pragma unroll
+    for (int t = 1; t < rotate_core::kFusedMaxTiles; ++t) {
+      if (t < rot.tiles) {
+        const int other = own ^ t;
+        const int e = (kt - own + other) * kTileKB * kBlockSize + 4 * lane;
+        const float4 o =
+            rotate_core::mul4(widen(m, fetch(m, e)), __ldg(reinterpret_cast<const float4*>(rot.signs + e)));
+        const float c = (__popc(own & other) & 1) ? -1.f : 1.f;  // H_P[own, other]
+        v = make_float4(fmaf(c, o.x, v.x), fmaf(c, o.y, v.y), fmaf(c, o.z, v.z), fmaf(c, o.w, v.w));
+      }
+    }
+    return v;
+  };
   const auto process = [&](const uint4 (&pl)[kRowsPerLane][BITS], const uint32_t (&cd)[kRowsPerLane],
-                           Raw (&raw)[M], int kt) {
-    if constexpr (!kPrefetchActivations) fetch_tile(raw, kt);
-    // The tile's 128 x M activations, widened to fp32 once per warp instead of once per lane.
+                           Raw (&raw)[M], float4& sg, int kt) {
+    if constexpr (!kPrefetchActivations) fetch_tile(raw, sg, kt);
+    // The tile's 128 x M activations, widened to fp32 (and rotated) once per warp instead of once per lane.
     __syncwarp();  // every lane is done reading the previous tile's activations
 #pragma unroll
-    for (int m = 0; m < M; ++m) a_stage[m * 32 + lane] = widen(m, raw[m]);
+    for (int m = 0; m < M; ++m) {
+      if constexpr (ROT) {
+        float4 v = rotate_core::mul4(widen(m, raw[m]), sg);  // diag(s) first
+        if (rot.tiles > 1) v = mix_block_tiles(m, v, kt);
+        a_stage[m * 32 + lane] = rotate_core::hadamard_tile_quad(v, lane, rot.block, rot.scale);
+      } else {
+        a_stage[m * 32 + lane] = widen(m, raw[m]);
+      }
+    }
     __syncwarp();
     dot_block<T, BITS, M, 0, (0 < TB)>(a_stage, cb, lut, lut_lane, pl, cd, acc);
     dot_block<T, BITS, M, 1, (1 < TB)>(a_stage, cb, lut, lut_lane, pl, cd, acc);
@@ -301,6 +334,7 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
   uint4 planes0[kRowsPerLane][BITS], planes1[kRowsPerLane][BITS];
   uint32_t codes0[kRowsPerLane], codes1[kRowsPerLane];
   Raw raw0[M], raw1[M];
+  float4 sg0, sg1;  // ROT: the signs of raw0 / raw1's elements
   int kt = kt_begin + warp;
   if (kt < kt_end) load_tile<BITS>(qweight, absmax, band + kt, lane, planes0, codes0);
   if constexpr (kTable) {
@@ -311,21 +345,21 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
   }
   ready();
   if constexpr (kPrefetchActivations) {
-    if (kt < kt_end) fetch_tile(raw0, kt);
+    if (kt < kt_end) fetch_tile(raw0, sg0, kt);
   }
   while (kt < kt_end) {
     if (kt + kWarps < kt_end) {
       load_tile<BITS>(qweight, absmax, band + kt + kWarps, lane, planes1, codes1);
-      if constexpr (kPrefetchActivations) fetch_tile(raw1, kt + kWarps);
+      if constexpr (kPrefetchActivations) fetch_tile(raw1, sg1, kt + kWarps);
     }
-    process(planes0, codes0, raw0, kt);
+    process(planes0, codes0, raw0, sg0, kt);
     kt += kWarps;
     if (kt >= kt_end) break;
     if (kt + kWarps < kt_end) {
       load_tile<BITS>(qweight, absmax, band + kt + kWarps, lane, planes0, codes0);
-      if constexpr (kPrefetchActivations) fetch_tile(raw0, kt + kWarps);
+      if constexpr (kPrefetchActivations) fetch_tile(raw0, sg0, kt + kWarps);
     }
-    process(planes1, codes1, raw1, kt);
+    process(planes1, codes1, raw1, sg1, kt);
     kt += kWarps;
   }
 }

@@ -36,11 +36,14 @@ enum class MoeStage : int {
 // chunk (expert e). W: stacked runtime tensors [E, n_tiles, k_tiles, k, 64, 4] / [E, .., 64, 4].
 // C is A's dtype for kGather and float32 for kSiluMul. Rows outside the chunks are not written.
 // plan: moe_proj_plan for moe_gemv over chunks.size(0) grid rows (K splits, decode, pdl), validated here.
+// rot_signs (float32 [K], 16-byte aligned) and rot_block (a power of two 4..1024 dividing K): every activation row is
+// rotated, A_p · R (R = diag(signs) · blockdiag(H_b / sqrt(b))), in fp32 in the kernel's activation load, after
+// the router weight (kGather) or silu * up (kSiluMul); null: no rotation.
 void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at::Tensor>& slot_of,
                      const std::optional<at::Tensor>& slot_weight, int64_t top_k, const at::Tensor& chunks,
                      const at::Tensor& num_chunks, const at::Tensor& qweight, const at::Tensor& absmax,
                      const at::Tensor& codebook, int64_t N, int64_t K, int64_t chunk_rows, at::Tensor& C,
-                     const MoeProjPlan& plan);
+                     const MoeProjPlan& plan, const float* rot_signs = nullptr, int64_t rot_block = 0);
 
 // The grouped GEMV without routing: chunk s is slot s, one row, its expert topk_ids[s] through expert_map
 // (slots whose expert is not local are skipped). kGather: C[s] = x[s / top_k] (times slot_weight[s] if
@@ -49,12 +52,13 @@ void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at
 // @ dequant(W_e)^T; the last of a token's top_k CTAs of an n-tile to finish sums their rows of C into
 // out[t] = sum_j w_s C[s], s = t * top_k + j, w = slot_weight (1 without), j in order as in
 // launch_moe_combine, in out's dtype (A's). Every element of out is written. plan: moe_proj_plan for moe_gemv_direct over S
-// grid rows (its K splits), validated here.
+// grid rows (its K splits), validated here. rot_signs / rot_block: the fused rotation, as for launch_moe_gemv.
 void launch_moe_gemv_direct(MoeStage stage, const at::Tensor& A, const at::Tensor& topk_ids,
                             const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& slot_weight,
                             int64_t top_k, const at::Tensor& qweight, const at::Tensor& absmax,
                             const at::Tensor& codebook, int64_t N, int64_t K, at::Tensor& C, at::Tensor& arrivals,
-                            const MoeProjPlan& plan, at::Tensor* out = nullptr);
+                            const MoeProjPlan& plan, at::Tensor* out = nullptr, const float* rot_signs = nullptr,
+                            int64_t rot_block = 0);
 
 // xp[p] = bf16(x[slot_of[p] / top_k] * (slot_weight or 1)), zero rows where slot_of[p] < 0.
 void launch_moe_gather(const at::Tensor& x, const at::Tensor& slot_of, const std::optional<at::Tensor>& slot_weight,

@@ -58,7 +58,7 @@ void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at
                      const std::optional<at::Tensor>& slot_weight, int64_t top_k, const at::Tensor& chunks,
                      const at::Tensor& num_chunks, const at::Tensor& qweight, const at::Tensor& absmax,
                      const at::Tensor& codebook, int64_t N, int64_t K, int64_t chunk_rows, at::Tensor& C,
-                     const MoeProjPlan& plan) {
+                     const MoeProjPlan& plan, const float* rot_signs, int64_t rot_block) {
   const int64_t max_chunks = chunks.size(0);
   if (max_chunks == 0) return;
   moe_gemv::MoeGemvParams p = common_params(A, top_k, qweight, absmax, codebook, N, K, C, max_chunks, plan);
@@ -66,6 +66,7 @@ void launch_moe_gemv(MoeStage stage, const at::Tensor& A, const std::optional<at
   p.slot_weight = slot_weight.has_value() ? slot_weight->data_ptr<float>() : nullptr;
   p.chunks = reinterpret_cast<const int4*>(chunks.data_ptr<int>());
   p.num_chunks = num_chunks.data_ptr<int>();
+  p.rot = rotate_core::fused_rotation("kbit moe gemv", rot_signs, rot_block, K);
   launch_stage(stage, A, qweight.size(3), chunk_rows, p, max_chunks, plan, "moe_gemv");
 }
 
@@ -73,7 +74,7 @@ void launch_moe_gemv_direct(MoeStage stage, const at::Tensor& A, const at::Tenso
                             const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& slot_weight,
                             int64_t top_k, const at::Tensor& qweight, const at::Tensor& absmax,
                             const at::Tensor& codebook, int64_t N, int64_t K, at::Tensor& C, at::Tensor& arrivals,
-                            const MoeProjPlan& plan, at::Tensor* out) {
+                            const MoeProjPlan& plan, at::Tensor* out, const float* rot_signs, int64_t rot_block) {
   const int64_t S = topk_ids.numel();
   if (S == 0) return;
   KBIT_CHECK(topk_ids.scalar_type() == at::kInt && arrivals.scalar_type() == at::kInt && top_k >= 1 && S % top_k == 0,
@@ -85,6 +86,7 @@ void launch_moe_gemv_direct(MoeStage stage, const at::Tensor& A, const at::Tenso
   p.map_len = expert_map.has_value() ? static_cast<int>(expert_map->numel()) : 0;
   p.num_experts = static_cast<int>(qweight.size(0));
   p.arrivals = arrivals.data_ptr<int>();
+  p.rot = rotate_core::fused_rotation("kbit moe gemv direct", rot_signs, rot_block, K);
   if (stage == MoeStage::kGather) {
     p.zero_arrivals = static_cast<int>(arrivals.numel());
   } else {

@@ -61,6 +61,7 @@ struct MoeGemvParams {
   int zero_arrivals;          // kGather: counters this launch zeroes for the down stage after it
   const float* combine_weight;  // kSiluMul: [S] router weights of the combine, null: all 1
   void* out;                  // kSiluMul: [T, N] in the activations' dtype; null: no combine
+  rotate_core::FusedRotation rot;  // the rotated instances (ROT): x · R of each staged row (signs over K)
 };
 
 // Output element types: the activations' dtype for gate_up, fp32 for down (the combine sums it).
@@ -75,8 +76,10 @@ struct Out<float> {
 
 // One chunk of M rows on one (n-tile, split). Row sources are resolved once per CTA (M pointers
 // and weights in registers), so staging a k-tile is plain loads. ready() runs after the first weight
-// tile is requested and before any activation load (the direct down stage's PDL wait).
-template <typename T, typename O, int BITS, MoeStage STAGE, bool kTable, int M, typename Ready>
+// tile is requested and before any activation load (the direct down stage's PDL wait). ROT: each staged
+// row is rotated in registers after it is widened: gate_up's x (after the router weight, where the input
+// takes it), down's silu(gate) * up.
+template <typename T, typename O, int BITS, MoeStage STAGE, bool kTable, bool ROT, int M, typename Ready>
 __device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, int row0, int n_tile, int split,
                                           float4* a_stage, float* warp_sums, float* cta_sums, uint8_t* lut,
                                           Ready&& ready) {
@@ -125,9 +128,11 @@ __device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, in
   };
   const int kt_begin = split * p.k_tiles / p.splits, kt_end = (split + 1) * p.k_tiles / p.splits;
   float acc[kRowsPerLane][M];
-  accumulate<T, BITS, M, kTable ? 4 : 0>(p.qweight + expert * p.expert_vectors, p.absmax + expert * p.expert_code_words,
-                                 p.codebook, static_cast<int64_t>(n_tile) * p.k_tiles, kt_begin, kt_end, p.K, warp,
-                                 lane, a_stage + warp * kGemvMaxM * 32, lut, fetch, widen, ready, acc);
+  accumulate<T, BITS, M, kTable ? 4 : 0, ROT>(p.qweight + expert * p.expert_vectors,
+                                              p.absmax + expert * p.expert_code_words, p.codebook,
+                                              static_cast<int64_t>(n_tile) * p.k_tiles, kt_begin, kt_end, p.K, warp,
+                                              lane, a_stage + warp * kGemvMaxM * 32, lut, fetch, widen, ready, p.rot,
+                                              acc);
   reduce_and_store<M>(acc, warp_sums, cta_sums, warp, lane, split, p.splits, [&](int m, int r, float v) {
     const int n = n_tile * kTileN + r;
     if (n < p.N) static_cast<O*>(p.C)[static_cast<int64_t>(row0 + m) * p.N + n] = Out<O>::narrow(v);
@@ -175,7 +180,7 @@ __device__ __forceinline__ void pdl_wait_and_release() {
 // before gate_up wrote (complete once any gate_up CTA passed its wait, so read from L2 with ld.cg),
 // and weights never change, so its first weight tile is in flight while gate_up finishes; the wait
 // comes before the activations are read and anything is written.
-template <typename T, typename O, int BITS, MoeStage STAGE, bool kTable>
+template <typename T, typename O, int BITS, MoeStage STAGE, bool kTable, bool ROT>
 __device__ __forceinline__ void run_direct(const MoeGemvParams& p, int slot, int n_tile, int split, float4* a_stage,
                                            float* warp_sums, float* cta_sums, uint8_t* lut) {
   if (STAGE == MoeStage::kGather && blockIdx.x == 0) {
@@ -184,22 +189,23 @@ __device__ __forceinline__ void run_direct(const MoeGemvParams& p, int slot, int
   const int expert = local_expert(__ldcg(p.ids + slot), p.expert_map, p.map_len, p.num_experts);
   if constexpr (STAGE == MoeStage::kSiluMul) {
     if (expert >= 0) {
-      run_chunk<T, O, BITS, STAGE, kTable, 1>(p, expert, slot, n_tile, split, a_stage, warp_sums, cta_sums, lut,
-                                              pdl_wait_and_release);
+      run_chunk<T, O, BITS, STAGE, kTable, ROT, 1>(p, expert, slot, n_tile, split, a_stage, warp_sums, cta_sums, lut,
+                                                   pdl_wait_and_release);
     } else {
       pdl_wait_and_release();
     }
     if (p.out != nullptr && split == 0) combine_if_last<T>(p, slot, n_tile);
   } else {
     if (expert >= 0) {
-      run_chunk<T, O, BITS, STAGE, kTable, 1>(p, expert, slot, n_tile, split, a_stage, warp_sums, cta_sums, lut, [] {});
+      run_chunk<T, O, BITS, STAGE, kTable, ROT, 1>(p, expert, slot, n_tile, split, a_stage, warp_sums, cta_sums, lut,
+                                                   [] {});
     }
   }
 }
 
 // Grid: max_chunks * n_tiles * splits CTAs, clusters of `splits` (CTA = (chunk * n_tiles +
 // n-tile) * splits + split). All CTAs of a cluster share the chunk, so they leave together.
-template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable>
+template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable, bool ROT>
 __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constant__ MoeGemvParams p) {
   __shared__ float4 a_stage[kWarps * kGemvMaxM * 32];
   __shared__ float warp_sums[kWarps * kGemvMaxM * kTileN];
@@ -215,7 +221,7 @@ __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constan
   const int chunk = blockIdx.x / per_chunk;
   if (p.chunks == nullptr) {
     if constexpr (MAX_ROWS == 1) {
-      run_direct<T, O, BITS, STAGE, kTable>(p, chunk, (blockIdx.x % per_chunk) / p.splits, blockIdx.x % p.splits,
+      run_direct<T, O, BITS, STAGE, kTable, ROT>(p, chunk, (blockIdx.x % per_chunk) / p.splits, blockIdx.x % p.splits,
                                             a_stage, warp_sums, cta_sums, lut);
     }
     return;
@@ -230,8 +236,8 @@ __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constan
   // shuffles inside the core stay plain (see gemv.cu).
   const int rows = __shfl_sync(0xFFFFFFFFu, c.z, 0);
   const auto run = [&](auto rows_c) {
-    run_chunk<T, O, BITS, STAGE, kTable, decltype(rows_c)::value>(p, c.x, c.y, n_tile, split, a_stage, warp_sums,
-                                                                  cta_sums, lut, [] {});
+    run_chunk<T, O, BITS, STAGE, kTable, ROT, decltype(rows_c)::value>(p, c.x, c.y, n_tile, split, a_stage,
+                                                                       warp_sums, cta_sums, lut, [] {});
   };
   if constexpr (MAX_ROWS == 1) {
     run(std::integral_constant<int, 1>{});
@@ -255,20 +261,29 @@ struct StageLaunch {
   const char* kernel;  // the name the launch is recorded under
 };
 
-template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS>
-void launch_typed(const MoeGemvParams& p, const StageLaunch& s) {
+template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool ROT>
+void launch_typed_rot(const MoeGemvParams& p, const StageLaunch& s) {
   const auto launch = [&](auto kernel, size_t smem, int table_blocks) {
     const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(s.grid_rows) * p.n_tiles * p.splits));
     record_launch({s.kernel, 0, 0, s.grid_rows, grid.x / (static_cast<unsigned>(s.grid_rows) * p.splits), p.splits, 0,
-                   table_blocks, s.pdl});
+                   table_blocks, s.pdl, ROT ? InputRotation::kFused : InputRotation::kNone});
     launch_kernel(kernel, grid, dim3(kThreads), smem, at::cuda::getCurrentCUDAStream(), p.splits, s.pdl, p);
   };
   if constexpr (gemv_table_possible(BITS, MAX_ROWS)) {
-    if (s.table_blocks == 4) return launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, true>, Lut<BITS>::kBytes, 4);
+    if (s.table_blocks == 4) {
+      return launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, true, ROT>, Lut<BITS>::kBytes, 4);
+    }
   }
   KBIT_CHECK(s.table_blocks == 0, "kbit moe gemv: no kernel decodes ", s.table_blocks,
              " blocks of each k-tile by table at k=", BITS, " with chunks of ", MAX_ROWS, " rows");
-  launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, false>, 0, 0);
+  launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, false, ROT>, 0, 0);
+}
+
+// The rotated instances where the launch rotates (p.rot.signs set), the unrotated (today's code) elsewhere.
+template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS>
+void launch_typed(const MoeGemvParams& p, const StageLaunch& s) {
+  if (p.rot.signs != nullptr) return launch_typed_rot<T, O, BITS, STAGE, MAX_ROWS, true>(p, s);
+  launch_typed_rot<T, O, BITS, STAGE, MAX_ROWS, false>(p, s);
 }
 
 template <typename T, typename O, MoeStage STAGE, int MAX_ROWS>

@@ -35,10 +35,10 @@ void check_plan_bits(int64_t bits, bool zero_ok) {
 // Given facts: every MMA instance holds ctas_per_sm CTAs per SM, cluster capacities unknown; bits 0: not named
 // (planned as k <= 4, GEMV decode by shuffle).
 LinearPlanTuple linear_plan_op(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t sm_major, int64_t num_sms,
-                               int64_t ctas_per_sm, const std::string& path, int64_t bits, bool rotated) {
+                               int64_t ctas_per_sm, const std::string& path, int64_t bits, int64_t rot_block) {
   check_plan_bits(bits, true);
   const LinearForced forced{linear_path_id(path)};
-  return as_tuple(linear_plan(M, N, K, dtype, bits, given_facts(sm_major, num_sms, ctas_per_sm), forced, rotated));
+  return as_tuple(linear_plan(M, N, K, dtype, bits, given_facts(sm_major, num_sms, ctas_per_sm), forced, rot_block));
 }
 
 int gpu_index(const c10::Device& device, const char* op) {
@@ -50,10 +50,10 @@ int gpu_index(const c10::Device& device, const char* op) {
 // the rules).
 LinearPlanTuple linear_plan_device_op(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t bits,
                                       const c10::Device& device, const std::string& path, int64_t row_groups,
-                                      int64_t splits, int64_t producers, bool rotated) {
+                                      int64_t splits, int64_t producers, int64_t rot_block) {
   check_plan_bits(bits, false);
   const LinearForced forced{linear_path_id(path), row_groups, splits, producers};
-  return as_tuple(linear_plan(M, N, K, dtype, bits, device_facts(gpu_index(device, "linear_plan")), forced, rotated));
+  return as_tuple(linear_plan(M, N, K, dtype, bits, device_facts(gpu_index(device, "linear_plan")), forced, rot_block));
 }
 
 at::ScalarType moe_dtype(const std::optional<at::ScalarType>& dtype) { return dtype.value_or(at::kBFloat16); }
@@ -62,12 +62,12 @@ at::ScalarType moe_dtype(const std::optional<at::ScalarType>& dtype) { return dt
 // for activations of dtype (default bf16; fp32: the reference).
 std::tuple<std::string, std::string, int64_t, int64_t, int64_t, bool> moe_plan_op(
     int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, const std::string& path, int64_t sm_major,
-    const std::optional<at::ScalarType>& dtype, bool gate_up_rotated, bool down_rotated) {
+    const std::optional<at::ScalarType>& dtype, int64_t gate_up_rot_block, int64_t down_rot_block) {
   DeviceFacts facts;
   facts.sm_major = sm_major;
   const MoeForced forced{moe_path_from_name(path)};
-  const MoePlan p = moe_plan(tokens, top_k, experts, bits, forced, 0, 0, facts, moe_dtype(dtype), gate_up_rotated,
-                             down_rotated);
+  const MoePlan p = moe_plan(tokens, top_k, experts, bits, forced, 0, 0, facts, moe_dtype(dtype), gate_up_rot_block,
+                             down_rot_block);
   return {moe_path_name(p.path), moe_kernel_name(p.kernel), p.chunk_rows, p.max_chunks, p.expected_chunks, p.pdl};
 }
 
@@ -84,14 +84,14 @@ auto moe_plan_device_op(int64_t tokens, int64_t top_k, int64_t experts, int64_t 
                         int64_t intermediate, const c10::Device& device, const std::string& path,
                         int64_t gate_up_splits, int64_t down_splits, int64_t gate_up_row_groups,
                         int64_t down_row_groups, int64_t producers, const std::optional<at::ScalarType>& dtype,
-                        bool gate_up_rotated, bool down_rotated) {
+                        int64_t gate_up_rot_block, int64_t down_rot_block) {
   KBIT_CHECK_VALUE(hidden >= 1 && intermediate >= 1, "kbit moe_plan: hidden and intermediate sizes must be >= 1, got ",
                    hidden, " and ", intermediate);
   const MoeForced forced{moe_path_from_name(path), gate_up_splits, down_splits, gate_up_row_groups, down_row_groups,
                          producers};
   const MoePlan p = moe_plan(tokens, top_k, experts, bits, forced, hidden, intermediate,
-                             device_facts(gpu_index(device, "moe_plan")), moe_dtype(dtype), gate_up_rotated,
-                             down_rotated);
+                             device_facts(gpu_index(device, "moe_plan")), moe_dtype(dtype), gate_up_rot_block,
+                             down_rot_block);
   return std::tuple_cat(std::make_tuple(std::string(moe_path_name(p.path)), std::string(moe_kernel_name(p.kernel)),
                                         p.chunk_rows, p.max_chunks, p.expected_chunks, p.pdl),
                         proj_tuple(p.gate_up), proj_tuple(p.down));
@@ -101,7 +101,7 @@ auto moe_plan_device_op(int64_t tokens, int64_t top_k, int64_t experts, int64_t 
 using LaunchRecordLists =
     std::tuple<std::vector<std::string>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
                std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>, std::vector<int64_t>,
-               c10::List<bool>>;
+               c10::List<bool>, std::vector<std::string>>;
 LaunchRecordLists launch_record_op() {
   LaunchRecord records[kLaunchRecords];
   const int n = take_launch_records(records);
@@ -116,6 +116,7 @@ LaunchRecordLists launch_record_op() {
     std::get<6>(out).push_back(records[i].producers);
     std::get<7>(out).push_back(records[i].table_blocks);
     std::get<8>(out).push_back(records[i].pdl);
+    std::get<9>(out).emplace_back(input_rotation_name(records[i].rotation));
   }
   return out;
 }
@@ -175,23 +176,23 @@ int64_t mma_grouped_r_op(int64_t p, int64_t n_tiles, int64_t k_tiles, int64_t bi
   "_table_blocks, bool " P "_pdl, str " P "_rotation"
 TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("linear_plan(int M, int N, int K, ScalarType dtype, int sm_major, int num_sms, int ctas_per_sm=1, "
-        "str path=\"auto\", int bits=0, bool rotated=False) -> " KBIT_LINEAR_PLAN_RETURNS,
+        "str path=\"auto\", int bits=0, int rot_block=0) -> " KBIT_LINEAR_PLAN_RETURNS,
         &kbit::linear_plan_op);
   m.def("linear_plan.device(int M, int N, int K, ScalarType dtype, int bits, Device device, str path=\"auto\", "
-        "int row_groups=0, int splits=0, int producers=0, bool rotated=False) -> " KBIT_LINEAR_PLAN_RETURNS,
+        "int row_groups=0, int splits=0, int producers=0, int rot_block=0) -> " KBIT_LINEAR_PLAN_RETURNS,
         &kbit::linear_plan_device_op);
   m.def("moe_plan(int tokens, int top_k, int experts, int bits, str path=\"auto\", int sm_major=0, "
-        "ScalarType? dtype=None, bool gate_up_rotated=False, bool down_rotated=False) -> (str path, str kernel, "
+        "ScalarType? dtype=None, int gate_up_rot_block=0, int down_rot_block=0) -> (str path, str kernel, "
         "int chunk_rows, int max_chunks, int expected_chunks, bool pdl)",
         &kbit::moe_plan_op);
   m.def("moe_plan.device(int tokens, int top_k, int experts, int bits, int hidden, int intermediate, Device device, "
         "str path=\"auto\", int gate_up_splits=0, int down_splits=0, int gate_up_row_groups=0, int down_row_groups=0, "
-        "int producers=0, ScalarType? dtype=None, bool gate_up_rotated=False, bool down_rotated=False) -> "
+        "int producers=0, ScalarType? dtype=None, int gate_up_rot_block=0, int down_rot_block=0) -> "
         "(str path, str kernel, int chunk_rows, int max_chunks, "
         "int expected_chunks, bool pdl, " KBIT_PROJ_RETURNS("gate_up") ", " KBIT_PROJ_RETURNS("down") ")",
         &kbit::moe_plan_device_op);
   m.def("_launch_record() -> (str[] kernel, int[] p, int[] r, int[] m_blocks, int[] cols, int[] splits, "
-        "int[] producers, int[] table_blocks, bool[] pdl)",
+        "int[] producers, int[] table_blocks, bool[] pdl, str[] rotation)",
         &kbit::launch_record_op);
   m.def("_pdl_enabled() -> bool", &kbit::pdl_enabled_op);
   m.def("_moe_kernel_id(str kernel) -> int", &kbit::moe_kernel_id_op);

@@ -87,7 +87,11 @@ at::Tensor launch_plan(const at::Tensor& x_in, const at::Tensor& qweight_rt, con
   at::Tensor C = at::empty({M, N}, x.options());
   if (plan.path == LinearPath::kGemv) {
     KBIT_CHECK(M <= kGemvMaxM, "kbit gemv: x has ", M, " rows; supported: 1..", kGemvMaxM);
-    launch_gemv(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, plan);
+    // A fused rotation: the GEMV multiplies x R as it loads x (the plan's rule: input_rotation).
+    const bool fused = plan.rotation == InputRotation::kFused;
+    KBIT_CHECK(!fused || rot_signs.has_value(), "kbit linear: the plan fuses a rotation but no rot_signs were given");
+    launch_gemv(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, plan,
+                fused ? rot_signs->data_ptr<float>() : nullptr, fused ? rot_block : 0);
   } else if (plan.path == LinearPath::kMma) {
     launch_mma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, plan);
   } else {
@@ -113,7 +117,7 @@ at::Tensor linear_cuda(const at::Tensor& x, const at::Tensor& qweight_rt, const 
   if (M == 0) return at::empty(out_shape, x.options());
 
   const LinearPlan plan = linear_plan(M, N, K, x.scalar_type(), qweight_rt.size(2), device_facts(x.get_device()), {},
-                                      rot_signs.has_value());
+                                      rot_signs.has_value() ? rot_block : 0);
   const at::Tensor out = launch_plan(x, qweight_rt, absmax_rt, codebook, N, K, bias, plan, rot_signs, rot_block);
   return plan.path == LinearPath::kDequantCublas ? out : out.view(out_shape);
 }
@@ -144,7 +148,7 @@ at::Tensor linear_forced_cuda(const at::Tensor& x, const at::Tensor& qweight_rt,
                                            rot_signs, rot_block);
   const LinearForced forced{path, row_groups, splits, producers};
   const LinearPlan plan = linear_plan(A.size(0), N, K, x.scalar_type(), qweight_rt.size(2),
-                                      device_facts(x.get_device()), forced, rot_signs.has_value());
+                                      device_facts(x.get_device()), forced, rot_signs.has_value() ? rot_block : 0);
   KBIT_CHECK(plan.path != LinearPath::kGemv || A.size(0) <= kGemvMaxM, "kbit _linear_forced: x has ", A.size(0),
              " rows; the GEMV supports 1..", kGemvMaxM);
   return launch_plan(A, qweight_rt, absmax_rt, codebook, N, K, bias, plan, rot_signs, rot_block);

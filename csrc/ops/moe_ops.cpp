@@ -99,8 +99,8 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
   const DeviceFacts facts = device_facts(x.get_device());
   const MoeForced forced{moe_path_from_id(path_id), gate_up_splits, down_splits, gate_up_row_groups, down_row_groups,
                          producers};
-  const MoePlan plan = moe_plan(T, top_k, E, k, forced, H, I, facts, x.scalar_type(), w13_rot_signs.has_value(),
-                                w2_rot_signs.has_value());
+  const MoePlan plan = moe_plan(T, top_k, E, k, forced, H, I, facts, x.scalar_type(),
+                                w13_rot_signs.has_value() ? w13_rot_block : 0, w2_rot_signs.has_value() ? w2_rot_block : 0);
   KBIT_CHECK_TYPE(plan.path != MoePath::kReference, "kbit fused_moe: x has dtype ", x.scalar_type(),
              "; the CUDA kernels support bfloat16 and float16");
   at::Tensor out = at::empty({T, H}, x.options());
@@ -127,27 +127,32 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
   const std::optional<at::Tensor> output_weights = on_input ? std::nullopt : std::optional<at::Tensor>(weights);
   const int64_t rows = plan.chunk_rows, max_chunks = plan.max_chunks;
 
-  KBIT_CHECK(plan.down.rotation == InputRotation::kNone ||
+  KBIT_CHECK(plan.down.rotation != InputRotation::kSeparate ||
                  (plan.path != MoePath::kGemvDirect && plan.path != MoePath::kGemv),
-             "kbit fused_moe: the plan rotates the down input on a GEMV path");
+             "kbit fused_moe: the plan rotates the down input separately on a GEMV path");
+  // Fused rotations (the GEMV paths): the signs and block go to the projection's launch, which rotates each row of
+  // its input in its activation load (gate_up: x; down: silu(gate) * up).
+  const float* signs13 = plan.gate_up.rotation == InputRotation::kFused ? w13_rot_signs->data_ptr<float>() : nullptr;
+  const float* signs2 = plan.down.rotation == InputRotation::kFused ? w2_rot_signs->data_ptr<float>() : nullptr;
+  const int64_t block13 = signs13 != nullptr ? w13_rot_block : 0, block2 = signs2 != nullptr ? w2_rot_block : 0;
   if (plan.path == MoePath::kGemvDirect) {
     at::Tensor h13 = at::empty({S, 2 * I}, x.options());
     at::Tensor arrivals = at::empty({T, w2_qweight.size(1)}, ids.options());  // zeroed by the gate_up launch
     launch_moe_gemv_direct(MoeStage::kGather, xc, ids, map, input_weights, top_k, w13_qweight, w13_absmax, codebook,
-                           2 * I, H, h13, arrivals, plan.gate_up);
+                           2 * I, H, h13, arrivals, plan.gate_up, nullptr, signs13, block13);
     at::Tensor y = at::empty({S, H}, x.options().dtype(at::kFloat));
     launch_moe_gemv_direct(MoeStage::kSiluMul, h13, ids, map, output_weights, top_k, w2_qweight, w2_absmax, codebook,
-                           H, I, y, arrivals, plan.down, &out);
+                           H, I, y, arrivals, plan.down, &out, signs2, block2);
     return out;
   }
   if (plan.path == MoePath::kGemv) {
     const Routing r = route(ids, map, E, rows, max_chunks, plan.pdl);
     at::Tensor h13 = at::empty({S, 2 * I}, x.options());
     launch_moe_gemv(MoeStage::kGather, xc, r.slot_of, input_weights, top_k, r.chunks, r.num_chunks, w13_qweight,
-                    w13_absmax, codebook, 2 * I, H, rows, h13, plan.gate_up);
+                    w13_absmax, codebook, 2 * I, H, rows, h13, plan.gate_up, signs13, block13);
     at::Tensor y = at::empty({S, H}, x.options().dtype(at::kFloat));
     launch_moe_gemv(MoeStage::kSiluMul, h13, std::nullopt, std::nullopt, top_k, r.chunks, r.num_chunks, w2_qweight,
-                    w2_absmax, codebook, H, I, rows, y, plan.down);
+                    w2_absmax, codebook, H, I, rows, y, plan.down, signs2, block2);
     launch_moe_combine(y, r.pos, output_weights, top_k, out, plan.pdl);
     return out;
   }

@@ -317,23 +317,26 @@ LinearPath linear_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
 }
 
 const char* input_rotation_name(InputRotation rotation) {
-  return rotation == InputRotation::kSeparate ? "separate" : "none";
+  return rotation == InputRotation::kSeparate ? "separate" : rotation == InputRotation::kFused ? "fused" : "none";
 }
 
-InputRotation input_rotation(bool rotated) { return rotated ? InputRotation::kSeparate : InputRotation::kNone; }
+InputRotation input_rotation(int64_t rot_block, bool gemv) {
+  if (rot_block == 0) return InputRotation::kNone;
+  return gemv && fused_rotation_block(rot_block) ? InputRotation::kFused : InputRotation::kSeparate;
+}
 
 LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t bits, const DeviceFacts& facts,
-                       const LinearForced& forced, bool rotated) {
+                       const LinearForced& forced, int64_t rot_block) {
   KBIT_CHECK_VALUE(M >= 1 && N >= 1 && whole_blocks(K) && facts.num_sms >= 1 && facts.ctas_per_sm >= 1,
                    "kbit linear_plan: needs M, N, num_sms, ctas_per_sm >= 1 and K a positive multiple of ", kBlockSize,
                    ", got M=", M, " N=", N, " K=", K, " num_sms=", facts.num_sms, " ctas_per_sm=", facts.ctas_per_sm);
   LinearPlan plan{linear_path(M, N, K, dtype, bits, facts.sm_major)};
-  plan.rotation = input_rotation(rotated);
   if (forced.path >= 0) {
     KBIT_CHECK_VALUE(forced.path < static_cast<int64_t>(std::size(kLinearPathNames)), "kbit linear_plan: path id ",
                      forced.path, " is not one kbit::_linear_path_id returns");
     plan.path = static_cast<LinearPath>(forced.path);
   }
+  plan.rotation = input_rotation(rot_block, plan.path == LinearPath::kGemv);
   const int64_t n_tiles = n_tiles_of(N), k_tiles = k_tiles_of(K);
   if (plan.path == LinearPath::kGemv) {
     plan.max_splits = std::min<int64_t>(kGemvMaxSplits, k_tiles);
@@ -561,8 +564,8 @@ MoeProjPlan moe_proj_plan(MoeKernel kernel, int64_t rows, int64_t experts, int64
 }
 
 MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, const MoeForced& forced, int64_t hidden,
-                 int64_t intermediate, const DeviceFacts& facts, at::ScalarType dtype, bool gate_up_rotated,
-                 bool down_rotated) {
+                 int64_t intermediate, const DeviceFacts& facts, at::ScalarType dtype, int64_t gate_up_rot_block,
+                 int64_t down_rot_block) {
   MoePath path = forced.path;
   KBIT_CHECK_VALUE(tokens >= 0 && top_k >= 0 && experts >= 1 && experts <= kMaxLocalExperts,
                    "kbit moe_plan: needs tokens, top_k >= 0 and 1..", kMaxLocalExperts, " local experts, got ", tokens,
@@ -578,17 +581,20 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, c
     return plan;
   }
   const int64_t S = tokens * top_k;
+  const bool down_separate = down_rot_block > 0 && !fused_rotation_block(down_rot_block);
   if (path == MoePath::kAuto) {
     path = S <= kGemvMaxSlots && 2 * S <= experts                            ? MoePath::kGemvDirect
            : facts.sm_major == 9 && S >= wgmma_min_slots_per_expert(bits) * experts ? MoePath::kGroupedWgmma
            : S <= kMmaMaxSlotsPerExpert * experts                                   ? MoePath::kGroupedMma
                                                                                     : MoePath::kGroupedMm;
-    // The GEMV paths compute SiLU-and-mul inside their down projection: nothing to rotate in between.
-    if (down_rotated && path == MoePath::kGemvDirect) path = MoePath::kGroupedMma;
+    // The GEMV paths compute SiLU-and-mul inside their down projection: nothing to rotate in between unless they
+    // rotate it there (fused).
+    if (down_separate && path == MoePath::kGemvDirect) path = MoePath::kGroupedMma;
   }
-  KBIT_CHECK_VALUE(!down_rotated || (path != MoePath::kGemvDirect && path != MoePath::kGemv), "kbit fused_moe: path ",
-                   moe_path_name(path), " cannot rotate the down projection's input (w2_rot_signs); supported with ",
-                   "it: auto, grouped_mma, grouped_wgmma, grouped_mm");
+  KBIT_CHECK_VALUE(!down_separate || (path != MoePath::kGemvDirect && path != MoePath::kGemv), "kbit fused_moe: path ",
+                   moe_path_name(path), " cannot rotate the down projection's input (w2_rot_signs) with block=",
+                   down_rot_block, "; supported with it: auto, grouped_mma, grouped_wgmma, grouped_mm (the GEMV ",
+                   "paths take blocks ", kFusedRotationMinBlock, "..", kFusedRotationMaxBlock, ")");
   check_moe_forced_fields(forced, path);
   const bool rs = path == MoePath::kGroupedWgmma && moe_wgmma_rs(S, experts, bits, forced.producers);
   KBIT_CHECK_VALUE(!rs || forced.producers == 0, "kbit fused_moe: producers apply to the warp-specialized ",
@@ -615,8 +621,9 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, c
   } else {
     plan.kernel = MoeKernel::kGroupedMm;
   }
-  plan.gate_up.rotation = input_rotation(gate_up_rotated);
-  plan.down.rotation = input_rotation(down_rotated);
+  const bool gemv = path == MoePath::kGemvDirect || path == MoePath::kGemv;  // the kernels that fuse a rotation
+  plan.gate_up.rotation = input_rotation(gate_up_rot_block, gemv);
+  plan.down.rotation = input_rotation(down_rot_block, gemv);
   if (hidden <= 0 || intermediate <= 0 || S == 0 || plan.max_chunks == 0) return plan;
   KBIT_CHECK_VALUE(facts.num_sms >= 1, "kbit moe_plan: needs num_sms >= 1 to plan the projections, got ",
                    facts.num_sms);
@@ -628,8 +635,8 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, c
   plan.down = moe_proj_plan(plan.kernel, S, experts, plan.chunk_rows, grid_rows, n_tiles_of(hidden),
                             k_tiles_of(intermediate), bits, facts, forced.down_row_groups, forced.down_splits,
                             forced.producers);
-  plan.gate_up.rotation = input_rotation(gate_up_rotated);
-  plan.down.rotation = input_rotation(down_rotated);
+  plan.gate_up.rotation = input_rotation(gate_up_rot_block, gemv);
+  plan.down.rotation = input_rotation(down_rot_block, gemv);
   return plan;
 }
 

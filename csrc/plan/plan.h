@@ -166,12 +166,23 @@ int64_t moe_expected_chunks(int64_t slots, int64_t experts, int64_t chunk_rows);
 
 // How a rotated layer's input x R (docs/format.md, section 9; the caller gives the signs and block) reaches its
 // kernel: kNone, not rotated; kSeparate, the rotation kernel (csrc/rotate/rotate.cu) writes x R into a scratch
-// tensor before the GEMM (MoE: the hidden states once before gate_up; SiLU-and-mul's output in place before down).
-enum class InputRotation : int64_t { kNone = 0, kSeparate = 1 };
-// "none", "separate".
+// tensor before the GEMM (MoE: the hidden states once before gate_up; SiLU-and-mul's output in place before down);
+// kFused, the GEMV kernel rotates the activations as it loads them (gemv_core.cuh, accumulate; no launch, no pass).
+enum class InputRotation : int64_t { kNone = 0, kSeparate = 1, kFused = 2 };
+// "none", "separate", "fused".
 const char* input_rotation_name(InputRotation rotation);
-// The rule: separate wherever a rotated input is given.
-InputRotation input_rotation(bool rotated);
+// The blocks the GEMV kernels rotate in their activation load: powers of two in this range (csrc/rotate/
+// rotate_core.cuh: up to 128 inside one k-tile, above it mixed over b / 128 k-tiles; b = 2 would split a register
+// pair).
+constexpr int64_t kFusedRotationMinBlock = 4;
+constexpr int64_t kFusedRotationMaxBlock = 1024;
+constexpr bool fused_rotation_block(int64_t block) {
+  return block >= kFusedRotationMinBlock && block <= kFusedRotationMaxBlock && (block & (block - 1)) == 0;
+}
+// The rule for a layer input of rotation block rot_block (0: not rotated) read by a GEMV kernel (`gemv`: the dense
+// GEMV, the routed-expert GEMVs) or another: none without a rotation, fused where a GEMV takes the block, separate
+// elsewhere (the MMA and wgmma kernels, dequantize + cuBLAS: prefill-sized calls, where one pass costs little).
+InputRotation input_rotation(int64_t rot_block, bool gemv);
 
 // ----------------------------------------------------------------------------- dense linear
 
@@ -226,10 +237,10 @@ int64_t ws_producers(int64_t bits, int64_t forced = 0);
 bool moe_wgmma_rs(int64_t slots, int64_t experts, int64_t bits, int64_t forced_producers = 0);
 
 // The plan of kbit::linear for M rows of x (dtype) and an [N, K] weight of k-bit codes on the GPU the
-// facts describe, `rotated`: the layer is given an input rotation: exactly what launches. Raises a one-line
-// ValueError for what no kernel serves.
+// facts describe, rot_block: the block of the layer's input rotation (0: none): exactly what launches. Raises a
+// one-line ValueError for what no kernel serves.
 LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t bits, const DeviceFacts& facts,
-                       const LinearForced& forced = {}, bool rotated = false);
+                       const LinearForced& forced = {}, int64_t rot_block = 0);
 
 // ----------------------------------------------------------------------------- routed experts (MoE)
 
@@ -302,13 +313,15 @@ struct MoePlan {
 // The plan of kbit::fused_moe for T tokens with top_k picks each over E local experts of k-bit weights
 // (the rules, or what `forced` fixes), hidden size H and intermediate size I (0: the projections are not
 // planned), on the GPU the facts describe (auto takes the grouped wgmma on Hopper only: facts.sm_major == 9),
-// for activations of `dtype` (fp32: the reference path, whatever is forced). gate_up_rotated / down_rotated: the
-// experts are given the rotation of the hidden states / of the SiLU-and-mul output. A separate rotation of the
-// down projection's input needs the SiLU-and-mul as its own kernel, which the GEMV paths fold into their down
-// projection: auto takes the grouped MMA instead of the direct GEMV there, and a forced GEMV path is refused.
+// for activations of `dtype` (fp32: the reference path, whatever is forced). gate_up_rot_block / down_rot_block:
+// the blocks of the experts' rotation of the hidden states / of the SiLU-and-mul output (0: none). The GEMV paths
+// rotate both in their activation load (input_rotation: fused) for the blocks they take; a separate rotation of
+// the down projection's input needs the SiLU-and-mul as its own kernel, which the GEMV paths fold into their down
+// projection: for a block they do not fuse, auto takes the grouped MMA instead of the direct GEMV and a forced GEMV
+// path is refused.
 MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, const MoeForced& forced,
                  int64_t hidden = 0, int64_t intermediate = 0, const DeviceFacts& facts = {},
-                 at::ScalarType dtype = at::kBFloat16, bool gate_up_rotated = false, bool down_rotated = false);
+                 at::ScalarType dtype = at::kBFloat16, int64_t gate_up_rot_block = 0, int64_t down_rot_block = 0);
 
 // The plan of one grouped projection of an expert's [N, K] weights (n_tiles x k_tiles at k bits) by `kernel`
 // over `rows` rows of A (the slots) grouped into chunks of chunk_rows over `experts` experts, in a grid of
@@ -328,6 +341,8 @@ struct LaunchRecord {
   const char* kernel;
   int64_t p = 0, r = 0, m_blocks = 0, cols = 0, splits = 0, producers = 0, table_blocks = 0;
   bool pdl = false;
+  // fused: the kernel rotated its input as it loaded it; separate: the rotation kernel's own launch; else none.
+  InputRotation rotation = InputRotation::kNone;
 };
 // Each launcher records the values it launched with (its grid, kernel instance and launch attributes), not
 // its plan's fields, so that the comparison tests the launch.

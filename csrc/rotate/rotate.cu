@@ -21,9 +21,13 @@
 #include "launch_utils.cuh"
 #include "plan.h"
 #include "rotate.h"
+#include "rotate_core.cuh"
 
 namespace kbit {
 namespace {
+
+using rotate_core::butterfly_lanes;
+using rotate_core::butterfly_registers;
 
 constexpr int kRotateWarps = 8;  // warps (units of max(b, 32) elements) per CTA
 
@@ -40,37 +44,6 @@ template <>
 __device__ __forceinline__ __nv_bfloat16 from_f32(float v) { return __float2bfloat16_rn(v); }
 template <>
 __device__ __forceinline__ __half from_f32(float v) { return __float2half_rn(v); }
-
-// Butterflies over the bits of the register index i (index bits 5 and up): pairs (i, i + h) within one lane.
-template <int E>
-__device__ __forceinline__ void butterfly_registers(float (&v)[E]) {
-#pragma unroll
-  for (int h = 1; h < E; h <<= 1) {
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-      if ((i & h) == 0) {
-        const float a = v[i], c = v[i + h];
-        v[i] = a + c;
-        v[i + h] = a - c;
-      }
-    }
-  }
-}
-
-// Butterflies over the lane bits (index bits 0..4) below kLanes = min(b, 32): the lane with the bit clear keeps a + b, its
-// partner a - b (each sees the other's value through the shuffle, so the upper lane computes partner - own).
-template <int E, int kLanes>
-__device__ __forceinline__ void butterfly_lanes(float (&v)[E], int lane) {
-#pragma unroll
-  for (int m = 1; m < kLanes; m <<= 1) {
-    const bool upper = lane & m;
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-      const float o = __shfl_xor_sync(0xffffffffu, v[i], m);
-      v[i] = upper ? o - v[i] : v[i] + o;
-    }
-  }
-}
 
 // B = b; E = max(b, 32) / 32 elements per lane. x rows are `x_stride` elements apart, out rows K apart.
 template <typename T, int B>
@@ -96,8 +69,8 @@ __global__ void __launch_bounds__(kRotateWarps * 32) rotate_kernel(const T* __re
   }
   // Low index bits first, as the reference's transform runs them: the same fp32 sums in the same order, so the
   // result is the reference's bit for bit.
-  butterfly_lanes<E, (B < 32 ? B : 32)>(v, lane);
-  butterfly_registers(v);
+  butterfly_lanes<E, (B < 32 ? B : 32)>(v, lane);  // index bits 0..4 (lane bits)
+  butterfly_registers(v);                           // index bits 5 and up
   T* orow = out + row * K + col0;
 #pragma unroll
   for (int i = 0; i < E; ++i) {
@@ -123,7 +96,7 @@ void launch_typed(const at::Tensor& x2, const at::Tensor& signs, int64_t block, 
   auto go = [&](auto b) {
     constexpr int B = decltype(b)::value;
     launch_kernel(rotate_kernel<T, B>, grid, dim3(kRotateWarps * 32), 0, stream, 0, pdl, xp, x2.stride(0), sp, op, M, K, scale, inverse);
-    record_launch({"rotate", 0, 0, static_cast<int64_t>(grid.x), 0, 0, 0, 0, pdl});  // a plan's rotation "separate"
+    record_launch({"rotate", 0, 0, static_cast<int64_t>(grid.x), 0, 0, 0, 0, pdl, InputRotation::kSeparate});
   };
   switch (block) {
     case 2: return go(std::integral_constant<int, 2>{});

@@ -101,8 +101,9 @@ def grouped(k: int, quick: bool) -> None:
 
 
 def rotated(k: int) -> None:
-    """Rotated inputs (the plan's rotation "separate"): the rotation into a scratch before a dense GEMV and MMA, and
-    before the experts' gate_up plus in place on the SiLU-and-mul output before down (grouped MMA and mm)."""
+    """Rotated inputs: the dense GEMV and the routed GEMVs rotating as they load (the plan's rotation "fused", blocks
+    256 across two k-tiles and 64), the rotation into a scratch before a dense MMA ("separate"), and before the
+    experts' gate_up plus in place on the SiLU-and-mul output before down (grouped MMA and mm)."""
     cb = fmt.normal_float_codebook(k, "cuda")
     N, K = 320, 256
     q, a = random_runtime(None, N, K, k)
@@ -116,7 +117,7 @@ def rotated(k: int) -> None:
     q2, a2 = random_runtime(E, H, I, k)
     rot = dict(w13_rot_signs=fmt.rotation_signs(H, 0, "cuda"), w13_rot_block=256,
                w2_rot_signs=fmt.rotation_signs(I, 0, "cuda"), w2_rot_block=64)
-    for T, name in ((3, "auto"), (40, "grouped_mma"), (150, "grouped_mm")):
+    for T, name in ((1, "gemv_direct"), (3, "gemv"), (3, "auto"), (40, "grouped_mma"), (150, "grouped_mm")):
         ids = torch.topk(torch.rand(T, E, device="cuda"), top_k, dim=1).indices.to(torch.int32)
         w = torch.softmax(torch.randn(T, top_k, device="cuda"), -1)
         x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)

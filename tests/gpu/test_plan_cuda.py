@@ -23,8 +23,8 @@ MS = (1, 2, 5, 8, 9, 16, 17, 32, 33, 64, 65, 100, 128, 129, 300, 512, 513)
 
 @functools.cache
 def launch_type():
-    """Launch(kernel, p, r, m_blocks, cols, splits, producers, table_blocks, pdl): kbit::_launch_record's return
-    names (asked when a test runs: CPU-only collections import this module without the extension)."""
+    """Launch(kernel, p, r, m_blocks, cols, splits, producers, table_blocks, pdl, rotation): kbit::_launch_record's
+    return names (asked when a test runs: CPU-only collections import this module without the extension)."""
     return collections.namedtuple("Launch", [r.name for r in torch.ops.kbit._launch_record.default._schema.returns])
 
 
@@ -56,9 +56,16 @@ def forced(x, w, path, row_groups=0, splits=0, producers=0):
                                          splits, producers)
 
 
+def as_launched(plan_fields_of):
+    """A plan's fields as its kernel records them: a "separate" rotation is the rotation kernel's own launch, the
+    GEMM after it reads x R as any input ("none")."""
+    return {f: ("none" if f.endswith("rotation") and v == "separate" else v) for f, v in plan_fields_of.items()}
+
+
 def expected_linear(plan):
     """The one launch of a dense plan: its path's kernel with the plan's fields."""
-    return [Launch(plan.path, *(getattr(plan, f) for f in plan_fields()))]
+    fields = as_launched({f: getattr(plan, f) for f in plan_fields()})
+    return [Launch(plan.path, *fields.values())]
 
 
 def _weights():
@@ -166,12 +173,12 @@ def test_forced_paths_launch_their_kernel():
 
 def proj_launch(plan, proj):
     """The launch of one projection of a MoE plan: the plan's kernel with the projection's fields."""
-    return Launch(plan.kernel, *(getattr(plan, f"{proj}_{f}") for f in plan_fields()))
+    return Launch(plan.kernel, *as_launched({f: getattr(plan, f"{proj}_{f}") for f in plan_fields()}).values())
 
 
 def expected_moe(plan):
     if plan.path == "grouped_mm":  # dequantize + cuBLAS: one record, no grid of ours
-        return [Launch("grouped_mm", *(0,) * (len(plan_fields()) - 1), False)]
+        return [Launch("grouped_mm", *(0,) * (len(plan_fields()) - 2), False, "none")]
     return [proj_launch(plan, proj) for proj in ("gate_up", "down")]
 
 
@@ -287,10 +294,16 @@ def expected_rotated(plan_launches, rotations):
     return out
 
 
+def rotation_of(gemv, block):
+    """The planner's rule (plan.cpp: input_rotation) as these tests expect it: the GEMV kernels fuse blocks 4..1024."""
+    return "fused" if gemv and 4 <= block <= 1024 else "separate"
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rotated_linear_launches_its_plan(dtype):
-    """A rotated layer's plan has rotation "separate": the rotation kernel (PDL as the GPU allows), then the plan's
-    GEMM with the same fields as unrotated; the plan on given facts says the same."""
+    """A rotated layer's plan: the GEMV fuses the rotation into its activation load (rotation "fused", one launch
+    recorded "fused"); every other path has rotation "separate": the rotation kernel (PDL as the GPU allows), then
+    the plan's GEMM with the same fields as unrotated; the plan on given facts says the same."""
     torch.cuda.set_device(DEVICE)
     props = torch.cuda.get_device_properties(DEVICE)
     pdl = torch.ops.kbit._pdl_enabled()
@@ -299,29 +312,35 @@ def test_rotated_linear_launches_its_plan(dtype):
         block = min(K & -K, 1024)
         signs = torch.ones(K, device=DEVICE)
         for M in (1, 5, 64, 300):
-            plan = linear_plan(M, N, K, dtype, k, DEVICE, "auto", 0, 0, 0, True)
-            assert plan.rotation == "separate" and plan._replace(rotation="none") == linear_plan(M, N, K, dtype, k, DEVICE)
+            plan = linear_plan(M, N, K, dtype, k, DEVICE, "auto", 0, 0, 0, block)
+            want = rotation_of(plan.path == "gemv", block)
+            assert plan.rotation == want and plan._replace(rotation="none") == linear_plan(M, N, K, dtype, k, DEVICE)
             given = ops.named(torch.ops.kbit.linear_plan, M, N, K, dtype, props.major, props.multi_processor_count, 1,
-                              "auto", k, True)
-            assert given.rotation == "separate", given
+                              "auto", k, block)
+            assert given.rotation == want, given
             x = torch.randn(M, K, dtype=dtype, device=DEVICE)
             torch.ops.kbit.linear(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, rot_signs=signs,
                                   rot_block=block)
             got = launched()
-            assert [g.kernel for g in got] == ["rotate", plan.path] and got[0].pdl == pdl, (M, N, K, k, got)
-            assert got[1:] == expected_linear(plan), (M, N, K, k, plan)
+            if want == "fused":
+                assert got == expected_linear(plan) and got[0].rotation == "fused", (M, N, K, k, got)
+            else:
+                assert [g.kernel for g in got] == ["rotate", plan.path] and got[0].pdl == pdl, (M, N, K, k, got)
+                assert got[0].rotation == "separate" and got[1:] == expected_linear(plan), (M, N, K, k, plan)
 
 
 @pytest.mark.parametrize("E,top_k,H,I", MOE_SHAPES)
 def test_rotated_fused_moe_launches_its_plan(E, top_k, H, I):
-    """Rotated experts: gate_up_rotation and down_rotation "separate", a rotation launch before each projection
-    (grouped mm: both before its one record), the projections as planned; auto never takes the direct GEMV with a
-    rotated down input, and forcing a GEMV path with one is refused."""
+    """Rotated experts: the GEMV paths fuse both rotations (gate_up_rotation, down_rotation "fused", no rotation
+    launch), the other paths rotate separately (a rotation launch before each projection; grouped mm: both before
+    its one record); a down block no GEMV fuses (2) keeps auto off the direct GEMV and a forced GEMV path refused."""
     torch.cuda.set_device(DEVICE)
     gen = torch.Generator().manual_seed(E + H + 1)
     sm_major = torch.cuda.get_device_capability(DEVICE)[0]
-    r13 = dict(w13_rot_signs=torch.ones(H, device=DEVICE), w13_rot_block=min(H & -H, 1024))
-    r2 = dict(w2_rot_signs=torch.ones(I, device=DEVICE), w2_rot_block=min(I & -I, 1024))
+    b13, b2 = min(H & -H, 1024), min(I & -I, 1024)
+    r13 = dict(w13_rot_signs=torch.ones(H, device=DEVICE), w13_rot_block=b13)
+    r2 = dict(w2_rot_signs=torch.ones(I, device=DEVICE), w2_rot_block=b2)
+    r2_pairs = dict(w2_rot_signs=torch.ones(I, device=DEVICE), w2_rot_block=2)
     for k in (2, 4):
         ex = Experts(E, H, I, k, gen)
         for T in (1, 3, 16, 64, 1024):
@@ -330,17 +349,19 @@ def test_rotated_fused_moe_launches_its_plan(E, top_k, H, I):
             for path in ("auto", "grouped_mma", "grouped_mm", "grouped_wgmma", "gemv_direct", "gemv"):
                 if path == "grouped_wgmma" and sm_major != 9:
                     continue
-                for rot in (r13, {**r13, **r2}):
-                    down = "w2_rot_signs" in rot
-                    args = (T, top_k, E, k, H, I, DEVICE, path, 0, 0, 0, 0, 0, None, True, down)
-                    if down and path in ("gemv_direct", "gemv"):
+                for rot in (r13, {**r13, **r2}, {**r13, **r2_pairs}):
+                    down = rot.get("w2_rot_block", 0)
+                    args = (T, top_k, E, k, H, I, DEVICE, path, 0, 0, 0, 0, 0, None, b13, down)
+                    if down == 2 and path in ("gemv_direct", "gemv"):
                         with pytest.raises(ValueError, match="cannot rotate the down projection's input"):
                             moe_plan(*args)
                         continue
                     plan = moe_plan(*args)
-                    assert (plan.gate_up_rotation, plan.down_rotation) == ("separate", "separate" if down else "none")
-                    assert not (down and plan.path == "gemv_direct"), plan
-                    host = ops.named(torch.ops.kbit.moe_plan, T, top_k, E, k, path, sm_major, None, True, down)
+                    gemv = plan.path in ("gemv_direct", "gemv")
+                    assert plan.gate_up_rotation == rotation_of(gemv, b13), plan
+                    assert plan.down_rotation == (rotation_of(gemv, down) if down else "none"), plan
+                    assert not (down == 2 and plan.path == "gemv_direct"), plan
+                    host = ops.named(torch.ops.kbit.moe_plan, T, top_k, E, k, path, sm_major, None, b13, down)
                     assert tuple(host) == tuple(getattr(plan, f) for f in host._fields), (host, plan)
                     launched()
                     torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, None, False,
@@ -348,7 +369,7 @@ def test_rotated_fused_moe_launches_its_plan(E, top_k, H, I):
                     got = launched()
                     want = expected_moe(plan)
                     if plan.path == "grouped_mm":
-                        names = ["rotate"] * (1 + down) + ["grouped_mm"]
+                        names = ["rotate"] * (1 + bool(down)) + ["grouped_mm"]
                     else:
                         names = expected_rotated(want, (plan.gate_up_rotation, plan.down_rotation))
                     assert [g.kernel for g in got] == names, (T, k, path, down, got)

@@ -1,6 +1,8 @@
 """kbit::linear and kbit::fused_moe with an input rotation on CUDA (the plan's rotation "separate": the rotation
-kernel into a scratch before the GEMM; the experts' SiLU-and-mul output rotated in place before down) against the
-CPU reference and against rotating first with kbit::hadamard_rotate, over paths, bits, dtypes and sizes whose
+kernel into a scratch before the GEMM; the experts' SiLU-and-mul output rotated in place before down; "fused" on the
+GEMV paths: the kernel rotates its activations as it loads them, tests/gpu/test_rotation_fused_cuda.py) against the
+CPU reference and against rotating first with kbit::hadamard_rotate (bit for bit where the plan rotates separately,
+within rounding where it fuses: no rounding of x R to x's dtype), over paths, bits, dtypes and sizes whose
 blocks run from 32 to 1024 (and K with a small block: a tail of 2-element blocks); CUDA-graph replay equals eager."""
 
 from __future__ import annotations
@@ -9,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm_kbit import ops
 from vllm_kbit import reference as fmt
 from vllm_kbit.moe import ExpertsRotation, kbit_fused_moe, route_reference
 from test_linear_cuda import _random_weight  # a sibling: pytest puts tests/gpu on sys.path
@@ -30,8 +33,8 @@ def _rotation(K, max_block=1024, seed=11, device="cuda"):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("K,N,max_block", LINEAR_SHAPES)
 def test_linear_with_rotation_is_linear_of_the_rotated_input(dtype, K, N, max_block):
-    """Bit for bit the unrotated op on kbit::hadamard_rotate(x) (the same rotation kernel and the same plan), and the
-    CPU reference within rounding."""
+    """Bit for bit the unrotated op on kbit::hadamard_rotate(x) (the same rotation kernel and the same plan) where the
+    plan rotates separately, and the CPU reference within rounding everywhere."""
     gen = torch.Generator().manual_seed(K + N)
     signs, block = _rotation(K, max_block)
     for k in (2, 3, 4, 5):
@@ -43,7 +46,9 @@ def test_linear_with_rotation_is_linear_of_the_rotated_input(dtype, K, N, max_bl
                                         rot_block=block)
             xr = torch.ops.kbit.hadamard_rotate(x, signs, block)
             want = torch.ops.kbit.linear(xr, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None)
-            assert torch.equal(got, want), (K, N, k, M, dtype)
+            plan = ops.named(torch.ops.kbit.linear_plan.device, M, N, K, dtype, k, x.device, "auto", 0, 0, 0, block)
+            if plan.rotation == "separate":
+                assert torch.equal(got, want), (K, N, k, M, dtype)
             ref = F.linear(fmt.hadamard_rotate(x.cpu(), signs.cpu(), block).float(),
                            fmt.dequantize(q.cpu(), a.cpu(), cb.cpu(), torch.float32))
             err = ((got.cpu().double() - ref.double()).norm() / ref.double().norm()).item()
@@ -107,7 +112,8 @@ def test_fused_moe_with_rotation(dtype, E, top_k, H, I):
                     out = torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, None, False,
                                                          torch.ops.kbit._moe_path_id(path), **rot.op_kwargs())
                 check(out, ref, dtype, path)
-            # Only the hidden rotation, on every path (the GEMV ones too): the op on hadamard_rotate(x), bit for bit.
+            # Only the hidden rotation, on every path: the op on hadamard_rotate(x), bit for bit where the plan rotates
+            # separately, within rounding where the GEMV fuses it.
             xr = torch.ops.kbit.hadamard_rotate(x, *r13)
             for path in ("auto", "gemv_direct", "gemv", *ROTATED_PATHS[1:]):
                 if path == "grouped_wgmma" and not hopper:
@@ -116,16 +122,22 @@ def test_fused_moe_with_rotation(dtype, E, top_k, H, I):
                 got = torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, None, False, pid,
                                                      w13_rot_signs=r13[0], w13_rot_block=r13[1])
                 want = torch.ops.kbit._fused_moe_cuda(xr, ids, weights, *ex.args(), I, None, False, pid)
-                assert torch.equal(got, want), (T, k, path)
+                plan = ops.named(torch.ops.kbit.moe_plan.device, T, top_k, E, k, H, I, x.device, path, 0, 0, 0, 0, 0,
+                                 dtype, r13[1], 0)
+                if plan.gate_up_rotation == "separate":
+                    assert torch.equal(got, want), (T, k, path)
+                else:
+                    check(got, want.float(), dtype, path)
 
 
 def test_fused_moe_refuses_a_rotated_down_input_on_the_gemv_paths():
+    """A down block the GEMV kernels do not fuse (2: a butterfly inside a register pair) on a forced GEMV path."""
     gen = torch.Generator().manual_seed(2)
     E, H, I = 8, 128, 96
     ex = Experts(E, H, I, 4, gen)
     x = torch.randn(2, H, generator=gen).to(torch.bfloat16).cuda()
     ids, weights = random_routing(2, E, 2, gen, "random")
-    rot = ExpertsRotation(*_rotation(H), *_rotation(I))
+    rot = ExpertsRotation(*_rotation(H), *_rotation(I, max_block=2))
     for path in ("gemv", "gemv_direct"):
         with pytest.raises(ValueError, match=f"path {path} cannot rotate the down projection's input") as e:
             torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, None, False,
