@@ -676,9 +676,10 @@ def cached(model_tag: str, tag: str, compute):
     return weights, info
 
 
-# kbit rows' variants, written in their kind: kbit[-gptq][-rot][-nf][-damp<F>][-noact][-c<tokens>][-s<seed>] (rotation
-# with that seed; codebook normal_float; GPTQ dampening, natural column order, calibration tokens).
-_KBIT_KIND = re.compile(r"^kbit(?P<gptq>-gptq)?(?P<rot>-rot)?(?P<nf>-nf)?(?:-damp(?P<damp>[0-9.]+))?(?P<noact>-noact)?"
+# kbit rows' variants, written in their kind: kbit[-gptq][-rot[-b<B>]][-nf][-damp<F>][-noact][-c<tokens>][-s<seed>]
+# (rotation with that seed and largest Hadamard block B; codebook normal_float; GPTQ dampening, natural column order,
+# calibration tokens).
+_KBIT_KIND = re.compile(r"^kbit(?P<gptq>-gptq)?(?P<rot>-rot(?:-b(?P<block>\d+))?)?(?P<nf>-nf)?(?:-damp(?P<damp>[0-9.]+))?(?P<noact>-noact)?"
                         r"(?:-c(?P<calib>\d+))?(?:-s(?P<seed>\d+))?$")
 
 
@@ -688,11 +689,13 @@ def kbit_variant(kind: str) -> dict | None:
     if not m:
         return None
     return {"gptq": bool(m["gptq"]), "rotate": bool(m["rot"]), "seed": int(m["seed"] or 0),
+            "max_block": int(m["block"]) if m["block"] else None,
             "codebook": "normal_float" if m["nf"] else None, "damp": float(m["damp"]) if m["damp"] else None,
             "act_order": False if m["noact"] else None, "calib_tokens": int(m["calib"]) if m["calib"] else None}
 
 
-def kbit_online(ev: Evaluator, k: int, rotate: bool = False, seed: int = 0, codebook: str | None = None) -> tuple[dict, dict]:
+def kbit_online(ev: Evaluator, k: int, rotate: bool = False, seed: int = 0, codebook: str | None = None,
+                max_block: int | None = None) -> tuple[dict, dict]:
     """What online quantization stores, decoded; with ``rotate`` W R quantized and decoded back as Q(W R) R^T."""
     from vllm_kbit import reference as fmt
     from vllm_kbit.settings import Rotation
@@ -700,7 +703,7 @@ def kbit_online(ev: Evaluator, k: int, rotate: bool = False, seed: int = 0, code
     rm = _real_model()
     t = time.time()
     cb = fmt.CODEBOOKS[codebook](k) if codebook else None
-    rot = Rotation(seed=seed) if rotate else None
+    rot = (Rotation(seed=seed) if max_block is None else Rotation(seed=seed, max_block=max_block)) if rotate else None
     out = {}
     for n in ev.names:
         W = ev.state[n].contiguous()
@@ -740,7 +743,7 @@ def float32_copy(model_dir: str, out_dir: pathlib.Path) -> str:
 def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pathlib.Path,
               expert_blocks: int = 0, float32: bool = False, rotate: bool = False, seed: int = 0,
               codebook: str | None = None, damp: float | None = None, act_order: bool | None = None,
-              tag: str = "") -> tuple[dict, dict]:
+              tag: str = "", max_block: int | None = None) -> tuple[dict, dict]:
     """``vllm-kbit convert --gptq`` on the calibration text, read back and decoded; counts the tensors whose
     indices differ from online rounding (those GPTQ rounded). ``expert_blocks`` E > 0 (the dense model's
     control): every down projection's H keeps only its E diagonal blocks, what the MoE rewrite's experts each
@@ -765,6 +768,8 @@ def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pat
            "--device", "cpu", "--quiet", "--rotate" if rotate else "--no-rotate"]
     if rotate:
         cmd += ["--rotation-seed", str(seed)]
+        if max_block is not None:
+            cmd += ["--rotation-block", str(max_block)]
     if codebook:
         cmd += ["--codebook", codebook]
     if damp is not None:
@@ -882,6 +887,9 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
                  (f"kbit-{k} --gptq, codebook normal_float", "kbit-gptq", k, "kbit-gptq-nf"),
                  *((f"kbit-{k} --gptq + rotation, codebook normal_float (seed {s})", "kbit-gptq", k, f"kbit-gptq-rot-nf-s{s}")
                    for s in ROTATION_SEEDS)]
+    # The Hadamard block capped at 128 (what decode kernels can fuse) against the default cap, k = 3 and 2.
+    rows += [(f"kbit-{k} --gptq + rotation, block <= 128 (seed {s})", "kbit-gptq", k, f"kbit-gptq-rot-b128-s{s}")
+             for k in (3, 2) for s in ROTATION_SEEDS]
     rows += [("kbit-2 --gptq + rotation, damp 0.1 (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-damp0.1-s0"),
              ("kbit-2 --gptq + rotation, no act-order (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-noact-s0"),
              ("kbit-2 --gptq + rotation, 16384 calibration tokens (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-c16384-s0"),
@@ -1013,7 +1021,8 @@ def main(argv: list[str] | None = None) -> None:
                     weights, info = {n: ev.state[n] for n in ev.names}, {"stored_bits": 16 * n_weights, "notes": [], "cached": False}
                 elif kind.startswith("kbit") and not (kbit_variant(kind) or {"gptq": True})["gptq"]:
                     v = kbit_variant(kind)
-                    weights, info = cached(ckey, tag, lambda: kbit_online(ev, k, v["rotate"], v["seed"], v["codebook"]))
+                    weights, info = cached(ckey, tag, lambda: kbit_online(ev, k, v["rotate"], v["seed"], v["codebook"],
+                                                                          v["max_block"]))
                 elif kind.startswith("kbit-gptq"):
                     control = GPTQ_CONTROLS.get(kind)
                     if control is not None and mkey != "dense":
@@ -1023,7 +1032,7 @@ def main(argv: list[str] | None = None) -> None:
                     v = kbit_variant(kind)
                     if control is None and v is not None:
                         opts.update(rotate=v["rotate"], seed=v["seed"], codebook=v["codebook"], damp=v["damp"],
-                                    act_order=v["act_order"], tag=kind[len("kbit-gptq"):])
+                                    act_order=v["act_order"], max_block=v["max_block"], tag=kind[len("kbit-gptq"):])
                         if v["calib_tokens"]:
                             cfile = str(work / f"calib{v['calib_tokens']}.txt")
                             pathlib.Path(cfile).write_text(calibration_ids(tok, v["calib_tokens"])[1])
@@ -1550,8 +1559,9 @@ def combine(out_json: pathlib.Path, runs: list[pathlib.Path]) -> None:
         for v in ("versions_peer_venv", "versions_gptqmodel_venv"):  # from the first run that used that venv
             holder[v] = holder.get(v) or run.get(v)
         holder["failures"] += run["failures"]
-        holder["commands"].append(run["command"])
-        holder["elapsed_s"] = holder.get("elapsed_s", 0) + (run["elapsed_s"] if holder["commands"][1:] else 0)
+        first = not holder["commands"]
+        holder["commands"] += run.get("commands") or [run["command"]]  # a combined json keeps its runs' commands
+        holder["elapsed_s"] = holder.get("elapsed_s", 0) + (0 if first else run["elapsed_s"])
     out_json.write_text(json.dumps(main, indent=1))
 
 

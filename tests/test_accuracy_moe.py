@@ -279,11 +279,14 @@ def test_rotation_rows_average_over_seeds_and_issue_61_goals_compare_gaps(acc):
 
 
 def test_kbit_kinds_spell_their_options(acc):
-    assert acc.kbit_variant("kbit") == {"gptq": False, "rotate": False, "seed": 0, "codebook": None, "damp": None,
-                                        "act_order": None, "calib_tokens": None}
+    assert acc.kbit_variant("kbit") == {"gptq": False, "rotate": False, "seed": 0, "max_block": None, "codebook": None,
+                                        "damp": None, "act_order": None, "calib_tokens": None}
     v = acc.kbit_variant("kbit-gptq-rot-nf-damp0.1-noact-c8192-s2")
-    assert v == {"gptq": True, "rotate": True, "seed": 2, "codebook": "normal_float", "damp": 0.1, "act_order": False,
-                 "calib_tokens": 8192}
+    assert v == {"gptq": True, "rotate": True, "seed": 2, "max_block": None, "codebook": "normal_float", "damp": 0.1,
+                 "act_order": False, "calib_tokens": 8192}
+    v = acc.kbit_variant("kbit-gptq-rot-b128-s1")
+    assert (v["rotate"], v["max_block"], v["seed"]) == (True, 128, 1)
+    assert acc.kbit_variant("kbit-gptq-b128") is None  # a block without rotation means nothing
     assert acc.kbit_variant("kbit-gptq-fp32") is None  # the controls go their own way
     kinds = [s[3] for s in acc.method_specs(2048)]
     assert all(acc.kbit_variant(k) is not None for k in kinds if k.startswith("kbit") and k not in acc.GPTQ_CONTROLS)
