@@ -1267,8 +1267,9 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
         "made a no-op (pinning only speeds host-to-device copies). The packed checkpoint (`save_compressed`, "
         "pack-quantized) is decompressed by compressed-tensors.",
         "- kbit with rotation (issue 61): `convert --gptq --rotate --rotation-seed S` (GPTQ on W R with the rotated "
-        "inputs' Hessian, blocks by `reference.rotation_block`: SmolLM2 64 on its 576 inputs, 512 on 1536; Gemma 128 / 1024), "
-        "decoded as Q(W R) R^T; online rows: the reference quantizer on W R. llm-compressor QuIP + GPTQ: `QuIPModifier("
+        "inputs' Hessian, blocks by `reference.rotation_block`: SmolLM2 64 on its 576 inputs, 512 on 1536; Gemma 128 / 1024; "
+        "the MoE rewrite 64 on 576 and on the experts' 192); rows \"block <= 128\" add `--rotation-block 128` (SmolLM2 "
+        "64 / 128, Gemma 128 everywhere: the cap decode kernels can fuse), decoded as Q(W R) R^T; online rows: the reference quantizer on W R. llm-compressor QuIP + GPTQ: `QuIPModifier("
         "rotations=['v'], transform_type='random-hadamard', transform_block_size=b)` then `GPTQModifier` with the GPTQ "
         "rows' scheme, b one size for every layer (llm-compressor takes one): kbit's smallest block (SmolLM2 64, Gemma "
         "128); each quantized linear's effective weight probed through the module as llm-compressor left it "
