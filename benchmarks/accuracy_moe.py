@@ -797,6 +797,8 @@ def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pat
     for n in ev.names:
         m = n[: -len(".weight")]
         q, a = packed[f"{m}.qweight"], packed[f"{m}.absmax"]
+        if q.dim() == 2:  # routed experts' qweights are written 2-D, [N, K/32 * k]
+            q = q.reshape(q.shape[0], -1, k)
         stored += 8 * (q.nbytes + a.nbytes)
         if rot is None:
             out[n] = fmt.dequantize(q, a, cb, torch.bfloat16)
