@@ -893,6 +893,7 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
     rows += [(f"kbit-{k} --gptq + rotation, block <= 128 (seed {s})", "kbit-gptq", k, f"kbit-gptq-rot-b128-s{s}")
              for k in (3, 2) for s in ROTATION_SEEDS]
     rows += [("kbit-2 --gptq + rotation, damp 0.1 (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-damp0.1-s0"),
+             ("kbit-2 --gptq + rotation, codebook normal_float, damp 0.1 (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-nf-damp0.1-s0"),
              ("kbit-2 --gptq + rotation, no act-order (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-noact-s0"),
              ("kbit-2 --gptq + rotation, 16384 calibration tokens (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-c16384-s0"),
              ("kbit-2 --gptq, 16384 calibration tokens", "kbit-gptq", 2, "kbit-gptq-c16384")]
