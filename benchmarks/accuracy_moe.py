@@ -676,9 +676,10 @@ def cached(model_tag: str, tag: str, compute):
     return weights, info
 
 
-# kbit rows' variants, written in their kind: kbit[-gptq][-rot][-nf][-damp<F>][-noact][-c<tokens>][-s<seed>] (rotation
-# with that seed; codebook normal_float; GPTQ dampening, natural column order, calibration tokens).
-_KBIT_KIND = re.compile(r"^kbit(?P<gptq>-gptq)?(?P<rot>-rot)?(?P<nf>-nf)?(?:-damp(?P<damp>[0-9.]+))?(?P<noact>-noact)?"
+# kbit rows' variants, written in their kind: kbit[-gptq][-rot[-b<B>]][-nf][-damp<F>][-noact][-c<tokens>][-s<seed>]
+# (rotation with that seed and largest Hadamard block B; codebook normal_float; GPTQ dampening, natural column order,
+# calibration tokens).
+_KBIT_KIND = re.compile(r"^kbit(?P<gptq>-gptq)?(?P<rot>-rot(?:-b(?P<block>\d+))?)?(?P<nf>-nf)?(?:-damp(?P<damp>[0-9.]+))?(?P<noact>-noact)?"
                         r"(?:-c(?P<calib>\d+))?(?:-s(?P<seed>\d+))?$")
 
 
@@ -688,11 +689,13 @@ def kbit_variant(kind: str) -> dict | None:
     if not m:
         return None
     return {"gptq": bool(m["gptq"]), "rotate": bool(m["rot"]), "seed": int(m["seed"] or 0),
+            "max_block": int(m["block"]) if m["block"] else None,
             "codebook": "normal_float" if m["nf"] else None, "damp": float(m["damp"]) if m["damp"] else None,
             "act_order": False if m["noact"] else None, "calib_tokens": int(m["calib"]) if m["calib"] else None}
 
 
-def kbit_online(ev: Evaluator, k: int, rotate: bool = False, seed: int = 0, codebook: str | None = None) -> tuple[dict, dict]:
+def kbit_online(ev: Evaluator, k: int, rotate: bool = False, seed: int = 0, codebook: str | None = None,
+                max_block: int | None = None) -> tuple[dict, dict]:
     """What online quantization stores, decoded; with ``rotate`` W R quantized and decoded back as Q(W R) R^T."""
     from vllm_kbit import reference as fmt
     from vllm_kbit.settings import Rotation
@@ -700,7 +703,7 @@ def kbit_online(ev: Evaluator, k: int, rotate: bool = False, seed: int = 0, code
     rm = _real_model()
     t = time.time()
     cb = fmt.CODEBOOKS[codebook](k) if codebook else None
-    rot = Rotation(seed=seed) if rotate else None
+    rot = (Rotation(seed=seed) if max_block is None else Rotation(seed=seed, max_block=max_block)) if rotate else None
     out = {}
     for n in ev.names:
         W = ev.state[n].contiguous()
@@ -740,7 +743,7 @@ def float32_copy(model_dir: str, out_dir: pathlib.Path) -> str:
 def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pathlib.Path,
               expert_blocks: int = 0, float32: bool = False, rotate: bool = False, seed: int = 0,
               codebook: str | None = None, damp: float | None = None, act_order: bool | None = None,
-              tag: str = "") -> tuple[dict, dict]:
+              tag: str = "", max_block: int | None = None) -> tuple[dict, dict]:
     """``vllm-kbit convert --gptq`` on the calibration text, read back and decoded; counts the tensors whose
     indices differ from online rounding (those GPTQ rounded). ``expert_blocks`` E > 0 (the dense model's
     control): every down projection's H keeps only its E diagonal blocks, what the MoE rewrite's experts each
@@ -765,6 +768,8 @@ def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pat
            "--device", "cpu", "--quiet", "--rotate" if rotate else "--no-rotate"]
     if rotate:
         cmd += ["--rotation-seed", str(seed)]
+        if max_block is not None:
+            cmd += ["--rotation-block", str(max_block)]
     if codebook:
         cmd += ["--codebook", codebook]
     if damp is not None:
@@ -792,6 +797,8 @@ def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pat
     for n in ev.names:
         m = n[: -len(".weight")]
         q, a = packed[f"{m}.qweight"], packed[f"{m}.absmax"]
+        if q.dim() == 2:  # routed experts' qweights are written 2-D, [N, K/32 * k]
+            q = q.reshape(q.shape[0], -1, k)
         stored += 8 * (q.nbytes + a.nbytes)
         if rot is None:
             out[n] = fmt.dequantize(q, a, cb, torch.bfloat16)
@@ -882,7 +889,11 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
                  (f"kbit-{k} --gptq, codebook normal_float", "kbit-gptq", k, "kbit-gptq-nf"),
                  *((f"kbit-{k} --gptq + rotation, codebook normal_float (seed {s})", "kbit-gptq", k, f"kbit-gptq-rot-nf-s{s}")
                    for s in ROTATION_SEEDS)]
+    # The Hadamard block capped at 128 (what decode kernels can fuse) against the default cap, k = 3 and 2.
+    rows += [(f"kbit-{k} --gptq + rotation, block <= 128 (seed {s})", "kbit-gptq", k, f"kbit-gptq-rot-b128-s{s}")
+             for k in (3, 2) for s in ROTATION_SEEDS]
     rows += [("kbit-2 --gptq + rotation, damp 0.1 (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-damp0.1-s0"),
+             ("kbit-2 --gptq + rotation, codebook normal_float, damp 0.1 (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-nf-damp0.1-s0"),
              ("kbit-2 --gptq + rotation, no act-order (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-noact-s0"),
              ("kbit-2 --gptq + rotation, 16384 calibration tokens (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-c16384-s0"),
              ("kbit-2 --gptq, 16384 calibration tokens", "kbit-gptq", 2, "kbit-gptq-c16384")]
@@ -1013,7 +1024,8 @@ def main(argv: list[str] | None = None) -> None:
                     weights, info = {n: ev.state[n] for n in ev.names}, {"stored_bits": 16 * n_weights, "notes": [], "cached": False}
                 elif kind.startswith("kbit") and not (kbit_variant(kind) or {"gptq": True})["gptq"]:
                     v = kbit_variant(kind)
-                    weights, info = cached(ckey, tag, lambda: kbit_online(ev, k, v["rotate"], v["seed"], v["codebook"]))
+                    weights, info = cached(ckey, tag, lambda: kbit_online(ev, k, v["rotate"], v["seed"], v["codebook"],
+                                                                          v["max_block"]))
                 elif kind.startswith("kbit-gptq"):
                     control = GPTQ_CONTROLS.get(kind)
                     if control is not None and mkey != "dense":
@@ -1023,7 +1035,7 @@ def main(argv: list[str] | None = None) -> None:
                     v = kbit_variant(kind)
                     if control is None and v is not None:
                         opts.update(rotate=v["rotate"], seed=v["seed"], codebook=v["codebook"], damp=v["damp"],
-                                    act_order=v["act_order"], tag=kind[len("kbit-gptq"):])
+                                    act_order=v["act_order"], max_block=v["max_block"], tag=kind[len("kbit-gptq"):])
                         if v["calib_tokens"]:
                             cfile = str(work / f"calib{v['calib_tokens']}.txt")
                             pathlib.Path(cfile).write_text(calibration_ids(tok, v["calib_tokens"])[1])
@@ -1258,8 +1270,9 @@ def markdown(meta: dict, records: list[dict], served: list[dict], failures: list
         "made a no-op (pinning only speeds host-to-device copies). The packed checkpoint (`save_compressed`, "
         "pack-quantized) is decompressed by compressed-tensors.",
         "- kbit with rotation (issue 61): `convert --gptq --rotate --rotation-seed S` (GPTQ on W R with the rotated "
-        "inputs' Hessian, blocks by `reference.rotation_block`: SmolLM2 64 on its 576 inputs, 512 on 1536; Gemma 128 / 1024), "
-        "decoded as Q(W R) R^T; online rows: the reference quantizer on W R. llm-compressor QuIP + GPTQ: `QuIPModifier("
+        "inputs' Hessian, blocks by `reference.rotation_block`: SmolLM2 64 on its 576 inputs, 512 on 1536; Gemma 128 / 1024; "
+        "the MoE rewrite 64 on 576 and on the experts' 192); rows \"block <= 128\" add `--rotation-block 128` (SmolLM2 "
+        "64 / 128, Gemma 128 everywhere: the cap decode kernels can fuse), decoded as Q(W R) R^T; online rows: the reference quantizer on W R. llm-compressor QuIP + GPTQ: `QuIPModifier("
         "rotations=['v'], transform_type='random-hadamard', transform_block_size=b)` then `GPTQModifier` with the GPTQ "
         "rows' scheme, b one size for every layer (llm-compressor takes one): kbit's smallest block (SmolLM2 64, Gemma "
         "128); each quantized linear's effective weight probed through the module as llm-compressor left it "
@@ -1488,6 +1501,10 @@ def rotation_section(records: list[dict], mkeys, level: str = "##") -> list[str]
     return lines
 
 
+# The rotated --gptq rows each goal is checked for: the default block cap, and the cap of 128 (what decode kernels fuse).
+ROTATION_VARIANTS = ("", ", block <= 128")
+
+
 def rotation_goals(records: list[dict], mkeys) -> list[str]:
     """One line per goal of issue 61 that both rows were measured for: gap ratios (k = 3: <= 0.6, k = 2: <= 0.5),
     kbit-3 --gptq + rotation below online kbit-4, and kbit-k --gptq + rotation at or below llm-compressor QuIP + GPTQ W-k."""
@@ -1508,24 +1525,27 @@ def rotation_goals(records: list[dict], mkeys) -> list[str]:
             return f"{p:.3f} ({p - bf['perplexity']:+.3f})" if p < 1e4 else ppl_cell(p)
 
         for k, bound in ((3, 0.6), (2, 0.5)):
-            a, an = ppl(f"kbit-{k} --gptq + rotation")
-            b, bn = ppl(f"kbit-{k} --gptq")
+            for variant in ROTATION_VARIANTS:
+                a, an = ppl(f"kbit-{k} --gptq + rotation{variant}")
+                b, bn = ppl(f"kbit-{k} --gptq")
+                if a is not None and b is not None:
+                    ratio = (a - bf["perplexity"]) / (b - bf["perplexity"])
+                    out.append(f"| {mkey} | gap ratio <= {bound} | {an} | {cell(a)} | {bn} | {cell(b)} | {ratio:.2f}x | "
+                               f"{'yes' if ratio <= bound else '**no**'} |")
+        for variant in ROTATION_VARIANTS:
+            a, an = ppl(f"kbit-3 --gptq + rotation{variant}")
+            b, bn = ppl("kbit-4")
             if a is not None and b is not None:
-                ratio = (a - bf["perplexity"]) / (b - bf["perplexity"])
-                out.append(f"| {mkey} | gap ratio <= {bound} | {an} | {cell(a)} | {bn} | {cell(b)} | {ratio:.2f}x | "
-                           f"{'yes' if ratio <= bound else '**no**'} |")
-        a, an = ppl("kbit-3 --gptq + rotation")
-        b, bn = ppl("kbit-4")
-        if a is not None and b is not None:
-            out.append(f"| {mkey} | below online kbit-4 | {an} | {cell(a)} | {bn} | {cell(b)} | {a / b:.3f}x | "
-                       f"{'yes' if a < b else '**no**'} |")
+                out.append(f"| {mkey} | below online kbit-4 | {an} | {cell(a)} | {bn} | {cell(b)} | {a / b:.3f}x | "
+                           f"{'yes' if a < b else '**no**'} |")
         for k in (4, 3, 2):
-            a, an = ppl(f"kbit-{k} --gptq + rotation")
-            peer = next((r for r in records if r["model"] == mkey and r["kind"] == f"llmc-quip-gptq-w{k}"), None)
-            if a is not None and peer is not None:
-                b = peer["perplexity"]
-                out.append(f"| {mkey} | at or below QuIP + GPTQ W{k} | {an} | {cell(a)} | {peer['method']} "
-                           f"({peer['bits_per_weight']:.3f} bits) | {cell(b)} | {a / b:.3f}x | {'yes' if a <= b else '**no**'} |")
+            for variant in ROTATION_VARIANTS:
+                a, an = ppl(f"kbit-{k} --gptq + rotation{variant}")
+                peer = next((r for r in records if r["model"] == mkey and r["kind"] == f"llmc-quip-gptq-w{k}"), None)
+                if a is not None and peer is not None:
+                    b = peer["perplexity"]
+                    out.append(f"| {mkey} | at or below QuIP + GPTQ W{k} | {an} | {cell(a)} | {peer['method']} "
+                               f"({peer['bits_per_weight']:.3f} bits) | {cell(b)} | {a / b:.3f}x | {'yes' if a <= b else '**no**'} |")
     return out
 
 
@@ -1550,8 +1570,9 @@ def combine(out_json: pathlib.Path, runs: list[pathlib.Path]) -> None:
         for v in ("versions_peer_venv", "versions_gptqmodel_venv"):  # from the first run that used that venv
             holder[v] = holder.get(v) or run.get(v)
         holder["failures"] += run["failures"]
-        holder["commands"].append(run["command"])
-        holder["elapsed_s"] = holder.get("elapsed_s", 0) + (run["elapsed_s"] if holder["commands"][1:] else 0)
+        first = not holder["commands"]
+        holder["commands"] += run.get("commands") or [run["command"]]  # a combined json keeps its runs' commands
+        holder["elapsed_s"] = holder.get("elapsed_s", 0) + (0 if first else run["elapsed_s"])
     out_json.write_text(json.dumps(main, indent=1))
 
 

@@ -279,11 +279,37 @@ def test_rotation_rows_average_over_seeds_and_issue_61_goals_compare_gaps(acc):
 
 
 def test_kbit_kinds_spell_their_options(acc):
-    assert acc.kbit_variant("kbit") == {"gptq": False, "rotate": False, "seed": 0, "codebook": None, "damp": None,
-                                        "act_order": None, "calib_tokens": None}
+    assert acc.kbit_variant("kbit") == {"gptq": False, "rotate": False, "seed": 0, "max_block": None, "codebook": None,
+                                        "damp": None, "act_order": None, "calib_tokens": None}
     v = acc.kbit_variant("kbit-gptq-rot-nf-damp0.1-noact-c8192-s2")
-    assert v == {"gptq": True, "rotate": True, "seed": 2, "codebook": "normal_float", "damp": 0.1, "act_order": False,
-                 "calib_tokens": 8192}
+    assert v == {"gptq": True, "rotate": True, "seed": 2, "max_block": None, "codebook": "normal_float", "damp": 0.1,
+                 "act_order": False, "calib_tokens": 8192}
+    v = acc.kbit_variant("kbit-gptq-rot-b128-s1")
+    assert (v["rotate"], v["max_block"], v["seed"]) == (True, 128, 1)
+    assert acc.kbit_variant("kbit-gptq-b128") is None  # a block without rotation means nothing
     assert acc.kbit_variant("kbit-gptq-fp32") is None  # the controls go their own way
     kinds = [s[3] for s in acc.method_specs(2048)]
     assert all(acc.kbit_variant(k) is not None for k in kinds if k.startswith("kbit") and k not in acc.GPTQ_CONTROLS)
+
+
+def test_combine_adds_runs_to_a_combined_json_and_keeps_its_commands(acc, tmp_path):
+    import json
+
+    def rec(model, method, ppl):
+        return {"model": model, "method": method, "perplexity": ppl}
+
+    done = {"command": "run A", "commands": ["run A", "run B"], "elapsed_s": 10, "records": [rec("dense", "bf16", 13.0)],
+            "failures": [], "gemma": {"key": "gemma", "command": "run G", "commands": ["run G"], "elapsed_s": 5,
+                                      "records": [rec("dense", "bf16", 26.0)], "failures": []}}
+    new = {"command": "run C", "elapsed_s": 3, "records": [rec("dense", "bf16", 99.0), rec("dense", "kbit-3", 17.0)],
+           "failures": []}
+    new_g = {"key": "gemma", "command": "run H", "elapsed_s": 4, "records": [rec("dense", "kbit-3", 33.0)], "failures": []}
+    paths = []
+    for i, d in enumerate((done, new, new_g)):
+        paths.append(tmp_path / f"{i}.json")
+        paths[-1].write_text(json.dumps(d))
+    acc.combine(tmp_path / "out.json", paths)
+    out = json.loads((tmp_path / "out.json").read_text())
+    assert out["commands"] == ["run A", "run B", "run C"] and out["elapsed_s"] == 13
+    assert [(r["method"], r["perplexity"]) for r in out["records"]] == [("bf16", 13.0), ("kbit-3", 17.0)]  # first kept
+    assert out["gemma"]["commands"] == ["run G", "run H"] and len(out["gemma"]["records"]) == 2
