@@ -25,6 +25,7 @@ def _kbit_experts(k=4, seed=0):
     q2, a2 = stack_runtime([(w.qweight, w.absmax) for w in w2])
     experts = object.__new__(KbitExperts)  # vLLM's configs aside: the state apply uses
     experts.w13_absmax, experts.w2_absmax, experts.codebook, experts.intermediate_size = a13, a2, w13[0].codebook, I
+    experts.rotation = None  # unrotated experts
     return experts, q13, q2
 
 
