@@ -61,8 +61,11 @@ class Experts:
         return self.q13, self.a13, self.q2, self.a2, self.codebook
 
 
-def reference(x, ids, weights, ex, expert_map, on_input):
-    """fp32: out[t] = sum_j w[t,j] * W2_e @ (silu(G_e x) * U_e x), e = local(ids[t, j])."""
+def reference(x, ids, weights, ex, expert_map, on_input, rotate13=None, rotate2=None):
+    """fp32: out[t] = sum_j w[t,j] * W2_e @ (silu(G_e x) * U_e x), e = local(ids[t, j]). Rotated experts: rotate13
+    maps each gate_up input row (fp32) to what gate_up multiplies, rotate2 each SiLU-and-mul row to down's input."""
+    rotate13 = rotate13 or (lambda v: v)
+    rotate2 = rotate2 or (lambda v: v)
     T, top_k = ids.shape
     local = route_reference(ids, expert_map, ex.E)[2].view(T, top_k).long()
     out = torch.zeros(T, ex.H, dtype=torch.float32, device=x.device)
@@ -72,8 +75,8 @@ def reference(x, ids, weights, ex, expert_map, on_input):
         w = weights[t, j].float()[:, None]
         if on_input:
             xe = (xe * w).to(x.dtype).float()
-        gu = xe @ ex.W13[e].T
-        y = (F.silu(gu[:, : ex.I]) * gu[:, ex.I :]) @ ex.W2[e].T
+        gu = rotate13(xe) @ ex.W13[e].T
+        y = rotate2(F.silu(gu[:, : ex.I]) * gu[:, ex.I :]) @ ex.W2[e].T
         out.index_add_(0, t, y if on_input else y * w)
     return out
 

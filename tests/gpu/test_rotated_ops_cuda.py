@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from vllm_kbit import ops
 from vllm_kbit import reference as fmt
-from vllm_kbit.moe import ExpertsRotation, kbit_fused_moe, route_reference
+from vllm_kbit.moe import ExpertsRotation, kbit_fused_moe
 from test_linear_cuda import _random_weight  # a sibling: pytest puts tests/gpu on sys.path
-from test_moe_cuda import Experts, check, poison_cache, random_routing
+from test_moe_cuda import Experts, check, poison_cache, random_routing, reference
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -70,18 +70,11 @@ def test_linear_with_rotation_takes_any_row_layout_and_bias():
 
 
 def rotated_reference(x, ids, weights, ex, r13, r2):
-    """fp32: out[t] = sum_j w[t,j] * W2_e @ rot2(silu(G_e rot13(x)) * U_e rot13(x)), rotations in x's dtype as the op."""
-    T, top_k = ids.shape
-    xr = torch.ops.kbit.hadamard_rotate(x, *r13)
-    local = route_reference(ids, None, ex.E)[2].view(T, top_k).long()
-    out = torch.zeros(T, ex.H, dtype=torch.float32, device=x.device)
-    for e in torch.unique(local[local >= 0]).tolist():
-        t, j = torch.nonzero(local == e, as_tuple=True)
-        gu = xr[t].float() @ ex.W13[e].T
-        h = (F.silu(gu[:, : ex.I]) * gu[:, ex.I :]).to(torch.bfloat16)  # the kernels' bf16 activations
-        h = torch.ops.kbit.hadamard_rotate(h, *r2).float()
-        out.index_add_(0, t, (h @ ex.W2[e].T) * weights[t, j].float()[:, None])
-    return out
+    """fp32: out[t] = sum_j w[t,j] * W2_e @ rot2(silu(G_e rot13(x)) * U_e rot13(x)), rotations in x's dtype as the op
+    (the SiLU-and-mul output in the kernels' bf16)."""
+    return reference(x, ids, weights, ex, None, False,
+                     rotate13=lambda v: torch.ops.kbit.hadamard_rotate(v.to(x.dtype), *r13).float(),
+                     rotate2=lambda v: torch.ops.kbit.hadamard_rotate(v.to(torch.bfloat16), *r2).float())
 
 
 # (E, top_k, H, I): tiny (I block 32), Qwen3-30B-A3B-like (I = 768: block 256), a 4-expert rank (I block 256).

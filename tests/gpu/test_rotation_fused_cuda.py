@@ -9,14 +9,12 @@ say "fused".
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from vllm_kbit import ops
 from vllm_kbit import reference as fmt
-from vllm_kbit.moe import route_reference
 
 from test_linear_cuda import _check, _poison_cache, _random_weight, _reference  # siblings: pytest puts tests/gpu on sys.path
-from test_moe_cuda import Experts, check, poison_cache, random_routing
+from test_moe_cuda import Experts, check, poison_cache, random_routing, reference
 from test_plan_cuda import launched
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -75,20 +73,8 @@ def test_dense_gemv_rotates_in_its_activation_load(k, K, dtype):
 
 def _rotated_moe_reference(x, ids, weights, ex, on_input, s13, b13, s2, b2):
     """fp32 reference of rotated experts: gate_up on x R_13, down on (silu(gate) * up) R_2, every step in fp32."""
-    T, top_k = ids.shape
-    local = route_reference(ids, None, ex.E)[2].view(T, top_k).long()
-    out = torch.zeros(T, ex.H, dtype=torch.float32, device=x.device)
-    for e in torch.unique(local[local >= 0]).tolist():
-        t, j = torch.nonzero(local == e, as_tuple=True)
-        xe = x[t].float()
-        w = weights[t, j].float()[:, None]
-        if on_input:
-            xe = (xe * w).to(x.dtype).float()
-        gu = _rotated(xe, s13, b13) @ ex.W13[e].T
-        h = F.silu(gu[:, : ex.I]) * gu[:, ex.I :]
-        y = _rotated(h, s2, b2) @ ex.W2[e].T
-        out.index_add_(0, t, y if on_input else y * w)
-    return out
+    return reference(x, ids, weights, ex, None, on_input, rotate13=lambda v: _rotated(v, s13, b13),
+                     rotate2=lambda v: _rotated(v, s2, b2))
 
 
 def _moe(x, ids, weights, ex, on_input, path, s13, b13, s2, b2, poison=True):
