@@ -17,7 +17,6 @@ ratio = t(stages) / t(fused). Writes moe_stages_<gpu>_<date>.json and .md into -
 from __future__ import annotations
 
 import argparse
-import datetime
 import functools
 import json
 import os
@@ -29,6 +28,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import bench_kernels as bk  # noqa: E402
 from bench_linear import copy_bandwidth, graph_time_us  # noqa: E402
+from bench_rotate import run_meta, write_results  # noqa: E402
 from vllm_kbit.moe import fused_moe_stages  # noqa: E402
 
 TOKENS = (1, 4, 16, 64, 256, 1024, 4096)
@@ -82,16 +82,7 @@ def main(argv=None) -> None:
     for layer in args.layers.split(","):
         for k in (int(v) for v in args.bits.split(",")):
             run_layer(layer, k, [int(t) for t in args.tokens.split(",")], props.L2_cache_size, rows)
-    meta = dict(gpu=props.name, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-                commit=args.commit or bk.git_commit(), command="python " + " ".join(sys.argv), torch=torch.__version__)
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"moe_stages_{props.name.replace(' ', '_')}_{meta['date']}")
-    with open(stem + ".json", "w") as f:
-        json.dump(dict(meta, records=rows), f, indent=1)
-    with open(stem + ".md", "w") as f:
-        f.write(markdown(meta, rows))
-    print(markdown(meta, rows))
-
+    write_results(args.out, "moe_stages", run_meta(props.name, args.commit), rows, markdown)
 
 if __name__ == "__main__":
     main()

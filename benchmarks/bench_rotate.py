@@ -202,11 +202,20 @@ def main(argv=None) -> None:
         Ts = [int(t) for t in args.tokens.split(",")] if args.tokens else (MOE_T if layer in bk.MOE_LAYERS else DENSE_M)
         for k in (int(v) for v in args.bits.split(",")):
             run_layer(layer, k, Ts, l2, rows, args.blocks.split(","), args.hadacore)
-    meta = dict(gpu=gpu, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
-                commit=args.commit or bk.git_commit(), command="python " + " ".join(sys.argv),
+    write_results(args.out, "rotate_fused", run_meta(gpu, args.commit), rows, markdown)
+
+
+def run_meta(gpu: str, commit: str | None) -> dict:
+    """What a result file records about its run: GPU, date, commit, command, torch and vLLM versions."""
+    return dict(gpu=gpu, date=datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d"),
+                commit=commit or bk.git_commit(), command="python " + " ".join(sys.argv),
                 torch=torch.__version__, vllm=bk.versions().get("vllm"))
-    os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"rotate_fused_{gpu.replace(' ', '_')}_{meta['date']}")
+
+
+def write_results(out: str, prefix: str, meta: dict, rows: list, markdown) -> None:
+    """<out>/<prefix>_<gpu>_<date>.json (meta and rows) and .md (markdown(meta, rows)), and the table printed."""
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, f"{prefix}_{meta['gpu'].replace(' ', '_')}_{meta['date']}")
     with open(stem + ".json", "w") as f:
         json.dump(dict(meta, records=rows), f, indent=1)
     with open(stem + ".md", "w") as f:
