@@ -81,6 +81,20 @@ def reference(x, ids, weights, ex, expert_map, on_input, rotate13=None, rotate2=
     return out
 
 
+def captured(forward):
+    """(graph, outputs) of forward captured in a CUDA graph, after one warm-up run on a side stream (as vLLM
+    captures): replaying the graph recomputes the outputs in place from whatever the captured inputs hold."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        forward()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = forward()
+    return graph, outs
+
+
 def poison_cache(nbytes=64 << 20):
     torch.full((nbytes // 4,), float("nan"), device="cuda")  # freed at once: its block stays cached
 
@@ -386,14 +400,7 @@ def test_cuda_graph_capture_and_replay():
             path_id = torch.ops.kbit._moe_path_id(path)
             return torch.ops.kbit._fused_moe_cuda(x, ids, weights, *ex.args(), I, expert_map, False, path_id)
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            forward()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = forward()
+        graph, out = captured(forward)
         for _ in range(2):  # new inputs in the captured buffers, then replay
             new_ids, new_w = random_routing(T, E, 4, gen, "few")
             ids.copy_(new_ids)

@@ -15,7 +15,7 @@ from vllm_kbit import ops
 from vllm_kbit import reference as fmt
 from vllm_kbit.moe import ExpertsRotation, kbit_fused_moe
 from test_linear_cuda import _random_weight  # a sibling: pytest puts tests/gpu on sys.path
-from test_moe_cuda import Experts, check, poison_cache, random_routing, reference
+from test_moe_cuda import Experts, captured, check, poison_cache, random_routing, reference
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = [pytest.mark.gpu, requires_cuda]
@@ -156,14 +156,7 @@ def test_cuda_graph_replay_equals_eager_with_rotation():
                                           rot_block=block),
                     kbit_fused_moe(xm, ids, weights, *ex.args(), I, None, False, rot))
 
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            forward()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            outs = forward()
+        graph, outs = captured(forward)
         for _ in range(2):
             x.copy_(torch.randn(T, K, generator=gen).to(torch.bfloat16))
             xm.copy_(torch.randn(T, H, generator=gen).to(torch.bfloat16))

@@ -14,7 +14,7 @@ from vllm_kbit import ops
 from vllm_kbit import reference as fmt
 
 from test_linear_cuda import _check, _poison_cache, _random_weight, _reference  # siblings: pytest puts tests/gpu on sys.path
-from test_moe_cuda import Experts, check, poison_cache, random_routing, reference
+from test_moe_cuda import Experts, captured, check, poison_cache, random_routing, reference
 from test_plan_cuda import launched
 
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -181,14 +181,7 @@ def test_cuda_graph_replay_equals_eager(what):
         def reference():
             return _rotated_moe_reference(x, ids, weights, ex, False, s13, 256, s2, 64)
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        forward()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = forward()
+    graph, out = captured(forward)
     for _ in range(2):
         new_inputs()
         out.fill_(float("nan"))
