@@ -229,41 +229,46 @@ def fused_moe_stages(
     local hold zeros. Rotated experts (``rotation``) multiply x R_13 and act R_2; the hooks see the unrotated x
     (their caller's) and act, so adapters computed from them add what they add to an unrotated layer.
 
-    On CUDA the routing and both projections are the fused op's kernels (``kbit::_moe_route``, then
-    ``kbit::_moe_grouped_linear`` over the routed rows at the planner's chunk height); elsewhere each local expert
-    runs on every token with its weights decoded, as the reference does. Shapes depend only on T, top_k and E."""
+    On CUDA the two stages are ``kbit::_moe_stage_gate_up`` and ``kbit::_moe_stage_down`` (csrc/ops/moe_ops.cpp:
+    fused_moe's plan and kernels, each projection writing slot order; the rotations inside them); elsewhere each
+    local expert runs on every token with its weights decoded, as the reference does. Shapes depend only on T,
+    top_k and E."""
     T, H = x.shape
     top_k = topk_ids.shape[1]
     I = intermediate_size
     E = w13_qweight.shape[0]
     S = T * top_k
-    ids = topk_ids.reshape(-1)
     if S == 0:
         return torch.zeros_like(x)
-    # The projections' inputs: x R_13 and act R_2 for rotated experts; the hooks get x and act as they are.
+    if x.is_cuda and ops.HAS_CUDA_KERNELS and not _runs_reference(x.dtype):
+        args = (x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook, int(I), expert_map,
+                False)
+        rot = rotation.op_kwargs() if rotation is not None else {}
+        h13 = torch.ops.kbit._moe_stage_gate_up(*args, _MOE_PATH, **rot)
+        if after_gate_up is not None:
+            after_gate_up(h13)
+        act, y = torch.ops.kbit._moe_stage_down(*args, h13, _MOE_PATH, **rot)
+        y = y.view(T, top_k, H)
+        if after_down is not None:
+            after_down(y, act)
+        return y.sum(1)  # accumulated in fp32 (PyTorch's reduction type for 16-bit inputs), rounded once
+    # The reference: the projections' inputs are x R_13 and act R_2 for rotated experts; the hooks get x and act.
+    ids = topk_ids.reshape(-1)
     xr = x if rotation is None else torch.ops.kbit.hadamard_rotate(x, rotation.w13_signs, rotation.w13_block)
-    if x.is_cuda and ops.HAS_CUDA_KERNELS and x.dtype != torch.float32:
-        project = _cuda_projections(x, ids, w13_qweight, codebook, H, I, E, expert_map)
-        h13 = project(xr, ids_to_token=top_k, q=w13_qweight, a=w13_absmax, N=2 * I, K=H)
-    else:
-        local = _local_ids(ids, expert_map, E)
-        h13 = torch.zeros(S, 2 * I, dtype=x.dtype, device=x.device)
-        xs = xr.repeat_interleave(top_k, dim=0)
-        for e in range(E):
-            W = _decoded(w13_qweight, w13_absmax, codebook, e, 2 * I, H, x.dtype)
-            h13 = torch.where((local == e)[:, None], torch.nn.functional.linear(xs, W), h13)
-        project = None
+    local = _local_ids(ids, expert_map, E)
+    h13 = torch.zeros(S, 2 * I, dtype=x.dtype, device=x.device)
+    xs = xr.repeat_interleave(top_k, dim=0)
+    for e in range(E):
+        W = _decoded(w13_qweight, w13_absmax, codebook, e, 2 * I, H, x.dtype)
+        h13 = torch.where((local == e)[:, None], torch.nn.functional.linear(xs, W), h13)
     if after_gate_up is not None:
         after_gate_up(h13)
     act = torch.nn.functional.silu(h13[:, :I]) * h13[:, I:]
     act_in = act if rotation is None else torch.ops.kbit.hadamard_rotate(act, rotation.w2_signs, rotation.w2_block)
-    if project is not None:
-        y = project(act_in, ids_to_token=1, q=w2_qweight, a=w2_absmax, N=H, K=I)
-    else:
-        y = torch.zeros(S, H, dtype=x.dtype, device=x.device)
-        for e in range(E):
-            W = _decoded(w2_qweight, w2_absmax, codebook, e, H, I, x.dtype)
-            y = torch.where((local == e)[:, None], torch.nn.functional.linear(act_in, W), y)
+    y = torch.zeros(S, H, dtype=x.dtype, device=x.device)
+    for e in range(E):
+        W = _decoded(w2_qweight, w2_absmax, codebook, e, H, I, x.dtype)
+        y = torch.where((local == e)[:, None], torch.nn.functional.linear(act_in, W), y)
     # In place, one pass each: the product in fp32 (the weights' type) rounded once, the sum accumulated in fp32.
     y = y.mul_(topk_weights.reshape(-1, 1).float()).view(T, top_k, H)
     if after_down is not None:
@@ -288,31 +293,3 @@ def _decoded(q, a, codebook, e, N, K, dtype):
                                                 for i in range(q.shape[0])))
         return experts[e]
     return fmt.dequantize_runtime(q[e], a[e], codebook, N, K, dtype)
-
-
-def _cuda_projections(x, ids, w13_qweight, codebook, H, I, E, expert_map):
-    """One routing of the slots by local expert (kbit::_moe_route at the planner's chunk height: its path's where
-    that path routes, else the grouped MMA's), and the function that runs one projection over it: gathers the
-    input rows in routed order, ``kbit::_moe_grouped_linear``, and scatters the outputs back to slot order (zeros
-    for slots of other ranks' experts)."""
-    T, top_k = x.shape[0], ids.numel() // max(x.shape[0], 1)
-    bits = w13_qweight.shape[3]
-    plan = ops.named(torch.ops.kbit.moe_plan.device, T, top_k, E, bits, H, I, x.device)
-    if plan.path not in ("gemv", "grouped_mma", "grouped_wgmma"):  # gemv_direct and grouped_mm do not route in chunks
-        plan = ops.named(torch.ops.kbit.moe_plan.device, T, top_k, E, bits, H, I, x.device, "grouped_mma")
-    rows, max_chunks = plan.chunk_rows, plan.max_chunks
-    kernel = torch.ops.kbit._moe_kernel_id(plan.kernel)  # the plan's kernel, run by _moe_grouped_linear as planned
-    emap = None if expert_map is None else expert_map.to(torch.int32)
-    _, pos, slot_of, chunks, num_chunks = torch.ops.kbit._moe_route(ids, emap, E, rows, max_chunks)
-    pos = pos.long()
-    mine = (pos >= 0)[:, None]
-    pos = pos.clamp(min=0)
-    slot_of = slot_of.long().clamp(min=0)
-
-    def project(A, ids_to_token, q, a, N, K):
-        src = slot_of // ids_to_token  # the row of A each routed row reads: its token, or its slot
-        rows_in = A.index_select(0, src).to(torch.bfloat16).contiguous()
-        C = torch.ops.kbit._moe_grouped_linear(rows_in, chunks, num_chunks, q, a, codebook, N, K, kernel, rows)
-        return torch.where(mine, C.index_select(0, pos), 0).to(A.dtype)
-
-    return project

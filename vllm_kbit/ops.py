@@ -83,6 +83,12 @@ _VARIANTS = {
     "_linear_forced": _variant("linear", "_linear_forced", ", int path=-1, int row_groups=0, int splits=0, int producers=0"),
     "_fused_moe_cuda": _variant("fused_moe", "_fused_moe_cuda", ", int path=0, int gate_up_splits=0, int down_splits=0, "
                                 "int gate_up_row_groups=0, int down_row_groups=0, int producers=0"),
+    # The routed experts in two stages, for callers that add to h13 between them (vllm_kbit.moe.fused_moe_stages on
+    # CUDA): gate_up returns each slot's h13 [T * top_k, 2I]; down, given h13, returns act [T * top_k, I] and each
+    # slot's down output times its router weight y [T * top_k, H], all in slot order (csrc/ops/moe_ops.cpp).
+    "_moe_stage_gate_up": _variant("fused_moe", "_moe_stage_gate_up", ", int path=0"),
+    "_moe_stage_down": _variant("fused_moe", "_moe_stage_down", ", Tensor h13, int path=0",
+                                returns="(Tensor act, Tensor y)"),
     # quantize's compiled CPU kernel (vllm_kbit._cpu, csrc/cpu/): the reference's bits, fast.
     "_quantize_cpu": _variant("quantize", "_quantize_cpu"),
 }

@@ -64,11 +64,12 @@ void launch_moe_gemv_direct(MoeStage stage, const at::Tensor& A, const at::Tenso
 void launch_moe_gather(const at::Tensor& x, const at::Tensor& slot_of, const std::optional<at::Tensor>& slot_weight,
                        int64_t top_k, at::Tensor& xp, bool pdl);
 
-// h[p, i] = silu(g[p, i]) * g[p, I + i] in fp32, rounded once to h's dtype (bf16).
+// h[p, i] = silu(g[p, i]) * g[p, I + i] in fp32, rounded once to h's dtype (g's: bf16 or fp16).
 void launch_moe_silu_mul(const at::Tensor& g, at::Tensor& h, bool pdl);
 
 // out[t] = sum_j w[t, j] * y[pos[t, j]] in fp32, j in order (deterministic); pos < 0 adds
-// nothing; without weights every w is 1 (router weights already applied to the input).
+// nothing; without weights every w is 1 (router weights already applied to the input). y: fp32, bf16 or
+// fp16. With top_k = 1 it is a scatter from routed order back to slot order (zeros for pos < 0).
 void launch_moe_combine(const at::Tensor& y, const at::Tensor& pos, const std::optional<at::Tensor>& weights,
                         int64_t top_k, at::Tensor& out, bool pdl);
 

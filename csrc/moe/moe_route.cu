@@ -181,17 +181,18 @@ __global__ void __launch_bounds__(kEltThreads)
   Vec4<__nv_bfloat16>::store(xp + static_cast<int64_t>(p) * H + h, v);
 }
 
-// Grid (S, I / kEltPerBlock).
+// Grid (S, I / kEltPerBlock). T: bf16 (the grouped paths) or fp16 (the stage ops on fp16 activations).
+template <typename T>
 __global__ void __launch_bounds__(kEltThreads)
-    moe_silu_mul_kernel(const __nv_bfloat16* __restrict__ g, int I, __nv_bfloat16* __restrict__ h) {
+    moe_silu_mul_kernel(const T* __restrict__ g, int I, T* __restrict__ h) {
   pdl_wait();                // g is the previous kernel's output; h may be memory it still reads
   pdl_launch_dependents();   // tiny kernel: let the down projection start its prologue now
   const int p = blockIdx.x, i = (blockIdx.y * kEltThreads + threadIdx.x) * 4;
   if (i >= I) return;
-  const float4 a = Vec4<__nv_bfloat16>::load(g + static_cast<int64_t>(p) * 2 * I + i);
-  const float4 b = Vec4<__nv_bfloat16>::load(g + static_cast<int64_t>(p) * 2 * I + I + i);
-  Vec4<__nv_bfloat16>::store(h + static_cast<int64_t>(p) * I + i,
-                             make_float4(silu(a.x) * b.x, silu(a.y) * b.y, silu(a.z) * b.z, silu(a.w) * b.w));
+  const float4 a = Vec4<T>::load(g + static_cast<int64_t>(p) * 2 * I + i);
+  const float4 b = Vec4<T>::load(g + static_cast<int64_t>(p) * 2 * I + I + i);
+  Vec4<T>::store(h + static_cast<int64_t>(p) * I + i,
+                 make_float4(silu(a.x) * b.x, silu(a.y) * b.y, silu(a.z) * b.z, silu(a.w) * b.w));
 }
 
 // Grid (T, H / kEltPerBlock): the token's top_k rows summed in slot order.
@@ -262,9 +263,12 @@ void launch_moe_gather(const at::Tensor& x, const at::Tensor& slot_of, const std
 void launch_moe_silu_mul(const at::Tensor& g, at::Tensor& h, bool pdl) {
   const int64_t S = h.size(0), I = h.size(1);
   if (S == 0) return;
-  launch_kernel(moe_silu_mul_kernel, elt_grid(S, I), dim3(kEltThreads), 0, at::cuda::getCurrentCUDAStream(), 0, pdl,
-                reinterpret_cast<const __nv_bfloat16*>(g.data_ptr()), static_cast<int>(I),
-                reinterpret_cast<__nv_bfloat16*>(h.data_ptr()));
+  KBIT_CHECK(g.scalar_type() == h.scalar_type(), "kbit moe silu_mul: g and h must have one dtype");
+  dispatch_half(h.scalar_type(), "silu_mul", [&](auto tag) {
+    using T = decltype(tag);
+    launch_kernel(moe_silu_mul_kernel<T>, elt_grid(S, I), dim3(kEltThreads), 0, at::cuda::getCurrentCUDAStream(), 0,
+                  pdl, reinterpret_cast<const T*>(g.data_ptr()), static_cast<int>(I), reinterpret_cast<T*>(h.data_ptr()));
+  });
 }
 
 void launch_moe_combine(const at::Tensor& y, const at::Tensor& pos, const std::optional<at::Tensor>& weights,
@@ -283,8 +287,7 @@ void launch_moe_combine(const at::Tensor& y, const at::Tensor& pos, const std::o
     if (y.scalar_type() == at::kFloat) {
       go(float{});
     } else {
-      KBIT_CHECK(y.scalar_type() == at::kBFloat16, "kbit moe combine: expert outputs must be float32 or bfloat16");
-      go(__nv_bfloat16{});
+      dispatch_half(y.scalar_type(), "combine", go);  // the stage ops' scatter of fp16 routed-GEMV rows too
     }
   });
 }

@@ -203,6 +203,156 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
   return out;
 }
 
+// ----------------------------------------------------------------------------- stage by stage
+// The routed experts in two ops, for callers that add to the intermediate results between them (vLLM's LoRA on
+// experts, through vllm_kbit.moe.fused_moe_stages): _moe_stage_gate_up returns each slot's gate_up output h13
+// [S, 2I] and _moe_stage_down, given h13 (as the caller left it), returns the SiLU-and-mul output act [S, I] and
+// each slot's down output times its router weight y [S, H]. All in slot order (s = t * top_k + j) and x's dtype;
+// slots whose expert is not local hold zeros. The plan is fused_moe's for the same shapes: on the direct GEMV path
+// each CTA row reads its slot's row in place and writes its slot's row (no routing, no copies); the routed paths
+// (a forced GEMV, grouped MMA / wgmma; grouped mm runs as grouped MMA) route, gather (grouped kernels: bf16 rows),
+// project, and scatter the routed rows back to slot order with the combine kernel at top_k = 1 (times the router
+// weights for down). Rotations as the plan says: fused into the GEMV's activation load, else a separate pass into
+// a scratch (act itself stays unrotated: the caller's adapters read it).
+
+struct StageSetup {
+  MoePlan plan;
+  at::Tensor ids, weights;  // int32 [S], fp32 [S]
+  std::optional<at::Tensor> map, input_weights, output_weights;
+  int64_t T, H, E, top_k, S;
+};
+
+StageSetup stage_setup(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                       const at::Tensor& w13_qweight, const at::Tensor& w13_absmax, const at::Tensor& w2_qweight,
+                       const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
+                       const std::optional<at::Tensor>& expert_map, bool on_input, int64_t path_id,
+                       const std::optional<at::Tensor>& w13_rot_signs, int64_t w13_rot_block,
+                       const std::optional<at::Tensor>& w2_rot_signs, int64_t w2_rot_block) {
+  const int64_t k = check_fused_moe(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook,
+                                    I, expert_map, w13_rot_signs, w13_rot_block, w2_rot_signs, w2_rot_block);
+  check_cuda(x, "x");
+  const int64_t T = x.size(0), H = x.size(1), E = w13_qweight.size(0), top_k = topk_ids.size(1);
+  KBIT_CHECK_VALUE(E <= kMaxLocalExperts, "kbit moe stages: w13_qweight must be [E, ...] with 1 <= E <= ",
+                   kMaxLocalExperts, " local experts, got ", w13_qweight.sizes());
+  for (const at::Tensor* t : {&w13_qweight, &w13_absmax, &w2_qweight, &w2_absmax, &codebook}) {
+    KBIT_CHECK(t->is_contiguous(), "kbit moe stages: the weight tensors and the codebook must be contiguous");
+  }
+  const DeviceFacts facts = device_facts(x.get_device());
+  const int64_t b13 = w13_rot_signs.has_value() ? w13_rot_block : 0, b2 = w2_rot_signs.has_value() ? w2_rot_block : 0;
+  MoeForced forced{moe_path_from_id(path_id)};
+  MoePlan plan = moe_plan(T, top_k, E, k, forced, H, I, facts, x.scalar_type(), b13, b2);
+  KBIT_CHECK_TYPE(plan.path != MoePath::kReference, "kbit moe stages: x has dtype ", x.scalar_type(),
+                  "; the CUDA kernels support bfloat16 and float16");
+  if (plan.path == MoePath::kGroupedMm) {  // no chunk list to scatter by: the grouped MMA over the same routing
+    forced.path = MoePath::kGroupedMma;
+    plan = moe_plan(T, top_k, E, k, forced, H, I, facts, x.scalar_type(), b13, b2);
+  }
+  KBIT_CHECK(plan.path == MoePath::kGemvDirect || plan.max_chunks <= kMmaMaxGridRows || plan.path == MoePath::kGemv,
+             "kbit moe stages: ", T * top_k, " slots need up to ", plan.max_chunks, " chunks of ", plan.chunk_rows,
+             " rows; the grouped kernels launch at most ", kMmaMaxGridRows);
+  KBIT_CHECK_VALUE(plan.path != MoePath::kGroupedWgmma || facts.sm_major == 9,
+                   "kbit moe stages: path grouped_wgmma needs a Hopper GPU (sm_90), this one is sm_", facts.sm_major, "x");
+  const at::Tensor ids = topk_ids.to(at::kInt).contiguous().view({-1});
+  const at::Tensor weights = topk_weights.to(at::kFloat).contiguous().view({-1});
+  StageSetup st{plan, ids, weights, int32_map(expert_map, x), std::nullopt, std::nullopt, T, H, E, top_k, ids.numel()};
+  (on_input ? st.input_weights : st.output_weights) = weights;
+  return st;
+}
+
+// x R into a scratch where the projection's plan rotates separately (the input itself is left as it is).
+at::Tensor rotated_input(const at::Tensor& A, const MoeProjPlan& proj, const std::optional<at::Tensor>& signs,
+                         int64_t block) {
+  at::Tensor a = A.contiguous();
+  if (proj.rotation == InputRotation::kSeparate) {
+    at::Tensor r = at::empty_like(a);
+    launch_rotate(a, *signs, block, /*inverse=*/false, r);
+    return r;
+  }
+  return reinterpret_cast<uintptr_t>(a.data_ptr()) % 16 != 0 ? a.clone() : a;  // 8- and 16-byte vector loads
+}
+
+// One projection of the stage ops: C[s] = (w_in[s] A[s / a_top_k] R) @ dequant(W_e(s))^T * w_out[s] in slot order,
+// into C ([S, N], A's dtype); each weight 1 where not given (at most one is: fused_moe's on_input rule).
+void stage_project(const StageSetup& st, const MoeProjPlan& proj, const at::Tensor& A, int64_t a_top_k,
+                   const std::optional<at::Tensor>& in_w, const std::optional<at::Tensor>& out_w, const at::Tensor& q,
+                   const at::Tensor& a, const at::Tensor& codebook, int64_t N, int64_t K,
+                   const std::optional<at::Tensor>& signs, int64_t block, at::Tensor& C) {
+  const MoePlan& plan = st.plan;
+  const at::Tensor in = rotated_input(A, proj, signs, block);
+  const float* fused_signs = proj.rotation == InputRotation::kFused ? signs->data_ptr<float>() : nullptr;
+  const int64_t fused_block = fused_signs != nullptr ? block : 0;
+  if (plan.path == MoePath::kGemvDirect) {
+    // CTA row s reads row s / a_top_k of A in place and writes row s of C, the weight on its input (a product's
+    // factor either way); slots of other ranks' experts are skipped: C starts zeroed.
+    C.zero_();
+    at::Tensor no_arrivals = at::empty({0}, st.ids.options());  // kGather zeroes the counters of a down that follows
+    launch_moe_gemv_direct(MoeStage::kGather, in, st.ids, st.map, in_w.has_value() ? in_w : out_w, a_top_k, q, a,
+                           codebook, N, K, C, no_arrivals, proj, nullptr, fused_signs, fused_block);
+    return;
+  }
+  const Routing r = route(st.ids, st.map, st.E, plan.chunk_rows, plan.max_chunks, plan.pdl);
+  at::Tensor routed;
+  if (plan.path == MoePath::kGemv) {  // gathers A's rows (times w_in) in its activation load
+    routed = at::empty({st.S, N}, A.options());
+    launch_moe_gemv(MoeStage::kGather, in, r.slot_of, in_w, a_top_k, r.chunks, r.num_chunks, q, a, codebook, N, K,
+                    plan.chunk_rows, routed, proj, fused_signs, fused_block);
+  } else {
+    at::Tensor rows = at::empty({st.S, K}, A.options().dtype(at::kBFloat16));
+    launch_moe_gather(in, r.slot_of, in_w, a_top_k, rows, plan.pdl);
+    routed = at::empty({st.S, N}, rows.options());
+    if (plan.kernel == MoeKernel::kWgmmaRsGrouped) {
+      launch_wgmma_rs_grouped(rows, r.chunks, q, a, codebook, N, K, routed, proj);
+    } else if (plan.kernel == MoeKernel::kWgmmaWsGrouped) {
+      launch_wgmma_ws_grouped(rows, r.chunks, q, a, codebook, N, K, routed, proj);
+    } else {
+      // The routing ran before the gather, as in fused_moe: the grouped MMA may prefetch weights early.
+      launch_mma_grouped(rows, r.chunks, r.num_chunks, q, a, codebook, N, K, plan.chunk_rows, routed, proj, true);
+    }
+  }
+  launch_moe_combine(routed, r.pos, out_w, /*top_k=*/1, C, plan.pdl);  // rows back to slot order (zeros: not local)
+}
+
+at::Tensor moe_stage_gate_up(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                             const at::Tensor& w13_qweight, const at::Tensor& w13_absmax, const at::Tensor& w2_qweight,
+                             const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
+                             const std::optional<at::Tensor>& expert_map, bool on_input, int64_t path_id,
+                             const std::optional<at::Tensor>& w13_rot_signs, int64_t w13_rot_block,
+                             const std::optional<at::Tensor>& w2_rot_signs, int64_t w2_rot_block) {
+  const c10::DeviceGuard guard(x.device());
+  const StageSetup st = stage_setup(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook,
+                                    I, expert_map, on_input, path_id, w13_rot_signs, w13_rot_block, w2_rot_signs,
+                                    w2_rot_block);
+  at::Tensor h13 = at::empty({st.S, 2 * I}, x.options());
+  if (st.S == 0) return h13;
+  stage_project(st, st.plan.gate_up, x, st.top_k, st.input_weights, std::nullopt, w13_qweight, w13_absmax, codebook,
+                2 * I, st.H, w13_rot_signs, w13_rot_block, h13);
+  return h13;
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_stage_down(
+    const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights, const at::Tensor& w13_qweight,
+    const at::Tensor& w13_absmax, const at::Tensor& w2_qweight, const at::Tensor& w2_absmax, const at::Tensor& codebook,
+    int64_t I, const std::optional<at::Tensor>& expert_map, bool on_input, const at::Tensor& h13, int64_t path_id,
+    const std::optional<at::Tensor>& w13_rot_signs, int64_t w13_rot_block, const std::optional<at::Tensor>& w2_rot_signs,
+    int64_t w2_rot_block) {
+  const c10::DeviceGuard guard(x.device());
+  const StageSetup st = stage_setup(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook,
+                                    I, expert_map, on_input, path_id, w13_rot_signs, w13_rot_block, w2_rot_signs,
+                                    w2_rot_block);
+  KBIT_CHECK_VALUE(h13.dim() == 2 && h13.size(0) == st.S && h13.size(1) == 2 * I &&
+                       h13.scalar_type() == x.scalar_type() && h13.device() == x.device(),
+                   "kbit _moe_stage_down: h13 must be x's dtype [T * top_k, 2 * intermediate_size] = [", st.S, ", ",
+                   2 * I, "] on ", x.device(), " (what _moe_stage_gate_up returns), got ", h13.scalar_type(), " ",
+                   h13.sizes(), " on ", h13.device());
+  at::Tensor act = at::empty({st.S, I}, x.options());
+  at::Tensor y = at::empty({st.S, st.H}, x.options());
+  if (st.S == 0) return {act, y};
+  launch_moe_silu_mul(h13.contiguous(), act, st.plan.pdl);
+  stage_project(st, st.plan.down, act, 1, std::nullopt, st.output_weights, w2_qweight, w2_absmax, codebook, st.H, I, w2_rot_signs,
+                w2_rot_block, y);
+  return {act, y};
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_route_op(
     const at::Tensor& topk_ids, const std::optional<at::Tensor>& expert_map, int64_t num_experts, int64_t chunk_rows,
     int64_t max_chunks) {
@@ -288,4 +438,6 @@ TORCH_LIBRARY_IMPL(kbit, CUDA, m) {
   m.impl("_fused_moe_cuda", &kbit::fused_moe_cuda);
   m.impl("_moe_route", &kbit::moe_route_op);
   m.impl("_moe_grouped_linear", &kbit::moe_grouped_linear_op);
+  m.impl("_moe_stage_gate_up", &kbit::moe_stage_gate_up);
+  m.impl("_moe_stage_down", &kbit::moe_stage_down);
 }
