@@ -280,11 +280,11 @@ def cached_kbit_weights(original: dict, k: int, search_scale: bool = True, model
         cb = fmt.CODEBOOKS[codebook](k)
         return {name: kbit_fake_weight(W.contiguous(), k, cb, search_scale) for name, W in original.items()}
 
-    tag = f"kbit{k}{CODEBOOK_TAGS[codebook]}{'' if search_scale else '-absmax'}"
+    tag = f"kbit{k}{CODEBOOK_TAGS[fmt.codebook_name(codebook, k)]}{'' if search_scale else '-absmax'}"
     return cached_weights(original, tag, compute, model_dir, verbose)
 
 
-# Cache-name part of each codebook ("kbit3" is the normal-float one, as before the default changed).
+# Cache-name part of each concrete codebook ("kbit3" is the normal-float one, as before the default changed).
 CODEBOOK_TAGS = {"normal_float": "", "normal_float_zero": "-nf0"}
 
 

@@ -85,14 +85,20 @@ def test_normal_float_zero_at_4_bits_is_nf4():
     assert torch.allclose(fmt.normal_float_zero_codebook(4), torch.tensor(BNB_NF4), atol=1e-4)
 
 
-def test_default_codebook_is_normal_float_zero_and_normal_float_still_loads():
+def test_default_codebook_is_symmetric_at_2_bits_with_zero_above_and_named_codebooks_still_load():
     from vllm_kbit.settings import KbitSettings
 
-    assert fmt.DEFAULT_CODEBOOK == "normal_float_zero"
-    assert torch.equal(fmt.default_codebook(3), fmt.normal_float_zero_codebook(3))
+    assert fmt.DEFAULT_CODEBOOK == "normal_float_by_bits"
+    assert torch.equal(fmt.default_codebook(2), fmt.normal_float_codebook(2))
+    assert (fmt.default_codebook(2) != 0).all()
+    for k in (3, 4, 5):
+        assert torch.equal(fmt.default_codebook(k), fmt.normal_float_zero_codebook(k))
     assert torch.equal(KbitSettings(bits=3).codebook(3), fmt.normal_float_zero_codebook(3))
-    assert KbitSettings(bits=3).to_dict()["codebook"] == "normal_float_zero"
-    old = KbitSettings.from_dict({"quant_method": "kbit", "bits": 3, "codebook": "normal_float"})
-    assert torch.equal(old.codebook(3), fmt.normal_float_codebook(3))
-    with pytest.raises(ValueError, match="codebook must be 'normal_float_zero' or 'normal_float', a list or a dict"):
+    assert torch.equal(KbitSettings(bits=2).codebook(2), fmt.normal_float_codebook(2))
+    assert KbitSettings(bits=3).to_dict()["codebook"] == "normal_float_by_bits"
+    for name in ("normal_float", "normal_float_zero"):  # checkpoints converted with an earlier default name theirs
+        old = KbitSettings.from_dict({"quant_method": "kbit", "bits": 2, "codebook": name})
+        assert torch.equal(old.codebook(2), fmt.CODEBOOKS[name](2))
+    with pytest.raises(ValueError, match="codebook must be 'normal_float_by_bits' or 'normal_float_zero' or "
+                                         "'normal_float', a list or a dict"):
         KbitSettings(bits=3, codebook="nf3")

@@ -207,15 +207,36 @@ def _normal_float_zero_codebook_cpu(k: int) -> torch.Tensor:
 
 
 def normal_float_zero_codebook(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """The default codebook: 2**k normal-quantile levels with an exact zero (one more positive level
-    than negative), ascending, max |c| == 1 at both ends."""
+    """2**k normal-quantile levels with an exact zero (one more positive level than negative), ascending,
+    max |c| == 1 at both ends: the default at k = 3..5."""
     check_bits(k)
     return _normal_float_zero_codebook_cpu(k).to(device)
 
 
+# The default per bit width: the symmetric levels at k = 2 (of four levels, a zero level costs more than it saves:
+# better perplexity on every model measured, rotated and calibrated, and SQNR on Gaussian weights), the levels with an
+# exact zero at k = 3..5 (docs/decisions.md, "Codebook per bit width"). A fixed rule: checkpoints name it, so a
+# later default gets a new name.
+BY_BITS = {2: "normal_float", 3: "normal_float_zero", 4: "normal_float_zero", 5: "normal_float_zero"}
+
+
+def codebook_name(name: str, k: int) -> str:
+    """The named codebook that ``name`` is at k bits: itself, or for "normal_float_by_bits" the one BY_BITS gives."""
+    if name != "normal_float_by_bits":
+        return name
+    check_bits(k)
+    return BY_BITS[k]
+
+
+def normal_float_by_bits_codebook(k: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The default codebook: normal_float at 2 bits, normal_float_zero at 3..5 (BY_BITS)."""
+    return CODEBOOKS[codebook_name("normal_float_by_bits", k)](k, device)
+
+
 # Named codebooks a checkpoint's quantization_config may give; the first is the default.
-CODEBOOKS = {"normal_float_zero": normal_float_zero_codebook, "normal_float": normal_float_codebook}
-DEFAULT_CODEBOOK = "normal_float_zero"
+CODEBOOKS = {"normal_float_by_bits": normal_float_by_bits_codebook, "normal_float_zero": normal_float_zero_codebook,
+             "normal_float": normal_float_codebook}
+DEFAULT_CODEBOOK = "normal_float_by_bits"
 
 
 def default_codebook(k: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -18,9 +18,10 @@ Where the settings come from
 
 Fields
 ------
-``bits``: 2..5 (default 4). ``codebook``: ``"normal_float_zero"`` (default: normal quantiles with
-an exact zero), ``"normal_float"`` (symmetric, no zero level: the earlier default, which
-checkpoints converted with it name), a list of
+``bits``: 2..5 (default 4). ``codebook``: ``"normal_float_by_bits"`` (default: ``"normal_float"``
+at 2 bits, ``"normal_float_zero"`` at 3..5), ``"normal_float_zero"`` (normal quantiles with an exact
+zero), ``"normal_float"`` (symmetric, no zero level; checkpoints converted under an earlier default
+name theirs), a list of
 ``2**bits`` ascending float32 values with max |c| == 1, or a dict ``{"<k>": [...]}``
 per bit width. ``bits_overrides``: ``{regex: bits}``; a module takes the bits of
 the first regex (in order) that ``re.search`` finds in its name. ``modules_to_not_convert``:
