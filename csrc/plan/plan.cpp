@@ -622,7 +622,9 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, c
     plan.kernel = MoeKernel::kGroupedMm;
   }
   const bool gemv = path == MoePath::kGemvDirect || path == MoePath::kGemv;  // the kernels that fuse a rotation
-  plan.gate_up.rotation = input_rotation(gate_up_rot_block, gemv);
+  // The hidden states are rotated apart, once per layer: a fusing GEMV would rotate x's row again in every
+  // (slot, n-tile) CTA, top_k x n_tiles times (H200, T = 1: 2.0 µs more per layer than one pass; docs/decisions.md).
+  plan.gate_up.rotation = input_rotation(gate_up_rot_block, false);
   plan.down.rotation = input_rotation(down_rot_block, gemv);
   if (hidden <= 0 || intermediate <= 0 || S == 0 || plan.max_chunks == 0) return plan;
   KBIT_CHECK_VALUE(facts.num_sms >= 1, "kbit moe_plan: needs num_sms >= 1 to plan the projections, got ",
@@ -635,7 +637,7 @@ MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, c
   plan.down = moe_proj_plan(plan.kernel, S, experts, plan.chunk_rows, grid_rows, n_tiles_of(hidden),
                             k_tiles_of(intermediate), bits, facts, forced.down_row_groups, forced.down_splits,
                             forced.producers);
-  plan.gate_up.rotation = input_rotation(gate_up_rot_block, gemv);
+  plan.gate_up.rotation = input_rotation(gate_up_rot_block, false);
   plan.down.rotation = input_rotation(down_rot_block, gemv);
   return plan;
 }

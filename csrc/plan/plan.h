@@ -315,10 +315,11 @@ struct MoePlan {
 // planned), on the GPU the facts describe (auto takes the grouped wgmma on Hopper only: facts.sm_major == 9),
 // for activations of `dtype` (fp32: the reference path, whatever is forced). gate_up_rot_block / down_rot_block:
 // the blocks of the experts' rotation of the hidden states / of the SiLU-and-mul output (0: none). The GEMV paths
-// rotate both in their activation load (input_rotation: fused) for the blocks they take; a separate rotation of
+// rotate the down input in their activation load (input_rotation: fused) for the blocks they take; a separate rotation of
 // the down projection's input needs the SiLU-and-mul as its own kernel, which the GEMV paths fold into their down
 // projection: for a block they do not fuse, auto takes the grouped MMA instead of the direct GEMV and a forced GEMV
-// path is refused.
+// path is refused. The hidden states (gate_up's input) are rotated separately on every path: once per layer, where
+// a fusing GEMV would rotate each token's row in each of its slots' n-tile CTAs.
 MoePlan moe_plan(int64_t tokens, int64_t top_k, int64_t experts, int64_t bits, const MoeForced& forced,
                  int64_t hidden = 0, int64_t intermediate = 0, const DeviceFacts& facts = {},
                  at::ScalarType dtype = at::kBFloat16, int64_t gate_up_rot_block = 0, int64_t down_rot_block = 0);

@@ -331,8 +331,8 @@ def test_rotated_linear_launches_its_plan(dtype):
 
 @pytest.mark.parametrize("E,top_k,H,I", MOE_SHAPES)
 def test_rotated_fused_moe_launches_its_plan(E, top_k, H, I):
-    """Rotated experts: the GEMV paths fuse both rotations (gate_up_rotation, down_rotation "fused", no rotation
-    launch), the other paths rotate separately (a rotation launch before each projection; grouped mm: both before
+    """Rotated experts: the hidden states are rotated apart on every path (gate_up_rotation "separate", one rotation
+    launch); the GEMV paths fuse the down input's rotation (down_rotation "fused"), the other paths rotate it separately (a rotation launch before each projection; grouped mm: both before
     its one record); a down block no GEMV fuses (2) keeps auto off the direct GEMV and a forced GEMV path refused."""
     torch.cuda.set_device(DEVICE)
     gen = torch.Generator().manual_seed(E + H + 1)
@@ -358,7 +358,7 @@ def test_rotated_fused_moe_launches_its_plan(E, top_k, H, I):
                         continue
                     plan = moe_plan(*args)
                     gemv = plan.path in ("gemv_direct", "gemv")
-                    assert plan.gate_up_rotation == rotation_of(gemv, b13), plan
+                    assert plan.gate_up_rotation == "separate", plan
                     assert plan.down_rotation == (rotation_of(gemv, down) if down else "none"), plan
                     assert not (down == 2 and plan.path == "gemv_direct"), plan
                     host = ops.named(torch.ops.kbit.moe_plan, T, top_k, E, k, path, sm_major, None, b13, down)
