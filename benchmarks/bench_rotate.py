@@ -3,8 +3,8 @@ rotated by a separate pass, in one run.
 
 For the MoE layers (hidden states rotated once per layer before every expert's gate_up, the down projection's
 input per routed slot) and the dense layers of bench_kernels.py, at k = 4 by default, COLD (weight copies
-rotated beyond L2), CUDA-graph replay, for each block b in --blocks (128: inside one GEMV k-tile; max: the
-converter's default, the largest power of two <= 1024 dividing K; MoE: b of each projection's own K):
+rotated beyond L2), CUDA-graph replay, for each block b in --blocks (128: inside one GEMV k-tile, the
+converter's default cap; max: the largest power of two <= 1024 dividing K; MoE: b of each projection's own K):
 
   base          the kbit layer alone (kbit_fused_moe / kbit::linear), as bench_kernels.py times it;
   rotated       the op given the layer's rotation (signs, b): what the plan does, recorded per projection in the
@@ -43,7 +43,7 @@ DENSE_M = (1, 2, 4, 16, 64)
 
 
 def max_block(K: int) -> int:
-    return fmt.rotation_block(K)  # the converter's default rule
+    return fmt.rotation_block(K, fmt.ROTATION_MAX_BLOCK)  # the largest block the format takes (the default cap is 128)
 
 
 def blocks_for(K: int, blocks: list[str]) -> list[int]:

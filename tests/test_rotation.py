@@ -72,9 +72,13 @@ def test_signs_match_splitmix64_written_out():
 
 
 def test_block_rule():
-    assert fmt.rotation_block(576) == 64 and fmt.rotation_block(1536) == 512 and fmt.rotation_block(2048) == 1024
-    assert fmt.rotation_block(640) == 128 and fmt.rotation_block(8192) == fmt.ROTATION_MAX_BLOCK
-    assert fmt.rotation_block(2048, max_block=128) == 128
+    big = fmt.ROTATION_MAX_BLOCK
+    assert fmt.rotation_block(576, big) == 64 and fmt.rotation_block(1536, big) == 512
+    assert fmt.rotation_block(2048, big) == 1024 and fmt.rotation_block(640, big) == 128
+    assert fmt.rotation_block(8192, big) == fmt.ROTATION_MAX_BLOCK == 1024
+    # The default cap: one GEMV k-tile.
+    assert fmt.ROTATION_DEFAULT_MAX_BLOCK == 128
+    assert fmt.rotation_block(2048) == 128 and fmt.rotation_block(1536) == 128 and fmt.rotation_block(576) == 64
     assert fmt.rotation_block(576, tp=8) == 8 and fmt.rotation_block(768, tp=8) == 32  # divides every shard
     assert fmt.rotation_block(576, tp=3) == 64
     for K, kw, match in [(576, {"tp": 5}, "does not divide"), (2048, {"max_block": 48}, "power of two"),
@@ -186,7 +190,9 @@ def test_a_rotated_config_is_read_where_it_is_served():
     config = {"quant_method": "kbit", "bits": 3, "prequantized": True,
               "rotation": {"method": "hadamard", "seed": 0, "max_block": 1024, "tp": 2, "blocks": {"576": 32}}}
     got = KbitSettings.from_dict(config).rotation
-    assert got == Rotation(seed=0, tp=2, blocks={576: 32}) and got.block(576) == 32 and got.block(2048) == 1024
+    # Converted at the earlier default cap (1024): its recorded cap holds for sizes the blocks do not list.
+    assert got == Rotation(seed=0, max_block=1024, tp=2, blocks={576: 32}) and got.block(576) == 32
+    assert got.block(2048) == 1024 and Rotation(seed=0, tp=2).block(2048) == 128
 
 
 def test_convert_writes_rotated_weights_and_the_rotation_it_used(tmp_path):

@@ -135,7 +135,8 @@ def _parser() -> argparse.ArgumentParser:
         f"with --gptq, {'on' if DEFAULT_RTN_ROTATE else 'off'} without",
     )
     c.add_argument("--rotation-block", type=int, default=None, metavar="B",
-                   help=f"largest Hadamard block (a power of two; default {fmt.ROTATION_MAX_BLOCK}): each layer takes the "
+                   help=f"largest Hadamard block (a power of two up to {fmt.ROTATION_MAX_BLOCK}; default "
+                   f"{fmt.ROTATION_DEFAULT_MAX_BLOCK}): each layer takes the "
                    "largest power of two <= B that divides its input size / --rotation-tp")
     c.add_argument("--rotation-seed", type=int, default=None, metavar="S",
                    help=f"seed of the rotation's random signs (default {fmt.ROTATION_DEFAULT_SEED})")
@@ -194,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         if rotate:
             rotation = Rotation(
                 seed=fmt.ROTATION_DEFAULT_SEED if args.rotation_seed is None else args.rotation_seed,
-                max_block=fmt.ROTATION_MAX_BLOCK if args.rotation_block is None else args.rotation_block,
+                max_block=fmt.ROTATION_DEFAULT_MAX_BLOCK if args.rotation_block is None else args.rotation_block,
                 tp=1 if args.rotation_tp is None else args.rotation_tp,
             )
         settings = KbitSettings(

@@ -534,9 +534,12 @@ def dequantize_runtime(
 # The rule for b and s is written here once; the converter records it (settings.KbitSettings.rotation) and the
 # runtime asks it (rotation_block, rotation_signs, hadamard_rotate / torch.ops.kbit.hadamard_rotate).
 # Blocks the runtime rotates (kbit::linear / fused_moe's rotation arguments, the CUDA kernel): powers of two
-# ROTATION_MIN_BLOCK..ROTATION_MAX_BLOCK; the default cap on b is the largest (format_constants.h).
+# ROTATION_MIN_BLOCK..ROTATION_MAX_BLOCK (format_constants.h). The default cap on b is 128: one GEMV k-tile, so the
+# decode kernels rotate in-tile without mixing k-tiles, and the accuracy of larger blocks measured the same at 3 bits
+# (docs/decisions.md, "Rotation block: at most 128 by default").
 ROTATION_MAX_BLOCK = _FORMAT["kRotationMaxBlock"]
 ROTATION_MIN_BLOCK = _FORMAT["kRotationMinBlock"]
+ROTATION_DEFAULT_MAX_BLOCK = 128
 ROTATION_DEFAULT_SEED = 0
 _SPLITMIX_GAMMA = 0x9E3779B97F4A7C15
 _MASK64 = (1 << 64) - 1
@@ -550,7 +553,7 @@ def check_rotation_settings(max_block, tp, seed) -> None:
     """The rotation settings' rules, one-line ValueErrors naming the value and what is supported."""
     if not _is_int(max_block) or max_block < ROTATION_MIN_BLOCK or max_block & (max_block - 1):
         raise ValueError(f"kbit: rotation block {max_block!r} is not supported; it must be a power of two >= "
-                         f"{ROTATION_MIN_BLOCK} (default {ROTATION_MAX_BLOCK})")
+                         f"{ROTATION_MIN_BLOCK} (default {ROTATION_DEFAULT_MAX_BLOCK})")
     if not _is_int(tp) or tp < 1:
         raise ValueError(f"kbit: rotation tp={tp!r} is not supported; it must be an integer >= 1 (the largest "
                          "tensor-parallel size the checkpoint is served at)")
@@ -558,7 +561,7 @@ def check_rotation_settings(max_block, tp, seed) -> None:
         raise ValueError(f"kbit: rotation seed={seed!r} is not supported; it must be an integer in [0, 2**63)")
 
 
-def rotation_block(K: int, max_block: int = ROTATION_MAX_BLOCK, tp: int = 1) -> int:
+def rotation_block(K: int, max_block: int = ROTATION_DEFAULT_MAX_BLOCK, tp: int = 1) -> int:
     """The Hadamard block b of a layer with input size K: the largest power of two b <= ``max_block`` with
     b * tp dividing K, so that b divides every tensor-parallel shard of K (a row-parallel layer holds K / tp
     inputs per rank and rotates only its own). Raises when no b >= 2 exists (K / tp odd, or tp not dividing K):

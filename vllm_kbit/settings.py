@@ -34,7 +34,7 @@ replaces it. ``quantize_lm_head``: ``true`` quantizes the output head (``lm_head
 names ``lm_head`` contradicts it and is refused). A head tied to the input embedding stays bf16
 with a warning: the embedding lookup reads the same tensor and stays bf16.
 
-``rotation``: optional, ``{"seed": 0, "max_block": 1024, "tp": 1}`` (every key optional; a converted checkpoint
+``rotation``: optional, ``{"seed": 0, "max_block": 128, "tp": 1}`` (every key optional; a converted checkpoint
 adds ``"method": "hadamard"`` and ``"blocks": {"<K>": b}``): every quantized layer stores Q(W R) and is fed x R,
 R a randomized Hadamard transform of its input (:class:`Rotation`, docs/format.md section 9); the vLLM layers
 rotate their inputs inside the kbit ops. Absent (the default) means no rotation; online quantization rotates only
@@ -244,7 +244,7 @@ class Rotation:
     list (and every K of an online quantization) gets :func:`reference.rotation_block` (K, max_block, tp).
     """
 
-    def __init__(self, seed: int = fmt.ROTATION_DEFAULT_SEED, max_block: int = fmt.ROTATION_MAX_BLOCK, tp: int = 1,
+    def __init__(self, seed: int = fmt.ROTATION_DEFAULT_SEED, max_block: int = fmt.ROTATION_DEFAULT_MAX_BLOCK, tp: int = 1,
                  blocks: dict | None = None) -> None:
         fmt.check_rotation_settings(max_block, tp, seed)
         self.seed, self.max_block, self.tp = seed, max_block, tp
@@ -294,7 +294,7 @@ class Rotation:
         blocks = config.get("blocks") or {}
         if not isinstance(blocks, dict):
             raise ValueError(f"kbit: rotation blocks must be a dict {{input size: block}}, got {blocks!r}")
-        return cls(config.get("seed", fmt.ROTATION_DEFAULT_SEED), config.get("max_block", fmt.ROTATION_MAX_BLOCK),
+        return cls(config.get("seed", fmt.ROTATION_DEFAULT_SEED), config.get("max_block", fmt.ROTATION_DEFAULT_MAX_BLOCK),
                    config.get("tp", 1), blocks)
 
     def to_dict(self) -> dict[str, Any]:

@@ -99,7 +99,8 @@ def test_moe_gemv_rotates_both_projections(k, H, I, path, T, top_k):
     ex = Experts(E, H, I, k, gen)
     for dtype, b13, b2, on_input in ((torch.bfloat16, 128, 32, False), (torch.float16, 32, 64, False),
                                      (torch.bfloat16, 1024, 256, top_k == 1 or path == "gemv")):
-        b13, b2 = min(b13, fmt.rotation_block(H)), min(b2, fmt.rotation_block(I))  # the largest that divides
+        big = fmt.ROTATION_MAX_BLOCK
+        b13, b2 = min(b13, fmt.rotation_block(H, big)), min(b2, fmt.rotation_block(I, big))  # the largest that divides
         x = torch.randn(T, H, generator=gen).to(dtype).cuda()
         ids, weights = random_routing(T, E, top_k, gen, "random")
         s13, s2 = _signs(H, 1), _signs(I, 2)
