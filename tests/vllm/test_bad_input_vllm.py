@@ -467,14 +467,19 @@ def test_a_rotation_is_sliced_per_rank_and_a_tensor_parallel_size_it_does_not_co
     from vllm_kbit.vllm.linear_method import layer_rotation, shard_rotation
 
     full = fmt.rotation_signs(1536, 5)
-    signs, block = shard_rotation(Rotation(seed=5, tp=2), "model.layers.0.mlp.down_proj", "input", 1536, 768, 1)
+    big = fmt.ROTATION_MAX_BLOCK  # the format's largest cap: blocks over 128 where K allows
+    signs, block = shard_rotation(Rotation(seed=5, max_block=big, tp=2), "model.layers.0.mlp.down_proj", "input", 1536,
+                                  768, 1)
     assert block == 256 and torch.equal(signs, full[768:])  # 1536 / 2 = 768 = 3 * 256
     layer = types.SimpleNamespace(tp_rank=1)
-    layer_rotation(layer, Rotation(seed=5, tp=2), "model.layers.0.mlp.down_proj", 768, 1536)
+    layer_rotation(layer, Rotation(seed=5, max_block=big, tp=2), "model.layers.0.mlp.down_proj", 768, 1536)
     assert torch.equal(layer.kbit_rotation[0], full[768:]) and layer.kbit_rotation[1] == 256
-    layer_rotation(layer, Rotation(seed=5, tp=2), "model.layers.0.mlp.gate_up_proj", 1536, 1536)  # column parallel
-    assert torch.equal(layer.kbit_rotation[0], full)
+    layer_rotation(layer, Rotation(seed=5, max_block=big, tp=2), "model.layers.0.mlp.gate_up_proj", 1536, 1536)
+    assert torch.equal(layer.kbit_rotation[0], full)  # column parallel: the whole K
+    # The default cap (128) divides this shard with no --rotation-tp.
+    signs, block = shard_rotation(Rotation(seed=5), "model.layers.0.mlp.down_proj", "input", 1536, 768, 1)
+    assert block == 128 and torch.equal(signs, full[768:])
     with pytest.raises(ValueError, match=r"blocks of 512 over its 1536 inputs, which do not divide this rank's 768 "
                                          r"inputs at tensor parallel 2.*--rotation-tp 2") as e:
-        shard_rotation(Rotation(seed=5), "model.layers.0.mlp.down_proj", "input", 1536, 768, 0)
+        shard_rotation(Rotation(seed=5, max_block=big), "model.layers.0.mlp.down_proj", "input", 1536, 768, 0)
     assert "\n" not in str(e.value)
