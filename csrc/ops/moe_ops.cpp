@@ -77,6 +77,40 @@ at::Tensor dequantize_stacked(const at::Tensor& q, const at::Tensor& a, const at
   return W.view({E, q.size(1) * kTileN, K}).narrow(1, 0, N);
 }
 
+// fused_moe's argument rules, then what the CUDA kernels need beyond them: a CUDA x, at most kMaxLocalExperts experts
+// (what they index) and contiguous weights. Returns k. `op` names the caller in the messages.
+int64_t check_cuda_moe(const char* op, const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+                       const at::Tensor& w13_qweight, const at::Tensor& w13_absmax, const at::Tensor& w2_qweight,
+                       const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
+                       const std::optional<at::Tensor>& expert_map, const std::optional<at::Tensor>& w13_rot_signs,
+                       int64_t w13_rot_block, const std::optional<at::Tensor>& w2_rot_signs, int64_t w2_rot_block) {
+  const int64_t k = check_fused_moe(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook,
+                                    I, expert_map, w13_rot_signs, w13_rot_block, w2_rot_signs, w2_rot_block);
+  check_cuda(x, "x");
+  KBIT_CHECK_VALUE(w13_qweight.size(0) <= kMaxLocalExperts, "kbit ", op, ": w13_qweight must be [E, ...] with 1 <= E <= ",
+                   kMaxLocalExperts, " local experts, got ", w13_qweight.sizes());
+  for (const at::Tensor* t : {&w13_qweight, &w13_absmax, &w2_qweight, &w2_absmax, &codebook}) {
+    KBIT_CHECK(t->is_contiguous(), "kbit ", op, ": the weight tensors and the codebook must be contiguous");
+  }
+  return k;
+}
+
+// One grouped projection over routed bf16 rows by the plan's grouped kernel (MMA, or Hopper's register-operand /
+// warp-specialized wgmma). chunks_early: the routing ran before the gather, so the grouped MMA may prefetch weights.
+void launch_grouped(MoeKernel kernel, const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& num_chunks,
+                    const at::Tensor& q, const at::Tensor& a, const at::Tensor& codebook, int64_t N, int64_t K,
+                    int64_t chunk_rows, at::Tensor& C, const MoeProjPlan& proj) {
+  if (kernel == MoeKernel::kWgmmaRsGrouped) {
+    launch_wgmma_rs_grouped(A, chunks, q, a, codebook, N, K, C, proj);
+  } else if (kernel == MoeKernel::kWgmmaWsGrouped) {
+    launch_wgmma_ws_grouped(A, chunks, q, a, codebook, N, K, C, proj);
+  } else {
+    KBIT_CHECK(kernel == MoeKernel::kMmaGrouped, "kbit fused_moe: the plan's kernel ", moe_kernel_name(kernel),
+               " is not a grouped MMA or wgmma");
+    launch_mma_grouped(A, chunks, num_chunks, q, a, codebook, N, K, chunk_rows, C, proj, /*chunks_early=*/true);
+  }
+}
+
 at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
                           const at::Tensor& w13_qweight, const at::Tensor& w13_absmax, const at::Tensor& w2_qweight,
                           const at::Tensor& w2_absmax, const at::Tensor& codebook, int64_t I,
@@ -84,17 +118,11 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
                           int64_t gate_up_splits, int64_t down_splits, int64_t gate_up_row_groups,
                           int64_t down_row_groups, int64_t producers, const std::optional<at::Tensor>& w13_rot_signs,
                           int64_t w13_rot_block, const std::optional<at::Tensor>& w2_rot_signs, int64_t w2_rot_block) {
-  const int64_t k = check_fused_moe(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook,
-                                    I, expert_map, w13_rot_signs, w13_rot_block, w2_rot_signs, w2_rot_block);
-  // What the kernels need beyond the op's rules: CUDA, contiguous weights, E they index, and (the plan's path)
-  // 16-bit activations.
-  check_cuda(x, "x");
+  // The op's rules and the kernels' (CUDA, contiguous weights, E they index); the plan's path: 16-bit activations.
+  const int64_t k = check_cuda_moe("fused_moe", x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight,
+                                   w2_absmax, codebook, I, expert_map, w13_rot_signs, w13_rot_block, w2_rot_signs,
+                                   w2_rot_block);
   const int64_t T = x.size(0), H = x.size(1), E = w13_qweight.size(0), top_k = topk_ids.size(1);
-  KBIT_CHECK_VALUE(E <= kMaxLocalExperts, "kbit fused_moe: w13_qweight must be [E, ...] with 1 <= E <= ",
-              kMaxLocalExperts, " local experts, got ", w13_qweight.sizes());
-  for (const at::Tensor* t : {&w13_qweight, &w13_absmax, &w2_qweight, &w2_absmax, &codebook}) {
-    KBIT_CHECK(t->is_contiguous(), "kbit fused_moe: the weight tensors and the codebook must be contiguous");
-  }
   const c10::DeviceGuard guard(x.device());
   const DeviceFacts facts = device_facts(x.get_device());
   const MoeForced forced{moe_path_from_id(path_id), gate_up_splits, down_splits, gate_up_row_groups, down_row_groups,
@@ -169,15 +197,7 @@ at::Tensor fused_moe_cuda(const at::Tensor& x, const at::Tensor& topk_ids, const
     // before gate_up for down): the grouped MMA prefetches weights early.
     const auto project = [&](const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, int64_t N, int64_t K,
                              at::Tensor& C, const MoeProjPlan& proj) {
-      if (plan.kernel == MoeKernel::kWgmmaRsGrouped) {
-        launch_wgmma_rs_grouped(A, r.chunks, q, a, codebook, N, K, C, proj);
-      } else if (plan.kernel == MoeKernel::kWgmmaWsGrouped) {
-        launch_wgmma_ws_grouped(A, r.chunks, q, a, codebook, N, K, C, proj);
-      } else {
-        KBIT_CHECK(plan.kernel == MoeKernel::kMmaGrouped, "kbit fused_moe: the plan's kernel ",
-                   moe_kernel_name(plan.kernel), " is not a grouped MMA or wgmma");
-        launch_mma_grouped(A, r.chunks, r.num_chunks, q, a, codebook, N, K, rows, C, proj, true);
-      }
+      launch_grouped(plan.kernel, A, r.chunks, r.num_chunks, q, a, codebook, N, K, rows, C, proj);
     };
     at::Tensor g = at::empty({S, 2 * I}, xp.options());
     project(xp, w13_qweight, w13_absmax, 2 * I, H, g, plan.gate_up);
@@ -228,15 +248,10 @@ StageSetup stage_setup(const at::Tensor& x, const at::Tensor& topk_ids, const at
                        const std::optional<at::Tensor>& expert_map, bool on_input, int64_t path_id,
                        const std::optional<at::Tensor>& w13_rot_signs, int64_t w13_rot_block,
                        const std::optional<at::Tensor>& w2_rot_signs, int64_t w2_rot_block) {
-  const int64_t k = check_fused_moe(x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight, w2_absmax, codebook,
-                                    I, expert_map, w13_rot_signs, w13_rot_block, w2_rot_signs, w2_rot_block);
-  check_cuda(x, "x");
+  const int64_t k = check_cuda_moe("moe stages", x, topk_ids, topk_weights, w13_qweight, w13_absmax, w2_qweight,
+                                   w2_absmax, codebook, I, expert_map, w13_rot_signs, w13_rot_block, w2_rot_signs,
+                                   w2_rot_block);
   const int64_t T = x.size(0), H = x.size(1), E = w13_qweight.size(0), top_k = topk_ids.size(1);
-  KBIT_CHECK_VALUE(E <= kMaxLocalExperts, "kbit moe stages: w13_qweight must be [E, ...] with 1 <= E <= ",
-                   kMaxLocalExperts, " local experts, got ", w13_qweight.sizes());
-  for (const at::Tensor* t : {&w13_qweight, &w13_absmax, &w2_qweight, &w2_absmax, &codebook}) {
-    KBIT_CHECK(t->is_contiguous(), "kbit moe stages: the weight tensors and the codebook must be contiguous");
-  }
   const DeviceFacts facts = device_facts(x.get_device());
   const int64_t b13 = w13_rot_signs.has_value() ? w13_rot_block : 0, b2 = w2_rot_signs.has_value() ? w2_rot_block : 0;
   MoeForced forced{moe_path_from_id(path_id)};
@@ -300,14 +315,7 @@ void stage_project(const StageSetup& st, const MoeProjPlan& proj, const at::Tens
     at::Tensor rows = at::empty({st.S, K}, A.options().dtype(at::kBFloat16));
     launch_moe_gather(in, r.slot_of, in_w, a_top_k, rows, plan.pdl);
     routed = at::empty({st.S, N}, rows.options());
-    if (plan.kernel == MoeKernel::kWgmmaRsGrouped) {
-      launch_wgmma_rs_grouped(rows, r.chunks, q, a, codebook, N, K, routed, proj);
-    } else if (plan.kernel == MoeKernel::kWgmmaWsGrouped) {
-      launch_wgmma_ws_grouped(rows, r.chunks, q, a, codebook, N, K, routed, proj);
-    } else {
-      // The routing ran before the gather, as in fused_moe: the grouped MMA may prefetch weights early.
-      launch_mma_grouped(rows, r.chunks, r.num_chunks, q, a, codebook, N, K, plan.chunk_rows, routed, proj, true);
-    }
+    launch_grouped(plan.kernel, rows, r.chunks, r.num_chunks, q, a, codebook, N, K, plan.chunk_rows, routed, proj);
   }
   launch_moe_combine(routed, r.pos, out_w, /*top_k=*/1, C, plan.pdl);  // rows back to slot order (zeros: not local)
 }
