@@ -143,7 +143,9 @@ def test_mma_split_heuristic_never_makes_an_empty_split(sms):
 
 def test_device_plans_and_launch_record_off_gpu():
     """The .device overloads need a CUDA device (tests/gpu/test_plan_cuda.py runs them against launches); the
-    launch record is empty where nothing launched."""
+    launch record is empty where nothing launched (taken once first: on a GPU machine this thread may have launched
+    kernels in earlier tests)."""
+    torch.ops.kbit._launch_record()
     with pytest.raises(ValueError, match="must be a CUDA device"):
         torch.ops.kbit.linear_plan.device(1, 64, 128, torch.bfloat16, 4, torch.device("cpu"))
     with pytest.raises(ValueError, match="must be a CUDA device"):
