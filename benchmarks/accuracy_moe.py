@@ -896,6 +896,8 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
              ("kbit-2 --gptq + rotation, codebook normal_float, damp 0.1 (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-nf-damp0.1-s0"),
              ("kbit-2 --gptq + rotation, no act-order (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-noact-s0"),
              ("kbit-2 --gptq + rotation, 16384 calibration tokens (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-c16384-s0"),
+             ("kbit-2 --gptq + rotation, codebook normal_float, 16384 calibration tokens (seed 0)", "kbit-gptq", 2,
+              "kbit-gptq-rot-nf-c16384-s0"),
              ("kbit-2 --gptq, 16384 calibration tokens", "kbit-gptq", 2, "kbit-gptq-c16384")]
     rows += [(f"llm-compressor QuIP + GPTQ W{k}A16 {g}", "llmc-quip-gptq", k, f"llmc-quip-gptq-w{k}") for k in (4, 3, 2)]
     if expert_controls:
