@@ -2,11 +2,12 @@
 
 For each method (bf16, gptq-int4, kbit-2..5; see methods.py) it starts `vllm serve` on a weightless
 model directory (model_dir.py) with --load-format dummy, waits for /health, runs `vllm bench serve`
-(random dataset, --ignore-eos, max(8, P x concurrency) prompts with P = 4 at 1024/256 and 2 at 128/1024, as many
-warm-up requests as the concurrency, sent at once, so that kernels compiled on first use for the batch's shapes are
-compiled before the timing: vLLM's LoRA Triton kernels took seconds there) for every input/output setting and
-concurrency, reads the weight memory and KV-cache capacity from the server log, and stops the server. While a step runs, nvidia-smi samples the GPU's
-clocks and power (gpu_monitor.py) into its record.
+(random dataset, --ignore-eos, max(8, P x concurrency) prompts with P = 4 at 1024/256 and 2 at 128/1024)
+for every input/output setting and concurrency, reads the weight memory and KV-cache capacity from the
+server log, and stops the server. Each bench first sends as many warm-up requests as its concurrency, at
+once, so kernels compiled on first use for that batch's shapes (vLLM's LoRA Triton kernels: seconds) are
+compiled before the timing. While a step runs, nvidia-smi samples the GPU's clocks and power
+(gpu_monitor.py) into its record.
 After every measurement it appends a record to STEM.jsonl (records.py) and rewrites STEM.md and STEM.png
 (report.py), so a run killed at its time limit still leaves every finished measurement behind.
 
