@@ -4,21 +4,17 @@ quantizes (the MoE's router stays bf16) under which names."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from kbit_dev import benchmarks
 
 
 @pytest.fixture(scope="module")
 def acc():
-    spec = importlib.util.spec_from_file_location("accuracy_moe", os.path.join(ROOT, "benchmarks", "accuracy_moe.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmarks.load("accuracy_moe")
 
 
 SMOLLM2 = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # one layer

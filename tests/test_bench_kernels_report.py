@@ -1,20 +1,16 @@
 """benchmarks/bench_kernels.py's report on a synthetic run (CPU): ratio columns computed from the records,
 missing measurements and null fields shown as '-', the ncu table, and the plot."""
 
-import importlib.util
 import json
 import os
 
 import pytest
 
-BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "bench_kernels.py")
+from kbit_dev import benchmarks
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("bench_kernels", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmarks.load("bench_kernels")
 
 
 def _moe(impl, k, T, us, floor_us=None, inst=None, kernels=None):

@@ -5,21 +5,16 @@ the logits by far more than float32 rounding."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from kbit_dev import benchmarks
 
 
 @pytest.fixture(scope="module")
 def rr():
-    spec = importlib.util.spec_from_file_location("residual_rotation", os.path.join(ROOT, "benchmarks", "residual_rotation.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmarks.load("residual_rotation")
 
 
 def _tiny_llama(seed: int):

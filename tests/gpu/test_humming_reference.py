@@ -4,22 +4,18 @@ weights. Skipped where humming-kernels is not installed."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
 
 import pytest
 import torch
 
+from kbit_dev import benchmarks
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytestmark = [pytest.mark.gpu, requires_cuda]
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _accuracy_moe():
-    spec = importlib.util.spec_from_file_location("accuracy_moe", os.path.join(ROOT, "benchmarks", "accuracy_moe.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmarks.load("accuracy_moe")
 
 
 @pytest.mark.parametrize("k", [2, 3, 4, 5])

@@ -10,7 +10,6 @@ closely as the two bf16 models agree.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -20,9 +19,8 @@ import pytest
 import torch
 from kbit_e2e import MIN_TOKEN_MATCH, RUNNER, agreement
 
-from kbit_dev import real_model
+from kbit_dev import benchmarks, real_model
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EXPERTS = 8
 PROBE_TOKENS = 64
 PROBES = 4
@@ -34,10 +32,7 @@ MAX_LOGPROB_GAP = 1.0
 
 
 def _rewrite_module():
-    spec = importlib.util.spec_from_file_location("moe_rewrite", os.path.join(ROOT, "benchmarks", "moe_rewrite.py"))
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return benchmarks.load("moe_rewrite")
 
 
 @pytest.fixture(scope="module")
