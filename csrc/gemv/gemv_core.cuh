@@ -189,8 +189,11 @@ __device__ __forceinline__ void table_pairs(const float4* __restrict__ a_stage, 
 
 // Adds one block (32 elements along K) of this lane's two rows times all M activation rows: the
 // block's index words, its products summed in fp32 (pair tables, the decode table or shuffle lookups),
-// and the block scale applied once to the partial sum.
-template <typename T, int BITS, int M, int J, bool kTable>
+// and the block scale applied once to the partial sum. kPairs: k = 2 at one row may take the pair tables,
+// whose sums round differently from the other decodes; a kernel whose rows go through chunks of 1..4 rows
+// (the routed MoE GEMV: which row lands in a one-row chunk depends on the routing) passes false, so a row's
+// result does not depend on its chunk.
+template <typename T, int BITS, int M, int J, bool kTable, bool kPairs>
 __device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, const LaneCodebook& cb,
                                           const uint8_t* __restrict__ lut, uint32_t lut_lane,
                                           const uint4 (&planes)[kRowsPerLane][BITS],
@@ -214,7 +217,7 @@ __device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, co
 #pragma unroll
     for (int m = 0; m < M; ++m) part[row][m][0] = part[row][m][1] = 0.f;
 
-  if constexpr (BITS == 2 && M == 1) {
+  if constexpr (BITS == 2 && M == 1 && kPairs) {
     pair_tables<J>(a_stage, cb, q, part);
   } else if constexpr (kTable) {
     table_pairs<T, BITS, M, J>(a_stage, lut, lut_lane, q, part);
@@ -256,7 +259,8 @@ __device__ __forceinline__ void load_tile(const uint4* __restrict__ qweight, con
 // (Lut<BITS>::kBytes of shared memory), which every thread of the CTA fills here: all of them must call this.
 // ROT: the activations are rotated, x · R (rotate_core.cuh: fused_rotation), in registers right after widening,
 // before they are staged; without it `rot` is not read and the code is the unrotated one.
-template <typename T, int BITS, int M, int TB, bool ROT, typename Fetch, typename Widen, typename Ready>
+template <typename T, int BITS, int M, int TB, bool ROT, bool kPairs = true, typename Fetch, typename Widen,
+          typename Ready>
 __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, const uint32_t* __restrict__ absmax,
                                            const float* __restrict__ codebook, int64_t band, int kt_begin, int kt_end,
                                            int K, int warp, int lane, float4* __restrict__ a_stage,
@@ -326,10 +330,10 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
       }
     }
     __syncwarp();
-    dot_block<T, BITS, M, 0, (0 < TB)>(a_stage, cb, lut, lut_lane, pl, cd, acc);
-    dot_block<T, BITS, M, 1, (1 < TB)>(a_stage, cb, lut, lut_lane, pl, cd, acc);
-    dot_block<T, BITS, M, 2, (2 < TB)>(a_stage, cb, lut, lut_lane, pl, cd, acc);
-    dot_block<T, BITS, M, 3, (3 < TB)>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 0, (0 < TB), kPairs>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 1, (1 < TB), kPairs>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 2, (2 < TB), kPairs>(a_stage, cb, lut, lut_lane, pl, cd, acc);
+    dot_block<T, BITS, M, 3, (3 < TB), kPairs>(a_stage, cb, lut, lut_lane, pl, cd, acc);
   };
   uint4 planes0[kRowsPerLane][BITS], planes1[kRowsPerLane][BITS];
   uint32_t codes0[kRowsPerLane], codes1[kRowsPerLane];

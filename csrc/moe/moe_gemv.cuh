@@ -79,7 +79,8 @@ struct Out<float> {
 // tile is requested and before any activation load (the direct down stage's PDL wait). ROT: each staged
 // row is rotated in registers after it is widened: gate_up's x (after the router weight, where the input
 // takes it), down's silu(gate) * up.
-template <typename T, typename O, int BITS, MoeStage STAGE, bool kTable, bool ROT, int M, typename Ready>
+template <typename T, typename O, int BITS, MoeStage STAGE, bool kTable, bool ROT, int M, bool kPairs = true,
+          typename Ready>
 __device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, int row0, int n_tile, int split,
                                           float4* a_stage, float* warp_sums, float* cta_sums, uint8_t* lut,
                                           Ready&& ready) {
@@ -128,7 +129,7 @@ __device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, in
   };
   const int kt_begin = split * p.k_tiles / p.splits, kt_end = (split + 1) * p.k_tiles / p.splits;
   float acc[kRowsPerLane][M];
-  accumulate<T, BITS, M, kTable ? 4 : 0, ROT>(p.qweight + expert * p.expert_vectors,
+  accumulate<T, BITS, M, kTable ? 4 : 0, ROT, kPairs>(p.qweight + expert * p.expert_vectors,
                                               p.absmax + expert * p.expert_code_words, p.codebook,
                                               static_cast<int64_t>(n_tile) * p.k_tiles, kt_begin, kt_end, p.K, warp,
                                               lane, a_stage + warp * kGemvMaxM * 32, lut, fetch, widen, ready, p.rot,
@@ -235,9 +236,11 @@ __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constan
   // Through a shuffle from lane 0, so the compiler sees the row count as warp-uniform and the
   // shuffles inside the core stay plain (see gemv.cu).
   const int rows = __shfl_sync(0xFFFFFFFFu, c.z, 0);
+  // The 4-row kernel keeps a row's arithmetic the same in chunks of any height (gemv_core.cuh, dot_block's kPairs):
+  // the routing orders an expert's slots by atomics, so which of them share a chunk changes from call to call.
   const auto run = [&](auto rows_c) {
-    run_chunk<T, O, BITS, STAGE, kTable, ROT, decltype(rows_c)::value>(p, c.x, c.y, n_tile, split, a_stage,
-                                                                       warp_sums, cta_sums, lut, [] {});
+    run_chunk<T, O, BITS, STAGE, kTable, ROT, decltype(rows_c)::value, MAX_ROWS == 1>(
+        p, c.x, c.y, n_tile, split, a_stage, warp_sums, cta_sums, lut, [] {});
   };
   if constexpr (MAX_ROWS == 1) {
     run(std::integral_constant<int, 1>{});

@@ -4,7 +4,8 @@
 // Routing is one CTA: per-expert token counts by shared-memory atomics (the atomic's old value
 // is the slot's rank within its expert), one block-wide scan of (tokens, chunks) per expert,
 // then every slot gets its row. The order of slots inside an expert depends on atomic order;
-// nothing downstream does: each row is computed on its own and the combine reads rows by slot.
+// nothing downstream does: each row is computed on its own, with the same arithmetic whatever rows share its
+// chunk (moe_gemv.cuh), and the combine reads rows by slot.
 #include "moe.cuh"
 #include "local_expert.cuh"
 

@@ -128,8 +128,8 @@ int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms);
 
 // How many of the 4 blocks of each k-tile a GEMV kernel (dense, or grouped over routed experts, with up to
 // `rows` activation rows) decodes through a shared-memory table of codebook pairs (k = 3, 4) or quads
-// (k = 2) filled per CTA; the other blocks take one register shuffle per weight (k = 5 always; k = 2 at one
-// row uses register tables of partial sums instead). Shuffles load the MIO pipe, table offsets and
+// (k = 2) filled per CTA; the other blocks take one register shuffle per weight (k = 5 always; k = 2 in a one-row
+// kernel uses register tables of partial sums instead). Shuffles load the MIO pipe, table offsets and
 // widening the ALU, so a mix can beat either alone. VLLM_KBIT_GEMV_DECODE forces "shuffle" (0),
 // "table" (4) or "mixed" (kGemvMixedTableBlocks for the dense GEMV at one row, 4 elsewhere).
 constexpr int kGemvMixedTableBlocks = 3;

@@ -33,9 +33,10 @@ def assert_same_bits(outs, what):
 @pytest.mark.parametrize("E,top_k,H,I,T", [(8, 2, 256, 128, T) for T in (1, 2, 8, 36, 288, 512)]
                          + [(128, 8, 2048, 768, T) for T in (1, 16, 64, 300)])
 @pytest.mark.parametrize("path", ("auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct", "grouped_wgmma"))
-def test_fused_moe_repeats_bitwise(E, top_k, H, I, T, path):
+@pytest.mark.parametrize("bits", (2, 4))  # k = 2: the one-row decode differs from the others (gemv_core.cuh kPairs)
+def test_fused_moe_repeats_bitwise(E, top_k, H, I, T, path, bits):
     gen = torch.Generator().manual_seed(T * 131 + E)
-    ex = Experts(E, H, I, 4, gen)
+    ex = Experts(E, H, I, bits, gen)
     ids, w = random_routing(T, E, top_k, gen, "random")
     x = torch.randn(T, H, generator=gen).to(torch.bfloat16).cuda()
     assert_same_bits([run(x, ids, w, ex, None, False, path) for _ in range(REPEATS)], f"fused_moe path {path} T={T}")
@@ -43,9 +44,10 @@ def test_fused_moe_repeats_bitwise(E, top_k, H, I, T, path):
 
 @pytest.mark.parametrize("E,top_k,H,I,T", [(8, 2, 256, 128, 8), (8, 2, 256, 128, 96), (128, 8, 2048, 768, 16)])
 @pytest.mark.parametrize("path", ("auto", "gemv", "grouped_mm", "grouped_mma", "gemv_direct", "grouped_wgmma"))
-def test_fused_moe_rows_ignore_the_rest_of_the_batch(E, top_k, H, I, T, path):
+@pytest.mark.parametrize("bits", (2, 4))
+def test_fused_moe_rows_ignore_the_rest_of_the_batch(E, top_k, H, I, T, path, bits):
     gen = torch.Generator().manual_seed(T + E + len(path))
-    ex = Experts(E, H, I, 4, gen)
+    ex = Experts(E, H, I, bits, gen)
     keep = T // 2
     outs = []
     for _ in range(3):  # the first `keep` tokens fixed; the others drawn afresh: other values, other experts
