@@ -65,6 +65,12 @@ def test_methods():
     assert dict(k3.llm_kwargs)["quantization"] == "kbit" and k3.bits == 3
     with pytest.raises(ValueError, match="unknown method"):
         methods.parse_methods("bf16,int3")
+    rot = methods.parse_methods("kbit-4-rot")[0]
+    qc = json.loads(rot.serve_args[rot.serve_args.index("--hf-overrides") + 1])["quantization_config"]
+    assert qc == {"quant_method": "kbit", "bits": 4, "rotation": {"seed": 0}} and rot.bits == 4
+    from vllm_kbit.settings import KbitSettings  # the plugin reads it as an online rotation
+
+    assert KbitSettings.from_dict(qc).rotation.seed == 0
 
 
 def test_log_facts_reads_both_gpu_runners_and_the_kv_cache_lines():

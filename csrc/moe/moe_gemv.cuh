@@ -204,10 +204,19 @@ __device__ __forceinline__ void run_direct(const MoeGemvParams& p, int slot, int
   }
 }
 
+// CTAs per SM the registers are capped for. The rotated one-row kernels (the direct GEMV at decode) keep the 4 that
+// their unrotated instances hold at 128 registers: uncapped, the rotation took the direct down kernel to 167 at k = 4,
+// 3 CTAs per SM, and its decode grid a second wave. k = 5 (3 either way) and the 4-row kernels stay uncapped.
+template <int BITS, int MAX_ROWS, bool ROT>
+constexpr int moe_gemv_min_ctas() {
+  return ROT && MAX_ROWS == 1 && BITS <= 4 ? 4 : 1;
+}
+
 // Grid: max_chunks * n_tiles * splits CTAs, clusters of `splits` (CTA = (chunk * n_tiles +
 // n-tile) * splits + split). All CTAs of a cluster share the chunk, so they leave together.
 template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable, bool ROT>
-__global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constant__ MoeGemvParams p) {
+__global__ void __launch_bounds__(kThreads, (moe_gemv_min_ctas<BITS, MAX_ROWS, ROT>()))
+    moe_gemv_kernel(const __grid_constant__ MoeGemvParams p) {
   __shared__ float4 a_stage[kWarps * kGemvMaxM * 32];
   __shared__ float warp_sums[kWarps * kGemvMaxM * kTileN];
   __shared__ float cta_sums[kGemvMaxM * kTileN];

@@ -1,7 +1,7 @@
 """kbit::_moe_stage_gate_up / _moe_stage_down (the routed experts in two ops, slot order: what vLLM's LoRA on experts
 runs, through vllm_kbit.moe.fused_moe_stages) on every MoE path forced, bf16 and fp16, with and without an expert map,
 rotated and not: each slot's gate_up output, SiLU-and-mul output and weighted down output against a per-slot loop
-over the dequantized experts; down reads the h13 it is given (a caller's additions count); outputs land in freed
+over the dequantized experts (float32, batched per expert); down reads the h13 it is given (a caller's additions count); outputs land in freed
 NaN memory and come back finite; the sum over slots is the fused op's result."""
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ def _local(ids: torch.Tensor, emap: torch.Tensor | None) -> list[int]:
 @pytest.mark.parametrize("expert_map", [False, True], ids=["all-local", "expert-map"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("path", list(TOKENS))
-def test_stage_ops_match_a_per_slot_loop(path, dtype, expert_map, rotated):
+def test_stage_ops_match_the_dequantized_experts(path, dtype, expert_map, rotated):
     if path == "grouped_wgmma" and torch.cuda.get_device_capability()[0] != 9:
         pytest.skip("grouped_wgmma needs a Hopper GPU")
     T = TOKENS[path]
@@ -75,15 +75,18 @@ def test_stage_ops_match_a_per_slot_loop(path, dtype, expert_map, rotated):
     _poison(S * 2 * I * 8)
     h13 = torch.ops.kbit._moe_stage_gate_up(*args, pid, **rot)
     assert h13.shape == (S, 2 * I) and h13.dtype == dtype and torch.isfinite(h13).all()
-    local = _local(ids, emap)
-    xr = r13(x)
-    # Each expert dequantized once (a per-slot dequantize made the loop CPU-bound: minutes under 12 xdist workers).
-    d13 = {e: w13[e].dequantize(dtype) for e in set(local) if 0 <= e < E}
-    d2 = {e: w2[e].dequantize(dtype) for e in d13}
+    local = torch.tensor(_local(ids, emap))
+    xr = r13(x).float()
+    token = torch.arange(S) // TOP_K
+    # One float32 matmul per expert over its slots, each expert dequantized once: a per-slot loop in the
+    # activations' dtype was CPU-bound for minutes under 12 xdist workers.
+    experts = [e for e in range(E) if bool((local == e).any())]
+    d13 = {e: w13[e].dequantize(dtype).float() for e in experts}
+    d2 = {e: w2[e].dequantize(dtype).float() for e in experts}
     want13 = torch.zeros(S, 2 * I)
-    for s, e in enumerate(local):
-        if 0 <= e < E:
-            want13[s] = torch.nn.functional.linear(xr[s // TOP_K : s // TOP_K + 1], d13[e]).float()[0]
+    for e in experts:
+        slots = (local == e).nonzero().flatten()
+        want13[slots] = xr[token[slots]] @ d13[e].T
     torch.testing.assert_close(h13.float().cpu(), want13, atol=2e-2, rtol=2e-2)
 
     # A caller's addition to h13 (as LoRA's) reaches act and y.
@@ -95,12 +98,11 @@ def test_stage_ops_match_a_per_slot_loop(path, dtype, expert_map, rotated):
     assert torch.isfinite(act).all() and torch.isfinite(y).all()
     want_act = torch.nn.functional.silu(given[:, :I]) * given[:, I:]
     torch.testing.assert_close(act.float().cpu(), want_act, atol=2e-2, rtol=2e-2)
-    act_r = r2(act.cpu())
+    act_r = r2(act.cpu()).float()
     want_y = torch.zeros(S, H)
-    for s, e in enumerate(local):
-        if 0 <= e < E:
-            yy = torch.nn.functional.linear(act_r[s : s + 1], d2[e]).float()[0]
-            want_y[s] = yy * weights.reshape(-1)[s]
+    for e in experts:
+        slots = (local == e).nonzero().flatten()
+        want_y[slots] = (act_r[slots] @ d2[e].T) * weights.reshape(-1)[slots, None]
     torch.testing.assert_close(y.float().cpu(), want_y, atol=2e-2, rtol=2e-2)
 
 
