@@ -62,10 +62,11 @@ def cuda_extensions():
         # csrc/<concept>/ folders include each other's headers by file name; vllm_kbit: format_constants.h
         include_dirs=[*sorted(os.path.abspath(d) for d in glob.glob("csrc/*/")), os.path.abspath("vllm_kbit"), *nvidia_include],
         extra_compile_args={
-            # -fno-ipa-sra: no GCC clones of the libstdc++ stream templates that torch's inline checks use;
-            # the extension must not carry its own stream code (docs/decisions.md, "Input checks").
+            # -fno-ipa-sra (also for nvcc's host compiler): no GCC clones of the libstdc++ stream templates that
+            # torch's inline checks use; the extension must not carry its own stream code (docs/decisions.md,
+            # "Input checks").
             "cxx": ["-O3", "-std=c++17", "-fno-ipa-sra"],
-            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo"],
+            "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-lineinfo", "-Xcompiler=-fno-ipa-sra"],
         },
         py_limited_api=True,
     )
