@@ -152,9 +152,8 @@ requires_extension = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="the C++ e
 
 @requires_extension
 def test_plans_name_the_rotation_and_keep_the_down_rotation_off_the_gemv_paths():
-    """The GEMV paths fuse the rotation for blocks 4..1024 (their activation load), the dense MMA with one row group
-    per warp for blocks 4..128 (its staging); the other paths, larger MMA blocks and block 2 rotate separately, and
-    a down rotation they cannot fuse keeps the MoE off the GEMV paths."""
+    """The GEMV paths fuse the rotation for blocks 4..1024 (their activation load); the other paths and block 2
+    rotate separately, and a down rotation they cannot fuse keeps the MoE off the GEMV paths."""
     plan = functools.partial(ops.named, torch.ops.kbit.linear_plan, N=2048, K=2048, dtype=torch.bfloat16, sm_major=9,
                              num_sms=132, ctas_per_sm=1, path="auto", bits=4)
     plain = plan(M=1)
@@ -163,10 +162,6 @@ def test_plans_name_the_rotation_and_keep_the_down_rotation_off_the_gemv_paths()
         rotated = plan(M=1, rot_block=block)
         assert rotated.rotation == want and rotated._replace(rotation="none") == plain, (block, rotated)
     assert plan(M=64, rot_block=1024).rotation == "separate" and plan(M=64, rot_block=1024).path != "gemv"
-    # The dense MMA kernel (one row group per warp here) stages x R itself for blocks inside a k-tile (4..128).
-    for block, want in ((128, "fused"), (4, "fused"), (256, "separate"), (2, "separate")):
-        mma = plan(M=16, rot_block=block)
-        assert (mma.path, mma.r, mma.rotation) == ("mma", 1, want), (block, mma)
     moe = functools.partial(ops.named, torch.ops.kbit.moe_plan, 1, 8, 128, 4)
     assert moe("auto", 9).path == moe("auto", 9, None, 1024, 0).path == moe("auto", 9, None, 1024, 256).path == "gemv_direct"
     assert moe("auto", 9, None, 1024, 2).path == "grouped_mma"  # SiLU-and-mul on its own, then the rotation

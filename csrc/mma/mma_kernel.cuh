@@ -23,10 +23,6 @@
 // The K splits of one CTA column are a thread-block cluster; their fp32 partial tiles are
 // summed through distributed shared memory in rank order (deterministic, no workspace).
 //
-// Rotated layers (ROT, dense, one row group per warp): x · R for rotation blocks inside a k-tile (4..128) is made
-// in shared memory: each thread rotates the activation chunks it copied once they land, before the barrier that
-// publishes the stage (rotate_chunks below), so the rotation costs no launch and no pass over memory.
-//
 // Grouped (routed experts): with a chunk list, CTA row y multiplies chunk y = {expert, first row,
 // rows <= 8p} of A (rows grouped by expert) with that expert's weights in a stacked runtime
 // tensor; CTA rows past the device-side chunk count leave at once (a whole cluster shares its y).
@@ -38,7 +34,6 @@
 #include "launch_utils.cuh"
 #include "mma.cuh"
 #include "plan.h"
-#include "rotate_core.cuh"
 
 #include <algorithm>
 #include <atomic>
@@ -115,8 +110,6 @@ struct MmaParams {
   const T* bias;
   T* C;
   int M, N, K, n_tiles, k_tiles, splits;
-  // ROT instances only: the rotation (signs over K, block 4..128, 1 / sqrt(block)).
-  rotate_core::FusedRotation rot;
   // Grouped launches only (chunks == nullptr: dense): int4 {expert, first row, rows, 0} per CTA row,
   // how many are valid, and the bytes between two experts' runtime tensors.
   const int4* chunks;
@@ -167,9 +160,8 @@ __device__ __forceinline__ int x_slot(int ch, int row) { return ch ^ ((ch >> 2) 
 // Grid: (cols * splits, m_blocks) CTAs in clusters of `splits` along x (CTA x = col * splits + split).
 // kGrouped: CTA row y is chunk y (MmaParams::chunks); a separate instance, so the dense kernels'
 // code and registers stay as they are.
-template <typename T, int BITS, int P, int R, bool kGrouped, bool ROT = false>
+template <typename T, int BITS, int P, int R, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma_kernel(const MmaParams<T> prm) {
-  static_assert(!ROT || (!kGrouped && R == 1), "the rotated instances are dense, one row group per warp");
   using S = Shape<BITS, P, R>;
   constexpr bool kLut = S::kLut;
   constexpr int F = Fields<BITS>::kBits;
@@ -243,7 +235,6 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   uint8_t* const stages = smem + S::kLutBytes;
   const uint32_t smem_base = static_cast<uint32_t>(__cvta_generic_to_shared(stages));
   const uint32_t x_dst = smem_base + S::kWBytes + x_row * (kRowChunks * 16) + x_slot(x_ch, x_row) * 16;
-  uint8_t* const x_own = stages + (x_dst - smem_base);  // the same chunk through a generic pointer (ROT)
 
   // Next stage <- the next k-tile: the CTA's R weight tiles verbatim (plane chunks, then scale-code
   // chunks), then its 8P activation rows. Loop bounds are compile-time, so each thread issues a
@@ -278,42 +269,6 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   const auto load_stage = [&](int stage) {
     load_weights(stage);
     load_activations(stage);
-  };
-
-  // ROT: this thread's chunks of local k-tile j (stage `stage`), 8 elements of each of its P rows, rotated in place
-  // once its own copies landed (cp.async.wait_group makes them visible to the thread that issued them). A row's 16
-  // chunks sit in 16 lanes of one warp (lane % 16 = chunk), so with the element bits 0-2 in registers and bits 3-6
-  // the lane's, a block of b <= 128 is log2(min(b, 8)) register butterflies and log2(b / 8) shuffle rounds, lowest
-  // bit first, then the scale and one rounding to T: the separate pass's arithmetic (rotate.cu), so the MMAs read
-  // the values it writes, bit for bit. Rows past m_end and K past the end hold zeros and stay zeros; their signs
-  // are not read. The signs come one k-tile ahead (sg), so their load is off the path to the barrier.
-  float4 sg[2] = {};
-  const auto load_signs = [&](int j) {
-    const int k = (kt_begin + j) * kTileK + x_ch * 8;
-    const bool valid = j < nkt && k < prm.K;
-    sg[0] = valid ? __ldg(reinterpret_cast<const float4*>(prm.rot.signs + k)) : make_float4(0.f, 0.f, 0.f, 0.f);
-    sg[1] = valid ? __ldg(reinterpret_cast<const float4*>(prm.rot.signs + k + 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
-  };
-  const auto rotate_chunks = [&](int stage, int j) {
-    const float s[8] = {sg[0].x, sg[0].y, sg[0].z, sg[0].w, sg[1].x, sg[1].y, sg[1].z, sg[1].w};
-    load_signs(j + 1);
-#pragma unroll
-    for (int p = 0; p < P; ++p) {
-      uint4* const chunk = reinterpret_cast<uint4*>(x_own + stage * S::kStageBytes + p * 8 * (kRowChunks * 16));
-      union {
-        uint4 u;
-        T h[8];
-      } c;
-      c.u = *chunk;
-      float v[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) v[i] = Elem<T>::to_float(c.h[i]) * s[i];
-      rotate_core::butterfly_registers_below(v, prm.rot.block);
-      rotate_core::butterfly_lanes<8, kRowChunks>(v, lane, prm.rot.block / 8);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) c.h[i] = Elem<T>::narrow(v[i] * prm.rot.scale);
-      *chunk = c.u;
-    }
   };
 
   float acc[R][P][4];
@@ -443,10 +398,8 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   if constexpr (kLut && kGrouped) {
     if (!weights_early) lut_fill<T, BITS>(smem, prm.codebook, tid, kThreads);
   }
-  if constexpr (ROT) load_signs(0);
   for (int it = 0; it < nkt; ++it) {
     cp_async_wait<S::kStages - 2>();
-    if constexpr (ROT) rotate_chunks(it % S::kStages, it);
     __syncthreads();
     const int next = it + S::kStages - 1;
     if (next < nkt) load_stage(next % S::kStages);
@@ -521,7 +474,6 @@ struct MmaLaunch {
   const int* num_chunks;
   int64_t expert_qbytes, expert_abytes;
   bool chunks_early;  // grouped only: see MmaParams
-  rotate_core::FusedRotation rot;  // signs null: not rotated; else the ROT instance (dense, r = 1, blocks 4..128)
   int device;
   cudaStream_t stream;
 };
@@ -552,10 +504,10 @@ int64_t cluster_capacity(Kernel kernel, int s, int smem_bytes) {
 // device (the opt-in is per device): the shared-memory opt-in above 48 KB, how many CTAs an SM holds
 // (0 = not prepared yet; preparing twice is harmless) and how many CTAs the GPU holds at once in clusters
 // of each split count (dense instances, whose split rule counts waves).
-template <typename T, int BITS, int P, int R, bool kGrouped, bool ROT = false>
+template <typename T, int BITS, int P, int R, bool kGrouped>
 MmaInstanceFacts instance_facts(int device) {
   using S = Shape<BITS, P, R>;
-  const auto kernel = mma_kernel<T, BITS, P, R, kGrouped, ROT>;
+  const auto kernel = mma_kernel<T, BITS, P, R, kGrouped>;
   static std::atomic<int> prepared[kMaxDevices] = {};
   static std::atomic<int64_t> cluster_ctas[kMaxDevices][kMmaMaxSplits + 1] = {};
   KBIT_CHECK(device >= 0 && device < kMaxDevices, "kbit mma: device index ", device, " >= ", kMaxDevices);
@@ -578,11 +530,11 @@ MmaInstanceFacts instance_facts(int device) {
   return f;
 }
 
-template <typename T, int BITS, int P, int R, bool kGrouped = false, bool ROT = false>
+template <typename T, int BITS, int P, int R, bool kGrouped = false>
 void launch_instance(const MmaLaunch& L) {
   using S = Shape<BITS, P, R>;
-  const auto kernel = mma_kernel<T, BITS, P, R, kGrouped, ROT>;
-  (void)instance_facts<T, BITS, P, R, kGrouped, ROT>(L.device);  // the opt-in (the planner made the unrotated one's)
+  const auto kernel = mma_kernel<T, BITS, P, R, kGrouped>;
+  (void)instance_facts<T, BITS, P, R, kGrouped>(L.device);  // the opt-in (the planner usually made it already)
   const int cols = (L.n_tiles + R - 1) / R;
   const int splits = L.splits;
   KBIT_CHECK(splits >= 1 && splits <= std::min(kMmaMaxSplits, L.k_tiles), "kbit mma: splits=", splits,
@@ -590,13 +542,12 @@ void launch_instance(const MmaLaunch& L) {
   KBIT_CHECK(L.cols == cols, "kbit mma: the plan's ", L.cols, " CTA columns are not the ", cols, " of ", L.n_tiles,
              " n-tiles at r=", R);
   const dim3 grid(static_cast<unsigned>(cols * splits), static_cast<unsigned>(L.config.m_blocks));
-  record_launch({kGrouped ? "mma_grouped" : "mma", P, R, grid.y, grid.x / splits, splits, 0, 0, L.pdl,
-                 ROT ? InputRotation::kFused : InputRotation::kNone});
+  record_launch({kGrouped ? "mma_grouped" : "mma", P, R, grid.y, grid.x / splits, splits, 0, 0, L.pdl});
   const MmaParams<T> prm{static_cast<const T*>(L.A), static_cast<const uint8_t*>(L.qweight),
                          static_cast<const uint8_t*>(L.absmax), L.codebook, static_cast<const T*>(L.bias),
                          static_cast<T*>(L.C), L.M, L.N, L.K, L.n_tiles, L.k_tiles, splits,
-                         L.rot, reinterpret_cast<const int4*>(L.chunks), L.num_chunks, L.expert_qbytes,
-                         L.expert_abytes, L.chunks_early};
+                         reinterpret_cast<const int4*>(L.chunks), L.num_chunks, L.expert_qbytes, L.expert_abytes,
+                         L.chunks_early};
   launch_kernel(kernel, grid, dim3(kThreads), S::kSmemBytes, L.stream, splits, L.pdl, prm);
 }
 
@@ -606,17 +557,9 @@ template <typename T, int BITS, bool kGrouped>
 void launch_bits(const MmaLaunch& L) {
   const int p = L.config.p, r = L.config.r;
 // p = 3 has grouped instances only (plan.h: mma_dense_built_p); a dense launch of it falls through to the error.
-// A rotated launch takes the ROT instance, built for the dense kernels of one row group per warp (plan.h:
-// mma_fused_rotation).
-#define KBIT_MMA_CASE(P_, R_)                                                                   \
-  if constexpr (kGrouped || mma_dense_built_p(P_)) {                                            \
-    if (p == P_ && r == R_) {                                                                   \
-      if constexpr (!kGrouped && R_ == 1) {                                                     \
-        if (L.rot.signs != nullptr) return launch_instance<T, BITS, P_, R_, false, true>(L);    \
-      }                                                                                         \
-      KBIT_CHECK(L.rot.signs == nullptr, "kbit mma: no rotating kernel for p=", p, " r=", r);   \
-      return launch_instance<T, BITS, P_, R_, kGrouped>(L);                                     \
-    }                                                                                           \
+#define KBIT_MMA_CASE(P_, R_)                                                          \
+  if constexpr (kGrouped || mma_dense_built_p(P_)) {                                   \
+    if (p == P_ && r == R_) return launch_instance<T, BITS, P_, R_, kGrouped>(L);      \
   }
   KBIT_MMA_INSTANCES(KBIT_MMA_CASE)
 #undef KBIT_MMA_CASE

@@ -204,19 +204,10 @@ __device__ __forceinline__ void run_direct(const MoeGemvParams& p, int slot, int
   }
 }
 
-// CTAs per SM the registers are capped for. The rotated one-row kernels (the direct GEMV at decode) keep the 4 that
-// their unrotated instances hold at 128 registers: uncapped, the rotation took the direct down kernel to 167 at k = 4,
-// 3 CTAs per SM, and its decode grid a second wave. k = 5 (3 either way) and the 4-row kernels stay uncapped.
-template <int BITS, int MAX_ROWS, bool ROT>
-constexpr int moe_gemv_min_ctas() {
-  return ROT && MAX_ROWS == 1 && BITS <= 4 ? 4 : 1;
-}
-
 // Grid: max_chunks * n_tiles * splits CTAs, clusters of `splits` (CTA = (chunk * n_tiles +
 // n-tile) * splits + split). All CTAs of a cluster share the chunk, so they leave together.
 template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable, bool ROT>
-__global__ void __launch_bounds__(kThreads, (moe_gemv_min_ctas<BITS, MAX_ROWS, ROT>()))
-    moe_gemv_kernel(const __grid_constant__ MoeGemvParams p) {
+__device__ __forceinline__ void moe_gemv_body(const MoeGemvParams& p) {
   __shared__ float4 a_stage[kWarps * kGemvMaxM * 32];
   __shared__ float warp_sums[kWarps * kGemvMaxM * kTileN];
   __shared__ float cta_sums[kGemvMaxM * kTileN];
@@ -263,6 +254,33 @@ __global__ void __launch_bounds__(kThreads, (moe_gemv_min_ctas<BITS, MAX_ROWS, R
   }
 }
 
+template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable, bool ROT>
+__global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constant__ MoeGemvParams p) {
+  moe_gemv_body<T, O, BITS, STAGE, MAX_ROWS, kTable, ROT>(p);
+}
+
+// The rotated one-row kernels at k <= 4 (the direct GEMV at decode), capped at 4 CTAs per SM (128 registers), the
+// occupancy of their unrotated instances: uncapped, the rotation took the direct down kernel to 167 registers at
+// k = 4, 3 CTAs per SM, and its decode grid a second wave. A kernel of its own, since any minimum-CTA bound changes
+// how ptxas allocates the other instances' registers (k = 5 and the 4-row kernels keep theirs, uncapped).
+template <int BITS, int MAX_ROWS, bool ROT>
+constexpr bool moe_gemv_capped() {
+  return ROT && MAX_ROWS == 1 && BITS <= 4;
+}
+template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable, bool ROT>
+__global__ void __launch_bounds__(kThreads, 4) moe_gemv_kernel_capped(const __grid_constant__ MoeGemvParams p) {
+  moe_gemv_body<T, O, BITS, STAGE, MAX_ROWS, kTable, ROT>(p);
+}
+
+template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable, bool ROT>
+auto moe_gemv_kernel_of() {
+  if constexpr (moe_gemv_capped<BITS, MAX_ROWS, ROT>()) {
+    return moe_gemv_kernel_capped<T, O, BITS, STAGE, MAX_ROWS, kTable, ROT>;
+  } else {
+    return moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, kTable, ROT>;
+  }
+}
+
 // What one launch takes besides the kernel's parameters: the grid rows (chunks, or slots for the direct mode),
 // the chunk height (1: the one-row kernel) and, from the plan, the decode and programmatic dependent launch.
 struct StageLaunch {
@@ -283,12 +301,12 @@ void launch_typed_rot(const MoeGemvParams& p, const StageLaunch& s) {
   };
   if constexpr (gemv_table_possible(BITS, MAX_ROWS)) {
     if (s.table_blocks == 4) {
-      return launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, true, ROT>, Lut<BITS>::kBytes, 4);
+      return launch(moe_gemv_kernel_of<T, O, BITS, STAGE, MAX_ROWS, true, ROT>(), Lut<BITS>::kBytes, 4);
     }
   }
   KBIT_CHECK(s.table_blocks == 0, "kbit moe gemv: no kernel decodes ", s.table_blocks,
              " blocks of each k-tile by table at k=", BITS, " with chunks of ", MAX_ROWS, " rows");
-  launch(moe_gemv_kernel<T, O, BITS, STAGE, MAX_ROWS, false, ROT>, 0, 0);
+  launch(moe_gemv_kernel_of<T, O, BITS, STAGE, MAX_ROWS, false, ROT>(), 0, 0);
 }
 
 // The rotated instances where the launch rotates (p.rot.signs set), the unrotated (today's code) elsewhere.

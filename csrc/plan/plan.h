@@ -167,8 +167,7 @@ int64_t moe_expected_chunks(int64_t slots, int64_t experts, int64_t chunk_rows);
 // How a rotated layer's input x R (docs/format.md, section 9; the caller gives the signs and block) reaches its
 // kernel: kNone, not rotated; kSeparate, the rotation kernel (csrc/rotate/rotate.cu) writes x R into a scratch
 // tensor before the GEMM (MoE: the hidden states once before gate_up; SiLU-and-mul's output in place before down);
-// kFused, the GEMV kernel rotates the activations as it loads them (gemv_core.cuh, accumulate), the dense MMA kernel
-// as it stages them in shared memory (mma_kernel.cuh): no launch, no pass.
+// kFused, the GEMV kernel rotates the activations as it loads them (gemv_core.cuh, accumulate; no launch, no pass).
 enum class InputRotation : int64_t { kNone = 0, kSeparate = 1, kFused = 2 };
 // "none", "separate", "fused".
 const char* input_rotation_name(InputRotation rotation);
@@ -183,15 +182,7 @@ constexpr bool fused_rotation_block(int64_t block) {
 // The rule for a layer input of rotation block rot_block (0: not rotated) read by a GEMV kernel (`gemv`: the dense
 // GEMV, the routed-expert GEMVs) or another: none without a rotation, fused where a GEMV takes the block, separate
 // elsewhere (the MMA and wgmma kernels, dequantize + cuBLAS: prefill-sized calls, where one pass costs little).
-// linear_plan then also fuses where the dense MMA kernel takes the block (mma_fused_rotation).
 InputRotation input_rotation(int64_t rot_block, bool gemv);
-// The dense MMA kernel's rotated instances (mma_kernel.cuh, ROT) rotate each stage's activations in shared memory:
-// blocks of 4..128 (inside one k-tile), built for one row group per warp (r = 1, the tile shape of decode-sized M
-// on all but the largest weights).
-constexpr int64_t kMmaFusedRotationMaxBlock = 128;
-constexpr bool mma_fused_rotation(int64_t block, int64_t r) {
-  return r == 1 && fused_rotation_block(block) && block <= kMmaFusedRotationMaxBlock;
-}
 
 // ----------------------------------------------------------------------------- dense linear
 

@@ -294,16 +294,15 @@ def expected_rotated(plan_launches, rotations):
     return out
 
 
-def rotation_of(gemv, block, mma_r=0):
-    """The planner's rule (plan.cpp: input_rotation, mma_fused_rotation) as these tests expect it: the GEMV kernels
-    fuse blocks 4..1024, the dense MMA kernel with one row group per warp (mma_r = 1) blocks 4..128."""
-    return "fused" if (gemv and 4 <= block <= 1024) or (mma_r == 1 and 4 <= block <= 128) else "separate"
+def rotation_of(gemv, block):
+    """The planner's rule (plan.cpp: input_rotation) as these tests expect it: the GEMV kernels fuse blocks 4..1024."""
+    return "fused" if gemv and 4 <= block <= 1024 else "separate"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rotated_linear_launches_its_plan(dtype):
-    """A rotated layer's plan: the GEMV fuses the rotation into its activation load, the dense MMA with one row group
-    per warp into its staging for blocks <= 128 (rotation "fused", one launch recorded "fused"); every other path has rotation "separate": the rotation kernel (PDL as the GPU allows), then
+    """A rotated layer's plan: the GEMV fuses the rotation into its activation load (rotation "fused", one launch
+    recorded "fused"); every other path has rotation "separate": the rotation kernel (PDL as the GPU allows), then
     the plan's GEMM with the same fields as unrotated; the plan on given facts says the same."""
     torch.cuda.set_device(DEVICE)
     props = torch.cuda.get_device_properties(DEVICE)
@@ -314,7 +313,7 @@ def test_rotated_linear_launches_its_plan(dtype):
         signs = torch.ones(K, device=DEVICE)
         for M in (1, 5, 64, 300):
             plan = linear_plan(M, N, K, dtype, k, DEVICE, "auto", 0, 0, 0, block)
-            want = rotation_of(plan.path == "gemv", block, plan.r if plan.path == "mma" else 0)
+            want = rotation_of(plan.path == "gemv", block)
             assert plan.rotation == want and plan._replace(rotation="none") == linear_plan(M, N, K, dtype, k, DEVICE)
             given = ops.named(torch.ops.kbit.linear_plan, M, N, K, dtype, props.major, props.multi_processor_count, 1,
                               "auto", k, block)
