@@ -1,8 +1,8 @@
 """kbit::_moe_stage_gate_up / _moe_stage_down (the routed experts in two ops, slot order: what vLLM's LoRA on experts
 runs, through vllm_kbit.moe.fused_moe_stages) on every MoE path forced, bf16 and fp16, with and without an expert map,
-rotated and not: each slot's gate_up output, SiLU-and-mul output and weighted down output against a per-slot loop
-over the dequantized experts (float32, batched per expert); down reads the h13 it is given (a caller's additions count); outputs land in freed
-NaN memory and come back finite; the sum over slots is the fused op's result."""
+rotated and not: each slot's gate_up output, SiLU-and-mul output and weighted down output against the dequantized
+experts (one float32 matmul per expert over its slots); down reads the h13 it is given (a caller's additions count);
+outputs land in freed NaN memory and come back finite; the sum over slots is the fused op's result."""
 
 from __future__ import annotations
 
@@ -80,12 +80,11 @@ def test_stage_ops_match_the_dequantized_experts(path, dtype, expert_map, rotate
     token = torch.arange(S) // TOP_K
     # One float32 matmul per expert over its slots, each expert dequantized once: a per-slot loop in the
     # activations' dtype was CPU-bound for minutes under 12 xdist workers.
-    experts = [e for e in range(E) if bool((local == e).any())]
-    d13 = {e: w13[e].dequantize(dtype).float() for e in experts}
-    d2 = {e: w2[e].dequantize(dtype).float() for e in experts}
+    slots_of = {e: (local == e).nonzero().flatten() for e in range(E) if bool((local == e).any())}
+    d13 = {e: w13[e].dequantize(dtype).float() for e in slots_of}
+    d2 = {e: w2[e].dequantize(dtype).float() for e in slots_of}
     want13 = torch.zeros(S, 2 * I)
-    for e in experts:
-        slots = (local == e).nonzero().flatten()
+    for e, slots in slots_of.items():
         want13[slots] = xr[token[slots]] @ d13[e].T
     torch.testing.assert_close(h13.float().cpu(), want13, atol=2e-2, rtol=2e-2)
 
@@ -100,8 +99,7 @@ def test_stage_ops_match_the_dequantized_experts(path, dtype, expert_map, rotate
     torch.testing.assert_close(act.float().cpu(), want_act, atol=2e-2, rtol=2e-2)
     act_r = r2(act.cpu()).float()
     want_y = torch.zeros(S, H)
-    for e in experts:
-        slots = (local == e).nonzero().flatten()
+    for e, slots in slots_of.items():
         want_y[slots] = (act_r[slots] @ d2[e].T) * weights.reshape(-1)[slots, None]
     torch.testing.assert_close(y.float().cpu(), want_y, atol=2e-2, rtol=2e-2)
 
