@@ -42,7 +42,7 @@ static_assert(gemv_core::kWarps == kGemvWarps, "the planner's GEMV cost model co
 // Grid: n_tiles * splits CTAs in clusters of `splits` (CTA = n-tile * splits + split). qweight and
 // absmax are the runtime layout viewed as 16-byte plane vectors and 4-code words. ROT: A is multiplied by the
 // rotation `rot` as it is loaded (a rotated layer's x · R; accumulate in gemv_core.cuh).
-template <typename T, int BITS, int M, int TB, bool ROT>
+template <typename T, int BITS, int M, int TB, int ROT>
 __global__ void __launch_bounds__(kThreads) gemv_kernel(const T* __restrict__ A, const uint4* __restrict__ qweight,
                                                         const uint32_t* __restrict__ absmax,
                                                         const float* __restrict__ codebook, const T* __restrict__ bias,
@@ -91,7 +91,7 @@ struct GemvLaunch {
   rotate_core::FusedRotation rot;
 };
 
-template <typename T, int BITS, int M, bool ROT>
+template <typename T, int BITS, int M, int ROT>
 void launch_typed_rot(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                   const at::Tensor& codebook, const T* bias, int N, int K, at::Tensor& C, const GemvLaunch& g) {
   const int n_tiles = static_cast<int>(qweight_rt.size(0)), k_tiles = static_cast<int>(qweight_rt.size(1));
@@ -118,12 +118,18 @@ void launch_typed_rot(const at::Tensor& A, const at::Tensor& qweight_rt, const a
   launch(gemv_kernel<T, BITS, M, 0, ROT>, 0, 0);
 }
 
-// The rotated instances where the launch rotates, the unrotated (today's code) elsewhere.
+// The rotated instances of the launch's kind where it rotates, the unrotated (today's code) elsewhere.
 template <typename T, int BITS, int M>
 void launch_typed(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                   const at::Tensor& codebook, const T* bias, int N, int K, at::Tensor& C, const GemvLaunch& g) {
-  if (g.rot.signs != nullptr) return launch_typed_rot<T, BITS, M, true>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, g);
-  launch_typed_rot<T, BITS, M, false>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, g);
+  switch (rotate_core::fused_rot_kind(g.rot)) {
+    case rotate_core::kRotTile:
+      return launch_typed_rot<T, BITS, M, rotate_core::kRotTile>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, g);
+    case rotate_core::kRotMix:
+      return launch_typed_rot<T, BITS, M, rotate_core::kRotMix>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, g);
+    default:
+      return launch_typed_rot<T, BITS, M, rotate_core::kRotNone>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, g);
+  }
 }
 
 template <typename T, int BITS>

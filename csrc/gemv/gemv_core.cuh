@@ -257,9 +257,10 @@ __device__ __forceinline__ void load_tile(const uint4* __restrict__ qweight, con
 // tile's loads are issued and before any activation load (the dense GEMV's PDL wait).
 // TB > 0 (k = 2..4): blocks 0..TB-1 of each k-tile decode through the table of pairs / quads at `lut`
 // (Lut<BITS>::kBytes of shared memory), which every thread of the CTA fills here: all of them must call this.
-// ROT: the activations are rotated, x · R (rotate_core.cuh: fused_rotation), in registers right after widening,
-// before they are staged; without it `rot` is not read and the code is the unrotated one.
-template <typename T, int BITS, int M, int TB, bool ROT, bool kPairs = true, typename Fetch, typename Widen,
+// ROT (rotate_core.cuh: kRotNone / kRotTile / kRotMix): the activations are rotated, x · R (fused_rotation), in
+// registers right after widening, before they are staged (kRotMix: blocks over 128 mix their k-tiles first); with
+// kRotNone `rot` is not read and the code is the unrotated one.
+template <typename T, int BITS, int M, int TB, int ROT, bool kPairs = true, typename Fetch, typename Widen,
           typename Ready>
 __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, const uint32_t* __restrict__ absmax,
                                            const float* __restrict__ codebook, int64_t band, int kt_begin, int kt_end,
@@ -323,7 +324,9 @@ __device__ __forceinline__ void accumulate(const uint4* __restrict__ qweight, co
     for (int m = 0; m < M; ++m) {
       if constexpr (ROT) {
         float4 v = rotate_core::mul4(widen(m, raw[m]), sg);  // diag(s) first
-        if (rot.tiles > 1) v = mix_block_tiles(m, v, kt);
+        if constexpr (ROT == rotate_core::kRotMix) {
+          if (rot.tiles > 1) v = mix_block_tiles(m, v, kt);
+        }
         a_stage[m * 32 + lane] = rotate_core::hadamard_tile_quad(v, lane, rot.block, rot.scale);
       } else {
         a_stage[m * 32 + lane] = widen(m, raw[m]);

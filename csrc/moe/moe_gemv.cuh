@@ -79,7 +79,7 @@ struct Out<float> {
 // tile is requested and before any activation load (the direct down stage's PDL wait). ROT: each staged
 // row is rotated in registers after it is widened: gate_up's x (after the router weight, where the input
 // takes it), down's silu(gate) * up.
-template <typename T, typename O, int BITS, MoeStage STAGE, bool kTable, bool ROT, int M, bool kPairs = true,
+template <typename T, typename O, int BITS, MoeStage STAGE, bool kTable, int ROT, int M, bool kPairs = true,
           typename Ready>
 __device__ __forceinline__ void run_chunk(const MoeGemvParams& p, int expert, int row0, int n_tile, int split,
                                           float4* a_stage, float* warp_sums, float* cta_sums, uint8_t* lut,
@@ -181,7 +181,7 @@ __device__ __forceinline__ void pdl_wait_and_release() {
 // before gate_up wrote (complete once any gate_up CTA passed its wait, so read from L2 with ld.cg),
 // and weights never change, so its first weight tile is in flight while gate_up finishes; the wait
 // comes before the activations are read and anything is written.
-template <typename T, typename O, int BITS, MoeStage STAGE, bool kTable, bool ROT>
+template <typename T, typename O, int BITS, MoeStage STAGE, bool kTable, int ROT>
 __device__ __forceinline__ void run_direct(const MoeGemvParams& p, int slot, int n_tile, int split, float4* a_stage,
                                            float* warp_sums, float* cta_sums, uint8_t* lut) {
   if (STAGE == MoeStage::kGather && blockIdx.x == 0) {
@@ -206,7 +206,7 @@ __device__ __forceinline__ void run_direct(const MoeGemvParams& p, int slot, int
 
 // Grid: max_chunks * n_tiles * splits CTAs, clusters of `splits` (CTA = (chunk * n_tiles +
 // n-tile) * splits + split). All CTAs of a cluster share the chunk, so they leave together.
-template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable, bool ROT>
+template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable, int ROT>
 __device__ __forceinline__ void moe_gemv_body(const MoeGemvParams& p) {
   __shared__ float4 a_stage[kWarps * kGemvMaxM * 32];
   __shared__ float warp_sums[kWarps * kGemvMaxM * kTileN];
@@ -254,7 +254,7 @@ __device__ __forceinline__ void moe_gemv_body(const MoeGemvParams& p) {
   }
 }
 
-template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable, bool ROT>
+template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable, int ROT>
 __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constant__ MoeGemvParams p) {
   moe_gemv_body<T, O, BITS, STAGE, MAX_ROWS, kTable, ROT>(p);
 }
@@ -263,16 +263,16 @@ __global__ void __launch_bounds__(kThreads) moe_gemv_kernel(const __grid_constan
 // occupancy of their unrotated instances: uncapped, the rotation took the direct down kernel to 167 registers at
 // k = 4, 3 CTAs per SM, and its decode grid a second wave. A kernel of its own, since any minimum-CTA bound changes
 // how ptxas allocates the other instances' registers (k = 5 and the 4-row kernels keep theirs, uncapped).
-template <int BITS, int MAX_ROWS, bool ROT>
+template <int BITS, int MAX_ROWS, int ROT>
 constexpr bool moe_gemv_capped() {
   return ROT && MAX_ROWS == 1 && BITS <= 4;
 }
-template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable, bool ROT>
+template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable, int ROT>
 __global__ void __launch_bounds__(kThreads, 4) moe_gemv_kernel_capped(const __grid_constant__ MoeGemvParams p) {
   moe_gemv_body<T, O, BITS, STAGE, MAX_ROWS, kTable, ROT>(p);
 }
 
-template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable, bool ROT>
+template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool kTable, int ROT>
 auto moe_gemv_kernel_of() {
   if constexpr (moe_gemv_capped<BITS, MAX_ROWS, ROT>()) {
     return moe_gemv_kernel_capped<T, O, BITS, STAGE, MAX_ROWS, kTable, ROT>;
@@ -291,7 +291,7 @@ struct StageLaunch {
   const char* kernel;  // the name the launch is recorded under
 };
 
-template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, bool ROT>
+template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS, int ROT>
 void launch_typed_rot(const MoeGemvParams& p, const StageLaunch& s) {
   const auto launch = [&](auto kernel, size_t smem, int table_blocks) {
     const dim3 grid(static_cast<unsigned>(static_cast<int64_t>(s.grid_rows) * p.n_tiles * p.splits));
@@ -309,11 +309,22 @@ void launch_typed_rot(const MoeGemvParams& p, const StageLaunch& s) {
   launch(moe_gemv_kernel_of<T, O, BITS, STAGE, MAX_ROWS, false, ROT>(), 0, 0);
 }
 
-// The rotated instances where the launch rotates (p.rot.signs set), the unrotated (today's code) elsewhere.
+// The rotated instances of the launch's kind where it rotates (p.rot.signs set), the unrotated (today's code) elsewhere.
+// The gather stage rotates only as the kbit stage ops' down projection (SiLU * up computed apart for LoRA's hooks;
+// fused_moe rotates the hidden states apart): one rotated instance serves every block there (kRotMix checks the
+// block's k-tiles at run time), so that path adds no instances.
 template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS>
 void launch_typed(const MoeGemvParams& p, const StageLaunch& s) {
-  if (p.rot.signs != nullptr) return launch_typed_rot<T, O, BITS, STAGE, MAX_ROWS, true>(p, s);
-  launch_typed_rot<T, O, BITS, STAGE, MAX_ROWS, false>(p, s);
+  switch (rotate_core::fused_rot_kind(p.rot)) {
+    case rotate_core::kRotTile:
+      if constexpr (STAGE == MoeStage::kSiluMul) {
+        return launch_typed_rot<T, O, BITS, STAGE, MAX_ROWS, rotate_core::kRotTile>(p, s);
+      } else {
+        return launch_typed_rot<T, O, BITS, STAGE, MAX_ROWS, rotate_core::kRotMix>(p, s);
+      }
+    case rotate_core::kRotMix: return launch_typed_rot<T, O, BITS, STAGE, MAX_ROWS, rotate_core::kRotMix>(p, s);
+    default: return launch_typed_rot<T, O, BITS, STAGE, MAX_ROWS, rotate_core::kRotNone>(p, s);
+  }
 }
 
 template <typename T, typename O, MoeStage STAGE, int MAX_ROWS>

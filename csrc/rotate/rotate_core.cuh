@@ -81,6 +81,13 @@ inline FusedRotation fused_rotation(const char* op, const float* signs, int64_t 
   return {signs, static_cast<int>(block), tiles, static_cast<float>(1.0 / std::sqrt(static_cast<double>(block)))};
 }
 
+// Which rotation a GEMV instance fuses (its ROT template argument): none, blocks inside one k-tile (b <= 128: the
+// in-tile transform alone), or any block (kRotMix: the k-tile mix first where the block spans k-tiles). The two
+// rotated kinds are separate instances so that the in-tile kernels' k-tile loop carries none of the mix's code,
+// which, unrolled over up to 8 k-tiles, made the rotated one-row routed GEMV's code 1.8x the unrotated one's.
+constexpr int kRotNone = 0, kRotTile = 1, kRotMix = 2;
+inline int fused_rot_kind(const FusedRotation& r) { return r.signs == nullptr ? kRotNone : r.tiles > 1 ? kRotMix : kRotTile; }
+
 // Elementwise product (activations times their ±1 signs: exact).
 __device__ __forceinline__ float4 mul4(float4 a, float4 b) {
   return make_float4(a.x * b.x, a.y * b.y, a.z * b.z, a.w * b.w);
