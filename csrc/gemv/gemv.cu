@@ -122,14 +122,9 @@ void launch_typed_rot(const at::Tensor& A, const at::Tensor& qweight_rt, const a
 template <typename T, int BITS, int M>
 void launch_typed(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                   const at::Tensor& codebook, const T* bias, int N, int K, at::Tensor& C, const GemvLaunch& g) {
-  switch (rotate_core::fused_rot_kind(g.rot)) {
-    case rotate_core::kRotTile:
-      return launch_typed_rot<T, BITS, M, rotate_core::kRotTile>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, g);
-    case rotate_core::kRotMix:
-      return launch_typed_rot<T, BITS, M, rotate_core::kRotMix>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, g);
-    default:
-      return launch_typed_rot<T, BITS, M, rotate_core::kRotNone>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, g);
-  }
+  rotate_core::with_rot_kind(g.rot, [&](auto kind) {
+    launch_typed_rot<T, BITS, M, decltype(kind)::value>(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, g);
+  });
 }
 
 template <typename T, int BITS>

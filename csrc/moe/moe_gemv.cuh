@@ -315,16 +315,11 @@ void launch_typed_rot(const MoeGemvParams& p, const StageLaunch& s) {
 // block's k-tiles at run time), so that path adds no instances.
 template <typename T, typename O, int BITS, MoeStage STAGE, int MAX_ROWS>
 void launch_typed(const MoeGemvParams& p, const StageLaunch& s) {
-  switch (rotate_core::fused_rot_kind(p.rot)) {
-    case rotate_core::kRotTile:
-      if constexpr (STAGE == MoeStage::kSiluMul) {
-        return launch_typed_rot<T, O, BITS, STAGE, MAX_ROWS, rotate_core::kRotTile>(p, s);
-      } else {
-        return launch_typed_rot<T, O, BITS, STAGE, MAX_ROWS, rotate_core::kRotMix>(p, s);
-      }
-    case rotate_core::kRotMix: return launch_typed_rot<T, O, BITS, STAGE, MAX_ROWS, rotate_core::kRotMix>(p, s);
-    default: return launch_typed_rot<T, O, BITS, STAGE, MAX_ROWS, rotate_core::kRotNone>(p, s);
-  }
+  rotate_core::with_rot_kind(p.rot, [&](auto kind) {
+    constexpr int kKind = decltype(kind)::value;
+    constexpr bool kOneRotated = STAGE == MoeStage::kGather && kKind == rotate_core::kRotTile;
+    launch_typed_rot<T, O, BITS, STAGE, MAX_ROWS, kOneRotated ? rotate_core::kRotMix : kKind>(p, s);
+  });
 }
 
 template <typename T, typename O, MoeStage STAGE, int MAX_ROWS>

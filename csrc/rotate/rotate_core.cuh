@@ -8,6 +8,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <type_traits>
 
 #include <cuda_runtime.h>
 
@@ -87,6 +88,16 @@ inline FusedRotation fused_rotation(const char* op, const float* signs, int64_t 
 // which, unrolled over up to 8 k-tiles, made the rotated one-row routed GEMV's code 1.8x the unrotated one's.
 constexpr int kRotNone = 0, kRotTile = 1, kRotMix = 2;
 inline int fused_rot_kind(const FusedRotation& r) { return r.signs == nullptr ? kRotNone : r.tiles > 1 ? kRotMix : kRotTile; }
+
+// Calls f(std::integral_constant<int, kind>{}) with the launch's rotation kind: the launchers' one dispatch rule.
+template <typename F>
+void with_rot_kind(const FusedRotation& r, F&& f) {
+  switch (fused_rot_kind(r)) {
+    case kRotTile: return f(std::integral_constant<int, kRotTile>{});
+    case kRotMix: return f(std::integral_constant<int, kRotMix>{});
+    default: return f(std::integral_constant<int, kRotNone>{});
+  }
+}
 
 // Elementwise product (activations times their ±1 signs: exact).
 __device__ __forceinline__ float4 mul4(float4 a, float4 b) {
