@@ -360,36 +360,27 @@ __device__ __forceinline__ void consume(const WsParams<T>& prm, const WsRange ra
   const int ct = threadIdx.x % 128, warp = ct / 32, lane = ct % 32, g = lane / 4, t = lane % 4;
   const int k_tiles = prm.k_tiles;
   const int units = range.end - range.begin;
+  const auto unit_tile = [&](int i) { return (range.begin + i) / k_tiles; };
+  const auto unit_kt = [&](int i) { return (range.begin + i) % k_tiles; };
   // 64-row halves of this warpgroup's rows in a tile.
   const auto halves_of = [&](const WsWork& w) { return max(0, min(2, (w.row_end - w.row0 - c * kConsumerRows + 63) / 64)); };
 
-  // Thread ct copies 16-byte chunk ct % 16 of rows ct / 16 + 8i (i < 16) of the warpgroup's rows. The copies run
-  // kStages units ahead of the MMAs, through a cursor over the run (tile, k-tile, the tile's rows), moved one unit
-  // per copy: the tile's rows are looked up only at a tile change.
+  // Thread ct copies 16-byte chunk ct % 16 of rows ct / 16 + 8i (i < 16) of the warpgroup's rows.
   const int x_row = ct / 16, x_ch = ct % 16;
   const uint32_t x_dst = kWeightBytes + swizzled_chunk(kActRows, c * kConsumerRows + x_row, x_ch);
-  int x_tile = range.begin / k_tiles, x_kt = range.begin % k_tiles, x_halves = 0, x_valid = 0;
-  const T* x_src = prm.A;
-  const auto x_set_tile = [&](int tile) {
-    const WsWork w = tile_work(prm, tile);
+  const auto load_acts = [&](int i) {
+    const WsWork w = tile_work(prm, unit_tile(i));
+    const int kt = unit_kt(i), halves = halves_of(w);
     const int rows0 = w.row0 + c * kConsumerRows;
-    x_halves = halves_of(w);
-    x_src = prm.A + static_cast<int64_t>(rows0 + x_row) * prm.K + x_ch * 8;
-    x_valid = w.row_end - rows0 - x_row;  // copies of rows x_row + 8j with 8j >= this read nothing
-  };
-  x_set_tile(x_tile);
-  const auto load_acts = [&](int i) {  // the CTA's unit i, the cursor's
+    const T* x_src = prm.A + static_cast<int64_t>(rows0 + x_row) * prm.K + x_ch * 8;
+    const int rows_valid = w.row_end - rows0 - x_row;  // copies of rows x_row + 8j with 8j >= this read nothing
     const uint32_t st = smem + (i % kStages) * kStageBytes + x_dst;
-    const bool k_valid = x_kt * kTileK + x_ch * 8 < prm.K;
+    const bool k_valid = kt * kTileK + x_ch * 8 < prm.K;
 #pragma unroll
     for (int j = 0; j < kConsumerRows / 8; ++j) {
-      if (8 * j >= 64 * x_halves) break;  // rows of a skipped half are never read
-      const bool valid = k_valid && 8 * j < x_valid;
-      cp_async16(st + 8 * j * 128, valid ? x_src + static_cast<int64_t>(8 * j) * prm.K + x_kt * kTileK : prm.A, valid);
-    }
-    if (++x_kt == k_tiles) {
-      x_kt = 0;
-      if (range.begin + i + 1 < range.end) x_set_tile(++x_tile);
+      if (8 * j >= 64 * halves) break;  // rows of a skipped half are never read
+      const bool valid = k_valid && 8 * j < rows_valid;
+      cp_async16(st + 8 * j * 128, valid ? x_src + static_cast<int64_t>(8 * j) * prm.K + kt * kTileK : prm.A, valid);
     }
   };
 
@@ -476,46 +467,51 @@ __device__ __forceinline__ void consume(const WsParams<T>& prm, const WsRange ra
     }
   };
 
+  zero_acc();
 #pragma unroll
   for (int s = 0; s < kStages; ++s) {
     if (s < units) load_acts(s);
     cp_async_commit();
   }
-  // Segments: the run's part of one tile each, k-tiles [kt0, kt0 + its units); the MMA loop over a segment's units,
-  // then its epilogue.
-  int i = 0;
-  for (int tile = range.begin / k_tiles, kt0 = range.begin % k_tiles; i < units; ++tile, kt0 = 0) {
-    const int i0 = i, seg_end = min(units, i + (k_tiles - kt0));
-    const int halves = halves_of(tile_work(prm, tile));
-    zero_acc();
-    for (; i < seg_end; ++i) {
-      const int s = i % kStages;
-      const uint32_t st = smem + s * kStageBytes;
-      cp_async_wait<kStages - 1>();  // this unit's activations (one group per unit, always committed)
-      fence_proxy_async();
-      warpgroup_sync(bar_id);
-      mbar_wait(full + 8 * s, (i / kStages) & 1);
+  int tile = unit_tile(0), kt0 = unit_kt(0), kt = kt0;
+  int halves = halves_of(tile_work(prm, tile));
+  for (int i = 0; i < units; ++i) {
+    const int s = i % kStages;
+    const uint32_t st = smem + s * kStageBytes;
+    cp_async_wait<kStages - 1>();  // this unit's activations (one group per unit, always committed)
+    fence_proxy_async();
+    warpgroup_sync(bar_id);
+    mbar_wait(full + 8 * s, (i / kStages) & 1);
 #pragma unroll
-      for (int h = 0; h < 2; ++h)
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-        for (int j = 0; j < 64; ++j) pin(acc[h][j]);
-      // Straight-line wgmma sequences per number of halves: a branch between wgmmas of one group
-      // would make ptxas serialize them (it injects warpgroup.arrive).
-      if (halves == 2) {
-        issue_stage<T, 2>(acc, st, c);
-      } else if (halves == 1) {
-        issue_stage<T, 1>(acc, st, c);
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h)
-#pragma unroll
-        for (int j = 0; j < 64; ++j) pin(acc[h][j]);
-      mbar_arrive(empty + 8 * s);
-      // Stage s's activation slice of this warpgroup is free (its wgmmas are complete): refill it.
-      if (i + kStages < units) load_acts(i + kStages);
-      cp_async_commit();
+      for (int j = 0; j < 64; ++j) pin(acc[h][j]);
+    // Straight-line wgmma sequences per number of halves: a branch between wgmmas of one group
+    // would make ptxas serialize them (it injects warpgroup.arrive).
+    if (halves == 2) {
+      issue_stage<T, 2>(acc, st, c);
+    } else if (halves == 1) {
+      issue_stage<T, 1>(acc, st, c);
     }
-    epilogue(tile, kt0, kt0 + (seg_end - i0));
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int j = 0; j < 64; ++j) pin(acc[h][j]);
+    mbar_arrive(empty + 8 * s);
+    // Stage s's activation slice of this warpgroup is free (its wgmmas are complete): refill it.
+    if (i + kStages < units) load_acts(i + kStages);
+    cp_async_commit();
+    if (kt + 1 == k_tiles || i + 1 == units) {  // the end of a tile or of the run
+      epilogue(tile, kt0, kt + 1);
+      if (i + 1 < units) {
+        zero_acc();
+        tile += 1;  // a run's next unit is k-tile 0 of the next tile
+        kt0 = kt = 0;
+        halves = halves_of(tile_work(prm, tile));
+      }
+    } else {
+      ++kt;
+    }
   }
   cp_async_wait<0>();
 }
