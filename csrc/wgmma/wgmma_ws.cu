@@ -194,7 +194,7 @@ __device__ __forceinline__ WsWork tile_work(const WsParams<T>& prm, int tile) {
 // The producer: thread r (0..127) dequantizes weight row r of the CTA, every k-tile, into the stages.
 // Its loads run kAhead k-tiles ahead in a register ring: one CTA per SM with 128 loading threads
 // needs several k-tiles of weight bytes in flight to cover HBM latency.
-template <typename T, int BITS, int NP>
+template <typename T, int BITS, int NP, bool kStream>
 __device__ __forceinline__ void produce(const WsParams<T>& prm, const WsRange range, uint32_t smem, uint32_t full,
                                         uint32_t empty, uint8_t* lut, int p) {
   constexpr int F = Fields<BITS>::kBits;
@@ -226,12 +226,14 @@ __device__ __forceinline__ void produce(const WsParams<T>& prm, const WsRange ra
     for (int b = 0; b < BITS; ++b) w.plane[b] = __ldg(planes + (cur_kt * BITS + b) * kTileN);
     w.codes = __ldg(codes + cur_kt * kTileN);
     cur_kt += NP;
-    if (cur_kt >= k_tiles) {  // the run goes on in the next tile(s) at k-tile 0..
-      while (cur_kt >= k_tiles) {
-        cur_kt -= k_tiles;
-        ++cur_tile;
+    if constexpr (kStream) {  // a run of one tile (otherwise) ends at its last k-tile
+      if (cur_kt >= k_tiles) {  // the run goes on in the next tile(s) at k-tile 0..
+        while (cur_kt >= k_tiles) {
+          cur_kt -= k_tiles;
+          ++cur_tile;
+        }
+        if (cur_tile * k_tiles + cur_kt < range.end) set_tile(cur_tile);  // not past the run (a chunk past the list)
       }
-      if (cur_tile * k_tiles + cur_kt < range.end) set_tile(cur_tile);  // not past the run (a chunk past the list)
     }
   };
   // Block j of the row: index words, scale, then 4 chunks of 8 weights rounded to T and scaled in
@@ -350,7 +352,104 @@ __device__ __forceinline__ void wait_flag(int* flag, int bar_id) {
   warpgroup_sync(bar_id);
 }
 
-// A consumer: warpgroup c (0, 1) multiplies, for each tile of the CTA's run, activation rows row0 + 128c .. +127
+// A consumer of a CTA that multiplies one whole tile (grouped, and dense where the tiles fill whole waves): warpgroup
+// c (0, 1) multiplies activation rows row0 + 128c .. +127 (those below row_end) with the tile's 128 weight rows; D = acc[h]: activation rows 64h + 16 warp + g (+8), weight rows
+// 8i + 2t (+1). A 64-row half with no rows skips its wgmmas (a grouped chunk is often one or two
+// halves); the warpgroup still takes part in every stage's barriers.
+template <typename T>
+__device__ __forceinline__ void consume_tile(const WsParams<T>& prm, const WsWork& work, uint32_t smem, uint32_t full,
+                                        uint32_t empty, int c) {
+  const int ct = threadIdx.x % 128, warp = ct / 32, lane = ct % 32, g = lane / 4, t = lane % 4;
+  const int rows0 = work.row0 + c * kConsumerRows;  // first activation row of this warpgroup
+  const int halves = max(0, min(2, (work.row_end - rows0 + 63) / 64));
+  const int k_tiles = prm.k_tiles;
+
+  // Thread ct copies 16-byte chunk ct % 16 of rows ct / 16 + 8i (i < 16) of the warpgroup's rows.
+  const int x_row = ct / 16, x_ch = ct % 16;
+  const uint32_t x_dst = kWeightBytes + swizzled_chunk(kActRows, c * kConsumerRows + x_row, x_ch);
+  const T* x_src = prm.A + static_cast<int64_t>(rows0 + x_row) * prm.K + x_ch * 8;
+  const int rows_valid = work.row_end - rows0 - x_row;  // copies of rows x_row + 8i with 8i >= this read nothing
+  const auto load_acts = [&](int kt) {
+    const uint32_t st = smem + (kt % kStages) * kStageBytes + x_dst;
+    const bool k_valid = kt * kTileK + x_ch * 8 < prm.K;
+#pragma unroll
+    for (int i = 0; i < kConsumerRows / 8; ++i) {
+      if (8 * i >= 64 * halves) break;  // rows of a skipped half are never read
+      const bool valid = k_valid && 8 * i < rows_valid;
+      cp_async16(st + 8 * i * 128, valid ? x_src + static_cast<int64_t>(8 * i) * prm.K + kt * kTileK : prm.A, valid);
+    }
+  };
+
+  float acc[2][64];
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < 64; ++i) acc[h][i] = 0.f;
+
+#pragma unroll
+  for (int s = 0; s < kStages; ++s) {
+    if (s < k_tiles) load_acts(s);
+    cp_async_commit();
+  }
+  for (int kt = 0; kt < k_tiles; ++kt) {
+    const int s = kt % kStages;
+    const uint32_t st = smem + s * kStageBytes;
+    cp_async_wait<kStages - 1>();  // this k-tile's activations (one group per k-tile, always committed)
+    fence_proxy_async();
+    warpgroup_sync(1 + c);
+    mbar_wait(full + 8 * s, (kt / kStages) & 1);
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 64; ++i) pin(acc[h][i]);
+    // Straight-line wgmma sequences per number of halves: a branch between wgmmas of one group
+    // would make ptxas serialize them (it injects warpgroup.arrive).
+    if (halves == 2) {
+      issue_stage<T, 2>(acc, st, c);
+    } else if (halves == 1) {
+      issue_stage<T, 1>(acc, st, c);
+    }
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+#pragma unroll
+      for (int i = 0; i < 64; ++i) pin(acc[h][i]);
+    mbar_arrive(empty + 8 * s);
+    // Stage s's activation slice of this warpgroup is free (its wgmmas are complete): refill it.
+    if (kt + kStages < k_tiles) load_acts(kt + kStages);
+    cp_async_commit();
+  }
+  cp_async_wait<0>();
+
+  // Two adjacent weight rows of a thread are two adjacent outputs: one 32-bit store where both exist.
+  const int n0 = work.col * kWeightRows;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+#pragma unroll
+    for (int v = 0; v < 2; ++v) {
+      const int m = rows0 + 64 * h + 16 * warp + g + 8 * v;
+      if (m >= work.row_end) continue;
+      T* c_row = prm.C + static_cast<int64_t>(m) * prm.N;
+#pragma unroll
+      for (int i = 0; i < kWeightRows / 8; ++i) {
+        const int n = n0 + 8 * i + 2 * t;
+        if (n >= prm.N) continue;
+        float y0 = acc[h][4 * i + 2 * v], y1 = acc[h][4 * i + 2 * v + 1];
+        if (prm.bias != nullptr) {
+          y0 += Half2<T>::to_float(prm.bias[n]);
+          if (n + 1 < prm.N) y1 += Half2<T>::to_float(prm.bias[n + 1]);
+        }
+        if (n + 1 < prm.N && prm.N % 2 == 0) {
+          *reinterpret_cast<uint32_t*>(c_row + n) = Half2<T>::pack(y0, y1);
+        } else {
+          c_row[n] = Half2<T>::narrow(y0);
+          if (n + 1 < prm.N) c_row[n + 1] = Half2<T>::narrow(y1);
+        }
+      }
+    }
+  }
+}
+
+// A consumer of a stream-K CTA: warpgroup c (0, 1) multiplies, for each tile of the CTA's run, activation rows row0 + 128c .. +127
 // (those below row_end) with the tile's 128 weight rows; D = acc[h]: activation rows 64h + 16 warp + g (+8),
 // weight rows 8i + 2t (+1). A 64-row half with no rows skips its wgmmas (a grouped chunk is often one or two
 // halves); the warpgroup still takes part in every stage's barriers.
@@ -516,17 +615,15 @@ __device__ __forceinline__ void consume(const WsParams<T>& prm, const WsRange ra
   cp_async_wait<0>();
 }
 
-// Grid: stream-K, ctas CTAs; else one per tile, (ceil(n_tiles / 2), ceil(M / 256)) dense or (ceil(n_tiles / 2),
-// chunks) grouped.
-template <typename T, int BITS, int NP>
+// Grid: stream-K (kStream), ctas CTAs; else one per tile, (ceil(n_tiles / 2), ceil(M / 256)) dense or
+// (ceil(n_tiles / 2), chunks) grouped. Two instances: a run crossing tiles costs the consumer index work per
+// k-tile and an epilogue inside its loop, which slowed one-tile CTAs by 12-22% when they shared its code.
+template <typename T, int BITS, int NP, bool kStream>
 __global__ void __launch_bounds__(kThreads<NP>, 1) wgmma_ws_kernel(const __grid_constant__ WsParams<T> prm) {
   const WsRange range = cta_range(prm);
-  // A grouped CTA of an unused chunk has nothing to do (its tile has no rows).
-  if (prm.chunks != nullptr) {
-    const WsWork w = tile_work(prm, range.begin / prm.k_tiles);
-    if (w.row_end <= w.row0) return;
-  }
   if (range.end <= range.begin) return;
+  const WsWork work = tile_work(prm, range.begin / prm.k_tiles);  // a one-tile CTA's tile
+  if (!kStream && work.row_end <= work.row0) return;  // a grouped CTA of an unused chunk: no rows
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
   const uint32_t smem = (raw + lut_bytes<BITS>() + 1023) & ~1023u;  // the stages, after the table
@@ -544,24 +641,33 @@ __global__ void __launch_bounds__(kThreads<NP>, 1) wgmma_ws_kernel(const __grid_
   const int role = __shfl_sync(0xFFFFFFFFu, static_cast<int>(threadIdx.x) / 128, 0);
   if (role < NP) {
     if constexpr (NP == 2) asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(kProducerRegs));
-    produce<T, BITS, NP>(prm, range, smem, full, empty, lut, role);
+    produce<T, BITS, NP, kStream>(prm, range, smem, full, empty, lut, role);
   } else {
     if constexpr (NP == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume<T>(prm, range, smem, full, empty, role - NP);
+    if constexpr (kStream) {
+      consume<T>(prm, range, smem, full, empty, role - NP);
+    } else {
+      consume_tile<T>(prm, work, smem, full, empty, role - NP);
+    }
   }
 }
 
 static_assert(kWeightRows == kWgmmaWsTileN * kTileN, "the planner sizes the grid by kWgmmaWsTileN n-tiles per CTA");
 static_assert(kWsStreamSlot == kWeightRows * kActRows && kWsStreamFlags == kConsumers, "wgmma.cuh's hand-off sizes");
 
+template <typename T, int BITS, int NP, bool kStream>
+void launch_kind(const WsParams<T>& prm, const dim3 grid, int device) {
+  opt_in_shared_memory<wgmma_ws_kernel<T, BITS, NP, kStream>>(smem_bytes<BITS>(), device);
+  wgmma_ws_kernel<T, BITS, NP, kStream><<<grid, kThreads<NP>, smem_bytes<BITS>(), at::cuda::getCurrentCUDAStream()>>>(prm);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
+}
+
 template <typename T, int BITS, int NP>
 void launch_np(const WsParams<T>& prm, int device, const char* name) {
-  opt_in_shared_memory<wgmma_ws_kernel<T, BITS, NP>>(smem_bytes<BITS>(), device);
-  const dim3 grid = prm.ctas > 0 ? dim3(static_cast<unsigned>(prm.ctas)) : dim3(prm.cols, prm.row_blocks);
   // The tile grid and the CTAs sharing it (1: one per tile); launched without programmatic dependence.
   record_launch({name, 0, 0, prm.row_blocks, prm.cols, prm.ctas > 0 ? prm.ctas : 1, NP, 0, false});
-  wgmma_ws_kernel<T, BITS, NP><<<grid, kThreads<NP>, smem_bytes<BITS>(), at::cuda::getCurrentCUDAStream()>>>(prm);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  if (prm.ctas > 0) return launch_kind<T, BITS, NP, true>(prm, dim3(static_cast<unsigned>(prm.ctas)), device);
+  launch_kind<T, BITS, NP, false>(prm, dim3(prm.cols, prm.row_blocks), device);
 }
 
 // The plan's producer count (k = 5 is built with one: its shuffle decode needs the registers a second
