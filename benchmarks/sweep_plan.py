@@ -2,10 +2,9 @@
 forced, beside the planner's own choice, COLD (weight copies rotated past the L2), CUDA-graph replay. Each field
 is a subcommand; each writes <out>/<stem>_<gpu>_<date>.{json,md} (the stems the results index cites):
 
-    python benchmarks/sweep_plan.py dense_splits [--kernel mma|gemv|wgmma_ws] [--shapes qkv,o,...|all] [--m 8,16]
+    python benchmarks/sweep_plan.py dense_splits [--kernel mma|gemv] [--shapes qkv,o,...|all] [--m 8,16]
         K splits of the dense MMA (at both row-group widths r) or GEMV (M = 1..4), through kbit::_linear_forced:
-        the data for gemv_splits / mma_splits; wgmma_ws (Hopper): one CTA per tile (S=1) against stream-K over one
-        CTA per SM, the data for ws_stream_ctas. Stem sweep_<kernel>_splits.
+        the data for gemv_splits / mma_splits. Stem sweep_<kernel>_splits.
     python benchmarks/sweep_plan.py dense_paths [--shapes ...] [--bits 2,3,4,5] [--m 1,2] [--paths gemv,mma]
         [--report JSON]
         The dense path per M, each forced at the planner's splits: the GEMV against the MMA kernel at few rows
@@ -177,16 +176,16 @@ SPLITS_K_BITS = 4
 def sweep_dense_splits(argv: list[str]) -> None:
     """dense_splits: the dense GEMV or MMA kernel at every K split count (and the MMA at both row-group widths)."""
     args = sweep_args("dense_splits", argv, {
-        "--kernel": dict(choices=("mma", "gemv", "wgmma_ws"), default="mma"),
+        "--kernel": dict(choices=("mma", "gemv"), default="mma"),
         "--shapes": dict(default="qkv,o,gate_up,down,llama8b_gate_up,llama70b_gate_up",
                          help="comma-separated names of bench_linear.SHAPES, or 'all'"),
-        "--m": dict(help="default: 8,16,32,64 (mma), 1,2,4 (gemv), 64,129,256,384,512 (wgmma_ws)")}, commit=os.environ.get("KBIT_COMMIT", "unknown"))
+        "--m": dict(help="default: 8,16,32,64 (mma), 1,2,4 (gemv)")}, commit=os.environ.get("KBIT_COMMIT", "unknown"))
     run(args, f"sweep_{args.kernel}_splits", dense_splits_measure, dense_splits_report, key=None)
 
 
 def dense_splits_measure(args, meta: Meta):
-    gemv, ws = args.kernel == "gemv", args.kernel == "wgmma_ws"
-    ms = [int(m) for m in (args.m or ("1,2,4" if gemv else "64,129,256,384,512" if ws else "8,16,32,64")).split(",")]
+    gemv = args.kernel == "gemv"
+    ms = [int(m) for m in (args.m or ("1,2,4" if gemv else "8,16,32,64")).split(",")]
     props = torch.cuda.get_device_properties(0)
     op = torch.ops.kbit._linear_forced.default
     path = torch.ops.kbit._linear_path_id(args.kernel)
@@ -198,33 +197,30 @@ def dense_splits_measure(args, meta: Meta):
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             plan = vllm_kbit.ops.named(torch.ops.kbit.linear_plan, M, N, K, torch.bfloat16, props.major,
-                                       props.multi_processor_count, 1, args.kernel)
+                                       props.multi_processor_count, 1, "gemv" if gemv else "mma")
             max_splits, p, r_auto, m_blocks = plan.max_splits, plan.p, plan.r, plan.m_blocks
-            for r in [0] if gemv or ws else sorted({1, r_auto}):
-                ctas_per_split = n_tiles if gemv else plan.cols * m_blocks if ws else -(-n_tiles // r) * m_blocks
-                # 0: the heuristic's choice; wgmma_ws: one CTA per tile or stream-K over one CTA per SM.
-                for s in (0, 1, max_splits) if ws else range(0, max_splits + 1):
+            for r in [0] if gemv else sorted({1, r_auto}):
+                ctas_per_split = n_tiles if gemv else -(-n_tiles // r) * m_blocks
+                for s in range(0, max_splits + 1):  # 0: the heuristic's choice
                     us = graph_time_us([lambda w=w: op(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, path, r, s)
                                         for w in ws])
                     yield dict(gpu=meta.gpu, commit=meta.commit, date=meta.date, kernel=args.kernel, shape=name, N=N,
-                               K=K, k=SPLITS_K_BITS, M=M, p=p, r=r, splits=s,
-                               ctas=(s if ws and s > 1 else ctas_per_split * s) if s else None,
+                               K=K, k=SPLITS_K_BITS, M=M, p=p, r=r, splits=s, ctas=ctas_per_split * s if s else None,
                                us=round(us, 2))
             del x
         del ws, w0
 
 
 def dense_splits_report(args, meta: Meta, records: list) -> list[str]:
-    splits = sorted({x["splits"] for x in records if x["splits"] > 0}) or list(range(1, 9))  # the columns
     lines = [title(f"{args.kernel.upper()} kernel split sweep", meta), "",
              f"COLD, k={SPLITS_K_BITS}, bf16, µs per call (CUDA-graph replay); `*` marks the fastest split count; auto = the "
-             f"heuristic's ({'ws_stream_ctas' if args.kernel == 'wgmma_ws' else args.kernel + '_splits'}) launch.", f"Command: `{meta.command}`", "",
-             *table_head(["shape", "M", "r", "auto", *(f"S={s}" for s in splits)], left=("shape",))]
+             f"heuristic's ({args.kernel}_splits) launch.", f"Command: `{meta.command}`", "",
+             *table_head(["shape", "M", "r", "auto", *(f"S={s}" for s in range(1, 9))], left=("shape",))]
     order = [s[0] for s in SHAPES]
     for shape, M, r in sorted({(x["shape"], x["M"], x["r"]) for x in records}, key=lambda t: (order.index(t[0]), t[1], t[2])):
         rows = {x["splits"]: x["us"] for x in records if (x["shape"], x["M"], x["r"]) == (shape, M, r)}
         best = min((s for s in rows if s > 0), key=rows.get)
-        cells = [f"{rows[s]:.1f}{'*' if s == best else ''}" if s in rows else "" for s in (0, *splits)]
+        cells = [f"{rows[s]:.1f}{'*' if s == best else ''}" if s in rows else "" for s in range(0, 9)]
         lines.append(f"| {shape} | {M} | {r} | " + " | ".join(cells) + " |")
     return lines
 

@@ -64,11 +64,6 @@ def test_linear_plan_fields():
     ws = plan(300, 14336, 4096)
     assert (ws.path, ws.m_blocks, ws.cols, ws.producers, ws.pdl) == ("wgmma_ws", 2, 112, 2, False)
     assert plan(300, 14336, 4096, bits=5).producers == 1 and plan(300, 14336, 4096, bits=4).producers == 2
-    # Its tiles' k-tiles streamed over one CTA per SM where one CTA per tile leaves the last wave part-empty: the
-    # Llama-70B gate_up at M = 256 (224 tiles of 64 k-tiles on 132 SMs), not at 264 tiles (two whole waves).
-    big = plan(256, 28672, 8192)
-    assert (big.path, big.m_blocks, big.cols, big.splits, big.max_splits) == ("wgmma_ws", 1, 224, 132, 132)
-    assert plan(256, 2 * 132 * 128, 8192).splits == 1
     # Off Hopper nothing launches as a programmatic dependent.
     assert not plan(1, 4096, 2048, sm_major=8).pdl and not plan(16, 4096, 2048, sm_major=8).pdl
     with pytest.raises(ValueError, match="is not one of auto, gemv, mma, wgmma, wgmma_ws, dequant_cublas"):
@@ -129,22 +124,6 @@ def test_gemv_split_heuristic_never_makes_an_empty_split(sms):
     cases += [(n_tiles, k_tiles, sms) for k_tiles in range(1, 20) for n_tiles in range(1, 300)]  # tightest: small K
     for n_tiles, k_tiles, sms in cases:
         _assert_no_empty_split(torch.ops.kbit._gemv_splits(n_tiles, k_tiles, sms), k_tiles, "gemv", (n_tiles, k_tiles, sms))
-
-
-@pytest.mark.parametrize("sms", [114, 132, 148])
-def test_ws_stream_ctas_rule(sms):
-    """The warp-specialized kernel's CTAs: one per tile (1) or one per SM (stream-K), never streamed over whole waves
-    or where a tile's finisher would add more parts than the idle SMs cost."""
-    rng = random.Random(sms)
-    for _ in range(3000):
-        tiles, k_tiles = rng.randint(1, 1000), rng.randint(1, 300)
-        ctas = torch.ops.kbit._ws_stream_ctas(tiles, k_tiles, sms)
-        assert ctas in (1, sms), (tiles, k_tiles, ctas)
-        if tiles % sms == 0:
-            assert ctas == 1, (tiles, k_tiles)
-    assert torch.ops.kbit._ws_stream_ctas(1, 300, sms) == 1  # one tile: a finisher adding every SM's part
-    assert torch.ops.kbit._ws_stream_ctas(sms + sms // 2, 128, sms) == sms  # one and a half waves of long tiles
-    assert torch.ops.kbit._ws_stream_ctas(sms + 1, 2, sms) == 1  # two k-tiles per tile: the hand-off costs more
 
 
 @pytest.mark.parametrize("sms", [114, 132, 148])

@@ -138,11 +138,6 @@ int64_t gemv_splits_op(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
   return gemv_splits(n_tiles, k_tiles, num_sms);
 }
 
-int64_t ws_stream_ctas_op(int64_t tiles, int64_t k_tiles, int64_t num_sms) {
-  check_num_sms("_ws_stream_ctas", num_sms);
-  return ws_stream_ctas(tiles, k_tiles, num_sms);
-}
-
 int64_t mma_splits_op(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm,
                       int64_t split_cost) {
   check_num_sms("_mma_splits", num_sms);
@@ -205,7 +200,6 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("_moe_path_id(str path) -> int", &kbit::moe_path_id_op);
   m.def("_moe_path_override() -> int", &kbit::moe_path_override_id);
   m.def("_gemv_splits(int n_tiles, int k_tiles, int num_sms) -> int", &kbit::gemv_splits_op);
-  m.def("_ws_stream_ctas(int tiles, int k_tiles, int num_sms) -> int", &kbit::ws_stream_ctas_op);
   m.def("_mma_splits(int cols, int m_blocks, int k_tiles, int num_sms, int ctas_per_sm, int split_cost=1) -> int",
         &kbit::mma_splits_op);
   m.def("_mma_split_cost(bool grouped) -> int", &kbit::mma_split_cost_op);

@@ -100,13 +100,7 @@ at::Tensor launch_plan(const at::Tensor& x_in, const at::Tensor& qweight_rt, con
     if (plan.path == LinearPath::kWgmma) {
       launch_wgmma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, plan);
     } else {
-      // Stream-K's hand-off between CTAs: partial sums (any values) and flags (zero).
-      at::Tensor partials, flags;
-      if (plan.splits > 1) {
-        partials = at::empty({plan.splits, kWsStreamSlot}, x.options().dtype(at::kFloat));
-        flags = at::empty({plan.splits, kWsStreamFlags}, x.options().dtype(at::kInt)).zero_();
-      }
-      launch_wgmma_ws(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, plan, partials, flags);
+      launch_wgmma_ws(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, plan);
     }
   }
   return C;

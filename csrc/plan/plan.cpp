@@ -203,17 +203,6 @@ int gemv_table_blocks(int64_t bits, int64_t rows, bool grouped) {
   return bits == 4 ? mixed : 4;
 }
 
-int64_t ws_stream_ctas(int64_t tiles, int64_t k_tiles, int64_t num_sms) {
-  // In k-tiles of the busiest SM: ceil(tiles / num_sms) tiles one per CTA, against an even share of all
-  // units plus the hand-off, paid once per part a tile's finisher adds (about num_sms / tiles parts).
-  // Whole waves need no streaming.
-  if (tiles <= 0 || k_tiles <= 0 || tiles % num_sms == 0) return 1;
-  const int64_t per_tile = (tiles + num_sms - 1) / num_sms * k_tiles;
-  const int64_t parts = (num_sms + tiles - 1) / tiles;
-  const int64_t streamed = (tiles * k_tiles + num_sms - 1) / num_sms + kWsStreamCost * parts;
-  return streamed < per_tile ? num_sms : 1;
-}
-
 bool pdl_rule(int64_t sm_major) {
   // Programmatic dependent launch (griddepcontrol) exists from sm_90 on.
   return overrides::pdl() && sm_major >= 9;
@@ -381,9 +370,8 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
     plan.cols = (n_tiles + c.r - 1) / c.r;
     plan.pdl = pdl_rule(facts.sm_major);
   } else {
-    KBIT_CHECK_VALUE((forced.splits == 0 || plan.path == LinearPath::kWgmmaWs) && forced.row_groups == 0,
-                     "kbit linear_plan: splits apply to the gemv, mma and wgmma_ws paths, row_groups to gemv and mma, ",
-                     "not ", linear_path_name(plan.path));
+    KBIT_CHECK_VALUE(forced.splits == 0 && forced.row_groups == 0, "kbit linear_plan: splits and row_groups apply to ",
+                     "the gemv and mma paths only, not ", linear_path_name(plan.path));
   }
   if (plan.path == LinearPath::kWgmma) {
     // One CTA per kMoeRsChunkRows rows of x and per warpgroup count of n-tiles (the same kernel as the grouped one's).
@@ -395,12 +383,6 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
     plan.producers = ws_producers(bits, forced.producers);
     plan.m_blocks = (M + kMoeWsChunkRows - 1) / kMoeWsChunkRows;
     plan.cols = (n_tiles + kWgmmaWsTileN - 1) / kWgmmaWsTileN;
-    plan.max_splits = facts.num_sms;  // stream-K CTAs wait on each other: all resident, one per SM
-    KBIT_CHECK_VALUE(forced.splits >= 0 && forced.splits <= plan.max_splits, "kbit linear_plan: wgmma_ws splits=",
-                     forced.splits, " outside 0 (heuristic), 1 (a CTA per tile) .. ", plan.max_splits,
-                     " (stream-K CTAs, one per SM)");
-    plan.splits = forced.splits > 0 ? forced.splits
-                                    : ws_stream_ctas(plan.m_blocks * plan.cols, k_tiles, facts.num_sms);
   } else {
     KBIT_CHECK_VALUE(forced.producers == 0, "kbit linear_plan: producers apply to the wgmma_ws path only, not ",
                      linear_path_name(plan.path));

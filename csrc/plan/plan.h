@@ -126,13 +126,6 @@ constexpr int kMmaSplitCostGrouped = 16;
 // runtime tiles on num_sms SMs. Always in [1, min(kGemvMaxSplits, k_tiles)].
 int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms);
 
-// CTAs of the dense warp-specialized wgmma (wgmma_ws.cu) for `tiles` tiles of k_tiles k-tiles on num_sms SMs:
-// 1 runs one CTA per tile; more streams every tile's k-tiles over that many CTAs, one per SM (stream-K),
-// where the last wave of one CTA per tile would leave SMs idle for longer than the hand-off of partial sums
-// costs (kWsStreamCost k-tiles per part a tile's finisher adds). Always in [1, num_sms].
-constexpr int64_t kWsStreamCost = 4;
-int64_t ws_stream_ctas(int64_t tiles, int64_t k_tiles, int64_t num_sms);
-
 // How many of the 4 blocks of each k-tile a GEMV kernel (dense, or grouped over routed experts, with up to
 // `rows` activation rows) decodes through a shared-memory table of codebook pairs (k = 3, 4) or quads
 // (k = 2) filled per CTA; the other blocks take one register shuffle per weight (k = 5 always; k = 2 in a one-row
@@ -207,8 +200,7 @@ LinearPath linear_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
 
 struct LinearPlan {
   LinearPath path;
-  int64_t splits = 1;        // K splits per n-tile (GEMV) or CTA column (MMA); wgmma_ws: the CTAs streaming
-                             // every tile's k-tiles (ws_stream_ctas; 1: a CTA per tile); 1 for the other paths
+  int64_t splits = 1;        // K splits per n-tile (GEMV) or CTA column (MMA); 1 for the other paths
   int64_t max_splits = 1;    // the most splits the kernel accepts for this weight
   int64_t p = 0, r = 0;      // the MMA tile shape (MmaConfig); 0 for the other paths
   int64_t m_blocks = 0;      // CTA rows of the kernel's grid (its y); 0 for dequant_cublas

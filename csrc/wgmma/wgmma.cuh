@@ -20,13 +20,9 @@ constexpr int kWgmmaRows = 128;  // rows of A one CTA multiplies (the wgmma N)
 void launch_wgmma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                   const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
                   at::Tensor& C, const LinearPlan& plan);
-// Stream-K (plan.splits > 1 CTAs, wgmma_ws.cu): the caller allocates the hand-off, `partials` fp32
-// [splits, kWsStreamSlot] (any values) and `flags` int32 [splits, kWsStreamFlags] zeroed; undefined tensors otherwise.
-constexpr int64_t kWsStreamSlot = 2 * 64 * kMoeWsChunkRows;  // a CTA's accumulators: 128 weight x 256 activation rows
-constexpr int64_t kWsStreamFlags = 2;                        // one per consumer warpgroup
 void launch_wgmma_ws(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                      const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
-                     at::Tensor& C, const LinearPlan& plan, const at::Tensor& partials, const at::Tensor& flags);
+                     at::Tensor& C, const LinearPlan& plan);
 
 // Grouped (routed experts): C[p] = A[p] @ dequant(W_e)^T for the rows p of every chunk {e, first row,
 // rows <= kMoeWsChunkRows, 0} of `chunks` (moe_route; entries with e < 0 are skipped), W the stacked

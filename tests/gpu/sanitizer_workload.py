@@ -1,8 +1,7 @@
 """A workload for compute-sanitizer over the GEMV and MMA kernels: every k, the dense GEMV at M = 1 .. 4
 and each split count, every activation tile count p and row-group shape of the MMA kernel, dense (M = 1 .. 64,
 forced and heuristic row groups, ragged N) and grouped over experts (fused_moe's grouped MMA path at
-1 .. 64 rows per expert, the direct GEMV at 1 and 3 tokens), plus the wgmma kernels at one M each (the
-warp-specialized one also streamed over CTAs, stream-K) and the
+1 .. 64 rows per expert, the direct GEMV at 1 and 3 tokens), plus the wgmma kernels at one M each and the
 grouped wgmma's two kernels (warp-specialized through fused_moe, register-operand at every built wgmma N), and
 rotated inputs (the rotation kernel before a dense and a grouped GEMM, in place on the experts' activations).
 Fresh random inputs; each output is checked finite (NaN-poisoned outputs would show).
@@ -59,13 +58,6 @@ def dense(k: int, quick: bool) -> None:
             x = torch.randn(80, K, device="cuda", dtype=torch.bfloat16)
             check(f"wgmma k={k}", torch.ops.kbit._linear_forced(x, q, a, cb, N, K, None, path("wgmma")))
             check(f"wgmma_ws k={k}", torch.ops.kbit._linear_forced(x, q, a, cb, N, K, None, path("wgmma_ws")))
-        if torch.cuda.get_device_capability()[0] == 9:
-            # The warp-specialized kernel streamed over CTAs (stream-K): tiles split among 2 and among many
-            # CTAs (partial sums handed over through global memory and flags), and CTAs with empty runs.
-            x = torch.randn(300, K, device="cuda", dtype=torch.bfloat16)
-            for ctas in (3, 40):
-                check(f"wgmma_ws stream-K k={k} N={N} ctas={ctas}",
-                      torch.ops.kbit._linear_forced(x, q, a, cb, N, K, None, path("wgmma_ws"), 0, ctas))
 
 
 def grouped(k: int, quick: bool) -> None:

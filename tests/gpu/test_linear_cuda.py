@@ -241,28 +241,6 @@ def test_wgmma_design_shapes(K, N):
         torch.cuda.empty_cache()
 
 
-@pytest.mark.parametrize("k", [2, 4, 5])
-@pytest.mark.gpu
-@requires_hopper
-def test_wgmma_ws_stream_k_every_cta_count(k):
-    """The warp-specialized kernel with every tile's k-tiles streamed over 2 .. num_sms CTAs (stream-K: tiles split
-    among two or many CTAs, runs crossing tiles, CTAs with empty runs where units are fewer) equals the reference, as
-    one CTA per tile does; fp16 with bias, M not a multiple of 256, N not of 128, K not of a k-tile."""
-    sms = torch.cuda.get_device_properties(torch.cuda.current_device()).multi_processor_count
-    gen = torch.Generator().manual_seed(40 + k)
-    for M, N, K in ((300, 1000, 2080), (40, 320, 128), (256, 4096, 4096), (513, 200, 1056)):
-        w, flat = _random_weight(N, K, k, gen)
-        bias = torch.randn(N, generator=gen).to(torch.float16).cuda()
-        x = torch.randn(M, K, generator=gen).to(torch.float16).cuda()
-        ref = _reference(x, flat, bias)
-        for ctas in (1, 2, 3, 7, 64, sms):
-            _poison_cache(M * N * 2 + M * K * 2)
-            out = _forced(x, w, "wgmma_ws", bias, splits=ctas)
-            _check(out, ref, torch.float16, f"wgmma_ws stream-K M={M} N={N} K={K} k={k} ctas={ctas}")
-    with pytest.raises(ValueError, match="wgmma_ws splits=.* outside"):
-        _forced(x, w, "wgmma_ws", bias, splits=sms + 1)
-
-
 @pytest.mark.gpu
 @requires_cuda
 def test_mma_fp16_bias_every_tile_shape():
