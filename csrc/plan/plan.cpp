@@ -37,6 +37,15 @@ constexpr int64_t kWgmmaWsMinWeight = int64_t{1} << 25;
 // The first M of the MMA kernel's largest tile (p = kMmaMaxRowTiles n8 tiles): its time steps up there, and only from
 // there does the warp-specialized wgmma win (sweep_plan.py dense_paths --paths mma,wgmma_ws).
 constexpr int64_t kWgmmaWsMinM = 8 * kMmaMaxRowTiles / 2 + 1;
+// The register-operand wgmma's narrow instance (4 warpgroups, table decode: k <= 4) replaces the MMA kernel at M =
+// kRsNarrowMinM..kRsNarrowMaxM on Hopper, where the MMA kernel's 32-row tile decodes by shuffle, on weights whose
+// 4-tile CTAs fill at least kRsNarrowMinWave of the SMs in their first wave (sweep_plan.py dense_paths --paths
+// mma,wgmma). Below that M the MMA kernel's table decode is as fast; above it its M = 64 tile or wgmma_ws.
+constexpr int64_t kRsNarrowMinM = 17;
+constexpr int64_t kRsNarrowMaxM = 32;
+static_assert(kRsNarrowMaxM <= kRsNarrowRows, "the narrow instance holds at most kRsNarrowRows rows");
+constexpr double kRsNarrowMinWave = 0.75;
+
 
 // MoE path by slots. The GEMV wins only while few experts are touched (its per-byte cost is higher,
 // its latency lower), and it runs direct: one CTA row per slot, its expert read from topk_ids, no
@@ -325,12 +334,26 @@ InputRotation input_rotation(int64_t rot_block, bool gemv) {
   return gemv && fused_rotation_block(rot_block) ? InputRotation::kFused : InputRotation::kSeparate;
 }
 
+namespace {
+
+// Whether the dense narrow wgmma takes M rows of an N-row weight from the MMA kernel (kRsNarrowMinM above).
+bool rs_narrow_rule(int64_t M, int64_t N, int64_t bits, const DeviceFacts& facts) {
+  const int64_t wg = wgmma_rs_warpgroups(bits, /*grouped=*/false, M);
+  const int64_t ctas = (n_tiles_of(N) + wg - 1) / wg;
+  return facts.sm_major == 9 && bits >= 2 && bits <= 4 && M >= kRsNarrowMinM && M <= kRsNarrowMaxM &&
+         static_cast<double>(ctas) >= kRsNarrowMinWave * static_cast<double>(facts.num_sms);
+}
+
+}  // namespace
+
 LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t bits, const DeviceFacts& facts,
                        const LinearForced& forced, int64_t rot_block) {
   KBIT_CHECK_VALUE(M >= 1 && N >= 1 && whole_blocks(K) && facts.num_sms >= 1 && facts.ctas_per_sm >= 1,
                    "kbit linear_plan: needs M, N, num_sms, ctas_per_sm >= 1 and K a positive multiple of ", kBlockSize,
                    ", got M=", M, " N=", N, " K=", K, " num_sms=", facts.num_sms, " ctas_per_sm=", facts.ctas_per_sm);
   LinearPlan plan{linear_path(M, N, K, dtype, bits, facts.sm_major)};
+  if (plan.path == LinearPath::kMma && rs_narrow_rule(M, N, bits, facts))
+    plan.path = LinearPath::kWgmma;  // needs the SM count, which linear_path does not take
   if (forced.path >= 0) {
     KBIT_CHECK_VALUE(forced.path < static_cast<int64_t>(std::size(kLinearPathNames)), "kbit linear_plan: path id ",
                      forced.path, " is not one kbit::_linear_path_id returns");
@@ -375,7 +398,7 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
   }
   if (plan.path == LinearPath::kWgmma) {
     // One CTA per kMoeRsChunkRows rows of x and per warpgroup count of n-tiles (the same kernel as the grouped one's).
-    const int64_t wg = wgmma_rs_warpgroups(bits, /*grouped=*/false);
+    const int64_t wg = wgmma_rs_warpgroups(bits, /*grouped=*/false, M);
     plan.m_blocks = (M + kMoeRsChunkRows - 1) / kMoeRsChunkRows;
     plan.cols = (n_tiles + wg - 1) / wg;
   }
@@ -557,7 +580,7 @@ MoeProjPlan moe_proj_plan(MoeKernel kernel, int64_t rows, int64_t experts, int64
   MoeProjPlan plan;
   plan.m_blocks = grid_rows;
   plan.splits = 1;
-  const int64_t tiles_per_cta = rs ? wgmma_rs_warpgroups(bits, /*grouped=*/true) : kWgmmaWsTileN;
+  const int64_t tiles_per_cta = rs ? wgmma_rs_warpgroups(bits, /*grouped=*/true, kMoeRsChunkRows) : kWgmmaWsTileN;
   plan.cols = (n_tiles + tiles_per_cta - 1) / tiles_per_cta;
   plan.producers = rs ? 0 : ws_producers(bits, producers);
   return plan;

@@ -31,9 +31,14 @@ constexpr int kMoeWsChunkRows = 256;  // rows of one chunk of the grouped wgmma 
 constexpr int kMoeRsChunkRows = 128;  // ... of its register-operand kernel (wgmma.cu: a CTA's 128 rows, the widest N)
 constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memory counters (2 ints each)
 constexpr int kWgmmaWsTileN = 2;  // runtime n-tiles of one warp-specialized wgmma CTA (wgmma_ws.cu: kWeightRows)
+// Dense launches of the register-operand wgmma with at most this many rows of x run its narrow instance (wgmma.cu).
+constexpr int64_t kRsNarrowRows = 64;
 // Warpgroups of one register-operand wgmma CTA, one runtime n-tile each (wgmma.cu: kWarpGroupsOf): three where
-// the grouped kernel decodes through the table (k <= 4), two elsewhere.
-constexpr int wgmma_rs_warpgroups(int64_t bits, bool grouped) { return grouped && bits <= 4 ? 3 : 2; }
+// the grouped kernel decodes through the table (k <= 4), four in the dense narrow instance (k <= 4, M <= 64: 128
+// registers, one wave of 4-tile CTAs), two elsewhere.
+constexpr int wgmma_rs_warpgroups(int64_t bits, bool grouped, int64_t rows) {
+  return bits > 4 ? 2 : grouped ? 3 : rows <= kRsNarrowRows ? 4 : 2;
+}
 
 // The (p, r) MMA instances built for every k, dtype and launch kind (dense and grouped): narrow warps
 // (r = 1) at every p, wide ones (4 row groups; 2 at p = 8, where the accumulators fill the registers).

@@ -48,23 +48,31 @@ constexpr int kSlabBytes = kRows * 128;              // 64 K-elements of all row
 constexpr int kStageBytes = 2 * kSlabBytes;          // one k-tile of activations
 constexpr int kStages = 4;
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the stages to 1024 bytes
-// The grouped kernel decodes k = 2..4 through the per-lane table (dequant_core.cuh: Lut) before the stages,
-// as the warp-specialized kernel's producers do; the dense kernel keeps the shuffle decode. At one CTA per
+// Launch kinds: dense (128-row blocks of x), dense narrow (one block of at most kRsNarrowRows rows: the wgmma N
+// fitted to it) and grouped (chunks of routed rows, each with the narrowest built N that holds it).
+enum class RsKind { kDense, kNarrow, kGrouped };
+// The grouped and narrow kernels decode k = 2..4 through the per-lane table (dequant_core.cuh: Lut) before the
+// stages, as the warp-specialized kernel's producers do; the dense kernel keeps the shuffle decode. At one CTA per
 // SM the shared memory has room for the wide table (64 KB at k = 2, 4), whose row offset is one PRMT.
-template <int BITS>
-constexpr bool rs_uses_lut(bool grouped) { return grouped && BITS <= 4; }
+template <int BITS, RsKind kKind>
+constexpr bool rs_uses_lut() { return kKind != RsKind::kDense && BITS <= 4; }
 template <int BITS>
 using RsLut = Lut<kLutBits<BITS>, true>;
-template <int BITS>
-constexpr int rs_lut_bytes(bool grouped) { return rs_uses_lut<BITS>(grouped) ? RsLut<BITS>::kBytes : 0; }
+template <int BITS, RsKind kKind>
+constexpr int rs_lut_bytes() { return rs_uses_lut<BITS, kKind>() ? RsLut<BITS>::kBytes : 0; }
 // Warpgroups per CTA, one runtime n-tile each (the planner sizes the grid by it: plan.h, wgmma_rs_warpgroups):
-// 2, or 3 where the table decodes (grouped, k <= 4; the third copies no activations). k = 5's shuffle decode
-// keeps 2: at the 168 registers of 3 it spills.
-template <int BITS, bool kGrouped>
-constexpr int kWarpGroupsOf = wgmma_rs_warpgroups(BITS, kGrouped);
-static_assert(kWarpGroupsOf<4, true> == 3 && kWarpGroupsOf<5, true> == 2 && kWarpGroupsOf<4, false> == 2 &&
-                  rs_uses_lut<4>(true) && !rs_uses_lut<5>(true) && !rs_uses_lut<4>(false),
-              "three warpgroups exactly where the table decodes");
+// grouped 3 where the table decodes (the third copies no activations): a k-tile's decode is a chain of dependent
+// table loads and multiplies that two warps per scheduler do not hide; narrow 4 (128 registers: its fragments and
+// accumulators of at most 64 rows fit; a weight of 448 n-tiles is one wave of 112 CTAs); 2 at k = 5, whose shuffle
+// decode spills at the 168 registers of 3, and in the dense kernel.
+template <int BITS, RsKind kKind>
+constexpr int kWarpGroupsOf =
+    wgmma_rs_warpgroups(BITS, kKind == RsKind::kGrouped, kKind == RsKind::kNarrow ? kRsNarrowRows : kRsNarrowRows + 1);
+static_assert(kWarpGroupsOf<4, RsKind::kGrouped> == 3 && kWarpGroupsOf<5, RsKind::kGrouped> == 2 &&
+                  kWarpGroupsOf<4, RsKind::kDense> == 2 && kWarpGroupsOf<4, RsKind::kNarrow> == 4 &&
+                  kWarpGroupsOf<5, RsKind::kNarrow> == 2 && rs_uses_lut<4, RsKind::kGrouped>() &&
+                  !rs_uses_lut<5, RsKind::kGrouped>() && !rs_uses_lut<4, RsKind::kDense>(),
+              "more than two warpgroups exactly where the table decodes");
 constexpr int kCopyThreads = 256;  // the activation copies' threads: the first two warpgroups
 static_assert(kMoeRsChunkRows == kRows, "a grouped chunk is one CTA's activation rows");
 
@@ -317,25 +325,33 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
   }
 }
 
-// Grid: (ceil(n_tiles / WG), ceil(M / 128)) dense, or (ceil(n_tiles / WG), chunk entries) grouped.
-template <typename T, int BITS, bool kGrouped, int WG = kWarpGroupsOf<BITS, kGrouped>>
+// Grid: (ceil(n_tiles / WG), ceil(M / 128)) dense, (ceil(n_tiles / WG), 1) narrow, or (ceil(n_tiles / WG), chunk
+// entries) grouped.
+template <typename T, int BITS, RsKind kKind, int WG = kWarpGroupsOf<BITS, kKind>>
 __global__ void __launch_bounds__(128 * WG, 1) wgmma_kernel(const __grid_constant__ WgmmaParams<T> prm) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  constexpr bool kLut = rs_uses_lut<BITS>(kGrouped);
+  constexpr bool kLut = rs_uses_lut<BITS, kKind>();
   // The table (if any) first, at the window's start; the stages after it, aligned for the 128-byte swizzle.
   const uint32_t smem =
-      (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + rs_lut_bytes<BITS>(kGrouped) + 1023) & ~1023u;
-  if constexpr (!kGrouped) {
+      (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + rs_lut_bytes<BITS, kKind>() + 1023) & ~1023u;
+  if constexpr (kKind == RsKind::kDense) {
     rs_tile<T, BITS, kRows, kLut, WG>(prm, prm.qweight, prm.absmax, static_cast<int>(blockIdx.y) * kRows, prm.M,
                                       smem, nullptr);
   } else {
-    // Every chunk entry holds defined values; unused ones have expert -1 (moe_route). The width is
+    // Rows [m0, m_end) of A and the weight they multiply: the narrow launch's one block, or chunk y's rows and
+    // expert. Every chunk entry holds defined values; unused ones have expert -1 (moe_route). The width is
     // uniform per CTA, so the branch below is too (the tiles' __syncthreads stay CTA-wide).
-    const int4 chunk = prm.chunks[blockIdx.y];
-    if (chunk.x < 0 || chunk.z <= 0) return;
-    const uint8_t* q = prm.qweight + chunk.x * prm.expert_q_bytes;
-    const uint8_t* a = prm.absmax + chunk.x * prm.expert_a_bytes;
-    const int m_end = chunk.y + min(chunk.z, kRows);
+    int m0 = 0, m_end = prm.M;
+    const uint8_t* q = prm.qweight;
+    const uint8_t* a = prm.absmax;
+    if constexpr (kKind == RsKind::kGrouped) {
+      const int4 chunk = prm.chunks[blockIdx.y];
+      if (chunk.x < 0 || chunk.z <= 0) return;
+      q += chunk.x * prm.expert_q_bytes;
+      a += chunk.x * prm.expert_a_bytes;
+      m0 = chunk.y;
+      m_end = chunk.y + min(chunk.z, kRows);
+    }
     // The table, filled by the whole CTA before the first decode (rs_tile builds its first fragments
     // before its first barrier).
     uint8_t* lut = smem_raw;
@@ -343,12 +359,14 @@ __global__ void __launch_bounds__(128 * WG, 1) wgmma_kernel(const __grid_constan
       lut_fill<T, BITS, true>(lut, prm.codebook, static_cast<int>(threadIdx.x), 128 * WG);
       __syncthreads();
     }
-    switch (rs_width(m_end - chunk.y)) {
-      case 16: return rs_tile<T, BITS, 16, kLut, WG>(prm, q, a, chunk.y, m_end, smem, lut);
-      case 32: return rs_tile<T, BITS, 32, kLut, WG>(prm, q, a, chunk.y, m_end, smem, lut);
-      case 64: return rs_tile<T, BITS, 64, kLut, WG>(prm, q, a, chunk.y, m_end, smem, lut);
-      case 96: return rs_tile<T, BITS, 96, kLut, WG>(prm, q, a, chunk.y, m_end, smem, lut);
-      default: return rs_tile<T, BITS, kRows, kLut, WG>(prm, q, a, chunk.y, m_end, smem, lut);
+    switch (rs_width(m_end - m0)) {
+      case 16: return rs_tile<T, BITS, 16, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
+      case 32: return rs_tile<T, BITS, 32, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
+      case 64: return rs_tile<T, BITS, 64, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
+    }
+    if constexpr (kKind == RsKind::kGrouped) {
+      if (m_end - m0 <= 96) return rs_tile<T, BITS, 96, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
+      return rs_tile<T, BITS, kRows, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
     }
   }
 }
@@ -364,7 +382,8 @@ void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
   const int M = static_cast<int>(A.size(0));
   const int n_tiles = static_cast<int>(q.size(grouped ? 1 : 0)), k_tiles = static_cast<int>(q.size(grouped ? 2 : 1));
   const int64_t want_rows = grouped ? chunks->size(0) : (M + kRows - 1) / kRows;
-  const int64_t want_cols = (n_tiles + wgmma_rs_warpgroups(BITS, grouped) - 1) / wgmma_rs_warpgroups(BITS, grouped);
+  const int64_t wg = wgmma_rs_warpgroups(BITS, grouped, grouped ? kRows : M);
+  const int64_t want_cols = (n_tiles + wg - 1) / wg;
   KBIT_CHECK(grid_rows == want_rows && cols == want_cols, name, ": the plan's grid ", cols, " x ", grid_rows,
              " is not the ", want_cols, " x ", want_rows, " CTAs covering ", n_tiles, " n-tiles and ",
              grouped ? "the chunk list" : "M rows");
@@ -388,20 +407,21 @@ void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
                            grouped ? reinterpret_cast<const int4*>(chunks->data_ptr<int>()) : nullptr,
                            grouped ? static_cast<int64_t>(q.nbytes()) / q.size(0) : 0,
                            grouped ? static_cast<int64_t>(a.nbytes()) / a.size(0) : 0};
-  const auto go = [&](auto grouped_c, int bytes) {
-    constexpr bool kGrouped = decltype(grouped_c)::value;
-    constexpr int WG = kWarpGroupsOf<BITS, kGrouped>;
+  const auto go = [&](auto kind_c) {
+    constexpr RsKind kKind = decltype(kind_c)::value;
+    constexpr int bytes = kSmemBytes + rs_lut_bytes<BITS, kKind>();
+    static_assert(bytes <= 227 * 1024, "one CTA's shared memory must fit an SM (227 KB on Hopper)");
     const dim3 grid(static_cast<unsigned>(cols), static_cast<unsigned>(grid_rows));
     record_launch({name, 0, 0, grid.y, grid.x, 1, 0, 0, false});  // launched without programmatic dependence
-    opt_in_shared_memory<wgmma_kernel<T, BITS, kGrouped>>(bytes, A.get_device());
-    wgmma_kernel<T, BITS, kGrouped><<<grid, 128 * WG, bytes, stream>>>(prm);
+    opt_in_shared_memory<wgmma_kernel<T, BITS, kKind>>(bytes, A.get_device());
+    wgmma_kernel<T, BITS, kKind><<<grid, 128 * kWarpGroupsOf<BITS, kKind>, bytes, stream>>>(prm);
   };
   if (grouped) {
-    constexpr int bytes = kSmemBytes + rs_lut_bytes<BITS>(true);
-    static_assert(bytes <= 227 * 1024, "one CTA's shared memory must fit an SM (227 KB on Hopper)");
-    go(std::true_type{}, bytes);
+    go(std::integral_constant<RsKind, RsKind::kGrouped>{});
+  } else if (M <= kRsNarrowRows) {
+    go(std::integral_constant<RsKind, RsKind::kNarrow>{});
   } else {
-    go(std::false_type{}, kSmemBytes);
+    go(std::integral_constant<RsKind, RsKind::kDense>{});
   }
   C10_CUDA_KERNEL_LAUNCH_CHECK();
 }

@@ -241,6 +241,26 @@ def test_wgmma_design_shapes(K, N):
         torch.cuda.empty_cache()
 
 
+@pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
+@pytest.mark.gpu
+@requires_hopper
+def test_wgmma_narrow_instance_every_width(k):
+    """The register-operand wgmma's narrow instance (dense M <= 64: one block of rows, the wgmma N fitted to it, four
+    warpgroups at k <= 4): M at every built width's edges, n-tiles not a multiple of the CTA's, K tails, both dtypes,
+    with bias."""
+    gen = torch.Generator().manual_seed(300 + k)
+    for N, K in ((64 * 9 + 5, 32 * 37), (64 * 4, 128 * 3)):
+        w, flat = _random_weight(N, K, k, gen)
+        for dtype in (torch.bfloat16, torch.float16):
+            x = torch.randn(64, K, generator=gen).to(dtype).cuda()
+            bias = torch.randn(N, generator=gen).to(dtype).cuda()
+            ref = _reference(x, flat, bias)
+            for M in (1, 2, 15, 16, 17, 31, 32, 33, 63, 64):
+                _poison_cache(M * N * 2 + M * K * 2)
+                _check(_wgmma(x[:M], w, bias), ref[:M], dtype,
+                       f"narrow M={M} N={N} K={K} k={k} {dtype}")
+
+
 @pytest.mark.gpu
 @requires_cuda
 def test_mma_fp16_bias_every_tile_shape():
