@@ -12,11 +12,14 @@
 // (permute_kernel: logical position 16j + l of a k-tile <- physical element 32t + 4j + u), into a
 // scratch matrix whose K is padded with zeros to whole k-tiles.
 //
-// Pipeline. A CTA = 2 warpgroups (grouped, k <= 4: 3), each one runtime n-tile (64 weight rows), sharing
-// one 128-row activation tile per k-tile, copied by cp.async kStages deep into the canonical K-major
-// 128-byte-swizzled layout (two 64-wide K slabs per k-tile). Per k-tile a warpgroup issues 8
-// wgmma m64n128k16 on the tile in shared memory, then dequantizes the next k-tile's fragments
+// Pipeline. A CTA = 2 warpgroups (grouped, k <= 4: 3; dense narrow, k <= 4: 4), each one runtime n-tile
+// (64 weight rows), sharing one 128-row activation tile per k-tile, copied by cp.async kStages deep into
+// the canonical K-major 128-byte-swizzled layout (two 64-wide K slabs per k-tile). Per k-tile a warpgroup
+// issues 8 wgmma m64n128k16 on the tile in shared memory, then dequantizes the next k-tile's fragments
 // (its plane words loaded two k-tiles ahead) while those run, then waits for them.
+//
+// Dense narrow (M <= kRsNarrowRows, plan.cpp: rs_narrow_rule): one block of rows, the wgmma N and the table decode
+// as the grouped kernel's, and 4 warpgroups at 128 registers, so a large weight's n-tiles fill one wave.
 //
 // Grouped (routed experts up to the rule's slots per expert, plan.h: moe_wgmma_rs): a CTA takes one chunk of up
 // to 128 rows of one expert (moe_route) and issues wgmma with the narrowest built N that holds the
