@@ -18,8 +18,8 @@
 // issues 8 wgmma m64n128k16 on the tile in shared memory, then dequantizes the next k-tile's fragments
 // (its plane words loaded two k-tiles ahead) while those run, then waits for them.
 //
-// Dense narrow (M <= kRsNarrowRows, plan.cpp: rs_narrow_rule): passes of at most 32 rows, the wgmma N and the
-// table decode as the grouped kernel's, and 4 warpgroups at 128 registers, so a large weight's n-tiles fill one wave.
+// Dense narrow (M <= kRsNarrowRows, plan.cpp: rs_narrow_rule): one block of rows, the wgmma N and the table decode
+// as the grouped kernel's, and 4 warpgroups at 128 registers, so a large weight's n-tiles fill one wave.
 //
 // Grouped (routed experts up to the rule's slots per expert, plan.h: moe_wgmma_rs): a CTA takes one chunk of up
 // to 128 rows of one expert (moe_route) and issues wgmma with the narrowest built N that holds the
@@ -51,11 +51,9 @@ constexpr int kSlabBytes = kRows * 128;              // 64 K-elements of all row
 constexpr int kStageBytes = 2 * kSlabBytes;          // one k-tile of activations
 constexpr int kStages = 4;
 constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the stages to 1024 bytes
-// Launch kinds: dense (128-row blocks of x), dense narrow (at most kRsNarrowRows rows, in passes of at most
-// kNarrowPassRows, the wgmma N fitted to each) and grouped (chunks of routed rows, each with the narrowest built N
-// that holds it).
+// Launch kinds: dense (128-row blocks of x), dense narrow (one block of at most kRsNarrowRows rows: the wgmma N
+// fitted to it) and grouped (chunks of routed rows, each with the narrowest built N that holds it).
 enum class RsKind { kDense, kNarrow, kGrouped };
-constexpr int kNarrowPassRows = 32;  // rows of one pass of the narrow kernel (see wgmma_kernel)
 // The grouped and narrow kernels decode k = 2..4 through the per-lane table (dequant_core.cuh: Lut) before the
 // stages, as the warp-specialized kernel's producers do; the dense kernel keeps the shuffle decode. At one CTA per
 // SM the shared memory has room for the wide table (64 KB at k = 2, 4), whose row offset is one PRMT.
@@ -68,7 +66,7 @@ constexpr int rs_lut_bytes() { return rs_uses_lut<BITS, kKind>() ? RsLut<BITS>::
 // Warpgroups per CTA, one runtime n-tile each (the planner sizes the grid by it: plan.h, wgmma_rs_warpgroups):
 // grouped 3 where the table decodes (the third copies no activations): a k-tile's decode is a chain of dependent
 // table loads and multiplies that two warps per scheduler do not hide; narrow 4 (128 registers: its fragments and
-// accumulators of a 32-row pass fit; a weight of 448 n-tiles is one wave of 112 CTAs); 2 at k = 5, whose shuffle
+// accumulators of at most 64 rows fit; a weight of 448 n-tiles is one wave of 112 CTAs); 2 at k = 5, whose shuffle
 // decode spills at the 168 registers of 3, and in the dense kernel.
 template <int BITS, RsKind kKind>
 constexpr int kWarpGroupsOf =
@@ -364,27 +362,14 @@ __global__ void __launch_bounds__(128 * WG, 1) wgmma_kernel(const __grid_constan
       lut_fill<T, BITS, true>(lut, prm.codebook, static_cast<int>(threadIdx.x), 128 * WG);
       __syncthreads();
     }
-    if constexpr (kKind == RsKind::kNarrow) {
-      // Passes of at most kNarrowPassRows rows: 128 registers hold the fragments and accumulators of 32 rows
-      // (ptxas spilled 76-80 bytes a thread with a 64-row tile in the kernel). M = 33..64, which only a forced
-      // path sends here (rs_narrow_rule stops at 32), takes two passes, each decoding the weights again.
-      for (int p0 = 0; p0 < m_end; p0 += kNarrowPassRows) {
-        const int p1 = min(m_end, p0 + kNarrowPassRows);
-        if (p0 > 0) __syncthreads();  // every warp is past the previous pass's reads of the stages
-        if (p1 - p0 <= 16) {
-          rs_tile<T, BITS, 16, kLut, WG>(prm, q, a, p0, p1, smem, lut);
-        } else {
-          rs_tile<T, BITS, kNarrowPassRows, kLut, WG>(prm, q, a, p0, p1, smem, lut);
-        }
-      }
-    } else {
-      switch (rs_width(m_end - m0)) {
-        case 16: return rs_tile<T, BITS, 16, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
-        case 32: return rs_tile<T, BITS, 32, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
-        case 64: return rs_tile<T, BITS, 64, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
-        case 96: return rs_tile<T, BITS, 96, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
-        default: return rs_tile<T, BITS, kRows, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
-      }
+    switch (rs_width(m_end - m0)) {
+      case 16: return rs_tile<T, BITS, 16, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
+      case 32: return rs_tile<T, BITS, 32, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
+      case 64: return rs_tile<T, BITS, 64, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
+    }
+    if constexpr (kKind == RsKind::kGrouped) {
+      if (m_end - m0 <= 96) return rs_tile<T, BITS, 96, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
+      return rs_tile<T, BITS, kRows, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
     }
   }
 }
