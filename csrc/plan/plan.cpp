@@ -46,7 +46,6 @@ constexpr int64_t kRsNarrowMaxM = 32;
 static_assert(kRsNarrowMaxM <= kRsNarrowRows, "the narrow instance holds at most kRsNarrowRows rows");
 constexpr double kRsNarrowMinWave = 0.75;
 
-
 // MoE path by slots. The GEMV wins only while few experts are touched (its per-byte cost is higher,
 // its latency lower), and it runs direct: one CTA row per slot, its expert read from topk_ids, no
 // routing kernel, the combine folded into the down projection (two launches instead of four; slots
