@@ -70,7 +70,7 @@ constexpr int rs_lut_bytes() { return rs_uses_lut<BITS, kKind>() ? RsLut<BITS>::
 // decode spills at the 168 registers of 3, and in the dense kernel.
 template <int BITS, RsKind kKind>
 constexpr int kWarpGroupsOf =
-    wgmma_rs_warpgroups(BITS, kKind == RsKind::kGrouped, kKind == RsKind::kNarrow ? kRsNarrowRows : kRsNarrowRows + 1);
+    wgmma_rs_warpgroups(BITS, kKind == RsKind::kGrouped, kKind == RsKind::kNarrow);
 static_assert(kWarpGroupsOf<4, RsKind::kGrouped> == 3 && kWarpGroupsOf<5, RsKind::kGrouped> == 2 &&
                   kWarpGroupsOf<4, RsKind::kDense> == 2 && kWarpGroupsOf<4, RsKind::kNarrow> == 4 &&
                   kWarpGroupsOf<5, RsKind::kNarrow> == 2 && rs_uses_lut<4, RsKind::kGrouped>() &&
@@ -385,7 +385,8 @@ void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
   const int M = static_cast<int>(A.size(0));
   const int n_tiles = static_cast<int>(q.size(grouped ? 1 : 0)), k_tiles = static_cast<int>(q.size(grouped ? 2 : 1));
   const int64_t want_rows = grouped ? chunks->size(0) : (M + kRows - 1) / kRows;
-  const int64_t wg = wgmma_rs_warpgroups(BITS, grouped, grouped ? kRows : M);
+  const bool narrow = wgmma_rs_narrow(grouped, M);
+  const int64_t wg = wgmma_rs_warpgroups(BITS, grouped, narrow);
   const int64_t want_cols = (n_tiles + wg - 1) / wg;
   KBIT_CHECK(grid_rows == want_rows && cols == want_cols, name, ": the plan's grid ", cols, " x ", grid_rows,
              " is not the ", want_cols, " x ", want_rows, " CTAs covering ", n_tiles, " n-tiles and ",
@@ -421,7 +422,7 @@ void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
   };
   if (grouped) {
     go(std::integral_constant<RsKind, RsKind::kGrouped>{});
-  } else if (M <= kRsNarrowRows) {
+  } else if (narrow) {
     go(std::integral_constant<RsKind, RsKind::kNarrow>{});
   } else {
     go(std::integral_constant<RsKind, RsKind::kDense>{});

@@ -1,9 +1,10 @@
 """A workload for compute-sanitizer over the GEMV and MMA kernels: every k, the dense GEMV at M = 1 .. 4
 and each split count, every activation tile count p and row-group shape of the MMA kernel, dense (M = 1 .. 64,
 forced and heuristic row groups, ragged N), the register-operand wgmma's narrow instance (M <= 64, every built
-width), and grouped over experts (fused_moe's grouped MMA path at 1 .. 64 rows per expert, the direct GEMV at 1 and 3 tokens), plus the wgmma kernels at one M each and the
-grouped wgmma's two kernels (warp-specialized through fused_moe, register-operand at every built wgmma N), and
-rotated inputs (the rotation kernel before a dense and a grouped GEMM, in place on the experts' activations).
+width), and grouped over experts (fused_moe's grouped MMA path at 1 .. 64 rows per expert, the direct GEMV at
+1 and 3 tokens), plus the wgmma kernels at one M each and the grouped wgmma's two kernels (warp-specialized
+through fused_moe, register-operand at every built wgmma N), and rotated inputs (the rotation kernel before a
+dense and a grouped GEMM, in place on the experts' activations).
 Fresh random inputs; each output is checked finite (NaN-poisoned outputs would show).
 
     compute-sanitizer --tool memcheck python tests/gpu/sanitizer_workload.py
@@ -55,7 +56,7 @@ def dense(k: int, quick: bool) -> None:
                 out = torch.ops.kbit._linear_forced(x, q, a, cb, N, K, None, path("mma"), r, 0)
                 check(f"mma k={k} M={M} N={N} r={r}", out)
         # The register-operand wgmma's narrow instance (M <= 64: every built width) and, past it, its dense one.
-        for M in ([24] if quick else [1, 16, 17, 33, 64]) + ([] if quick else [80]):
+        for M in [24] if quick else [1, 16, 17, 33, 64, 80]:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             check(f"wgmma k={k} M={M}", torch.ops.kbit._linear_forced(x, q, a, cb, N, K, None, path("wgmma")))
         if not quick:

@@ -160,7 +160,8 @@ def test_forced_paths_launch_their_kernel():
             plan = linear_plan(M, 10240, 2048, torch.bfloat16, 4, DEVICE, path)
             forced(x, w, path)
             assert launched() == expected_linear(plan), (M, path, plan)
-            if path in ("wgmma", "wgmma_ws"):  # a CTA per 128 (256) rows and 2 n-tiles of the 160 (wgmma at M <= 64: 4)
+            # a CTA per 128 (256) rows and per 2 n-tiles of the 160 (the narrow wgmma at M <= 64: per 4)
+            if path in ("wgmma", "wgmma_ws"):
                 tiles = 4 if path == "wgmma" and M <= 64 else 2
                 assert (plan.m_blocks, plan.cols) == (-(-M // (128 if path == "wgmma" else 256)), 160 // tiles), plan
         plan = linear_plan(M, 10240, 2048, torch.bfloat16, 4, DEVICE, "wgmma_ws", 0, 0, 1)
