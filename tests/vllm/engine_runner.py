@@ -5,7 +5,7 @@ SPEC: {"model": dir, "llm_kwargs": {...}, "prompts": [[token ids]...], "text_pro
        "loras": [adapter dirs], "prompt_loras": [index into loras or -1, per prompt and per probe],
        "probe_by_prefix": bool (probes from one request per prefix instead of prompt_logprobs)}
 OUT:  {"tokens": [[ids]], "logprobs": [[{id: logprob}]], "texts": [str], "layers": {name: info},
-       "probes": [{"argmax": [ids], "logprob": [floats]}], "memory": {VmHWM, ...}}
+       "probes": [{"argmax": [ids], "logprob": [floats], "top": [{id: logprob}]}], "memory": {VmHWM, ...}}
 
 Each engine gets a fresh process, so engines never share memory or distributed
 state and a failing load shows its own error on stderr.
@@ -19,6 +19,9 @@ import sys
 
 # kbit_dev (the checkout's fixtures) from the repository root; this runs as a script in tests/vllm.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+# Tokens whose logprobs a probe position records beside the greedy one (kbit_e2e.probe_match reads them).
+PROBE_TOP = 5
 
 
 def main(spec_path: str, out_path: str) -> None:
@@ -98,23 +101,24 @@ def run(llm, spec: dict) -> dict:
 
 
 def probe_prompt_logprobs(llm, probes: list[list[int]], lora_of) -> list[dict]:
-    """The probes from one request each (prompt_logprobs): at every position the greedy next token and the logprob
-    of the actual one."""
+    """The probes from one request each (prompt_logprobs): at every position the greedy next token, the logprob
+    of the actual one and the PROBE_TOP most likely tokens' logprobs."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     if not probes:
         return []
     out = llm.generate([TokensPrompt(prompt_token_ids=p) for p in probes],
-                       SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1), use_tqdm=False,
+                       SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=PROBE_TOP), use_tqdm=False,
                        **({"lora_request": lora_of} if lora_of else {}))
     result = []
     for o, seq in zip(out, probes):
-        argmax, actual = [], []
+        argmax, actual, top = [], [], []
         for pos, step in enumerate(o.prompt_logprobs[1:], start=1):
             argmax.append(next(t for t, lp in step.items() if lp.rank == 1))
             actual.append(step[seq[pos]].logprob)
-        result.append({"argmax": argmax, "logprob": actual})
+            top.append(_top(step))
+        result.append({"argmax": argmax, "logprob": actual, "top": top})
     return result
 
 
@@ -134,12 +138,19 @@ def probe_prefixes(llm, probes: list[list[int]], lora_of) -> list[dict]:
             where.append((i, pos))
     out = llm.generate(prompts, SamplingParams(max_tokens=1, temperature=0.0, logprobs=vocab), use_tqdm=False,
                        **({"lora_request": loras} if lora_of else {}))
-    result = [{"argmax": [], "logprob": []} for _ in probes]
+    result = [{"argmax": [], "logprob": [], "top": []} for _ in probes]
     for o, (i, pos) in zip(out, where):
         step = o.outputs[0].logprobs[0]
         result[i]["argmax"].append(o.outputs[0].token_ids[0])
         result[i]["logprob"].append(step[probes[i][pos]].logprob)
+        result[i]["top"].append(_top(step))
     return result
+
+
+def _top(step: dict) -> dict[str, float]:
+    """{token id: logprob} of the PROBE_TOP most likely tokens of one position's logprobs (JSON keys are strings)."""
+    best = sorted(((lp.rank, t, lp.logprob) for t, lp in step.items() if lp.rank is not None))[:PROBE_TOP]
+    return {str(t): v for _, t, v in best}
 
 
 if __name__ == "__main__":

@@ -180,10 +180,27 @@ def token_match(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def probe_match(a: dict, b: dict) -> float:
-    """Fraction of teacher-forced positions (same contexts for both runs) where the greedy next token agrees."""
+    """Fraction of teacher-forced positions (same contexts for both runs) where the greedy next token is the same."""
     pairs = [(x, y) for pa, pb in zip(a["probes"], b["probes"]) for x, y in zip(pa["argmax"], pb["argmax"])]
     assert pairs and len(a["probes"]) == len(b["probes"])
     return sum(x == y for x, y in pairs) / len(pairs)
+
+
+def probe_match_up_to_ties(a: dict, b: dict) -> float:
+    """probe_match, where two different greedy tokens also agree when each run gives the other's token a logprob
+    within MAX_LOGPROB_GAP of its own greedy one (both in its recorded top tokens): a tie. The tiny models' logits
+    are bf16 over a nearly flat 384-token distribution, so their top two often tie exactly and argmax takes either."""
+    def tied(top: dict, mine: int, other: int) -> bool:
+        return str(other) in top and top[str(mine)] - top[str(other)] <= MAX_LOGPROB_GAP
+
+    agree = n = 0
+    for pa, pb in zip(a["probes"], b["probes"]):
+        ta, tb = pa.get("top"), pb.get("top")
+        for i, (x, y) in enumerate(zip(pa["argmax"], pb["argmax"])):
+            n += 1
+            agree += x == y or (ta is not None and tb is not None and tied(ta[i], x, y) and tied(tb[i], y, x))
+    assert n and len(a["probes"]) == len(b["probes"])
+    return agree / n
 
 
 def probe_logprob_gaps(a: dict, b: dict) -> list[float]:
@@ -191,26 +208,29 @@ def probe_logprob_gaps(a: dict, b: dict) -> list[float]:
     return [abs(x - y) for pa, pb in zip(a["probes"], b["probes"]) for x, y in zip(pa["logprob"], pb["logprob"])]
 
 
-# Two ways of computing the same (dequantized) model agree when greedy next tokens match at >= 95% of
-# the teacher-forced positions and the logprob of the actual next token differs by <= 0.1 at >= 98%
-# of them. Not at all of them: in a MoE a token whose router scores nearly tie takes another expert
-# under any change of summation order, and its logprob then moves by a few tenths, whichever kernel
-# computes the experts (docs/decisions.md, "End-to-end tests compare agreement").
+# Two ways of computing the same (dequantized) model agree when greedy next tokens match, up to ties, at >= 95%
+# of the teacher-forced positions and the logprob of the actual next token differs by <= 0.1 at >= 95% of them.
+# Not at all of them: in a MoE a token whose router scores nearly tie takes another expert under any change of
+# summation order, and its logprob, and those of the positions after it that attend to it, move by a few tenths,
+# whichever kernel computes the experts. On the tiny MoEs that leaves 96.4-98.9% of positions within 0.1 (over
+# sign seeds and CPUs); a wrong computation the size of the 4-bit rounding itself (kbit-4 against bf16) leaves
+# 38% (docs/decisions.md, "End-to-end tests compare agreement").
 MIN_TOKEN_MATCH = 0.95
 MAX_LOGPROB_GAP = 0.1
-MIN_POSITIONS_WITHIN_GAP = 0.98
+MIN_POSITIONS_WITHIN_GAP = 0.95
 
 
 def agreement(a: dict, b: dict) -> tuple[float, float, float]:
-    """(greedy match, fraction of positions with logprob gap <= MAX_LOGPROB_GAP, largest gap) over the probes."""
+    """(greedy match up to ties, fraction of positions with logprob gap <= MAX_LOGPROB_GAP, largest gap) over the
+    probes."""
     gaps = probe_logprob_gaps(a, b)
-    return probe_match(a, b), sum(g <= MAX_LOGPROB_GAP for g in gaps) / len(gaps), max(gaps)
+    return probe_match_up_to_ties(a, b), sum(g <= MAX_LOGPROB_GAP for g in gaps) / len(gaps), max(gaps)
 
 
 def report_agreement(what: str, a: dict, b: dict) -> tuple[float, float, float]:
     """Prints the agreement of two runs on the probes and returns it (see :func:`agreement`)."""
     match, within, worst = agreement(a, b)
-    print(f"{what}: teacher-forced greedy match {match:.1%}, logprob gap <= {MAX_LOGPROB_GAP} at {within:.1%} "
+    print(f"{what}: teacher-forced greedy match {match:.1%} (up to ties), logprob gap <= {MAX_LOGPROB_GAP} at {within:.1%} "
           f"of positions (largest {worst:.4f}); free-running greedy match {token_match(a['tokens'], b['tokens']):.1%} "
           f"(common-prefix gap {max_logprob_gap(a, b):.4f})")
     return match, within, worst
