@@ -898,11 +898,18 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
              ("kbit-2 --gptq + rotation, 16384 calibration tokens (seed 0)", "kbit-gptq", 2, "kbit-gptq-rot-c16384-s0"),
              ("kbit-2 --gptq + rotation, codebook normal_float, 16384 calibration tokens (seed 0)", "kbit-gptq", 2,
               "kbit-gptq-rot-nf-c16384-s0"),
-             ("kbit-2 --gptq, 16384 calibration tokens", "kbit-gptq", 2, "kbit-gptq-c16384")]
+             ("kbit-2 --gptq, 16384 calibration tokens", "kbit-gptq", 2, "kbit-gptq-c16384"),
+             *((f"kbit-2 --gptq + rotation, codebook normal_float, 16384 calibration tokens (seed {s})", "kbit-gptq", 2,
+                f"kbit-gptq-rot-nf-c16384-s{s}") for s in ROTATION_SEEDS[1:]),
+             *((f"kbit-2 --gptq + rotation, codebook normal_float, damp 0.1, 16384 calibration tokens (seed {s})",
+                "kbit-gptq", 2, f"kbit-gptq-rot-nf-damp0.1-c16384-s{s}") for s in ROTATION_SEEDS)]
     # k = 3 at convert's default calibration budget (16384 tokens), with and without rotation.
     rows += [("kbit-3 --gptq, 16384 calibration tokens", "kbit-gptq", 3, "kbit-gptq-c16384"),
              *((f"kbit-3 --gptq + rotation, 16384 calibration tokens (seed {s})", "kbit-gptq", 3, f"kbit-gptq-rot-c16384-s{s}")
-               for s in ROTATION_SEEDS)]
+               for s in ROTATION_SEEDS),
+             ("kbit-3 --gptq, damp 0.1, 16384 calibration tokens", "kbit-gptq", 3, "kbit-gptq-damp0.1-c16384"),
+             *((f"kbit-3 --gptq + rotation, damp 0.1, 16384 calibration tokens (seed {s})", "kbit-gptq", 3,
+                f"kbit-gptq-rot-damp0.1-c16384-s{s}") for s in ROTATION_SEEDS)]
     rows += [(f"llm-compressor QuIP + GPTQ W{k}A16 {g}", "llmc-quip-gptq", k, f"llmc-quip-gptq-w{k}") for k in (4, 3, 2)]
     if expert_controls:
         rows += [(BLOCKDIAG_CONTROL.format(k=k), "kbit-gptq", k, "kbit-gptq-blockdiag") for k in (4, 3)]
