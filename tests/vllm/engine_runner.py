@@ -20,7 +20,7 @@ import sys
 # kbit_dev (the checkout's fixtures) from the repository root; this runs as a script in tests/vllm.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-# Tokens whose logprobs a probe position records beside the greedy one (kbit_e2e.probe_match reads them).
+# Tokens whose logprobs a probe position records beside the greedy one (kbit_e2e.probe_match(..., ties=True) reads them).
 PROBE_TOP = 5
 
 

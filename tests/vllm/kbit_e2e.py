@@ -179,23 +179,17 @@ def token_match(a: list[list[int]], b: list[list[int]]) -> float:
     return same / sum(len(r) for r in a)
 
 
-def probe_match(a: dict, b: dict) -> float:
-    """Fraction of teacher-forced positions (same contexts for both runs) where the greedy next token is the same."""
-    pairs = [(x, y) for pa, pb in zip(a["probes"], b["probes"]) for x, y in zip(pa["argmax"], pb["argmax"])]
-    assert pairs and len(a["probes"]) == len(b["probes"])
-    return sum(x == y for x, y in pairs) / len(pairs)
-
-
-def probe_match_up_to_ties(a: dict, b: dict) -> float:
-    """probe_match, where two different greedy tokens also agree when each run gives the other's token a logprob
-    within MAX_LOGPROB_GAP of its own greedy one (both in its recorded top tokens): a tie. The tiny models' logits
-    are bf16 over a nearly flat 384-token distribution, so their top two often tie exactly and argmax takes either."""
+def probe_match(a: dict, b: dict, ties: bool = False) -> float:
+    """Fraction of teacher-forced positions (same contexts for both runs) where the greedy next token is the same;
+    with ``ties``, two different greedy tokens also agree when each run gives the other's token a logprob within
+    MAX_LOGPROB_GAP of its own greedy one (both in its recorded top tokens). The tiny models' logits are bf16 over a
+    nearly flat 384-token distribution, so their top two often tie exactly and argmax takes either."""
     def tied(top: dict, mine: int, other: int) -> bool:
         return str(other) in top and top[str(mine)] - top[str(other)] <= MAX_LOGPROB_GAP
 
     agree = n = 0
     for pa, pb in zip(a["probes"], b["probes"]):
-        ta, tb = pa.get("top"), pb.get("top")
+        ta, tb = (pa.get("top"), pb.get("top")) if ties else (None, None)
         for i, (x, y) in enumerate(zip(pa["argmax"], pb["argmax"])):
             n += 1
             agree += x == y or (ta is not None and tb is not None and tied(ta[i], x, y) and tied(tb[i], y, x))
@@ -224,7 +218,7 @@ def agreement(a: dict, b: dict) -> tuple[float, float, float]:
     """(greedy match up to ties, fraction of positions with logprob gap <= MAX_LOGPROB_GAP, largest gap) over the
     probes."""
     gaps = probe_logprob_gaps(a, b)
-    return probe_match_up_to_ties(a, b), sum(g <= MAX_LOGPROB_GAP for g in gaps) / len(gaps), max(gaps)
+    return probe_match(a, b, ties=True), sum(g <= MAX_LOGPROB_GAP for g in gaps) / len(gaps), max(gaps)
 
 
 def report_agreement(what: str, a: dict, b: dict) -> tuple[float, float, float]:
