@@ -152,9 +152,8 @@ requires_extension = pytest.mark.skipif(not ops.HAS_EXTENSION, reason="the C++ e
 
 @requires_extension
 def test_plans_name_the_rotation_and_keep_the_down_rotation_off_the_gemv_paths():
-    """The GEMV paths fuse the rotation for blocks 4..1024 (their activation load), the dense MMA with one row group
-    per warp for blocks 4..128 (its staging); the other paths, larger MMA blocks and block 2 rotate separately, and
-    a down rotation they cannot fuse keeps the MoE off the GEMV paths."""
+    """The GEMV paths fuse the rotation for blocks 4..1024 (their activation load); the other paths and block 2
+    rotate separately, and a down rotation they cannot fuse keeps the MoE off the GEMV paths."""
     plan = functools.partial(ops.named, torch.ops.kbit.linear_plan, N=2048, K=2048, dtype=torch.bfloat16, sm_major=9,
                              num_sms=132, ctas_per_sm=1, path="auto", bits=4)
     plain = plan(M=1)
@@ -163,17 +162,6 @@ def test_plans_name_the_rotation_and_keep_the_down_rotation_off_the_gemv_paths()
         rotated = plan(M=1, rot_block=block)
         assert rotated.rotation == want and rotated._replace(rotation="none") == plain, (block, rotated)
     assert plan(M=64, rot_block=1024).rotation == "separate" and plan(M=64, rot_block=1024).path != "gemv"
-    # The dense MMA kernel (one row group per warp here) rotates its CTAs' K slices itself at p <= 2 (M <= 16) for
-    # blocks inside a k-tile (4..128), where a CTA's k-tiles of x R fit its 32 KB (8p rows x 128 x 2 bytes each).
-    for M in (2, 8, 16):
-        for block, want in ((128, "fused"), (4, "fused"), (256, "separate"), (2, "separate")):
-            mma = plan(M=M, rot_block=block)
-            assert (mma.path, mma.r, mma.rotation) == ("mma", 1, want), (M, block, mma)
-            assert -(-16 // mma.splits) * mma.p * 4096 <= 32768, mma  # the CTA's slice fits (K = 2048: 16 k-tiles)
-    for M in (17, 64):  # p = 3, 8: the rotation's cost grows with the rows a CTA rotates
-        assert (plan(M=M, rot_block=128).path, plan(M=M, rot_block=128).rotation) == ("mma", "separate"), M
-    long_k = plan(M=16, K=65536, rot_block=128)  # 512 k-tiles over at most 8 splits: 64 a CTA, over p = 2's 8
-    assert (long_k.path, long_k.p, long_k.rotation) == ("mma", 2, "separate"), long_k
     moe = functools.partial(ops.named, torch.ops.kbit.moe_plan, 1, 8, 128, 4)
     assert moe("auto", 9).path == moe("auto", 9, None, 1024, 0).path == moe("auto", 9, None, 1024, 256).path == "gemv_direct"
     assert moe("auto", 9, None, 1024, 2).path == "grouped_mma"  # SiLU-and-mul on its own, then the rotation

@@ -55,7 +55,7 @@ void launch_k(const mma_detail::MmaLaunch& L, int64_t k, bool bf16) {
 
 void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                 const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C,
-                const LinearPlan& plan, const float* rot_signs, int64_t rot_block) {
+                const LinearPlan& plan) {
   const int64_t n_tiles = qweight_rt.size(0);
   mma_detail::MmaLaunch L =
       launch_fields(A, qweight_rt, absmax_rt, codebook, N, K, n_tiles, qweight_rt.size(1), C);
@@ -68,14 +68,6 @@ void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Ten
   L.splits = static_cast<int>(plan.splits);
   L.cols = static_cast<int>(plan.cols);
   L.pdl = plan.pdl;
-  if (rot_signs != nullptr) {
-    const int64_t cta_k_tiles = (qweight_rt.size(1) + plan.splits - 1) / plan.splits;
-    KBIT_CHECK(mma_fused_rotation(rot_block, plan.p, plan.r, cta_k_tiles), "kbit mma: no rotating kernel for p=",
-               plan.p, " r=", plan.r, " block ", rot_block, " and ", cta_k_tiles, " k-tiles a CTA; supported: p <= ",
-               kMmaRotMaxP, ", r=1, blocks ", kFusedRotationMinBlock, "..", kMmaFusedRotationMaxBlock,
-               ", k-tiles a CTA <= ", mma_rot_tiles(static_cast<int>(plan.p)));
-    L.rot = rotate_core::fused_rotation("kbit mma", rot_signs, rot_block, K);
-  }
   launch_k(L, qweight_rt.size(2), A.scalar_type() == at::kBFloat16);
 }
 

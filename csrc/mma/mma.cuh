@@ -14,11 +14,10 @@ namespace kbit {
 constexpr int kMmaMaxGridRows = 65535;  // CTA rows of one launch (gridDim.y): grouped chunk lists longer are refused
 
 // A [M, K] (bf16/fp16, contiguous, 16-byte aligned) -> C [M, N] of A's dtype, with the tile shape and
-// split count of `plan` (linear_plan, path mma), which the launcher validates. rot_signs (float32 [K] on the device,
-// 16-byte aligned; the plan's rotation "fused"): the kernel multiplies x R as it stages x (mma_fused_rotation).
+// split count of `plan` (linear_plan, path mma), which the launcher validates.
 void launch_mma(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                 const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C,
-                const LinearPlan& plan, const float* rot_signs = nullptr, int64_t rot_block = 0);
+                const LinearPlan& plan);
 
 // Grouped over experts, one launch: C[p] = A[p] @ dequant(W_e)^T for the rows p of every valid chunk
 // {e, first row, rows <= chunk_rows, 0} of `chunks` (int32 [max_chunks, 4], the first num_chunks[0]

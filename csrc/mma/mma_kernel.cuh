@@ -23,11 +23,6 @@
 // The K splits of one CTA column are a thread-block cluster; their fp32 partial tiles are
 // summed through distributed shared memory in rank order (deterministic, no workspace).
 //
-// Rotated layers (ROT: dense, p <= 2, one row group per warp; plan.h: mma_fused_rotation): the CTA makes x · R of
-// its whole K slice once, right after the PDL wait, into shared memory that stays resident for the main loop, whose
-// stages then carry weights only (rotate_slice below). One latency and one batch of butterflies per CTA, instead of
-// a launch and a pass over memory, or a rotation between each k-tile's arrival and its barrier.
-//
 // Grouped (routed experts): with a chunk list, CTA row y multiplies chunk y = {expert, first row,
 // rows <= 8p} of A (rows grouped by expert) with that expert's weights in a stacked runtime
 // tensor; CTA rows past the device-side chunk count leave at once (a whole cluster shares its y).
@@ -39,7 +34,6 @@
 #include "launch_utils.cuh"
 #include "mma.cuh"
 #include "plan.h"
-#include "rotate_core.cuh"
 
 #include <algorithm>
 #include <atomic>
@@ -87,22 +81,16 @@ constexpr int lut_bytes() {
   return 0;
 }
 
-template <int BITS, int P, int R, bool ROT = false>
+template <int BITS, int P, int R>
 struct Shape {
   static constexpr bool kLut = uses_lut<BITS, P>();
   static constexpr int kLutBytes = lut_bytes<BITS, P>();  // the table sits first, the stages after it
   static constexpr int kWBytes = R * tile_bytes<BITS>();
   static constexpr int kXBytes = 8 * P * kTileK * 2;
-  static constexpr int kStageBytes = kWBytes + (ROT ? 0 : kXBytes);  // ROT: x R stays resident after the stages
-  // The unrotated instance's depth for both, so a rotated CTA adds only its resident slice to the shared memory.
-  static constexpr int kStages = std::max(2, std::min(4, (kLut ? kLutSmemTarget : kSmemTarget) / (kWBytes + kXBytes)));
+  static constexpr int kStageBytes = kWBytes + kXBytes;
+  static constexpr int kStages = std::max(2, std::min(4, (kLut ? kLutSmemTarget : kSmemTarget) / kStageBytes));
   static constexpr int kPartialUnits = kWarps * R * P * 32;  // float4 C fragments of one CTA
   static constexpr int kSmemBytes = kLutBytes + std::max(kStages * kStageBytes, kPartialUnits * 16);
-  // ROT: a launch adds its CTAs' k-tiles of resident x R (at most kMmaRotBytes) and their signs (kRotSignBytes each).
-  static constexpr int kRotBase = kLutBytes + kStages * kStageBytes;
-  static constexpr int kRotSignBytes = kTileK * 4;
-  static constexpr int kSmemMaxBytes =
-      ROT ? std::max<int>(kSmemBytes, kRotBase + kMmaRotBytes + mma_rot_tiles(P) * kRotSignBytes) : kSmemBytes;
   static constexpr int kSmemFit = kSmemPerSm / (kSmemBytes + kSmemReservedPerCta);  // CTAs shared memory holds
   // CTAs per SM the registers are capped for (launch bounds). Narrow warps: as many as shared memory
   // holds (uncapped, ptxas trades CTAs for fewer re-computations). Wide warps: 3 (<= 168 registers;
@@ -122,8 +110,6 @@ struct MmaParams {
   const T* bias;
   T* C;
   int M, N, K, n_tiles, k_tiles, splits;
-  // ROT instances only: the rotation (signs over K, block 4..128, 1 / sqrt(block)).
-  rotate_core::FusedRotation rot;
   // Grouped launches only (chunks == nullptr: dense): int4 {expert, first row, rows, 0} per CTA row,
   // how many are valid, and the bytes between two experts' runtime tensors.
   const int4* chunks;
@@ -174,10 +160,9 @@ __device__ __forceinline__ int x_slot(int ch, int row) { return ch ^ ((ch >> 2) 
 // Grid: (cols * splits, m_blocks) CTAs in clusters of `splits` along x (CTA x = col * splits + split).
 // kGrouped: CTA row y is chunk y (MmaParams::chunks); a separate instance, so the dense kernels'
 // code and registers stay as they are.
-template <typename T, int BITS, int P, int R, bool kGrouped, bool ROT = false>
-__global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R, ROT>::kCtasPerSm)) mma_kernel(const MmaParams<T> prm) {
-  static_assert(!ROT || (!kGrouped && R == 1 && P <= kMmaRotMaxP), "the rotated instances: dense, p <= 2, r = 1");
-  using S = Shape<BITS, P, R, ROT>;
+template <typename T, int BITS, int P, int R, bool kGrouped>
+__global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma_kernel(const MmaParams<T> prm) {
+  using S = Shape<BITS, P, R>;
   constexpr bool kLut = S::kLut;
   constexpr int F = Fields<BITS>::kBits;
   constexpr int kTileBytes = tile_bytes<BITS>();
@@ -283,82 +268,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R, ROT>::kCtasPerSm)
   };
   const auto load_stage = [&](int stage) {
     load_weights(stage);
-    if constexpr (!ROT) load_activations(stage);
-  };
-
-  // ROT: x R of the CTA's K slice, made once into a resident region after the stages (local k-tile j at x_res +
-  // j kXBytes, laid out as a stage's activations), the slice's signs after it (k-tile j's 128 floats at x_sig + 128 j).
-  // The signs are copied before the PDL wait (immutable, like the weights), x after it: every chunk of the slice in
-  // one cp.async batch, so the rotation waits for one memory latency, then works in shared memory.
-  // A unit (local k-tile, row) is 128 elements in 16 chunks of 8, one per lane of a half warp (lane % 16 = chunk);
-  // each thread copies and then rotates the same chunks (cp.async.wait_group makes a thread's own copies visible to
-  // it), so no barrier sits between. Element bits 0-2 are the lane's registers, bits 3-6 its lane bits: a block
-  // b <= 128 is log2(min(b, 8)) register butterflies and log2(b / 8) shuffle rounds, lowest bit first, then the scale
-  // and one rounding to T: the separate pass's arithmetic (rotate.cu), so the MMAs read the values it writes, bit for
-  // bit. Only rows before m_end are made (an activation row is a column of C: the others are never stored); K past
-  // the end is zeros, which stay zeros. Every pass runs the CTA's trip count, so the shuffles see whole warps.
-  const int rot_half = tid / 16, rot_ch = tid % 16;
-  const int rot_rows = ROT ? min(8 * P, m_end - m0) : 0, rot_units = rot_rows * nkt;
-  const int cta_k_tiles = (prm.k_tiles + splits - 1) / splits;  // the launch's resident slice (launch_instance)
-  uint8_t* const x_res = stages + (S::kRotBase - S::kLutBytes);
-  const uint32_t x_res_s = smem_base + (S::kRotBase - S::kLutBytes);
-  const float* const x_sig = reinterpret_cast<const float*>(x_res + cta_k_tiles * S::kXBytes);
-  const uint32_t x_sig_s = x_res_s + cta_k_tiles * S::kXBytes;
-  const auto unit_offset = [&](int u) {  // the unit's chunk in the resident region
-    const int j = u / rot_rows, row = u - j * rot_rows;
-    return j * S::kXBytes + row * (kRowChunks * 16) + x_slot(rot_ch, row) * 16;
-  };
-  const auto copy_signs = [&]() {
-    for (int c = tid; c < nkt * (S::kRotSignBytes / 16); c += kThreads) {
-      const int k = kt_begin * kTileK + 4 * c;
-      cp_async16(x_sig_s + c * 16, k < prm.K ? prm.rot.signs + k : prm.rot.signs, k < prm.K);
-    }
-  };
-  const auto copy_slice = [&]() {
-    for (int u = rot_half; u < rot_units; u += kThreads / 16) {
-      const int j = u / rot_rows, row = u - j * rot_rows;
-      const int k = (kt_begin + j) * kTileK + rot_ch * 8;
-      cp_async16(x_res_s + unit_offset(u), k < prm.K ? prm.A + static_cast<int64_t>(m0 + row) * prm.K + k : prm.A,
-                 k < prm.K);
-    }
-  };
-  const auto rotate_slice = [&]() {
-    constexpr int kRotBatch = 4;
-    for (int u0 = 0; u0 < rot_units; u0 += (kThreads / 16) * kRotBatch) {
-      float v[kRotBatch][8];
-#pragma unroll
-      for (int b = 0; b < kRotBatch; ++b) {
-        const int u = u0 + (kThreads / 16) * b + rot_half;
-        const bool valid = u < rot_units;
-        union {
-          uint4 u;
-          T h[8];
-        } c;
-        c.u = valid ? *reinterpret_cast<const uint4*>(x_res + unit_offset(u)) : make_uint4(0u, 0u, 0u, 0u);
-        const float* sg = x_sig + (valid ? u / rot_rows : 0) * kTileK + rot_ch * 8;
-        const float4 s0 = *reinterpret_cast<const float4*>(sg), s1 = *reinterpret_cast<const float4*>(sg + 4);
-        const float s[8] = {s0.x, s0.y, s0.z, s0.w, s1.x, s1.y, s1.z, s1.w};
-#pragma unroll
-        for (int i = 0; i < 8; ++i) v[b][i] = Elem<T>::to_float(c.h[i]) * s[i];
-      }
-#pragma unroll
-      for (int b = 0; b < kRotBatch; ++b) {
-        rotate_core::butterfly_registers_below(v[b], prm.rot.block);
-        rotate_core::butterfly_lanes<8, kRowChunks>(v[b], lane, prm.rot.block / 8);
-      }
-#pragma unroll
-      for (int b = 0; b < kRotBatch; ++b) {
-        const int u = u0 + (kThreads / 16) * b + rot_half;
-        if (u >= rot_units) continue;
-        union {
-          uint4 u;
-          T h[8];
-        } c;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) c.h[i] = Elem<T>::narrow(v[b][i] * prm.rot.scale);
-        *reinterpret_cast<uint4*>(x_res + unit_offset(u)) = c.u;
-      }
-    }
+    load_activations(stage);
   };
 
   float acc[R][P][4];
@@ -380,13 +290,10 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R, ROT>::kCtasPerSm)
   const int rg0 = R * warp, row0 = 16 * (rg0 % 4) + g;
   const int w_rd = (rg0 / 4) * kTileBytes + (row0 * kTileKB + t) * 4;
   const int s_rd = (rg0 / 4) * kTileBytes + kPlaneBytes + row0 * kTileKB + t;
-  const int x_rd = (g * kRowChunks + 4 * t) * 16, x_swz = (t & 2) ^ (g & 1);  // within the activation tile
+  const int x_rd = S::kWBytes + (g * kRowChunks + 4 * t) * 16, x_swz = (t & 2) ^ (g & 1);
 
-  // k-tile `it` (local) from stage `stage`: its activations follow the weights in the stage, or (ROT) sit in the
-  // resident region.
-  const auto compute_stage = [&](int stage, int it) {
+  const auto compute_stage = [&](int stage) {
     const uint8_t* st = stages + stage * S::kStageBytes;
-    const uint8_t* xt = ROT ? x_res + it * S::kXBytes : st + S::kWBytes;
     constexpr int W = kLut ? Lut<std::min(BITS, 4)>::kWords : F;
     uint32_t q[R][2][W];
     uint32_t scale[R][2];  // the scale in both halves of x's 16-bit type (exact: 5 significant bits)
@@ -412,7 +319,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R, ROT>::kCtasPerSm)
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       uint4 xb[P];  // activations 32t + 8c .. +7 of rows 8i + g: B fragments of MMA steps 2c, 2c + 1
-      const uint8_t* xc = xt + x_rd + ((c ^ x_swz) * 16);
+      const uint8_t* xc = st + x_rd + ((c ^ x_swz) * 16);
 #pragma unroll
       for (int i = 0; i < P; ++i) xb[i] = *reinterpret_cast<const uint4*>(xc + 8 * i * kRowChunks * 16);
 #pragma unroll
@@ -479,22 +386,12 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R, ROT>::kCtasPerSm)
       if (s < nkt) load_weights(s);
     }
     if constexpr (kLut) lut_fill<T, BITS>(smem, prm.codebook, tid, kThreads);  // codebook only: before the wait too
-    if constexpr (ROT) copy_signs();  // immutable: before the wait too
     pdl_wait();               // A is the previous kernel's output, and C may be memory it still reads
     pdl_launch_dependents();  // the main loop is this CTA's own pipeline: the next kernel may start its prologue
-    if constexpr (ROT) {
-      copy_slice();
-      cp_async_commit();  // with the early weights and the signs
-      cp_async_wait<0>();
-      rotate_slice();  // published by the loop's first barrier
 #pragma unroll
-      for (int s = 1; s < S::kStages - 1; ++s) cp_async_commit();  // the loop's group count: kStages - 1 before it
-    } else {
-#pragma unroll
-      for (int s = 0; s < S::kStages - 1; ++s) {
-        if (s < nkt) load_activations(s);
-        cp_async_commit();
-      }
+    for (int s = 0; s < S::kStages - 1; ++s) {
+      if (s < nkt) load_activations(s);
+      cp_async_commit();
     }
   }
   // The table is written while the first stages are in flight; the loop's first barrier publishes it.
@@ -507,7 +404,7 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R, ROT>::kCtasPerSm)
     const int next = it + S::kStages - 1;
     if (next < nkt) load_stage(next % S::kStages);
     cp_async_commit();
-    compute_stage(it % S::kStages, it);
+    compute_stage(it % S::kStages);
   }
   cp_async_wait<0>();
   __syncthreads();  // the partial tile below reuses the stages
@@ -577,7 +474,6 @@ struct MmaLaunch {
   const int* num_chunks;
   int64_t expert_qbytes, expert_abytes;
   bool chunks_early;  // grouped only: see MmaParams
-  rotate_core::FusedRotation rot;  // signs null: not rotated; else the ROT instance (dense, r = 1, blocks 4..128)
   int device;
   cudaStream_t stream;
 };
@@ -608,17 +504,17 @@ int64_t cluster_capacity(Kernel kernel, int s, int smem_bytes) {
 // device (the opt-in is per device): the shared-memory opt-in above 48 KB, how many CTAs an SM holds
 // (0 = not prepared yet; preparing twice is harmless) and how many CTAs the GPU holds at once in clusters
 // of each split count (dense instances, whose split rule counts waves).
-template <typename T, int BITS, int P, int R, bool kGrouped, bool ROT = false>
+template <typename T, int BITS, int P, int R, bool kGrouped>
 MmaInstanceFacts instance_facts(int device) {
-  using S = Shape<BITS, P, R, ROT>;
-  const auto kernel = mma_kernel<T, BITS, P, R, kGrouped, ROT>;
+  using S = Shape<BITS, P, R>;
+  const auto kernel = mma_kernel<T, BITS, P, R, kGrouped>;
   static std::atomic<int> prepared[kMaxDevices] = {};
   static std::atomic<int64_t> cluster_ctas[kMaxDevices][kMmaMaxSplits + 1] = {};
   KBIT_CHECK(device >= 0 && device < kMaxDevices, "kbit mma: device index ", device, " >= ", kMaxDevices);
   int ctas_per_sm = prepared[device].load(std::memory_order_acquire);
   if (ctas_per_sm == 0) {
     const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemMaxBytes));
+    C10_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmemBytes));
     C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&ctas_per_sm, kernel, kThreads, S::kSmemBytes));
     ctas_per_sm = std::max(ctas_per_sm, 1);
     if constexpr (!kGrouped) {
@@ -634,11 +530,11 @@ MmaInstanceFacts instance_facts(int device) {
   return f;
 }
 
-template <typename T, int BITS, int P, int R, bool kGrouped = false, bool ROT = false>
+template <typename T, int BITS, int P, int R, bool kGrouped = false>
 void launch_instance(const MmaLaunch& L) {
-  using S = Shape<BITS, P, R, ROT>;
-  const auto kernel = mma_kernel<T, BITS, P, R, kGrouped, ROT>;
-  (void)instance_facts<T, BITS, P, R, kGrouped, ROT>(L.device);  // the opt-in (the planner made the unrotated one's)
+  using S = Shape<BITS, P, R>;
+  const auto kernel = mma_kernel<T, BITS, P, R, kGrouped>;
+  (void)instance_facts<T, BITS, P, R, kGrouped>(L.device);  // the opt-in (the planner usually made it already)
   const int cols = (L.n_tiles + R - 1) / R;
   const int splits = L.splits;
   KBIT_CHECK(splits >= 1 && splits <= std::min(kMmaMaxSplits, L.k_tiles), "kbit mma: splits=", splits,
@@ -646,22 +542,13 @@ void launch_instance(const MmaLaunch& L) {
   KBIT_CHECK(L.cols == cols, "kbit mma: the plan's ", L.cols, " CTA columns are not the ", cols, " of ", L.n_tiles,
              " n-tiles at r=", R);
   const dim3 grid(static_cast<unsigned>(cols * splits), static_cast<unsigned>(L.config.m_blocks));
-  record_launch({kGrouped ? "mma_grouped" : "mma", P, R, grid.y, grid.x / splits, splits, 0, 0, L.pdl,
-                 ROT ? InputRotation::kFused : InputRotation::kNone});
+  record_launch({kGrouped ? "mma_grouped" : "mma", P, R, grid.y, grid.x / splits, splits, 0, 0, L.pdl});
   const MmaParams<T> prm{static_cast<const T*>(L.A), static_cast<const uint8_t*>(L.qweight),
                          static_cast<const uint8_t*>(L.absmax), L.codebook, static_cast<const T*>(L.bias),
                          static_cast<T*>(L.C), L.M, L.N, L.K, L.n_tiles, L.k_tiles, splits,
-                         L.rot, reinterpret_cast<const int4*>(L.chunks), L.num_chunks, L.expert_qbytes,
-                         L.expert_abytes, L.chunks_early};
-  // ROT: the resident x R of a CTA's k-tiles (at most ceil(k_tiles / splits)) after the stages.
-  int smem = S::kSmemBytes;
-  if constexpr (ROT) {
-    const int cta_k_tiles = (L.k_tiles + splits - 1) / splits;
-    KBIT_CHECK(cta_k_tiles <= mma_rot_tiles(P), "kbit mma: a rotating CTA holds at most ", mma_rot_tiles(P),
-               " k-tiles of x R at p=", P, "; the plan gives it ", cta_k_tiles);
-    smem = std::max(smem, S::kRotBase + cta_k_tiles * (S::kXBytes + S::kRotSignBytes));
-  }
-  launch_kernel(kernel, grid, dim3(kThreads), smem, L.stream, splits, L.pdl, prm);
+                         reinterpret_cast<const int4*>(L.chunks), L.num_chunks, L.expert_qbytes, L.expert_abytes,
+                         L.chunks_early};
+  launch_kernel(kernel, grid, dim3(kThreads), S::kSmemBytes, L.stream, splits, L.pdl, prm);
 }
 
 // Launches the instance of the launch's (p, r) (KBIT_MMA_INSTANCES); kGrouped: the routed-expert kernels
@@ -670,17 +557,9 @@ template <typename T, int BITS, bool kGrouped>
 void launch_bits(const MmaLaunch& L) {
   const int p = L.config.p, r = L.config.r;
 // p = 3 has grouped instances only (plan.h: mma_dense_built_p); a dense launch of it falls through to the error.
-// A rotated launch takes the ROT instance, built for the dense kernels of one row group per warp (plan.h:
-// mma_fused_rotation).
-#define KBIT_MMA_CASE(P_, R_)                                                                   \
-  if constexpr (kGrouped || mma_dense_built_p(P_)) {                                            \
-    if (p == P_ && r == R_) {                                                                   \
-      if constexpr (!kGrouped && R_ == 1 && P_ <= kMmaRotMaxP) {                                \
-        if (L.rot.signs != nullptr) return launch_instance<T, BITS, P_, R_, false, true>(L);    \
-      }                                                                                         \
-      KBIT_CHECK(L.rot.signs == nullptr, "kbit mma: no rotating kernel for p=", p, " r=", r);   \
-      return launch_instance<T, BITS, P_, R_, kGrouped>(L);                                     \
-    }                                                                                           \
+#define KBIT_MMA_CASE(P_, R_)                                                          \
+  if constexpr (kGrouped || mma_dense_built_p(P_)) {                                   \
+    if (p == P_ && r == R_) return launch_instance<T, BITS, P_, R_, kGrouped>(L);      \
   }
   KBIT_MMA_INSTANCES(KBIT_MMA_CASE)
 #undef KBIT_MMA_CASE

@@ -85,16 +85,15 @@ at::Tensor launch_plan(const at::Tensor& x_in, const at::Tensor& qweight_rt, con
   KBIT_CHECK(N <= INT32_MAX && K <= INT32_MAX && M <= INT32_MAX, "kbit linear: weight or x too large for int32 sizes");
   const at::Tensor A = as_matrix(x, M, K);
   at::Tensor C = at::empty({M, N}, x.options());
-  // A fused rotation: the GEMV multiplies x R as it loads x, the MMA kernel as it stages it (the plan's rule).
-  const bool fused = plan.rotation == InputRotation::kFused;
-  KBIT_CHECK(!fused || rot_signs.has_value(), "kbit linear: the plan fuses a rotation but no rot_signs were given");
   if (plan.path == LinearPath::kGemv) {
     KBIT_CHECK(M <= kGemvMaxM, "kbit gemv: x has ", M, " rows; supported: 1..", kGemvMaxM);
+    // A fused rotation: the GEMV multiplies x R as it loads x (the plan's rule: input_rotation).
+    const bool fused = plan.rotation == InputRotation::kFused;
+    KBIT_CHECK(!fused || rot_signs.has_value(), "kbit linear: the plan fuses a rotation but no rot_signs were given");
     launch_gemv(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, plan,
                 fused ? rot_signs->data_ptr<float>() : nullptr, fused ? rot_block : 0);
   } else if (plan.path == LinearPath::kMma) {
-    launch_mma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, plan,
-               fused ? rot_signs->data_ptr<float>() : nullptr, fused ? rot_block : 0);
+    launch_mma(A, qweight_rt, absmax_rt, codebook, contiguous_bias(bias), N, K, C, plan);
   } else {
     KBIT_CHECK(at::cuda::getCurrentDeviceProperties()->major == 9, "kbit ", linear_path_name(plan.path),
                ": needs a Hopper (sm_90) GPU");

@@ -391,10 +391,6 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
     }
     plan.cols = (n_tiles + c.r - 1) / c.r;
     plan.pdl = pdl_rule(facts.sm_major);
-    if (plan.rotation == InputRotation::kSeparate &&
-        mma_fused_rotation(rot_block, plan.p, plan.r, (k_tiles + plan.splits - 1) / plan.splits)) {
-      plan.rotation = InputRotation::kFused;
-    }
   } else {
     KBIT_CHECK_VALUE(forced.splits == 0 && forced.row_groups == 0, "kbit linear_plan: splits and row_groups apply to ",
                      "the gemv and mma paths only, not ", linear_path_name(plan.path));

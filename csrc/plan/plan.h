@@ -173,8 +173,7 @@ int64_t moe_expected_chunks(int64_t slots, int64_t experts, int64_t chunk_rows);
 // How a rotated layer's input x R (docs/format.md, section 9; the caller gives the signs and block) reaches its
 // kernel: kNone, not rotated; kSeparate, the rotation kernel (csrc/rotate/rotate.cu) writes x R into a scratch
 // tensor before the GEMM (MoE: the hidden states once before gate_up; SiLU-and-mul's output in place before down);
-// kFused, the GEMV kernel rotates the activations as it loads them (gemv_core.cuh, accumulate), the dense MMA kernel
-// as it stages them in shared memory (mma_kernel.cuh): no launch, no pass.
+// kFused, the GEMV kernel rotates the activations as it loads them (gemv_core.cuh, accumulate; no launch, no pass).
 enum class InputRotation : int64_t { kNone = 0, kSeparate = 1, kFused = 2 };
 // "none", "separate", "fused".
 const char* input_rotation_name(InputRotation rotation);
@@ -189,22 +188,7 @@ constexpr bool fused_rotation_block(int64_t block) {
 // The rule for a layer input of rotation block rot_block (0: not rotated) read by a GEMV kernel (`gemv`: the dense
 // GEMV, the routed-expert GEMVs) or another: none without a rotation, fused where a GEMV takes the block, separate
 // elsewhere (the MMA and wgmma kernels, dequantize + cuBLAS: prefill-sized calls, where one pass costs little).
-// linear_plan then also fuses where the dense MMA kernel takes the block (mma_fused_rotation).
 InputRotation input_rotation(int64_t rot_block, bool gemv);
-// The dense MMA kernel's rotated instances (mma_kernel.cuh, ROT) make x R of a CTA's whole K slice once, before
-// their main loop, into shared memory that stays resident: blocks of 4..128 (inside one k-tile), p <= kMmaRotMaxP
-// activation tiles (M <= 16: the rotation's cost grows with the rows each CTA rotates) and one row group per warp
-// (r = 1, the tile shape of decode-sized M on all but the largest weights), at most kMmaRotBytes of resident x R
-// (a CTA's k-tiles x 8p rows x 128 elements x 2 bytes).
-constexpr int64_t kMmaFusedRotationMaxBlock = 128;
-constexpr int kMmaRotMaxP = 2;
-constexpr int kMmaRotBytes = 32 * 1024;
-constexpr int mma_rot_tiles(int p) { return kMmaRotBytes / (p * 8 * 128 * 2); }
-// cta_k_tiles: the most k-tiles one CTA takes (ceil(k_tiles / splits)).
-constexpr bool mma_fused_rotation(int64_t block, int64_t p, int64_t r, int64_t cta_k_tiles) {
-  return r == 1 && p >= 1 && p <= kMmaRotMaxP && fused_rotation_block(block) && block <= kMmaFusedRotationMaxBlock &&
-         cta_k_tiles <= mma_rot_tiles(static_cast<int>(p));
-}
 
 // ----------------------------------------------------------------------------- dense linear
 

@@ -1,7 +1,6 @@
 // The butterflies of the input rotation x · R, R = diag(s) · blockdiag(H_b / sqrt(b)) (vllm_kbit/reference.py,
-// hadamard_rotate), shared by the standalone rotation kernel (rotate.cu), the GEMV kernels that rotate their
-// activations as they load them (gemv_core.cuh) and the dense MMA kernel that rotates them in shared memory
-// (mma_kernel.cuh). Sylvester's H_b is one 2-point butterfly (a + c, a - c) per bit of
+// hadamard_rotate), shared by the standalone rotation kernel (rotate.cu) and the GEMV kernels that rotate their
+// activations as they load them (gemv_core.cuh). Sylvester's H_b is one 2-point butterfly (a + c, a - c) per bit of
 // the index within a block, in any order; running them from the lowest bit up, in fp32, gives the reference's sums
 // in the reference's order: bit for bit the reference (the GEMV's blocks over 128 k-tiles sum their k-tiles first,
 // so theirs agree within fp32 rounding).
@@ -24,23 +23,6 @@ template <int E>
 __device__ __forceinline__ void butterfly_registers(float (&v)[E]) {
 #pragma unroll
   for (int h = 1; h < E; h <<= 1) {
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-      if ((i & h) == 0) {
-        const float a = v[i], c = v[i + h];
-        v[i] = a + c;
-        v[i + h] = a - c;
-      }
-    }
-  }
-}
-
-// The same over the register bits below `block` only (warp-uniform): blocks smaller than a lane's E elements.
-template <int E>
-__device__ __forceinline__ void butterfly_registers_below(float (&v)[E], int block) {
-#pragma unroll
-  for (int h = 1; h < E; h <<= 1) {
-    if (h >= block) break;
 #pragma unroll
     for (int i = 0; i < E; ++i) {
       if ((i & h) == 0) {

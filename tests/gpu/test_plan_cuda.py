@@ -296,21 +296,15 @@ def expected_rotated(plan_launches, rotations):
     return out
 
 
-def rotation_of(plan, block, K):
-    """The planner's rule (plan.cpp: input_rotation, plan.h: mma_fused_rotation) as these tests expect it: the GEMV
-    kernels fuse blocks 4..1024; the dense MMA kernel blocks 4..128 at p <= 2 and r = 1 where a CTA's k-tiles of x R
-    (8p rows of 128 bf16 each) fit in 32 KB."""
-    if plan.path == "gemv":
-        return "fused" if 4 <= block <= 1024 else "separate"
-    cta_k_tiles = -(-((K + 127) // 128) // max(plan.splits, 1))
-    mma = plan.path == "mma" and plan.r == 1 and plan.p <= 2 and cta_k_tiles * plan.p * 8 * 128 * 2 <= 32 * 1024
-    return "fused" if mma and 4 <= block <= 128 else "separate"
+def rotation_of(gemv, block):
+    """The planner's rule (plan.cpp: input_rotation) as these tests expect it: the GEMV kernels fuse blocks 4..1024."""
+    return "fused" if gemv and 4 <= block <= 1024 else "separate"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_rotated_linear_launches_its_plan(dtype):
-    """A rotated layer's plan: the GEMV fuses the rotation into its activation load, the dense MMA with one row group
-    per warp into its staging for blocks <= 128 (rotation "fused", one launch recorded "fused"); every other path has rotation "separate": the rotation kernel (PDL as the GPU allows), then
+    """A rotated layer's plan: the GEMV fuses the rotation into its activation load (rotation "fused", one launch
+    recorded "fused"); every other path has rotation "separate": the rotation kernel (PDL as the GPU allows), then
     the plan's GEMM with the same fields as unrotated; the plan on given facts says the same."""
     torch.cuda.set_device(DEVICE)
     props = torch.cuda.get_device_properties(DEVICE)
@@ -321,11 +315,11 @@ def test_rotated_linear_launches_its_plan(dtype):
         signs = torch.ones(K, device=DEVICE)
         for M in (1, 5, 64, 300):
             plan = linear_plan(M, N, K, dtype, k, DEVICE, "auto", 0, 0, 0, block)
-            want = rotation_of(plan, block, K)
+            want = rotation_of(plan.path == "gemv", block)
             assert plan.rotation == want and plan._replace(rotation="none") == linear_plan(M, N, K, dtype, k, DEVICE)
             given = ops.named(torch.ops.kbit.linear_plan, M, N, K, dtype, props.major, props.multi_processor_count, 1,
                               "auto", k, block)
-            assert given.rotation == rotation_of(given, block, K), given
+            assert given.rotation == want, given
             x = torch.randn(M, K, dtype=dtype, device=DEVICE)
             torch.ops.kbit.linear(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, rot_signs=signs,
                                   rot_block=block)
@@ -367,8 +361,7 @@ def test_rotated_fused_moe_launches_its_plan(E, top_k, H, I):
                     plan = moe_plan(*args)
                     gemv = plan.path in ("gemv_direct", "gemv")
                     assert plan.gate_up_rotation == "separate", plan
-                    down_fused = gemv and 4 <= down <= 1024  # the routed GEMVs fuse the down input's blocks 4..1024
-                    assert plan.down_rotation == ("fused" if down_fused else "separate" if down else "none"), plan
+                    assert plan.down_rotation == (rotation_of(gemv, down) if down else "none"), plan
                     assert not (down == 2 and plan.path == "gemv_direct"), plan
                     host = ops.named(torch.ops.kbit.moe_plan, T, top_k, E, k, path, sm_major, None, b13, down)
                     assert tuple(host) == tuple(getattr(plan, f) for f in host._fields), (host, plan)

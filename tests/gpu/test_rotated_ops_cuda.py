@@ -1,9 +1,8 @@
 """kbit::linear and kbit::fused_moe with an input rotation on CUDA (the plan's rotation "separate": the rotation
 kernel into a scratch before the GEMM; the experts' SiLU-and-mul output rotated in place before down; "fused" on the
-GEMV paths: the kernel rotates its activations as it loads them, and on the dense MMA for blocks <= 128: in shared
-memory, tests/gpu/test_rotation_fused_cuda.py) against the CPU reference and against rotating first with
-kbit::hadamard_rotate (bit for bit where the plan rotates separately or in the MMA's staging, within rounding where a
-GEMV fuses: no rounding of x R to x's dtype), over paths, bits, dtypes and sizes whose
+GEMV paths: the kernel rotates its activations as it loads them, tests/gpu/test_rotation_fused_cuda.py) against the
+CPU reference and against rotating first with kbit::hadamard_rotate (bit for bit where the plan rotates separately,
+within rounding where it fuses: no rounding of x R to x's dtype), over paths, bits, dtypes and sizes whose
 blocks run from 32 to 1024 (and K with a small block: a tail of 2-element blocks); CUDA-graph replay equals eager."""
 
 from __future__ import annotations
@@ -48,7 +47,7 @@ def test_linear_with_rotation_is_linear_of_the_rotated_input(dtype, K, N, max_bl
             xr = torch.ops.kbit.hadamard_rotate(x, signs, block)
             want = torch.ops.kbit.linear(xr, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None)
             plan = ops.named(torch.ops.kbit.linear_plan.device, M, N, K, dtype, k, x.device, "auto", 0, 0, 0, block)
-            if plan.rotation == "separate" or plan.path == "mma":  # the MMA's staging rounds x R as the pass does
+            if plan.rotation == "separate":
                 assert torch.equal(got, want), (K, N, k, M, dtype)
             ref = F.linear(fmt.hadamard_rotate(x.cpu(), signs.cpu(), block).float(),
                            fmt.dequantize(q.cpu(), a.cpu(), cb.cpu(), torch.float32))

@@ -1,6 +1,5 @@
 """Rotated layers whose GEMV rotates its activations as it loads them (csrc/rotate/rotate_core.cuh, in gemv_core.cuh's
-activation load), and the dense MMA kernel that rotates its CTA's K slice into shared memory before its main loop
-(checked bit for bit against the separate pass, whose arithmetic it shares): the dense GEMV and the routed-expert GEMVs' down projection (its SiLU-and-mul output; the hidden
+activation load): the dense GEMV and the routed-expert GEMVs' down projection (its SiLU-and-mul output; the hidden
 states are rotated apart, once per layer, and checked here through the same op) at every k, M = 1..4, blocks 4..128 (inside one k-tile) and 256..1024 (mixed across k-tiles),
 K a multiple of 128 and with a 32 / 64 tail, bf16 and fp16, against the fp32 reference: x rotated in fp32
 (reference.hadamard_rotate; the fused path does not round x R to x's dtype), then the fp32 GEMM.
@@ -70,59 +69,6 @@ def test_dense_gemv_rotates_in_its_activation_load(k, K, dtype):
             assert not torch.allclose(out.float(), plain.val[:M], rtol=0.05, atol=0.05)
         ran += 1
     assert ran >= 1
-
-
-def _mma(x, w, signs, block, bias, splits, row_groups=1):
-    """The dense MMA kernel forced (kbit::_linear_forced), rotated by (signs, block) where signs is given."""
-    path_id = torch.ops.kbit._linear_path_id("mma")
-    return torch.ops.kbit._linear_forced(x, w.qweight_rt, w.absmax_rt, w.codebook, w.N, w.K, bias, path_id, row_groups,
-                                         splits, 0, rot_signs=signs, rot_block=block)
-
-
-@pytest.mark.parametrize("k", [2, 3, 4, 5])
-@pytest.mark.parametrize("K", (128, 512, 2048, 160, 1184, 2112, 4096))
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_dense_mma_rotates_its_k_slice_in_shared_memory(k, K, dtype):
-    """The dense MMA kernel's rotated instances (blocks 4..128, p <= 2, one row group per warp, at most 32 KB of
-    resident x R a CTA) rotate the CTA's K slice once before their main loop with the separate pass's arithmetic and
-    rounding: bit for bit the unrotated kernel on the separate pass's x R, at M = 1..16 (p = 1, 2, partial row
-    blocks) and beyond (p = 4, 8: the plan rotates separately), every split of the k-tiles (a CTA slice over the
-    resident limit: separate) and K tails; outputs poisoned first, the launches as the plan says, and a CUDA-graph
-    replay equals the eager call."""
-    gen = torch.Generator().manual_seed(K + 10 * k)
-    N = 200  # a partial last n-tile
-    w, flat = _random_weight(N, K, k, gen)
-    bias = torch.randn(N, generator=gen).to(dtype).cuda()
-    x = torch.randn(64, K, generator=gen).to(dtype).cuda()
-    k_tiles = (K + 127) // 128
-    fused_p = set()
-    for block in (4, 8, 32, 64, 128):
-        if K % block:
-            continue
-        signs = _signs(K, block)
-        for M in (1, 2, 7, 9, 16, 29, 64):
-            for splits in sorted({1, min(2, k_tiles), min(4, k_tiles), min(8, k_tiles)}):
-                plan = ops.named(torch.ops.kbit.linear_plan.device, M, N, K, dtype, k, x.device, "mma", 1, splits, 0,
-                                 block)
-                xm = x[:M]
-                want = _mma(torch.ops.kbit.hadamard_rotate(xm, signs, block), w, None, 0, bias, splits)
-                _poison_cache(M * N * 2)
-                launched()
-                got = _mma(xm, w, signs, block, bias, splits)
-                expect = [("mma", "fused")] if plan.rotation == "fused" else [("rotate", "separate"), ("mma", "none")]
-                assert [(g.kernel, g.rotation) for g in launched()] == expect, (k, K, block, M, splits, plan)
-                assert torch.isfinite(got).all(), (k, K, block, M, splits)
-                assert torch.equal(got, want), (k, K, block, M, splits, (got.float() - want.float()).abs().max())
-                if plan.rotation == "fused":
-                    fused_p.add(plan.p)
-                    fused = (xm, block, signs, splits)
-    assert fused_p == {1, 2}, fused_p  # both rotated instances ran
-    # Graph replay of the last fused case equals the eager call on new inputs.
-    xm, block, signs, splits = fused
-    graph, out = captured(lambda: _mma(xm, w, signs, block, bias, splits))
-    xm.copy_(torch.randn(xm.shape, generator=gen).to(dtype))
-    graph.replay()
-    assert torch.equal(out, _mma(xm, w, signs, block, bias, splits))
 
 
 def _rotated_moe_reference(x, ids, weights, ex, on_input, s13, b13, s2, b2):
