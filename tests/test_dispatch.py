@@ -53,7 +53,7 @@ def test_linear_plan_fields():
     assert g.path == "gemv" and 1 < g.max_splits <= k_tiles and (g.p, g.r, g.producers) == (0, 0, 0)
     assert g.splits == torch.ops.kbit._gemv_splits(n_tiles, k_tiles, 132)
     assert (g.m_blocks, g.cols, g.pdl) == (1, n_tiles, True)  # one CTA row of n-tiles, a programmatic dependent
-    for M, (want_p, want_blocks) in {1: (1, 1), 8: (1, 1), 9: (2, 1), 17: (4, 1), 33: (8, 1), 64: (8, 1)}.items():
+    for M, (want_p, want_blocks) in {1: (1, 1), 8: (1, 1), 9: (2, 1), 17: (3, 1), 24: (3, 1), 25: (4, 1), 33: (8, 1), 64: (8, 1)}.items():
         m = plan(M, 14336, 4096, ctas_per_sm=3, path="mma")
         assert (m.path, m.p, m.m_blocks) == ("mma", want_p, want_blocks)
         assert m.r == (1 if m.p < 4 else 4 if m.p == 4 else 2)  # wide warps on this 224-tile weight from p = 4

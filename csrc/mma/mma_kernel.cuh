@@ -556,11 +556,8 @@ void launch_instance(const MmaLaunch& L) {
 template <typename T, int BITS, bool kGrouped>
 void launch_bits(const MmaLaunch& L) {
   const int p = L.config.p, r = L.config.r;
-// p = 3 has grouped instances only (plan.h: mma_dense_built_p); a dense launch of it falls through to the error.
-#define KBIT_MMA_CASE(P_, R_)                                                          \
-  if constexpr (kGrouped || mma_dense_built_p(P_)) {                                   \
-    if (p == P_ && r == R_) return launch_instance<T, BITS, P_, R_, kGrouped>(L);      \
-  }
+#define KBIT_MMA_CASE(P_, R_) \
+  if (p == P_ && r == R_) return launch_instance<T, BITS, P_, R_, kGrouped>(L);
   KBIT_MMA_INSTANCES(KBIT_MMA_CASE)
 #undef KBIT_MMA_CASE
   KBIT_CHECK(false, "kbit mma: no kernel for p=", p, " r=", r);
@@ -581,10 +578,8 @@ MmaInstanceFacts mma_facts_k(int p, int r, bool grouped, bool bf16, int device) 
 #define KBIT_MMA_FACTS(P_, R_)                                                      \
   if (p == P_ && r == R_) {                                                          \
     if (grouped) return instance_facts<__nv_bfloat16, BITS, P_, R_, true>(device);   \
-    if constexpr (mma_dense_built_p(P_)) {                                           \
-      if (bf16) return instance_facts<__nv_bfloat16, BITS, P_, R_, false>(device);   \
-      return instance_facts<__half, BITS, P_, R_, false>(device);                    \
-    }                                                                                \
+    if (bf16) return instance_facts<__nv_bfloat16, BITS, P_, R_, false>(device);     \
+    return instance_facts<__half, BITS, P_, R_, false>(device);                      \
   }
   KBIT_MMA_INSTANCES(KBIT_MMA_FACTS)
 #undef KBIT_MMA_FACTS

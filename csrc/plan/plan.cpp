@@ -133,8 +133,9 @@ bool mma_built(int p, int r) {
 }
 
 MmaConfig mma_config(int64_t M, int64_t n_tiles, int64_t row_groups) {
-  // p: the fewest n8 activation tiles covering M (64 rows per CTA at most, more go to grid rows).
-  const int p = M <= 8 ? 1 : M <= 16 ? 2 : M <= 32 ? 4 : kMmaMaxRowTiles;
+  // p: the fewest built n8 activation tiles covering M (64 rows per CTA at most, more go to grid rows). p = 3
+  // (M = 17..24) keeps the table decode of p <= 3 (mma_kernel.cuh: uses_lut), which p = 4 trades for shuffles.
+  const int p = M <= 8 ? 1 : M <= 16 ? 2 : M <= 24 ? 3 : M <= 32 ? 4 : kMmaMaxRowTiles;
   const int m_blocks = static_cast<int>((M + 8 * p - 1) / (8 * p));
   // r: wide warps (4 row groups, or 2 at p = 8 where accumulators fill the registers) read each
   // activation fragment from shared memory once per 64 (32) weight rows, which pays from p = 4 on

@@ -45,8 +45,6 @@ constexpr int wgmma_rs_warpgroups(int64_t bits, bool grouped, bool narrow) {
 // (r = 1) at every p, wide ones (4 row groups; 2 at p = 8, where the accumulators fill the registers).
 // The one list the launchers, the facts queries and mma_built expand: X(P, R) per instance.
 #define KBIT_MMA_INSTANCES(X) X(1, 1) X(1, 4) X(2, 1) X(2, 4) X(3, 1) X(3, 4) X(4, 1) X(4, 4) X(8, 1) X(8, 2)
-// p = 3 (24-row chunks) is built for the grouped (routed-expert) launches only; dense M maps to p = 1, 2, 4, 8.
-constexpr bool mma_dense_built_p(int p) { return p != 3; }
 // Chunk heights (rows of one expert per CTA row, 8p) the grouped MMA is built for.
 constexpr int64_t kMmaGroupedChunkRows[] = {8, 16, 24, 32, 64};
 constexpr bool mma_grouped_chunk_rows(int64_t rows) {
