@@ -160,7 +160,7 @@ def test_mma_random_cases_match_reference(seed):
     _check(out, _reference(x, flat, bias), dtype, f"M={M} N={N} K={K} k={k} {dtype} bias={with_bias} r={row_groups} S={splits}")
 
 
-MMA_MS = (1, 2, 5, 8, 16, 32, 64, 128)
+MMA_MS = (1, 2, 5, 8, 16, 20, 32, 64, 128)
 # M = 1, 2, 4, ..., 4096 plus 3 and 5: every path of kbit_linear on both sides of each
 # boundary (2 | 3 GEMV | MMA, 64 | 128 MMA | wgmma or dequant + cuBLAS, 128 | 256 wgmma | warp-specialized wgmma,
 # 512 | 1024 warp-specialized wgmma | dequant + cuBLAS).
@@ -269,7 +269,7 @@ def test_mma_fp16_bias_every_tile_shape():
     bias = torch.randn(1000, generator=gen).to(torch.float16).cuda()
     x = torch.randn(130, 1056, generator=gen).to(torch.float16).cuda()
     ref = _reference(x, flat, bias)
-    for M in (1, 7, 9, 16, 31, 64, 65, 130):
+    for M in (1, 7, 9, 16, 17, 24, 31, 64, 65, 130):
         for r in _built_row_groups(M):
             for splits in (1, 3, 8):
                 _poison_cache(M * 1000 * 2)
