@@ -58,9 +58,12 @@ SHAPES = [
     ("qwen3_lm_head", 2048, 151936),  # quantize_lm_head: the output head of Qwen3-30B-A3B
     ("llama8b_gate_up_merged", 4096, 28672),  # gate and up as vLLM merges them (Llama-3-8B)
     ("glm_air_dense_gate_up", 4096, 21888),  # GLM-4.5-Air's dense first layer, merged
+    ("llama8b_down", 14336, 4096),
+    ("llama70b_down", 28672, 8192),
 ]
 QWEN3_BLOCK = ("qkv", "kv", "o", "gate_up", "down")
-OPTIONAL_SHAPES = ("qwen3_lm_head", "llama8b_gate_up_merged", "glm_air_dense_gate_up")  # only with --shapes
+OPTIONAL_SHAPES = ("qwen3_lm_head", "llama8b_gate_up_merged", "glm_air_dense_gate_up", "llama8b_down",
+                   "llama70b_down")  # only with --shapes
 GOAL_SHAPES = ("llama8b_gate_up", "llama70b_gate_up")  # >= 8 MB packed at k=4
 GOAL_M = (1, 16, 64, 256, 1024)
 M_ALL = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 4096)  # k = 4

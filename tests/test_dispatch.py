@@ -28,8 +28,11 @@ def test_linear_plan_paths_on_both_sides_of_each_bound():
     big, small = (14336, 4096), (8192, 4096)  # big: >= 10240 rows (register-fragment wgmma); small: 2^25 elements
     assert [plan(M, *big)[0] for M in (1, 2, 3, 32, 33, 64, 65, 128, 129, 512, 513)] == [
         "gemv", "mma", "mma", "mma", "wgmma_ws", "wgmma_ws", "wgmma", "wgmma", "wgmma_ws", "wgmma_ws", "dequant_cublas"]
-    # M = 33..64: the warp-specialized wgmma on weights of >= 2^25 elements (two producers: k <= 4), else the MMA kernel
-    assert [plan(48, *shape)[0] for shape in (small, (8192, 4064), (1024, 2048))] == ["wgmma_ws", "mma", "mma"]
+    # M = 33..64: the warp-specialized wgmma on weights of >= 2^25 elements (two producers: k <= 4) whose 2-tile CTAs
+    # fill 3/4 of the SMs (224 n-tiles: 112 CTAs), else the MMA kernel (128 n-tiles: 64 CTAs; below 2^25 elements)
+    assert [plan(48, *shape)[0] for shape in (big, small, (8192, 4064), (1024, 2048))] == [
+        "wgmma_ws", "mma", "mma", "mma"]
+    assert plan(48, 12672, 8192)[0] == "wgmma_ws" and plan(48, 12544, 8192)[0] == "mma"  # 99 / 98 CTAs: 0.75 x 132 = 99
     assert {plan(M, *big, sm_major=8)[0] for M in (33, 64)} == {"mma"}
     assert [plan(M, *small)[0] for M in (65, 128, 129, 512)] == ["dequant_cublas", "dequant_cublas", "wgmma_ws", "wgmma_ws"]
     assert plan(129, 8192, 4064)[0] == "dequant_cublas"  # under 2^25 elements
@@ -37,10 +40,15 @@ def test_linear_plan_paths_on_both_sides_of_each_bound():
     assert {plan(M, *big, sm_major=8)[0] for M in (65, 128, 129, 512)} == {"dequant_cublas"}  # wgmma: Hopper only
     assert {plan(M, *big, dtype=torch.float16)[0] for M in (1, 3, 100)} == {"gemv", "mma", "wgmma"}
     assert {plan(M, *big, dtype=torch.float32)[0] for M in (1, 3, 100)} == {"dequant_cublas"}
-    # M = 17..32 at k = 2..4 on Hopper: the register-operand wgmma's narrow instance where its 4-tile CTAs fill at
-    # least 3/4 of the SMs (28672 rows: 112 CTAs of 132), else the MMA kernel.
+    # M = 17..64 at k = 2..4 on Hopper: the register-operand wgmma's narrow instance where its 4-tile CTAs fill at
+    # least 3/4 of the SMs at M <= 32 (28672 rows: 112 CTAs of 132), 0.6 of them at M = 33..64 (21888 rows: 86), else
+    # the MMA kernel or wgmma_ws.
     wide = (28672, 4096)
-    assert [plan(M, *wide, bits=4)[0] for M in (16, 17, 32, 33)] == ["mma", "wgmma", "wgmma", "wgmma_ws"]
+    assert [plan(M, *wide, bits=4)[0] for M in (16, 17, 32, 33, 64, 65)] == [
+        "mma", "wgmma", "wgmma", "wgmma", "wgmma", "wgmma"]
+    assert [plan(48, *wide, bits=b)[0] for b in (0, 2, 4, 5)] == ["wgmma_ws", "wgmma", "wgmma", "mma"]
+    assert [plan(M, 21888, 4096, bits=4)[0] for M in (24, 48)] == ["mma", "wgmma"]  # 86 CTAs
+    assert [plan(48, N, 4096, bits=4)[0] for N in (20480, 20224)] == ["wgmma", "wgmma_ws"]  # 80 / 79 CTAs: 0.6 x 132 = 79.2
     assert [plan(24, *wide, bits=b)[0] for b in (0, 2, 3, 4, 5)] == ["mma", "wgmma", "wgmma", "wgmma", "mma"]
     assert plan(24, 21888, 4096, bits=4)[0] == "mma"  # 86 CTAs
     assert plan(24, *wide, bits=4, sm_major=8)[0] == "mma" and plan(24, *wide, bits=4, num_sms=150)[0] == "mma"

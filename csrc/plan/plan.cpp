@@ -38,13 +38,19 @@ constexpr int64_t kWgmmaWsMinWeight = int64_t{1} << 25;
 // there does the warp-specialized wgmma win (sweep_plan.py dense_paths --paths mma,wgmma_ws).
 constexpr int64_t kWgmmaWsMinM = 8 * kMmaMaxRowTiles / 2 + 1;
 // The register-operand wgmma's narrow instance (4 warpgroups, table decode: k <= 4) replaces the MMA kernel at M =
-// kRsNarrowMinM..kRsNarrowMaxM on Hopper, where the MMA kernel's 32-row tile decodes by shuffle, on weights whose
-// 4-tile CTAs fill at least kRsNarrowMinWave of the SMs in their first wave (sweep_plan.py dense_paths --paths
-// mma,wgmma). Below that M the MMA kernel's table decode is as fast; above it its M = 64 tile or wgmma_ws.
+// kRsNarrowMinM..kRsNarrowMmaMaxM on Hopper, where the MMA kernel's 32-row tile decodes by shuffle, on weights whose
+// 4-tile CTAs fill at least kRsNarrowMinWave of the SMs in their first wave, and the warp-specialized wgmma (or the
+// MMA kernel) up to kRsNarrowMaxM where they fill kRsNarrowWsMinWave: wgmma_ws's producers decode with half the warps
+// per SM (sweep_plan.py dense_paths --paths wgmma_ws,wgmma,mma). Below that M the MMA kernel's table decode is as fast.
 constexpr int64_t kRsNarrowMinM = 17;
-constexpr int64_t kRsNarrowMaxM = 32;
+constexpr int64_t kRsNarrowMmaMaxM = 32;
+constexpr int64_t kRsNarrowMaxM = 64;
 static_assert(kRsNarrowMaxM <= kRsNarrowRows, "the narrow instance holds at most kRsNarrowRows rows");
 constexpr double kRsNarrowMinWave = 0.75;
+constexpr double kRsNarrowWsMinWave = 0.6;
+// At M <= kMmaMaxM wgmma_ws (no split of K) beats the MMA kernel only where its 2-tile CTAs fill at least this share
+// of the SMs; on weights of few n-tiles and long K (a down projection) the MMA kernel's K splits win.
+constexpr double kWgmmaWsMinWave = 0.75;
 
 // MoE path by slots. The GEMV wins only while few experts are touched (its per-byte cost is higher,
 // its latency lower), and it runs direct: one CTA row per slot, its expert read from topk_ids, no
@@ -336,12 +342,19 @@ InputRotation input_rotation(int64_t rot_block, bool gemv) {
 
 namespace {
 
-// Whether the dense narrow wgmma takes M rows of an N-row weight from the MMA kernel (kRsNarrowMinM above).
+// Whether the dense narrow wgmma takes M rows of an N-row weight from the MMA kernel or wgmma_ws (kRsNarrowMinM above).
 bool rs_narrow_rule(int64_t M, int64_t N, int64_t bits, const DeviceFacts& facts) {
   const int64_t wg = wgmma_rs_warpgroups(bits, /*grouped=*/false, wgmma_rs_narrow(false, M));
   const int64_t ctas = (n_tiles_of(N) + wg - 1) / wg;
+  const double wave = M <= kRsNarrowMmaMaxM ? kRsNarrowMinWave : kRsNarrowWsMinWave;
   return facts.sm_major == 9 && bits >= 2 && bits <= 4 && M >= kRsNarrowMinM && M <= kRsNarrowMaxM &&
-         static_cast<double>(ctas) >= kRsNarrowMinWave * static_cast<double>(facts.num_sms);
+         static_cast<double>(ctas) >= wave * static_cast<double>(facts.num_sms);
+}
+
+// Whether wgmma_ws's CTAs fill enough SMs to beat the MMA kernel at M <= kMmaMaxM (kWgmmaWsMinWave above).
+bool ws_wave_rule(int64_t N, const DeviceFacts& facts) {
+  const int64_t ctas = (n_tiles_of(N) + kWgmmaWsTileN - 1) / kWgmmaWsTileN;
+  return static_cast<double>(ctas) >= kWgmmaWsMinWave * static_cast<double>(facts.num_sms);
 }
 
 }  // namespace
@@ -352,8 +365,10 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
                    "kbit linear_plan: needs M, N, num_sms, ctas_per_sm >= 1 and K a positive multiple of ", kBlockSize,
                    ", got M=", M, " N=", N, " K=", K, " num_sms=", facts.num_sms, " ctas_per_sm=", facts.ctas_per_sm);
   LinearPlan plan{linear_path(M, N, K, dtype, bits, facts.sm_major)};
-  if (plan.path == LinearPath::kMma && rs_narrow_rule(M, N, bits, facts))
-    plan.path = LinearPath::kWgmma;  // needs the SM count, which linear_path does not take
+  // The rules below need the SM count, which linear_path does not take.
+  if (plan.path == LinearPath::kWgmmaWs && M <= mma_max_m() && !ws_wave_rule(N, facts)) plan.path = LinearPath::kMma;
+  if ((plan.path == LinearPath::kMma || plan.path == LinearPath::kWgmmaWs) && rs_narrow_rule(M, N, bits, facts))
+    plan.path = LinearPath::kWgmma;
   if (forced.path >= 0) {
     KBIT_CHECK_VALUE(forced.path < static_cast<int64_t>(std::size(kLinearPathNames)), "kbit linear_plan: path id ",
                      forced.path, " is not one kbit::_linear_path_id returns");

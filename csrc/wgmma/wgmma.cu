@@ -77,6 +77,20 @@ static_assert(kWarpGroupsOf<4, RsKind::kGrouped> == 3 && kWarpGroupsOf<5, RsKind
                   !rs_uses_lut<5, RsKind::kGrouped>() && !rs_uses_lut<4, RsKind::kDense>(),
               "more than two warpgroups exactly where the table decodes");
 constexpr int kCopyThreads = 256;  // the activation copies' threads: the first two warpgroups
+// Fragment buffering. A warpgroup decodes k-tile kt + 1 while the wgmmas of kt run, into a second set of 32 fragment
+// registers. Where that set, the NR / 2 accumulators and the ~40-56 other live registers (words two k-tiles ahead,
+// addresses, table offsets) exceed a thread's share of the register file (65536 / (128 WG)), ptxas spills inside the
+// k loop (20-92 bytes a thread: the narrow instance at N = 64, the grouped one at N = 128); there the k-tile's wgmmas
+// go out in four commit groups of two k16 steps and the next k-tile's fragments are decoded into the same registers,
+// each pair of steps as soon as its group has completed.
+constexpr int kRsOtherRegs = 48;
+template <int NR, int WG>
+constexpr bool rs_single_fragments() {
+  return NR / 2 + 2 * 32 + kRsOtherRegs > 65536 / (128 * WG) / 8 * 8;
+}
+static_assert(rs_single_fragments<64, 4>() && !rs_single_fragments<32, 4>() && rs_single_fragments<128, 3>() &&
+                  !rs_single_fragments<96, 3>(),
+              "one fragment buffer exactly where two spill: the narrow instance at N = 64, the grouped one at 128");
 static_assert(kMoeRsChunkRows == kRows, "a grouped chunk is one CTA's activation rows");
 
 // ----------------------------------------------------------------------------- the MMA
@@ -106,6 +120,12 @@ KBIT_MMA_RS_BOTH(96, 48, 48, 49, 50, 51, 52, 53)
 KBIT_MMA_RS_BOTH(128, 64, 64, 65, 66, 67, 68, 69)
 #undef KBIT_MMA_RS_BOTH
 #undef KBIT_MMA_RS
+
+// Waits until at most N of the warpgroup's committed wgmma groups are still running (groups complete in order).
+template <int N>
+__device__ __forceinline__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
+}
 
 // ----------------------------------------------------------------------------- activation permutation
 
@@ -257,6 +277,42 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
       build_shuffle(a, w);
     }
   };
+  // build_lut into the fragments the in-flight wgmmas of the previous k-tile still read (rs_single_fragments): the
+  // index words and scales first, then k16 steps 2c, 2c + 1 once commit group c has completed (wgmma_wait<3 - c>).
+  // pin keeps the old registers live up to that wait, so the new values cannot take them before it.
+  const auto build_lut_after = [&](uint32_t (&a)[8][4], const Words& w) {
+    uint32_t q[2][Lut<LB>::kWords], scale[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      uint32_t words[LB];
+#pragma unroll
+      for (int b = 0; b < LB; ++b) words[b] = w.plane[h][b];
+      lut_indices<LB>(words, q[h]);
+      const float sc = decode_scale(w.code[h], 0);
+      scale[h] = Half2<T>::pack(sc, sc);
+    }
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      if (c == 0) wgmma_wait<3>();
+      if (c == 1) wgmma_wait<2>();
+      if (c == 2) wgmma_wait<1>();
+      if (c == 3) wgmma_wait<0>();
+#pragma unroll
+      for (int v = 0; v < 4; ++v) {
+        pin(a[2 * c][v]);
+        pin(a[2 * c + 1][v]);
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        uint32_t v[4];
+        lut_scaled_pairs<T, LB, true>(lut, q[h], c, lut_lane, scale[h], v);
+        a[2 * c][h] = v[0];
+        a[2 * c][2 + h] = v[1];
+        a[2 * c + 1][h] = v[2];
+        a[2 * c + 1][2 + h] = v[3];
+      }
+    }
+  };
 
   float acc[NR / 2];
 #pragma unroll
@@ -291,21 +347,65 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
       for (int v = 0; v < 4; ++v) pin(cur[j][v]);
   };
 
+  // One k-tile with one fragment buffer: as step, its wgmmas in four commit groups, k-tile kt + 1 decoded into `a`
+  // behind them (build_lut_after, which ends with every group complete).
+  const auto step_single = [&](uint32_t (&a)[8][4], Words& next_words, int kt) {
+    cp_async_wait<kStages - 2>();
+    fence_proxy_async();
+    __syncthreads();
+    if (kt + kStages - 1 < k_tiles) load_stage(kt + kStages - 1);
+    cp_async_commit();
+    const uint32_t st = smem + (kt % kStages) * kStageBytes;
+#pragma unroll
+    for (int i = 0; i < NR / 2; ++i) pin(acc[i]);
+    wgmma_fence();
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+#pragma unroll
+      for (int j = 2 * c; j < 2 * c + 2; ++j)
+        mma_rs<T, NR>(acc, a[j], smem_desc(st + (j / 4) * kSlabBytes + (j % 4) * 32));
+      wgmma_commit();
+    }
+    if (kt + 1 < k_tiles) {
+      build_lut_after(a, next_words);
+      if (kt + 3 < k_tiles) load_words(next_words, kt + 3);
+    } else {
+      wgmma_wait<0>();
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int v = 0; v < 4; ++v) pin(a[j][v]);
+    }
+#pragma unroll
+    for (int i = 0; i < NR / 2; ++i) pin(acc[i]);
+  };
+
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
     if (s < k_tiles) load_stage(s);
     cp_async_commit();
   }
   Words w0, w1;
-  uint32_t a0[8][4], a1[8][4];
   load_words(w0, 0);
   if (k_tiles > 1) load_words(w1, 1);
-  build(a0, w0);
-  if (k_tiles > 2) load_words(w0, 2);
-  for (int kt = 0; kt < k_tiles; kt += 2) {
-    step(a0, a1, w1, kt);
-    if (kt + 1 >= k_tiles) break;
-    step(a1, a0, w0, kt + 1);
+  if constexpr (kLut && rs_single_fragments<NR, WG>()) {
+    uint32_t a[8][4];
+    build(a, w0);
+    if (k_tiles > 2) load_words(w0, 2);
+    for (int kt = 0; kt < k_tiles; kt += 2) {
+      step_single(a, w1, kt);
+      if (kt + 1 >= k_tiles) break;
+      step_single(a, w0, kt + 1);
+    }
+  } else {
+    uint32_t a0[8][4], a1[8][4];
+    build(a0, w0);
+    if (k_tiles > 2) load_words(w0, 2);
+    for (int kt = 0; kt < k_tiles; kt += 2) {
+      step(a0, a1, w1, kt);
+      if (kt + 1 >= k_tiles) break;
+      step(a1, a0, w0, kt + 1);
+    }
   }
   cp_async_wait<0>();
 

@@ -56,7 +56,7 @@ def dense(k: int, quick: bool) -> None:
                 out = torch.ops.kbit._linear_forced(x, q, a, cb, N, K, None, path("mma"), r, 0)
                 check(f"mma k={k} M={M} N={N} r={r}", out)
         # The register-operand wgmma's narrow instance (M <= 64: every built width) and, past it, its dense one.
-        for M in [24] if quick else [1, 16, 17, 33, 64, 80]:
+        for M in [24, 48] if quick else [1, 16, 17, 33, 64, 80]:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             check(f"wgmma k={k} M={M}", torch.ops.kbit._linear_forced(x, q, a, cb, N, K, None, path("wgmma")))
         if not quick:

@@ -246,10 +246,11 @@ def test_wgmma_design_shapes(K, N):
 @requires_hopper
 def test_wgmma_narrow_instance_every_width(k):
     """The register-operand wgmma's narrow instance (dense M <= 64: one block of rows, the wgmma N fitted to it, four
-    warpgroups at k <= 4): M at every built width's edges, n-tiles not a multiple of the CTA's, K tails, both dtypes,
-    with bias."""
+    warpgroups at k <= 4): M at every built width's edges, n-tiles not a multiple of the CTA's, K tails and 1, 2, 3 and
+    10 k-tiles (the N = 64 width refills one fragment buffer behind its wgmmas: its first and last k-tiles), both
+    dtypes, with bias."""
     gen = torch.Generator().manual_seed(300 + k)
-    for N, K in ((64 * 9 + 5, 32 * 37), (64 * 4, 128 * 3)):
+    for N, K in ((64 * 9 + 5, 32 * 37), (64 * 4, 128 * 3), (64 * 5, 32 * 3), (64 * 3 + 7, 32 * 6)):
         w, flat = _random_weight(N, K, k, gen)
         for dtype in (torch.bfloat16, torch.float16):
             x = torch.randn(64, K, generator=gen).to(dtype).cuda()

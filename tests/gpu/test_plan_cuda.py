@@ -103,11 +103,13 @@ def test_linear_launches_its_plan(dtype):
 
 
 def test_large_weights_take_the_warp_specialized_wgmma_from_33_rows_where_it_has_two_producers():
-    """M = 33..64 on a >= 2^25-element weight: wgmma_ws at k = 2..4 (launched, and correct), the MMA kernel at k = 5
-    (one producer) and at M = 32."""
+    """M = 33..64 on a >= 2^25-element weight whose 2-tile CTAs fill 3/4 of the SMs and whose 4-tile ones are too few for
+    the narrow wgmma (224 n-tiles: 112 and 56 CTAs): wgmma_ws at k = 2..4 (launched, and correct), the MMA kernel at
+    k = 5 (one producer) and at M = 32; on 128 n-tiles (64 CTAs) the MMA kernel with its K splits."""
     torch.cuda.set_device(DEVICE)
     gen = torch.Generator().manual_seed(7)
-    N, K = 8192, 4096
+    N, K = 14336, 4096
+    assert {linear_plan(M, 8192, 8192, torch.bfloat16, 4, DEVICE).path for M in (33, 64)} == {"mma"}
     for k in (2, 3, 4, 5):
         w = _random_weight(N, K, k, gen)[0]
         assert linear_plan(32, N, K, torch.bfloat16, k, DEVICE).path == "mma"
