@@ -88,7 +88,7 @@ template <int NR, int WG>
 constexpr bool rs_single_fragments() {
   return NR / 2 + 2 * 32 + kRsOtherRegs > 65536 / (128 * WG) / 8 * 8;
 }
-static_assert(rs_single_fragments<64, 4>() && !rs_single_fragments<32, 4>() && rs_single_fragments<128, 3>() &&
+static_assert(rs_single_fragments<48, 4>() && !rs_single_fragments<32, 4>() && rs_single_fragments<128, 3>() &&
                   !rs_single_fragments<96, 3>(),
               "one fragment buffer exactly where two spill: the narrow instance at N = 64, the grouped one at 128");
 static_assert(kMoeRsChunkRows == kRows, "a grouped chunk is one CTA's activation rows");
@@ -115,6 +115,7 @@ __device__ __forceinline__ void mma_rs(float (&d)[NR / 2], const uint32_t (&a)[4
   KBIT_MMA_RS(__half, "f16", NR, D, A0, A1, A2, A3, DESC, FLAG)
 KBIT_MMA_RS_BOTH(16, 8, 8, 9, 10, 11, 12, 13)
 KBIT_MMA_RS_BOTH(32, 16, 16, 17, 18, 19, 20, 21)
+KBIT_MMA_RS_BOTH(48, 24, 24, 25, 26, 27, 28, 29)
 KBIT_MMA_RS_BOTH(64, 32, 32, 33, 34, 35, 36, 37)
 KBIT_MMA_RS_BOTH(96, 48, 48, 49, 50, 51, 52, 53)
 KBIT_MMA_RS_BOTH(128, 64, 64, 65, 66, 67, 68, 69)
@@ -162,8 +163,11 @@ struct WgmmaParams {
   int64_t expert_q_bytes, expert_a_bytes;  // one expert's bit planes / scale codes
 };
 
-// The wgmma N for a chunk of `rows` activation rows: the narrowest built width that holds them.
+// The wgmma N for a chunk of `rows` activation rows: the narrowest built width that holds them (48: the dense narrow
+// launch only, measured there).
+template <RsKind kKind>
 __device__ __forceinline__ int rs_width(int rows) {
+  if (kKind == RsKind::kNarrow && rows > 32 && rows <= 48) return 48;
   return rows <= 16 ? 16 : rows <= 32 ? 32 : rows <= 64 ? 64 : rows <= 96 ? 96 : 128;
 }
 
@@ -462,10 +466,13 @@ __global__ void __launch_bounds__(128 * WG, 1) wgmma_kernel(const __grid_constan
       lut_fill<T, BITS, true>(lut, prm.codebook, static_cast<int>(threadIdx.x), 128 * WG);
       __syncthreads();
     }
-    switch (rs_width(m_end - m0)) {
+    switch (rs_width<kKind>(m_end - m0)) {
       case 16: return rs_tile<T, BITS, 16, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
       case 32: return rs_tile<T, BITS, 32, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
       case 64: return rs_tile<T, BITS, 64, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
+    }
+    if constexpr (kKind == RsKind::kNarrow) {
+      return rs_tile<T, BITS, 48, kLut, WG>(prm, q, a, m0, m_end, smem, lut);
     }
     if constexpr (kKind == RsKind::kGrouped) {
       if (m_end - m0 <= 96) return rs_tile<T, BITS, 96, kLut, WG>(prm, q, a, m0, m_end, smem, lut);

@@ -256,7 +256,7 @@ def test_wgmma_narrow_instance_every_width(k):
             x = torch.randn(64, K, generator=gen).to(dtype).cuda()
             bias = torch.randn(N, generator=gen).to(dtype).cuda()
             ref = _reference(x, flat, bias)
-            for M in (1, 2, 15, 16, 17, 31, 32, 33, 63, 64):
+            for M in (1, 2, 15, 16, 17, 31, 32, 33, 47, 48, 49, 63, 64):
                 _poison_cache(M * N * 2 + M * K * 2)
                 _check(_wgmma(x[:M], w, bias), ref[:M], dtype,
                        f"narrow M={M} N={N} K={K} k={k} {dtype}")
