@@ -342,19 +342,18 @@ InputRotation input_rotation(int64_t rot_block, bool gemv) {
 
 namespace {
 
+// Whether CTAs of `tiles_per_cta` n-tiles each, over an N-row weight, fill at least `wave` of the SMs.
+bool fills_sms(int64_t N, int64_t tiles_per_cta, double wave, const DeviceFacts& facts) {
+  const int64_t ctas = (n_tiles_of(N) + tiles_per_cta - 1) / tiles_per_cta;
+  return static_cast<double>(ctas) >= wave * static_cast<double>(facts.num_sms);
+}
+
 // Whether the dense narrow wgmma takes M rows of an N-row weight from the MMA kernel or wgmma_ws (kRsNarrowMinM above).
 bool rs_narrow_rule(int64_t M, int64_t N, int64_t bits, const DeviceFacts& facts) {
   const int64_t wg = wgmma_rs_warpgroups(bits, /*grouped=*/false, wgmma_rs_narrow(false, M));
-  const int64_t ctas = (n_tiles_of(N) + wg - 1) / wg;
   const double wave = M <= kRsNarrowMmaMaxM ? kRsNarrowMinWave : kRsNarrowWsMinWave;
   return facts.sm_major == 9 && bits >= 2 && bits <= 4 && M >= kRsNarrowMinM && M <= kRsNarrowMaxM &&
-         static_cast<double>(ctas) >= wave * static_cast<double>(facts.num_sms);
-}
-
-// Whether wgmma_ws's CTAs fill enough SMs to beat the MMA kernel at M <= kMmaMaxM (kWgmmaWsMinWave above).
-bool ws_wave_rule(int64_t N, const DeviceFacts& facts) {
-  const int64_t ctas = (n_tiles_of(N) + kWgmmaWsTileN - 1) / kWgmmaWsTileN;
-  return static_cast<double>(ctas) >= kWgmmaWsMinWave * static_cast<double>(facts.num_sms);
+         fills_sms(N, wg, wave, facts);
 }
 
 }  // namespace
@@ -366,7 +365,9 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
                    ", got M=", M, " N=", N, " K=", K, " num_sms=", facts.num_sms, " ctas_per_sm=", facts.ctas_per_sm);
   LinearPlan plan{linear_path(M, N, K, dtype, bits, facts.sm_major)};
   // The rules below need the SM count, which linear_path does not take.
-  if (plan.path == LinearPath::kWgmmaWs && M <= mma_max_m() && !ws_wave_rule(N, facts)) plan.path = LinearPath::kMma;
+  // wgmma_ws beats the MMA kernel at M <= kMmaMaxM only where its CTAs fill kWgmmaWsMinWave of the SMs.
+  if (plan.path == LinearPath::kWgmmaWs && M <= mma_max_m() && !fills_sms(N, kWgmmaWsTileN, kWgmmaWsMinWave, facts))
+    plan.path = LinearPath::kMma;
   if ((plan.path == LinearPath::kMma || plan.path == LinearPath::kWgmmaWs) && rs_narrow_rule(M, N, bits, facts))
     plan.path = LinearPath::kWgmma;
   if (forced.path >= 0) {

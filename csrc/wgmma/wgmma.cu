@@ -122,12 +122,6 @@ KBIT_MMA_RS_BOTH(128, 64, 64, 65, 66, 67, 68, 69)
 #undef KBIT_MMA_RS_BOTH
 #undef KBIT_MMA_RS
 
-// Waits until at most N of the warpgroup's committed wgmma groups are still running (groups complete in order).
-template <int N>
-__device__ __forceinline__ void wgmma_wait() {
-  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(N) : "memory");
-}
-
 // ----------------------------------------------------------------------------- activation permutation
 
 // Ap[m, 128 kt + 16 j + l] = A[m, 128 kt + 32 t + 4 j + u] with t = (l % 8) / 2, u = 2 (l / 8) + l % 2,
@@ -254,24 +248,31 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
   // 2c + 1 (h, 2 + h), scaled in pairs. k = 5 never takes this path (LB only names a table type there).
   constexpr int LB = kLutBits<BITS>;
   const uint32_t lut_lane = lut_lane_offset<LB>(lane);
+  // Row h's index words and scale (both halves of T) from its block's words.
+  const auto lut_row = [&](const Words& w, int h, uint32_t (&q)[Lut<LB>::kWords], uint32_t& scale) {
+    uint32_t words[LB];
+#pragma unroll
+    for (int b = 0; b < LB; ++b) words[b] = w.plane[h][b];
+    lut_indices<LB>(words, q);
+    const float sc = decode_scale(w.code[h], 0);
+    scale = Half2<T>::pack(sc, sc);
+  };
+  // Row h's part of k16 steps 2c and 2c + 1.
+  const auto lut_steps = [&](uint32_t (&a)[8][4], const uint32_t (&q)[Lut<LB>::kWords], uint32_t scale, int h, int c) {
+    uint32_t v[4];
+    lut_scaled_pairs<T, LB, true>(lut, q, c, lut_lane, scale, v);
+    a[2 * c][h] = v[0];
+    a[2 * c][2 + h] = v[1];
+    a[2 * c + 1][h] = v[2];
+    a[2 * c + 1][2 + h] = v[3];
+  };
   const auto build_lut = [&](uint32_t (&a)[8][4], const Words& w) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint32_t words[LB], q[Lut<LB>::kWords];
+      uint32_t q[Lut<LB>::kWords], scale;
+      lut_row(w, h, q, scale);
 #pragma unroll
-      for (int b = 0; b < LB; ++b) words[b] = w.plane[h][b];
-      lut_indices<LB>(words, q);
-      const float sc = decode_scale(w.code[h], 0);
-      const uint32_t scale = Half2<T>::pack(sc, sc);
-#pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        uint32_t v[4];
-        lut_scaled_pairs<T, LB, true>(lut, q, c, lut_lane, scale, v);
-        a[2 * c][h] = v[0];
-        a[2 * c][2 + h] = v[1];
-        a[2 * c + 1][h] = v[2];
-        a[2 * c + 1][2 + h] = v[3];
-      }
+      for (int c = 0; c < 4; ++c) lut_steps(a, q, scale, h, c);
     }
   };
   const auto build = [&](uint32_t (&a)[8][4], const Words& w) {
@@ -287,14 +288,7 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
   const auto build_lut_after = [&](uint32_t (&a)[8][4], const Words& w) {
     uint32_t q[2][Lut<LB>::kWords], scale[2];
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      uint32_t words[LB];
-#pragma unroll
-      for (int b = 0; b < LB; ++b) words[b] = w.plane[h][b];
-      lut_indices<LB>(words, q[h]);
-      const float sc = decode_scale(w.code[h], 0);
-      scale[h] = Half2<T>::pack(sc, sc);
-    }
+    for (int h = 0; h < 2; ++h) lut_row(w, h, q[h], scale[h]);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
       if (c == 0) wgmma_wait<3>();
@@ -307,14 +301,7 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
         pin(a[2 * c + 1][v]);
       }
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        uint32_t v[4];
-        lut_scaled_pairs<T, LB, true>(lut, q[h], c, lut_lane, scale[h], v);
-        a[2 * c][h] = v[0];
-        a[2 * c][2 + h] = v[1];
-        a[2 * c + 1][h] = v[2];
-        a[2 * c + 1][2 + h] = v[3];
-      }
+      for (int h = 0; h < 2; ++h) lut_steps(a, q[h], scale[h], h, c);
     }
   };
 
@@ -322,10 +309,9 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
 #pragma unroll
   for (int i = 0; i < NR / 2; ++i) acc[i] = 0.f;
 
-  // One k-tile: wait for its activations, refill the stage the previous k-tile used, issue its 8
-  // wgmmas with fragments `cur`, dequantize k-tile kt + 1 into `next` meanwhile (and load the words
-  // of kt + 3 into the buffer `next_words` just emptied), then wait for the wgmmas.
-  const auto step = [&](uint32_t (&cur)[8][4], uint32_t (&next)[8][4], Words& next_words, int kt) {
+  // A k-tile's start, shared by both steps: wait for its activations, refill the stage the previous k-tile used, and
+  // fence the accumulators for its wgmmas; returns the k-tile's stage.
+  const auto open_k_tile = [&](int kt) {
     cp_async_wait<kStages - 2>();
     fence_proxy_async();
     __syncthreads();
@@ -335,8 +321,18 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
 #pragma unroll
     for (int i = 0; i < NR / 2; ++i) pin(acc[i]);
     wgmma_fence();
+    return st;
+  };
+  const auto mma_step = [&](const uint32_t (&a)[4], uint32_t st, int j) {
+    mma_rs<T, NR>(acc, a, smem_desc(st + (j / 4) * kSlabBytes + (j % 4) * 32));
+  };
+
+  // One k-tile: open it, issue its 8 wgmmas with fragments `cur`, dequantize k-tile kt + 1 into `next` meanwhile (and
+  // load the words of kt + 3 into the buffer `next_words` just emptied), then wait for the wgmmas.
+  const auto step = [&](uint32_t (&cur)[8][4], uint32_t (&next)[8][4], Words& next_words, int kt) {
+    const uint32_t st = open_k_tile(kt);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) mma_rs<T, NR>(acc, cur[j], smem_desc(st + (j / 4) * kSlabBytes + (j % 4) * 32));
+    for (int j = 0; j < 8; ++j) mma_step(cur[j], st, j);
     wgmma_commit();
     if (kt + 1 < k_tiles) {
       build(next, next_words);
@@ -354,20 +350,11 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
   // One k-tile with one fragment buffer: as step, its wgmmas in four commit groups, k-tile kt + 1 decoded into `a`
   // behind them (build_lut_after, which ends with every group complete).
   const auto step_single = [&](uint32_t (&a)[8][4], Words& next_words, int kt) {
-    cp_async_wait<kStages - 2>();
-    fence_proxy_async();
-    __syncthreads();
-    if (kt + kStages - 1 < k_tiles) load_stage(kt + kStages - 1);
-    cp_async_commit();
-    const uint32_t st = smem + (kt % kStages) * kStageBytes;
-#pragma unroll
-    for (int i = 0; i < NR / 2; ++i) pin(acc[i]);
-    wgmma_fence();
+    const uint32_t st = open_k_tile(kt);
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-#pragma unroll
-      for (int j = 2 * c; j < 2 * c + 2; ++j)
-        mma_rs<T, NR>(acc, a[j], smem_desc(st + (j / 4) * kSlabBytes + (j % 4) * 32));
+      mma_step(a[2 * c], st, 2 * c);
+      mma_step(a[2 * c + 1], st, 2 * c + 1);
       wgmma_commit();
     }
     if (kt + 1 < k_tiles) {
