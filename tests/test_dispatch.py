@@ -40,16 +40,16 @@ def test_linear_plan_paths_on_both_sides_of_each_bound():
     assert {plan(M, *big, sm_major=8)[0] for M in (65, 128, 129, 512)} == {"dequant_cublas"}  # wgmma: Hopper only
     assert {plan(M, *big, dtype=torch.float16)[0] for M in (1, 3, 100)} == {"gemv", "mma", "wgmma"}
     assert {plan(M, *big, dtype=torch.float32)[0] for M in (1, 3, 100)} == {"dequant_cublas"}
-    # M = 17..64 at k = 2..4 on Hopper: the register-operand wgmma's narrow instance where its 4-tile CTAs fill at
+    # M = 17..64 at k = 2..5 on Hopper: the register-operand wgmma's narrow instance where its 4-tile CTAs fill at
     # least 3/4 of the SMs at M <= 32 (28672 rows: 112 CTAs of 132), 0.6 of them at M = 33..64 (21888 rows: 86), else
     # the MMA kernel or wgmma_ws.
     wide = (28672, 4096)
     assert [plan(M, *wide, bits=4)[0] for M in (16, 17, 32, 33, 64, 65)] == [
         "mma", "wgmma", "wgmma", "wgmma", "wgmma", "wgmma"]
-    assert [plan(48, *wide, bits=b)[0] for b in (0, 2, 4, 5)] == ["wgmma_ws", "wgmma", "wgmma", "mma"]
+    assert [plan(48, *wide, bits=b)[0] for b in (0, 2, 4, 5)] == ["wgmma_ws", "wgmma", "wgmma", "wgmma"]
     assert [plan(M, 21888, 4096, bits=4)[0] for M in (24, 48)] == ["mma", "wgmma"]  # 86 CTAs
     assert [plan(48, N, 4096, bits=4)[0] for N in (20480, 20224)] == ["wgmma", "wgmma_ws"]  # 80 / 79 CTAs: 0.6 x 132 = 79.2
-    assert [plan(24, *wide, bits=b)[0] for b in (0, 2, 3, 4, 5)] == ["mma", "wgmma", "wgmma", "wgmma", "mma"]
+    assert [plan(24, *wide, bits=b)[0] for b in (0, 2, 3, 4, 5)] == ["mma", "wgmma", "wgmma", "wgmma", "wgmma"]
     assert plan(24, 21888, 4096, bits=4)[0] == "mma"  # 86 CTAs
     assert plan(24, *wide, bits=4, sm_major=8)[0] == "mma" and plan(24, *wide, bits=4, num_sms=150)[0] == "mma"
     assert plan(24, *wide, bits=4, dtype=torch.float16)[0] == "wgmma"
@@ -76,8 +76,8 @@ def test_linear_plan_fields():
     w = plan(100, 10240, 2048)
     assert (w.path, w.m_blocks, w.cols, w.splits, w.producers, w.pdl) == ("wgmma", 1, 80, 1, 0, False)
     assert plan(128, 10240, 2048).m_blocks == 1 and plan(129, 14336, 4096, path="wgmma").m_blocks == 2
-    # At M <= 64 its narrow instance: 4 n-tiles a CTA where it decodes through the table (k <= 4), 2 at k = 5.
-    assert [plan(64, 28672, 8192, path="wgmma", bits=b).cols for b in (2, 4, 5)] == [112, 112, 224]
+    # At M <= 64 its narrow instance: 4 n-tiles a CTA, every k decoding through the table.
+    assert [plan(64, 28672, 8192, path="wgmma", bits=b).cols for b in (2, 4, 5)] == [112, 112, 112]
     assert plan(65, 28672, 8192, path="wgmma", bits=4).cols == 224 and plan(1, 28672, 8192, path="wgmma").cols == 112
     # The warp-specialized wgmma: a CTA per 256 rows and per 2 n-tiles; two producer warpgroups, one at k = 5.
     ws = plan(300, 14336, 4096)

@@ -127,7 +127,8 @@ def _popcount(words: torch.Tensor) -> int:
 def test_runtime_words_hold_each_index_where_the_kernels_read_it(k):
     # k = 4: byte n of word w = elements e (low nibble), e + 1 with e = 8n + 2 (w >> 1) + 4 (w & 1);
     # k = 2: byte n of word w = elements 8n + 4w .. +3, two bits each; k = 3: the k = 4 words of its
-    # planes with word 3 folded into bits 3 and 7 of words 0..2; k = 5: bit planes.
+    # planes with word 3 folded into bits 3 and 7 of words 0..2; k = 5: element e at bits 5e .. 5e + 4 of
+    # the block's 160-bit little-endian stream.
     idx = torch.randint(0, 2**k, (6, 3, 32), generator=torch.Generator().manual_seed(k))
     planes = fmt.pack_bitplanes(idx, k)
     words = fmt.planes_to_runtime_words(planes).to(torch.int64) & 0xFFFFFFFF
@@ -141,18 +142,23 @@ def test_runtime_words_hold_each_index_where_the_kernels_read_it(k):
         elif k == 2:
             got = (words[..., (e >> 2) & 1] >> (8 * (e >> 3) + 2 * (e & 3))) & 3
         else:
-            got = sum(((words[..., b] >> e) & 1) << b for b in range(k))
+            # the 160-bit stream as a Python int per block (no overflow), then field e
+            flat = words.reshape(-1, k).tolist()
+            got = torch.tensor([(sum(v << (32 * i) for i, v in enumerate(blk)) >> (5 * e)) & 31 for blk in flat])
+            got = got.view(idx.shape[:-1])
         assert torch.equal(got, idx[..., e]), e
     assert torch.equal(fmt.runtime_words_to_planes(fmt.planes_to_runtime_words(planes)), planes)
 
 
 def test_runtime_tile_element_placement():
-    N, K, k = 70, 320, 5  # k = 5 keeps plane words verbatim
+    N, K, k = 70, 320, 5
     q = torch.randint(-(2**31), 2**31 - 1, (N, K // 32, k), dtype=torch.int32)
     a = torch.randint(0, 256, (N, K // 32), dtype=torch.uint8)
     q_rt, a_rt = fmt.repack(q, a)
-    n, kb, b = 67, 9, 2
-    assert q_rt[n // 64, kb // 4, b, n % 64, kb % 4] == q[n, kb, b]
+    n, kb = 67, 9
+    words = fmt.planes_to_runtime_words(q[n, kb])
+    for b in range(k):
+        assert q_rt[n // 64, kb // 4, b, n % 64, kb % 4] == words[b]
     assert a_rt[n // 64, kb // 4, n % 64, kb % 4] == a[n, kb]
 
 

@@ -423,8 +423,10 @@ def runtime_shapes(N: int, K: int, k: int) -> tuple[tuple[int, ...], tuple[int, 
 # (lowest first). k = 3 takes the k = 4 words of its three planes and a zero fourth (bits 3 and 7 of
 # every byte clear) and folds the fourth word into those clear bits of the other three (FOLD3_SHIFTS:
 # word i takes bits i and i + 4 of each byte of word 3 at bits 3 and 7), so it stays 3 words per block.
-# k = 5 keeps bit planes. Each swap entry is a delta swap (word a, word b, shift, mask) of csrc's
-# swap_bits, applied in order.
+# k = 5 packs the 5-bit indices into its five words as one little-endian stream (element e at bits
+# 5e .. 5e + 4, so the pair (2j, 2j + 1) is the 10-bit field at bit 10j): one funnel shift yields an
+# element for the shuffle decode, or a pair's row of the 1024-entry table. Each swap entry is a delta
+# swap (word a, word b, shift, mask) of csrc's swap_bits, applied in order.
 RUNTIME_WORD_SWAPS = {
     2: ((0, 1, 1, 0x55555555), (0, 1, 2, 0x33333333), (0, 1, 4, 0x0F0F0F0F)),
     4: (
@@ -452,9 +454,37 @@ def _swap_words(words: torch.Tensor, swaps) -> torch.Tensor:
     return _to_signed(torch.stack(w, dim=-1))
 
 
+def _planes_to_stream5(planes: torch.Tensor) -> torch.Tensor:
+    """k = 5: the 32 indices of each block (from its planes) as a 160-bit stream of 5-bit fields."""
+    p = planes.to(torch.int64) & 0xFFFFFFFF
+    w = [torch.zeros_like(p[..., 0]) for _ in range(5)]
+    for i in range(BLOCK_SIZE):
+        idx = sum(((p[..., b] >> i) & 1) << b for b in range(5))
+        word, shift = divmod(5 * i, 32)
+        w[word] = w[word] | ((idx << shift) & 0xFFFFFFFF)
+        if shift > 27:
+            w[word + 1] = w[word + 1] | (idx >> (32 - shift))
+    return _to_signed(torch.stack(w, dim=-1))
+
+
+def _stream5_to_planes(words: torch.Tensor) -> torch.Tensor:
+    w = words.to(torch.int64) & 0xFFFFFFFF
+    planes = [torch.zeros_like(w[..., 0]) for _ in range(5)]
+    for i in range(BLOCK_SIZE):
+        word, shift = divmod(5 * i, 32)
+        v = w[..., word] >> shift
+        if shift > 27:
+            v = v | (w[..., word + 1] << (32 - shift))
+        for b in range(5):
+            planes[b] = planes[b] | (((v >> b) & 1) << i)
+    return _to_signed(torch.stack(planes, dim=-1))
+
+
 def planes_to_runtime_words(planes: torch.Tensor) -> torch.Tensor:
-    """[..., k] bit-plane words of blocks -> their runtime index words (identity for k = 5)."""
+    """[..., k] bit-plane words of blocks -> their runtime index words."""
     k = planes.shape[-1]
+    if k == 5:
+        return _planes_to_stream5(planes)
     if k == 3:
         u = _swap_words(torch.cat([planes, torch.zeros_like(planes[..., :1])], -1), RUNTIME_WORD_SWAPS[4])
         u = u.to(torch.int64) & 0xFFFFFFFF
@@ -467,6 +497,8 @@ def planes_to_runtime_words(planes: torch.Tensor) -> torch.Tensor:
 def runtime_words_to_planes(words: torch.Tensor) -> torch.Tensor:
     """Inverse of :func:`planes_to_runtime_words` (each swap is its own inverse: reverse order)."""
     k = words.shape[-1]
+    if k == 5:
+        return _stream5_to_planes(words)
     if k == 3:
         w = words.to(torch.int64) & 0xFFFFFFFF
         w3 = sum((w[..., i] >> s) & (0x11111111 << i) for i, s in enumerate(FOLD3_SHIFTS))

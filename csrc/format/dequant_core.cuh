@@ -23,35 +23,21 @@ __device__ __forceinline__ float decode_scale(uint32_t codes, int j) {
   return __uint_as_float(((codes >> (8 * j)) & 0xFFu) << 19) * 0x1p116f;
 }
 
-// Index fields: F bits per element, F index words per block (32 / F elements each).
+// Index words of one block as a kernel holds them (q arrays): k = 2..4 four (k = 2 uses two, k = 3 unfolds a
+// fourth), k = 5 its five stream words.
 template <int BITS>
 struct Fields {
-  static constexpr int kBits = BITS <= 4 ? 4 : 8;
+  static constexpr int kBits = BITS <= 4 ? 4 : 5;
 };
 
-// Index words of one block from its runtime words, for lookup(). k = 2, 4: the runtime words as they
-// are (already transposed at repack). k = 3: its three words plus the fourth unfolded from their bits
-// 3 and 7 (kbit_format.cuh: fold3), which lookup() may leave in place (see there). k = 5: a
-// bit-matrix transpose of the 8 x 32 planes (missing planes are 0) in three stages of delta swaps
-// between words i and i + s; after it field j of q[r] holds bits (8j + r) of planes 0..7, i.e. the
-// index of element 8j + r (swaps involving zero planes fold away).
+// Index words of one block from its runtime words, for lookup(): the runtime words as they are, and for k = 3 the
+// fourth unfolded from their bits 3 and 7 (kbit_format.cuh: fold3), which lookup() may leave in place (see there).
 template <int BITS>
 __device__ __forceinline__ void gather_indices(const uint32_t (&plane)[BITS], uint32_t (&q)[Fields<BITS>::kBits]) {
   constexpr int F = Fields<BITS>::kBits;
 #pragma unroll
   for (int r = 0; r < F; ++r) q[r] = r < BITS ? plane[r] : 0u;
-  if constexpr (BITS == 3) {
-    q[3] = unfold3(plane[0], plane[1], plane[2]);
-  } else if constexpr (!has_runtime_words<BITS>()) {
-#pragma unroll
-    for (int s = 1; s < F; s *= 2) {
-      const uint32_t mask = s == 1 ? 0x55555555u : s == 2 ? 0x33333333u : 0x0F0F0F0Fu;
-#pragma unroll
-      for (int i = 0; i < F; ++i) {
-        if ((i & s) == 0) swap_bits(q[i], q[i + s], s, mask);
-      }
-    }
-  }
+  if constexpr (BITS == 3) q[3] = unfold3(plane[0], plane[1], plane[2]);
 }
 
 // Codebook value of element e of a block. The shuffle reads the source lane mod 32, so only
@@ -61,11 +47,11 @@ __device__ __forceinline__ void gather_indices(const uint32_t (&plane)[BITS], ui
 // e is an unrolled loop counter, so the word and the shift are compile-time after unrolling.
 template <int BITS>
 __device__ __forceinline__ float lookup(float codebook_reg, const uint32_t (&q)[Fields<BITS>::kBits], int e) {
-  constexpr int F = Fields<BITS>::kBits;
-  if constexpr (has_runtime_words<BITS>()) {
+  if constexpr (BITS == 5) {
+    return __shfl_sync(0xFFFFFFFFu, codebook_reg, static_cast<int>(stream5_bits(q, 5 * e)));
+  } else {
     return __shfl_sync(0xFFFFFFFFu, codebook_reg, static_cast<int>(q[runtime_word_of<BITS>(e)] >> runtime_shift_of<BITS>(e)));
   }
-  return __shfl_sync(0xFFFFFFFFu, codebook_reg, static_cast<int>(q[e % F] >> (F * (e / F))));
 }
 
 // 16-bit element type T of the tensor-core kernels' weight fragments: two fp32 values rounded to
@@ -107,23 +93,27 @@ struct Half2<__half> {
 // start of its dynamic shared memory, so each load takes its base as a uniform register ([R + UR]) and
 // costs no add.
 
-// The table's k for a kernel instance built at BITS: k = 5 never decodes by table, but its instances name one.
+// The table's k for a kernel instance built at BITS whose k = 5 decodes by shuffle (the kernels of several CTAs per
+// SM, where k = 5's 128 KB table does not fit): its instances name a k = 4 table they never read.
 template <int BITS>
 constexpr int kLutBits = BITS < 2 ? 2 : (BITS > 4 ? 4 : BITS);
 
 template <int BITS, bool kWide = false>
 struct Lut {
-  static_assert(BITS >= 2 && BITS <= 4, "lookup-table decode is for k = 2..4");
+  static_assert(BITS >= 2 && BITS <= 5, "lookup-table decode is for k = 2..5");
   static constexpr bool kQuad = BITS == 2;
-  static constexpr int kWords = kQuad ? 2 : 4;  // index words per block (8-bit indices, 4 per word)
+  // index words per block: 8-bit indices, 4 per word (k = 2..4), or k = 5's five stream words of 10-bit pairs
+  static constexpr int kWords = kQuad ? 2 : BITS == 5 ? 5 : 4;
   // k = 3 indices have bits 3 and 7 clear, so one PRMT turns a byte into the row offset when rows
   // are 256 bytes apart (the spare 128 bytes of each row unused); 8-bit indices of k = 2, 4 would
   // double the table that way (64 KB), so their offset is a shift and a mask instead, unless the
-  // kernel has the shared memory to spare (kWide: the PRMT at every k).
-  static constexpr int kRowShift = BITS == 3 || kWide ? 8 : 7;
-  static constexpr int kMaxIndex = BITS == 3 ? 0x77 : 0xFF;
+  // kernel has the shared memory to spare (kWide: the PRMT at k <= 4). k = 5: 1024 rows of 128 bytes
+  // (128 KB), a pair's 10-bit field shifted into place and masked.
+  static constexpr int kRowShift = BITS == 5 ? 7 : BITS == 3 || kWide ? 8 : 7;
+  static constexpr int kMaxIndex = BITS == 5 ? 0x3FF : BITS == 3 ? 0x77 : 0xFF;
   static constexpr int kBytes = (kMaxIndex + 1) << kRowShift;
   static constexpr int kRowBytes = 128;  // replicas of one entry: 32 x 4 bytes or 16 x 8 bytes
+  static constexpr int kPairShift = BITS == 5 ? 5 : 4;  // an index pair's second index (k = 3, 4, 5)
 };
 
 // Lane's byte offset inside a table row: its own bank (pairs) or bank pair (quads).
@@ -149,7 +139,7 @@ __device__ __forceinline__ void lut_fill(uint8_t* lut, const float* __restrict__
       row.z = row.x;
       row.w = row.y;
     } else {
-      row.x = pack(__ldg(codebook + (v & mask)), __ldg(codebook + ((v >> 4) & mask)));
+      row.x = pack(__ldg(codebook + (v & mask)), __ldg(codebook + ((v >> L::kPairShift) & mask)));
       row.y = row.z = row.w = row.x;
     }
     uint8_t* dst = lut + (v << L::kRowShift);
@@ -163,7 +153,8 @@ __device__ __forceinline__ void lut_fill(uint8_t* lut, const float* __restrict__
 // 8n + 4W .. +3 (k = 2). k = 3 unfolds its fourth word from bits 3 and 7 of the other three and clears
 // those bits (9 ALU operations per block), so one PRMT turns any byte into a table offset.
 // Either way the two pairs one MMA step needs per row, (e, e + 1) and (e + 2, e + 3) with
-// e = 8n + 4 jj, come from words jj and jj + 2 (pairs) or from one entry (quads).
+// e = 8n + 4 jj, come from words jj and jj + 2 (pairs) or from one entry (quads). k = 5: its five stream
+// words as they are (lut5_pair_offset).
 template <int BITS>
 __device__ __forceinline__ void lut_indices(const uint32_t (&words)[BITS], uint32_t (&q)[Lut<BITS>::kWords]) {
   if constexpr (BITS == 3) {
@@ -190,16 +181,34 @@ __device__ __forceinline__ uint32_t lut_offset(uint32_t word, int n, uint32_t la
   }
 }
 
+// k = 5: table offset of the pair (2j, 2j + 1), the 10-bit field at bit 10j of the block's stream, for this lane:
+// the field shifted to bit 7 (a funnel shift where it crosses a word), masked, the lane's bank or'ed in.
+__device__ __forceinline__ uint32_t lut5_pair_offset(const uint32_t (&q)[5], int j, uint32_t lane_off) {
+  const int bit = 10 * j, i = stream5_word(bit), s = stream5_shift(bit);
+  uint32_t v;
+  if (s + 10 <= 32) {
+    v = s >= 7 ? q[i] >> (s - 7) : q[i] << (7 - s);
+  } else {
+    v = __funnelshift_r(q[i], q[i + 1], s - 7);
+  }
+  uint32_t off;  // (v & 0x1FF80) | lane_off in one LOP3
+  asm("lop3.b32 %0, %1, %2, %3, 0xEA;" : "=r"(off) : "r"(v), "n"(0x1FF80), "r"(lane_off));
+  return off;
+}
+
 // Elements 8n .. 8n + 7 of one block from the table as four pairs (8n, +1), (8n + 2, +3), (8n + 4, +5),
 // (8n + 6, +7), each times the block's scale (in both halves of T): byte n of index words 0, 2, 1, 3 (pairs)
-// or of words 0, 1 (quads), as lut_indices lays them out. The wgmma kernels build A fragments (registers or
-// shared memory) from these.
+// or of words 0, 1 (quads), as lut_indices lays them out, or k = 5's stream pairs 4n .. 4n + 3. The wgmma kernels
+// build A fragments (registers or shared memory) from these.
 template <typename T, int BITS, bool kWide = false>
 __device__ __forceinline__ void lut_scaled_pairs(const uint8_t* lut, const uint32_t (&q)[Lut<BITS>::kWords], int n,
                                                  uint32_t lane_off, uint32_t scale, uint32_t (&out)[4]) {
   const auto at = [&](uint32_t word) { return lut + lut_offset<BITS, kWide>(word, n, lane_off); };
   uint32_t v[4];
-  if constexpr (Lut<BITS>::kQuad) {
+  if constexpr (BITS == 5) {
+#pragma unroll
+    for (int m = 0; m < 4; ++m) v[m] = *reinterpret_cast<const uint32_t*>(lut + lut5_pair_offset(q, 4 * n + m, lane_off));
+  } else if constexpr (Lut<BITS>::kQuad) {
     const uint2 lo = *reinterpret_cast<const uint2*>(at(q[0]));
     const uint2 hi = *reinterpret_cast<const uint2*>(at(q[1]));
     v[0] = lo.x, v[1] = lo.y, v[2] = hi.x, v[3] = hi.y;

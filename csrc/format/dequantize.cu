@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int b = 0; b < K; ++b) words[b] = __ldg(qweight + a.word + b * a.plane_stride);
       code = __ldg(absmax + a.code);
     }
-    if constexpr (kRuntime && has_runtime_words<K>()) runtime_words_to_planes<K>(words);
+    if constexpr (kRuntime) runtime_words_to_planes<K>(words);
     const float s = e4m4_decode(code);
     uint32_t lo, hi;
     unpack_octet<K>(words, q, lo, hi);

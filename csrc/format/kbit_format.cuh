@@ -190,19 +190,35 @@ __host__ __device__ __forceinline__ void swap_bits(uint32_t& x, uint32_t& y, int
   x ^= t << s;
 }
 
-// k = 2, 3 and 4 store each block's words in the runtime layout already transposed for the kernels'
-// lookups (reference.planes_to_runtime_words, the same steps in the same order), so no kernel
-// transposes them per call; k = 5 keeps bit planes. A plane bit has address bits (word w, position
-// p0..p4) = (index bit, element); a swap between words w and w + 2^i at distance 2^j exchanges w_i and p_j.
+// Every k stores each block's words in the runtime layout already arranged for the kernels' lookups
+// (reference.planes_to_runtime_words, the same steps in the same order), so no kernel transposes them
+// per call. For k = 2..4 a plane bit has address bits (word w, position p0..p4) = (index bit, element);
+// a swap between words w and w + 2^i at distance 2^j exchanges w_i and p_j.
 //   k = 4: byte n of word w = indices of elements e (low nibble) and e + 1, e = 8n + 2 (w >> 1) + 4 (w & 1);
 //   k = 3: the k = 4 words of the three planes and a zero fourth (3-bit indices in bits 0-2 and 4-6 of
 //          each byte, bits 3 and 7 clear), with the fourth word folded into those clear bits of the
 //          other three (fold3) so the block stays 3 words: bits 3, 7 of each byte of word i hold bits
 //          i, i + 4 of the same byte of word 3;
-//   k = 2: byte n of word w = 2-bit indices of elements 8n + 4w .. +3, lowest first.
-template <int K>
-constexpr bool has_runtime_words() {
-  return K <= 4;
+//   k = 2: byte n of word w = 2-bit indices of elements 8n + 4w .. +3, lowest first;
+//   k = 5: the five words are one little-endian 160-bit stream of 5-bit indices, element e at bits
+//          5e .. 5e + 4, so the pair (2j, 2j + 1) is the 10-bit field at bit 10j: one (funnel) shift
+//          extracts an element for the shuffle decode or a pair's row of the 1024-entry table.
+
+// Bit position of element e's index in a k = 5 block's stream, and its word and shift there.
+__host__ __device__ constexpr int stream5_word(int bit) { return bit / 32; }
+__host__ __device__ constexpr int stream5_shift(int bit) { return bit % 32; }
+
+// Stream bits [bit, bit + 32) of a k = 5 block's words (bits past the stream read as 0): one shift, or one
+// funnel shift where the field crosses a word.
+__host__ __device__ __forceinline__ uint32_t stream5_bits(const uint32_t (&w)[5], int bit) {
+  const int i = stream5_word(bit), s = stream5_shift(bit);
+  if (s == 0) return w[i];
+  const uint32_t next = i + 1 < 5 ? w[i + 1] : 0u;
+#ifdef __CUDA_ARCH__
+  return __funnelshift_r(w[i], next, s);
+#else
+  return (w[i] >> s) | (next << (32 - s));
+#endif
 }
 
 // The k = 3 fold: word 3 of the k = 4 transpose (bits 3, 7 of every byte clear) into the clear bits
@@ -221,8 +237,20 @@ __host__ __device__ __forceinline__ uint32_t clear_fold3(uint32_t w) { return w 
 
 template <int K>
 __host__ __device__ __forceinline__ void planes_to_runtime_words(uint32_t (&w)[K]) {
-  static_assert(has_runtime_words<K>(), "k = 5 keeps bit planes");
-  if constexpr (K == 2) {
+  if constexpr (K == 5) {
+    uint32_t out[5] = {0u, 0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+      uint32_t idx = 0;
+#pragma unroll
+      for (int b = 0; b < 5; ++b) idx |= ((w[b] >> e) & 1u) << b;
+      const int i = stream5_word(5 * e), s = stream5_shift(5 * e);
+      out[i] |= idx << s;
+      if (s > 27) out[i + 1] |= idx >> (32 - s);
+    }
+#pragma unroll
+    for (int b = 0; b < 5; ++b) w[b] = out[b];
+  } else if constexpr (K == 2) {
     swap_bits(w[0], w[1], 1, 0x55555555u);  // index bit to position bit 0, element bit 0 to the word
     swap_bits(w[0], w[1], 2, 0x33333333u);  // element bit 0 to position bit 1, bit 1 to the word
     swap_bits(w[0], w[1], 4, 0x0F0F0F0Fu);  // element bit 1 to position bit 2, bit 2 to the word
@@ -244,8 +272,17 @@ __host__ __device__ __forceinline__ void planes_to_runtime_words(uint32_t (&w)[K
 // The inverse: each swap undoes itself, so the same swaps in reverse order (k = 3: unfold first).
 template <int K>
 __host__ __device__ __forceinline__ void runtime_words_to_planes(uint32_t (&w)[K]) {
-  static_assert(has_runtime_words<K>(), "k = 5 keeps bit planes");
-  if constexpr (K == 2) {
+  if constexpr (K == 5) {
+    uint32_t planes[5] = {0u, 0u, 0u, 0u, 0u};
+#pragma unroll
+    for (int e = 0; e < 32; ++e) {
+      const uint32_t idx = stream5_bits(w, 5 * e);
+#pragma unroll
+      for (int b = 0; b < 5; ++b) planes[b] |= ((idx >> b) & 1u) << e;
+    }
+#pragma unroll
+    for (int b = 0; b < 5; ++b) w[b] = planes[b];
+  } else if constexpr (K == 2) {
     swap_bits(w[0], w[1], 4, 0x0F0F0F0Fu);
     swap_bits(w[0], w[1], 2, 0x33333333u);
     swap_bits(w[0], w[1], 1, 0x55555555u);
@@ -264,7 +301,7 @@ __host__ __device__ __forceinline__ void runtime_words_to_planes(uint32_t (&w)[K
 }
 
 // Word and bit offset of element e's index among a block's index words (k = 2, 4: the runtime words;
-// k = 3: the four k = 4 words its three runtime words unfold into).
+// k = 3: the four k = 4 words its three runtime words unfold into; k = 5 reads its stream: stream5_bits).
 template <int K>
 __host__ __device__ constexpr int runtime_word_of(int e) {
   return K >= 3 ? ((e >> 2) & 1) | (((e >> 1) & 1) << 1) : (e >> 2) & 1;

@@ -12,7 +12,7 @@ namespace {
 
 constexpr int kThreads = 256;
 
-// Word b of a block's runtime words from its k flat plane words (kbit_format.cuh: k = 2..4 transposed).
+// Word b of a block's runtime words from its k flat plane words (kbit_format.cuh: planes_to_runtime_words).
 template <int K>
 __device__ __forceinline__ int32_t runtime_word_k(const int32_t* planes, int64_t b) {
   uint32_t w[K];
@@ -29,7 +29,7 @@ __device__ __forceinline__ int32_t runtime_word(const int32_t* planes, int64_t k
   if (k == 2) return runtime_word_k<2>(planes, b);
   if (k == 3) return runtime_word_k<3>(planes, b);
   if (k == 4) return runtime_word_k<4>(planes, b);
-  return planes[b];
+  return runtime_word_k<5>(planes, b);
 }
 
 __global__ void __launch_bounds__(kThreads)

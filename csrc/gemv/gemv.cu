@@ -9,9 +9,9 @@
 // The splits of one n-tile form a thread-block cluster and are summed through distributed
 // shared memory: no workspace, no counters, nothing to zero, deterministic order.
 //
-// Dequantization per block of 32 elements: the k plane words are regrouped into index words
-// whose 4-bit (k <= 4) or 8-bit (k = 5) fields each hold one element's index (bit b of field s
-// of word r = bit F*s + r of plane b), then each index picks its codebook value from a register
+// Dequantization per block of 32 elements: the block's runtime words hold each element's index where
+// one shift (k = 5: one funnel shift) brings it down (kbit_format.cuh: planes_to_runtime_words), then
+// each index picks its codebook value from a register
 // with one shuffle (or, where the plan says so, each index pair its two values from a per-CTA
 // table in shared memory: plan.h, gemv_table_blocks), the value is multiplied into all M activation rows,
 // and the block's E4M4 scale is applied once to the block's fp32 partial sum instead of once per element.

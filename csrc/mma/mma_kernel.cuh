@@ -16,7 +16,7 @@
 // K split; per k-tile it copies the r weight tiles verbatim and the 8p x 128 activations into
 // shared memory with cp.async, kStages deep. Each warp owns 16r weight rows: once per k-tile it
 // turns its words into index words (k = 2, 4: the runtime layout already holds them; k = 3: one
-// word unfolded from the other three; k = 5: a transpose of the planes), then per k16 step builds one A fragment per row group and reuses it for
+// word unfolded from the other three; k = 5: its stream words as they are), then per k16 step builds one A fragment per row group and reuses it for
 // all p activation tiles; each B fragment serves r row groups. A fragment is built either from 16-bit
 // pairs / quads read from a per-lane shared-memory table (uses_lut: one load per two or four
 // weights) or by shuffle lookups of single codebook values, a conversion and a scale per pair.

@@ -350,9 +350,9 @@ bool fills_sms(int64_t N, int64_t tiles_per_cta, double wave, const DeviceFacts&
 
 // Whether the dense narrow wgmma takes M rows of an N-row weight from the MMA kernel or wgmma_ws (kRsNarrowMinM above).
 bool rs_narrow_rule(int64_t M, int64_t N, int64_t bits, const DeviceFacts& facts) {
-  const int64_t wg = wgmma_rs_warpgroups(bits, /*grouped=*/false, wgmma_rs_narrow(false, M));
+  const int64_t wg = wgmma_rs_warpgroups(/*grouped=*/false, wgmma_rs_narrow(false, M));
   const double wave = M <= kRsNarrowMmaMaxM ? kRsNarrowMinWave : kRsNarrowWsMinWave;
-  return facts.sm_major == 9 && bits >= 2 && bits <= 4 && M >= kRsNarrowMinM && M <= kRsNarrowMaxM &&
+  return facts.sm_major == 9 && bits >= kMinBits && bits <= kMaxBits && M >= kRsNarrowMinM && M <= kRsNarrowMaxM &&
          fills_sms(N, wg, wave, facts);
 }
 
@@ -414,7 +414,7 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
   }
   if (plan.path == LinearPath::kWgmma) {
     // One CTA per kMoeRsChunkRows rows of x and per warpgroup count of n-tiles (the same kernel as the grouped one's).
-    const int64_t wg = wgmma_rs_warpgroups(bits, /*grouped=*/false, wgmma_rs_narrow(false, M));
+    const int64_t wg = wgmma_rs_warpgroups(/*grouped=*/false, wgmma_rs_narrow(false, M));
     plan.m_blocks = (M + kMoeRsChunkRows - 1) / kMoeRsChunkRows;
     plan.cols = (n_tiles + wg - 1) / wg;
   }
@@ -596,7 +596,7 @@ MoeProjPlan moe_proj_plan(MoeKernel kernel, int64_t rows, int64_t experts, int64
   MoeProjPlan plan;
   plan.m_blocks = grid_rows;
   plan.splits = 1;
-  const int64_t tiles_per_cta = rs ? wgmma_rs_warpgroups(bits, /*grouped=*/true, /*narrow=*/false) : kWgmmaWsTileN;
+  const int64_t tiles_per_cta = rs ? wgmma_rs_warpgroups(/*grouped=*/true, /*narrow=*/false) : kWgmmaWsTileN;
   plan.cols = (n_tiles + tiles_per_cta - 1) / tiles_per_cta;
   plan.producers = rs ? 0 : ws_producers(bits, producers);
   return plan;

@@ -34,11 +34,11 @@ constexpr int kWgmmaWsTileN = 2;  // runtime n-tiles of one warp-specialized wgm
 // Dense launches of the register-operand wgmma with at most this many rows of x run its narrow instance (wgmma.cu).
 constexpr int64_t kRsNarrowRows = 64;
 constexpr bool wgmma_rs_narrow(bool grouped, int64_t rows) { return !grouped && rows <= kRsNarrowRows; }
-// Warpgroups of one register-operand wgmma CTA, one runtime n-tile each (wgmma.cu: kWarpGroupsOf): three where
-// the grouped kernel decodes through the table (k <= 4), four in the dense narrow instance (k <= 4, M <= 64: 128
-// registers, one wave of 4-tile CTAs), two elsewhere.
-constexpr int wgmma_rs_warpgroups(int64_t bits, bool grouped, bool narrow) {
-  return bits > 4 ? 2 : grouped ? 3 : narrow ? 4 : 2;
+// Warpgroups of one register-operand wgmma CTA, one runtime n-tile each (wgmma.cu: kWarpGroupsOf): three in the
+// grouped kernel, four in the dense narrow instance (M <= 64: 128 registers, one wave of 4-tile CTAs), both of which
+// decode through the table at every k, two in the dense one.
+constexpr int wgmma_rs_warpgroups(bool grouped, bool narrow) {
+  return grouped ? 3 : narrow ? 4 : 2;
 }
 
 // The (p, r) MMA instances built for every k, dtype and launch kind (dense and grouped): narrow warps

@@ -49,32 +49,35 @@ using namespace wgmma_core;
 constexpr int kRows = kWgmmaRows;                    // activation rows per CTA: the wgmma N
 constexpr int kSlabBytes = kRows * 128;              // 64 K-elements of all rows, 128-byte rows
 constexpr int kStageBytes = 2 * kSlabBytes;          // one k-tile of activations
-constexpr int kStages = 4;
-constexpr int kSmemBytes = kStages * kStageBytes + 1024;  // + slack to align the stages to 1024 bytes
+// Activation stages: 4, or 3 beside k = 5's 128 KB table (dequant_core.cuh: Lut).
+template <int BITS>
+constexpr int kStagesOf = BITS == 5 ? 3 : 4;
+template <int BITS>
+constexpr int kSmemBytes = kStagesOf<BITS> * kStageBytes + 1024;  // + slack to align the stages to 1024 bytes
 // Launch kinds: dense (128-row blocks of x), dense narrow (one block of at most kRsNarrowRows rows: the wgmma N
 // fitted to it) and grouped (chunks of routed rows, each with the narrowest built N that holds it).
 enum class RsKind { kDense, kNarrow, kGrouped };
-// The grouped and narrow kernels decode k = 2..4 through the per-lane table (dequant_core.cuh: Lut) before the
-// stages, as the warp-specialized kernel's producers do; the dense kernel keeps the shuffle decode. At one CTA per
-// SM the shared memory has room for the wide table (64 KB at k = 2, 4), whose row offset is one PRMT.
+// The grouped and narrow kernels decode through the per-lane table (dequant_core.cuh: Lut) before the stages, as
+// the warp-specialized kernel's producers do at k <= 4; the dense kernel keeps the shuffle decode. At one CTA per
+// SM the shared memory has room for the wide table (64 KB at k = 2, 4), whose row offset is one PRMT, and for k = 5's
+// 1024 pairs (128 KB, one stage fewer).
 template <int BITS, RsKind kKind>
-constexpr bool rs_uses_lut() { return kKind != RsKind::kDense && BITS <= 4; }
+constexpr bool rs_uses_lut() { return kKind != RsKind::kDense; }
 template <int BITS>
-using RsLut = Lut<kLutBits<BITS>, true>;
+using RsLut = Lut<BITS, true>;
 template <int BITS, RsKind kKind>
 constexpr int rs_lut_bytes() { return rs_uses_lut<BITS, kKind>() ? RsLut<BITS>::kBytes : 0; }
 // Warpgroups per CTA, one runtime n-tile each (the planner sizes the grid by it: plan.h, wgmma_rs_warpgroups):
 // grouped 3 where the table decodes (the third copies no activations): a k-tile's decode is a chain of dependent
 // table loads and multiplies that two warps per scheduler do not hide; narrow 4 (128 registers: its fragments and
-// accumulators of at most 64 rows fit; a weight of 448 n-tiles is one wave of 112 CTAs); 2 at k = 5, whose shuffle
-// decode spills at the 168 registers of 3, and in the dense kernel.
+// accumulators of at most 64 rows fit; a weight of 448 n-tiles is one wave of 112 CTAs); 2 in the dense kernel.
 template <int BITS, RsKind kKind>
 constexpr int kWarpGroupsOf =
-    wgmma_rs_warpgroups(BITS, kKind == RsKind::kGrouped, kKind == RsKind::kNarrow);
-static_assert(kWarpGroupsOf<4, RsKind::kGrouped> == 3 && kWarpGroupsOf<5, RsKind::kGrouped> == 2 &&
+    wgmma_rs_warpgroups(kKind == RsKind::kGrouped, kKind == RsKind::kNarrow);
+static_assert(kWarpGroupsOf<4, RsKind::kGrouped> == 3 && kWarpGroupsOf<5, RsKind::kGrouped> == 3 &&
                   kWarpGroupsOf<4, RsKind::kDense> == 2 && kWarpGroupsOf<4, RsKind::kNarrow> == 4 &&
-                  kWarpGroupsOf<5, RsKind::kNarrow> == 2 && rs_uses_lut<4, RsKind::kGrouped>() &&
-                  !rs_uses_lut<5, RsKind::kGrouped>() && !rs_uses_lut<4, RsKind::kDense>(),
+                  kWarpGroupsOf<5, RsKind::kNarrow> == 4 && rs_uses_lut<5, RsKind::kGrouped>() &&
+                  !rs_uses_lut<4, RsKind::kDense>(),
               "more than two warpgroups exactly where the table decodes");
 constexpr int kCopyThreads = 256;  // the activation copies' threads: the first two warpgroups
 // Fragment buffering. A warpgroup decodes k-tile kt + 1 while the wgmmas of kt run, into a second set of 32 fragment
@@ -82,15 +85,19 @@ constexpr int kCopyThreads = 256;  // the activation copies' threads: the first 
 // addresses, table offsets) exceed a thread's share of the register file (65536 / (128 WG)), ptxas spills inside the
 // k loop (20-92 bytes a thread: the narrow instance at N = 64, the grouped one at N = 128); there the k-tile's wgmmas
 // go out in four commit groups of two k16 steps and the next k-tile's fragments are decoded into the same registers,
-// each pair of steps as soon as its group has completed.
-constexpr int kRsOtherRegs = 48;
-template <int NR, int WG>
+// each pair of steps as soon as its group has completed. The other registers grow with k's words (two per word:
+// the two rows' words in flight), 48 at k = 4.
+template <int BITS>
+constexpr int kRsOtherRegs = 40 + 2 * BITS;
+template <int BITS, int NR, int WG>
 constexpr bool rs_single_fragments() {
-  return NR / 2 + 2 * 32 + kRsOtherRegs > 65536 / (128 * WG) / 8 * 8;
+  return NR / 2 + 2 * 32 + kRsOtherRegs<BITS> > 65536 / (128 * WG) / 8 * 8;
 }
-static_assert(rs_single_fragments<48, 4>() && !rs_single_fragments<32, 4>() && rs_single_fragments<128, 3>() &&
-                  !rs_single_fragments<96, 3>(),
-              "one fragment buffer exactly where two spill: the narrow instance at N = 64, the grouped one at 128");
+static_assert(rs_single_fragments<2, 48, 4>() && !rs_single_fragments<4, 32, 4>() &&
+                  rs_single_fragments<5, 32, 4>() && rs_single_fragments<2, 128, 3>() &&
+                  !rs_single_fragments<5, 96, 3>(),
+              "one fragment buffer exactly where two spill: the narrow instance at N = 64 (k = 5: 32), the grouped one "
+              "at 128");
 static_assert(kMoeRsChunkRows == kRows, "a grouped chunk is one CTA's activation rows");
 
 // ----------------------------------------------------------------------------- the MMA
@@ -173,6 +180,7 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
                                         int m0, int m_end, uint32_t smem, const uint8_t* lut) {
   static_assert(NR % 16 == 0 && NR <= kRows, "activation copies run in steps of 16 rows");
   constexpr int F = Fields<BITS>::kBits;
+  constexpr int kStages = kStagesOf<BITS>;
   const int tid = threadIdx.x;
   // Warp index within the warpgroup through a shuffle from lane 0: provably warp-uniform, so the
   // lookups stay plain warp-wide shuffles.
@@ -245,8 +253,8 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
 
   // The same through the table: per row, its block's index words, then per 8 elements (c) the four
   // pairs (8c, +1), (8c + 2, +3), (8c + 4, +5), (8c + 6, +7) = fragments k16 steps 2c (h, 2 + h) and
-  // 2c + 1 (h, 2 + h), scaled in pairs. k = 5 never takes this path (LB only names a table type there).
-  constexpr int LB = kLutBits<BITS>;
+  // 2c + 1 (h, 2 + h), scaled in pairs.
+  constexpr int LB = BITS;
   const uint32_t lut_lane = lut_lane_offset<LB>(lane);
   // Row h's index words and scale (both halves of T) from its block's words.
   const auto lut_row = [&](const Words& w, int h, uint32_t (&q)[Lut<LB>::kWords], uint32_t& scale) {
@@ -379,7 +387,7 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
   Words w0, w1;
   load_words(w0, 0);
   if (k_tiles > 1) load_words(w1, 1);
-  if constexpr (kLut && rs_single_fragments<NR, WG>()) {
+  if constexpr (kLut && rs_single_fragments<BITS, NR, WG>()) {
     uint32_t a[8][4];
     build(a, w0);
     if (k_tiles > 2) load_words(w0, 2);
@@ -480,7 +488,7 @@ void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
   const int n_tiles = static_cast<int>(q.size(grouped ? 1 : 0)), k_tiles = static_cast<int>(q.size(grouped ? 2 : 1));
   const int64_t want_rows = grouped ? chunks->size(0) : (M + kRows - 1) / kRows;
   const bool narrow = wgmma_rs_narrow(grouped, M);
-  const int64_t wg = wgmma_rs_warpgroups(BITS, grouped, narrow);
+  const int64_t wg = wgmma_rs_warpgroups(grouped, narrow);
   const int64_t want_cols = (n_tiles + wg - 1) / wg;
   KBIT_CHECK(grid_rows == want_rows && cols == want_cols, name, ": the plan's grid ", cols, " x ", grid_rows,
              " is not the ", want_cols, " x ", want_rows, " CTAs covering ", n_tiles, " n-tiles and ",
@@ -507,7 +515,7 @@ void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
                            grouped ? static_cast<int64_t>(a.nbytes()) / a.size(0) : 0};
   const auto go = [&](auto kind_c) {
     constexpr RsKind kKind = decltype(kind_c)::value;
-    constexpr int bytes = kSmemBytes + rs_lut_bytes<BITS, kKind>();
+    constexpr int bytes = kSmemBytes<BITS> + rs_lut_bytes<BITS, kKind>();
     static_assert(bytes <= 227 * 1024, "one CTA's shared memory must fit an SM (227 KB on Hopper)");
     const dim3 grid(static_cast<unsigned>(cols), static_cast<unsigned>(grid_rows));
     record_launch({name, 0, 0, grid.y, grid.x, 1, 0, 0, false});  // launched without programmatic dependence
