@@ -183,8 +183,8 @@ def test_grouped_row_groups_narrow_only_for_light_last_waves():
 def test_moe_plan_paths_and_workspace():
     """kbit::moe_plan: few slots over many experts take the direct GEMV, up to 256 slots per expert the grouped
     MMA (chunk height from the average rows of a busy expert and k), beyond that grouped mm (no chunks), and
-    on Hopper from 32 slots per expert the grouped wgmma (k = 2: 48, k = 5: 64; 128-row chunks up to 128 per
-    expert at k = 3, 4 and 96 at k = 2, 5, 256 beyond);
+    on Hopper from 32 slots per expert the grouped wgmma (k = 2: 48; 128-row chunks up to 128 per expert at
+    k = 3..5 and 96 at k = 2, 256 beyond);
     the workspace always bounds the chunks; forced paths and bad names."""
     def plan(tokens, top_k, experts, *path, bits=4):  # (path, chunk_rows, max_chunks)
         p = ops.named(torch.ops.kbit.moe_plan, tokens, top_k, experts, bits, *path)
@@ -211,19 +211,18 @@ def test_moe_plan_paths_and_workspace():
             assert chunks == torch.ops.kbit._moe_max_chunks(8 * T, 128, rows) <= 8 * T
     assert plan(256 * 128 // 8, 8, 128)[0] == "grouped_mma" and plan(256 * 128 // 8 + 1, 8, 128)[:3:2] == ("grouped_mm", 0)
     assert plan(1, 8, 128, "grouped_mm")[0] == "grouped_mm" and plan(5000, 8, 128, "gemv")[0] == "gemv"
-    # On Hopper (sm_major 9) from 32 slots per expert the grouped wgmma (k = 2: 48, k = 5: 64); elsewhere
-    # never. Its register-operand kernel (128-row chunks) up to 128 slots per expert (k = 2, 5: 96), the
-    # warp-specialized one (256) past it.
+    # On Hopper (sm_major 9) from 32 slots per expert the grouped wgmma (k = 2: 48); elsewhere never. Its
+    # register-operand kernel (128-row chunks) up to 128 slots per expert (k = 2: 96), the warp-specialized
+    # one (256) past it.
     def hopper(tokens, *path, bits=4):
         p = ops.named(torch.ops.kbit.moe_plan, tokens, 8, 128, bits, *(path or ("auto",)), 9)
         return p.path, p.chunk_rows, p.max_chunks
 
     assert hopper(511)[0] == "grouped_mma" and hopper(512) == ("grouped_wgmma", 128, torch.ops.kbit._moe_max_chunks(4096, 128, 128))
     assert hopper(2048)[:2] == ("grouped_wgmma", 128) and hopper(2049) == ("grouped_wgmma", 256, torch.ops.kbit._moe_max_chunks(16392, 128, 256))
-    for bits in (2, 5):
-        assert hopper(1536, bits=bits)[:2] == ("grouped_wgmma", 128)
-        assert hopper(1537, bits=bits)[:2] == ("grouped_wgmma", 256)
-    assert hopper(1023, bits=5)[0] == "grouped_mma" and hopper(1024, bits=5)[:2] == ("grouped_wgmma", 128)
+    assert hopper(1536, bits=2)[:2] == ("grouped_wgmma", 128) and hopper(1537, bits=2)[:2] == ("grouped_wgmma", 256)
+    assert hopper(2048, bits=5)[:2] == ("grouped_wgmma", 128) and hopper(2049, bits=5)[:2] == ("grouped_wgmma", 256)
+    assert hopper(511, bits=5)[0] == "grouped_mma" and hopper(512, bits=5)[:2] == ("grouped_wgmma", 128)
     assert hopper(512, bits=3)[0] == "grouped_wgmma"
     assert hopper(767, bits=2)[0] == "grouped_mma" and hopper(768, bits=2)[0] == "grouped_wgmma"
     assert hopper(5000)[:2] == ("grouped_wgmma", 256) and plan(5000, 8, 128)[0] == "grouped_mm"

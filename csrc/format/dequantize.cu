@@ -92,10 +92,14 @@ __global__ void __launch_bounds__(kThreads)
       for (int b = 0; b < K; ++b) words[b] = __ldg(qweight + a.word + b * a.plane_stride);
       code = __ldg(absmax + a.code);
     }
-    if constexpr (kRuntime) runtime_words_to_planes<K>(words);
     const float s = e4m4_decode(code);
     uint32_t lo, hi;
-    unpack_octet<K>(words, q, lo, hi);
+    if constexpr (kRuntime && K == 5) {
+      stream5_octet(words, q, lo, hi);
+    } else {
+      if constexpr (kRuntime) runtime_words_to_planes<K>(words);
+      unpack_octet<K>(words, q, lo, hi);
+    }
     float v[8];
 #pragma unroll
     for (int j = 0; j < 4; ++j) {

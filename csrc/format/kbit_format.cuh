@@ -331,4 +331,21 @@ __device__ __forceinline__ void unpack_octet(const uint32_t (&words)[K], int q, 
   }
 }
 
+// The same from a k = 5 block's stream words: the octet's 40 bits start at bit 40q, i.e. at bit 8q of word q.
+__device__ __forceinline__ void stream5_octet(const uint32_t (&words)[5], int q, uint32_t& lo, uint32_t& hi) {
+  uint32_t a = words[0], b = words[1];
+#pragma unroll
+  for (int i = 1; i < 4; ++i) {
+    if (q == i) a = words[i], b = words[i + 1];
+  }
+  const uint64_t x = ((static_cast<uint64_t>(b) << 32) | a) >> (8 * q);
+  lo = 0;
+  hi = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    lo |= static_cast<uint32_t>((x >> (5 * j)) & 31u) << (8 * j);
+    hi |= static_cast<uint32_t>((x >> (5 * (j + 4))) & 31u) << (8 * j);
+  }
+}
+
 }  // namespace kbit

@@ -61,16 +61,16 @@ constexpr double kWgmmaWsMinWave = 0.75;
 constexpr int64_t kGemvMaxSlots = 16;
 constexpr int64_t kMmaMaxSlotsPerExpert = 256;
 // On Hopper, from this many slots per expert the grouped wgmma (an expert's weight tile dequantized once per
-// chunk of its rows, wgmma at full rate) replaces the grouped MMA and grouped mm: from 32 at k = 3, 4, where
+// chunk of its rows, wgmma at full rate) replaces the grouped MMA and grouped mm: from 32 at k = 3..5, where
 // its register-operand kernel decodes through the table with three warpgroups; 48 at k = 2 (its grouped MMA
-// still wins at 32..40 on the Qwen3-30B layer); 64 at k = 5 (two warpgroups, shuffle decode).
-constexpr int64_t wgmma_min_slots_per_expert(int64_t bits) { return bits == 3 || bits == 4 ? 32 : bits == 2 ? 48 : 64; }
+// still wins at 32..40 on the Qwen3-30B layer).
+constexpr int64_t wgmma_min_slots_per_expert(int64_t bits) { return bits == 2 ? 48 : 32; }
 // Up to this many slots per expert the grouped wgmma runs its register-operand kernel: one 128-row chunk
 // holds a typical expert, decoded once, with a wgmma no wider than its rows; past it, where an expert
 // spans two or more such chunks, the warp-specialized kernel's 256-row chunks decode each tile fewer
-// times. 128 at k = 3, 4; 96 at k = 2 and 5, where the warp-specialized kernel already wins at 128.
+// times. 128 at k = 3..5; 96 at k = 2, where the warp-specialized kernel already wins at 128.
 // docs/decisions.md, "Paths by slots per expert".
-constexpr int64_t rs_max_slots_per_expert(int64_t bits) { return bits == 3 || bits == 4 ? 128 : 96; }
+constexpr int64_t rs_max_slots_per_expert(int64_t bits) { return bits == 2 ? 96 : 128; }
 
 constexpr int kMaxDevices = 64;  // devices whose facts are cached
 

@@ -50,10 +50,10 @@ constexpr int kRows = kWgmmaRows;                    // activation rows per CTA:
 constexpr int kSlabBytes = kRows * 128;              // 64 K-elements of all rows, 128-byte rows
 constexpr int kStageBytes = 2 * kSlabBytes;          // one k-tile of activations
 // Activation stages: 4, or 3 beside k = 5's 128 KB table (dequant_core.cuh: Lut).
-template <int BITS>
-constexpr int kStagesOf = BITS == 5 ? 3 : 4;
-template <int BITS>
-constexpr int kSmemBytes = kStagesOf<BITS> * kStageBytes + 1024;  // + slack to align the stages to 1024 bytes
+template <int BITS, bool kLut>
+constexpr int kStagesOf = BITS == 5 && kLut ? 3 : 4;
+template <int BITS, bool kLut>
+constexpr int kSmemBytes = kStagesOf<BITS, kLut> * kStageBytes + 1024;  // + slack to align the stages to 1024 bytes
 // Launch kinds: dense (128-row blocks of x), dense narrow (one block of at most kRsNarrowRows rows: the wgmma N
 // fitted to it) and grouped (chunks of routed rows, each with the narrowest built N that holds it).
 enum class RsKind { kDense, kNarrow, kGrouped };
@@ -180,7 +180,7 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
                                         int m0, int m_end, uint32_t smem, const uint8_t* lut) {
   static_assert(NR % 16 == 0 && NR <= kRows, "activation copies run in steps of 16 rows");
   constexpr int F = Fields<BITS>::kBits;
-  constexpr int kStages = kStagesOf<BITS>;
+  constexpr int kStages = kStagesOf<BITS, kLut>;
   const int tid = threadIdx.x;
   // Warp index within the warpgroup through a shuffle from lane 0: provably warp-uniform, so the
   // lookups stay plain warp-wide shuffles.
@@ -515,7 +515,7 @@ void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
                            grouped ? static_cast<int64_t>(a.nbytes()) / a.size(0) : 0};
   const auto go = [&](auto kind_c) {
     constexpr RsKind kKind = decltype(kind_c)::value;
-    constexpr int bytes = kSmemBytes<BITS> + rs_lut_bytes<BITS, kKind>();
+    constexpr int bytes = kSmemBytes<BITS, rs_uses_lut<BITS, kKind>()> + rs_lut_bytes<BITS, kKind>();
     static_assert(bytes <= 227 * 1024, "one CTA's shared memory must fit an SM (227 KB on Hopper)");
     const dim3 grid(static_cast<unsigned>(cols), static_cast<unsigned>(grid_rows));
     record_launch({name, 0, 0, grid.y, grid.x, 1, 0, 0, false});  // launched without programmatic dependence

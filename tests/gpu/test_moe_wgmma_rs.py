@@ -1,6 +1,6 @@
 """The grouped_wgmma MoE path's two kernels (csrc/plan/plan.h: moe_wgmma_rs): the register-operand one
 (128-row chunks, the wgmma N fitted to each chunk, the expert's weights decoded into registers), which the
-rule picks up to 128 slots per expert (k = 2, 5: 96), and the warp-specialized one (256-row chunks) past it.
+rule picks up to 128 slots per expert (k = 2: 96), and the warp-specialized one (256-row chunks) past it.
 VLLM_KBIT_MOE_WGMMA=rs|ws forces one; every routed-expert suite that runs the grouped_wgmma path (random
 cases with expert maps and weights on the input, the Qwen3-30B design shape, CUDA-graph replay, run-to-run
 determinism) runs again in a child process under each (the variable is read once per process), against the
