@@ -204,7 +204,7 @@ __host__ __device__ __forceinline__ void swap_bits(uint32_t& x, uint32_t& y, int
 //          5e .. 5e + 4, so the pair (2j, 2j + 1) is the 10-bit field at bit 10j: one (funnel) shift
 //          extracts an element for the shuffle decode or a pair's row of the 1024-entry table.
 
-// Bit position of element e's index in a k = 5 block's stream, and its word and shift there.
+// Word and shift of stream bit `bit` of a k = 5 block (element e's index starts at bit 5e, pair j's at 10j).
 __host__ __device__ constexpr int stream5_word(int bit) { return bit / 32; }
 __host__ __device__ constexpr int stream5_shift(int bit) { return bit % 32; }
 
