@@ -179,7 +179,8 @@ def sweep_dense_splits(argv: list[str]) -> None:
         "--kernel": dict(choices=("mma", "gemv"), default="mma"),
         "--shapes": dict(default="qkv,o,gate_up,down,llama8b_gate_up,llama70b_gate_up",
                          help="comma-separated names of bench_linear.SHAPES, or 'all'"),
-        "--m": dict(help="default: 8,16,32,64 (mma), 1,2,4 (gemv)")}, commit=os.environ.get("KBIT_COMMIT", "unknown"))
+        "--m": dict(help="default: 8,16,32,64 (mma), 1,2,4 (gemv)"),
+        "--bits": dict(default=str(SPLITS_K_BITS), help="comma list of k")}, commit=os.environ.get("KBIT_COMMIT", "unknown"))
     run(args, f"sweep_{args.kernel}_splits", dense_splits_measure, dense_splits_report, key=None)
 
 
@@ -189,15 +190,16 @@ def dense_splits_measure(args, meta: Meta):
     props = torch.cuda.get_device_properties(0)
     op = torch.ops.kbit._linear_forced.default
     path = torch.ops.kbit._linear_path_id(args.kernel)
-    for name, K, N in (s for s in SHAPES if args.shapes == "all" or s[0] in args.shapes.split(",")):
-        w0 = random_runtime_weight(N, K, SPLITS_K_BITS)
+    shapes = [s for s in SHAPES if args.shapes == "all" or s[0] in args.shapes.split(",")]
+    for (name, K, N), k in ((s, int(b)) for s in shapes for b in args.bits.split(",")):
+        w0 = random_runtime_weight(N, K, k)
         nbytes = w0.qweight_rt.numel() * 4 + w0.absmax_rt.numel()
-        ws = [w0] + [random_runtime_weight(N, K, SPLITS_K_BITS) for _ in range(copies_for(nbytes, "cold", meta.l2) - 1)]
+        ws = [w0] + [random_runtime_weight(N, K, k) for _ in range(copies_for(nbytes, "cold", meta.l2) - 1)]
         n_tiles = w0.qweight_rt.shape[0]
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
-            plan = vllm_kbit.ops.named(torch.ops.kbit.linear_plan, M, N, K, torch.bfloat16, props.major,
-                                       props.multi_processor_count, 1, "gemv" if gemv else "mma")
+            plan = vllm_kbit.ops.named(torch.ops.kbit.linear_plan.device, M, N, K, torch.bfloat16, k, x.device,
+                                       "gemv" if gemv else "mma")
             max_splits, p, r_auto, m_blocks = plan.max_splits, plan.p, plan.r, plan.m_blocks
             for r in [0] if gemv else sorted({1, r_auto}):
                 ctas_per_split = n_tiles if gemv else -(-n_tiles // r) * m_blocks
@@ -205,7 +207,7 @@ def dense_splits_measure(args, meta: Meta):
                     us = graph_time_us([lambda w=w: op(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, path, r, s)
                                         for w in ws])
                     yield dict(gpu=meta.gpu, commit=meta.commit, date=meta.date, kernel=args.kernel, shape=name, N=N,
-                               K=K, k=SPLITS_K_BITS, M=M, p=p, r=r, splits=s, ctas=ctas_per_split * s if s else None,
+                               K=K, k=k, M=M, p=p, r=r, splits=s, ctas=ctas_per_split * s if s else None,
                                us=round(us, 2))
             del x
         del ws, w0
@@ -213,15 +215,16 @@ def dense_splits_measure(args, meta: Meta):
 
 def dense_splits_report(args, meta: Meta, records: list) -> list[str]:
     lines = [title(f"{args.kernel.upper()} kernel split sweep", meta), "",
-             f"COLD, k={SPLITS_K_BITS}, bf16, µs per call (CUDA-graph replay); `*` marks the fastest split count; auto = the "
-             f"heuristic's ({args.kernel}_splits) launch.", f"Command: `{meta.command}`", "",
-             *table_head(["shape", "M", "r", "auto", *(f"S={s}" for s in range(1, 9))], left=("shape",))]
+             "COLD, bf16, µs per call (CUDA-graph replay); `*` marks the fastest split count; auto = the "
+             f"heuristic's ({args.kernel}_splits) launch, on this GPU's plan.", f"Command: `{meta.command}`", "",
+             *table_head(["shape", "k", "M", "r", "auto", *(f"S={s}" for s in range(1, 9))], left=("shape",))]
     order = [s[0] for s in SHAPES]
-    for shape, M, r in sorted({(x["shape"], x["M"], x["r"]) for x in records}, key=lambda t: (order.index(t[0]), t[1], t[2])):
-        rows = {x["splits"]: x["us"] for x in records if (x["shape"], x["M"], x["r"]) == (shape, M, r)}
+    keys = {(x["shape"], x["k"], x["M"], x["r"]) for x in records}
+    for shape, k, M, r in sorted(keys, key=lambda t: (order.index(t[0]), t[1], t[2], t[3])):
+        rows = {x["splits"]: x["us"] for x in records if (x["shape"], x["k"], x["M"], x["r"]) == (shape, k, M, r)}
         best = min((s for s in rows if s > 0), key=rows.get)
         cells = [f"{rows[s]:.1f}{'*' if s == best else ''}" if s in rows else "" for s in range(0, 9)]
-        lines.append(f"| {shape} | {M} | {r} | " + " | ".join(cells) + " |")
+        lines.append(f"| {shape} | {k} | {M} | {r} | " + " | ".join(cells) + " |")
     return lines
 
 
