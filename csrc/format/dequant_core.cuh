@@ -27,14 +27,14 @@ __device__ __forceinline__ float decode_scale(uint32_t codes, int j) {
 // fourth), k = 5 its five stream words.
 template <int BITS>
 struct Fields {
-  static constexpr int kBits = BITS <= 4 ? 4 : 5;
+  static constexpr int kWords = BITS <= 4 ? 4 : 5;
 };
 
 // Index words of one block from its runtime words, for lookup(): the runtime words as they are, and for k = 3 the
 // fourth unfolded from their bits 3 and 7 (kbit_format.cuh: fold3), which lookup() may leave in place (see there).
 template <int BITS>
-__device__ __forceinline__ void gather_indices(const uint32_t (&plane)[BITS], uint32_t (&q)[Fields<BITS>::kBits]) {
-  constexpr int F = Fields<BITS>::kBits;
+__device__ __forceinline__ void gather_indices(const uint32_t (&plane)[BITS], uint32_t (&q)[Fields<BITS>::kWords]) {
+  constexpr int F = Fields<BITS>::kWords;
 #pragma unroll
   for (int r = 0; r < F; ++r) q[r] = r < BITS ? plane[r] : 0u;
   if constexpr (BITS == 3) q[3] = unfold3(plane[0], plane[1], plane[2]);
@@ -46,7 +46,7 @@ __device__ __forceinline__ void gather_indices(const uint32_t (&plane)[BITS], ui
 // (lane L holds codebook[L mod 2^k]) makes harmless.
 // e is an unrolled loop counter, so the word and the shift are compile-time after unrolling.
 template <int BITS>
-__device__ __forceinline__ float lookup(float codebook_reg, const uint32_t (&q)[Fields<BITS>::kBits], int e) {
+__device__ __forceinline__ float lookup(float codebook_reg, const uint32_t (&q)[Fields<BITS>::kWords], int e) {
   if constexpr (BITS == 5) {
     return __shfl_sync(0xFFFFFFFFu, codebook_reg, static_cast<int>(stream5_bits(q, 5 * e)));
   } else {

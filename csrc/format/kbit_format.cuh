@@ -269,20 +269,12 @@ __host__ __device__ __forceinline__ void planes_to_runtime_words(uint32_t (&w)[K
   }
 }
 
-// The inverse: each swap undoes itself, so the same swaps in reverse order (k = 3: unfold first).
+// The inverse for k = 2..4: each swap undoes itself, so the same swaps in reverse order (k = 3: unfold first). k = 5's
+// readers take indices from the stream itself (stream5_bits, stream5_octet).
 template <int K>
 __host__ __device__ __forceinline__ void runtime_words_to_planes(uint32_t (&w)[K]) {
-  if constexpr (K == 5) {
-    uint32_t planes[5] = {0u, 0u, 0u, 0u, 0u};
-#pragma unroll
-    for (int e = 0; e < 32; ++e) {
-      const uint32_t idx = stream5_bits(w, 5 * e);
-#pragma unroll
-      for (int b = 0; b < 5; ++b) planes[b] |= ((idx >> b) & 1u) << e;
-    }
-#pragma unroll
-    for (int b = 0; b < 5; ++b) w[b] = planes[b];
-  } else if constexpr (K == 2) {
+  static_assert(K >= 2 && K <= 4, "k = 5 is read from its stream, not turned back into planes");
+  if constexpr (K == 2) {
     swap_bits(w[0], w[1], 4, 0x0F0F0F0Fu);
     swap_bits(w[0], w[1], 2, 0x33333333u);
     swap_bits(w[0], w[1], 1, 0x55555555u);

@@ -122,7 +122,7 @@ __device__ __forceinline__ void pair_tables(const float4* __restrict__ a_stage, 
 // alternating partial sums give the FMAs ILP.
 template <int BITS, int M, int J>
 __device__ __forceinline__ void shuffle_lookups(const float4* __restrict__ a_stage, const LaneCodebook& cb,
-                                                const uint32_t (&q)[kRowsPerLane][Fields<BITS>::kBits],
+                                                const uint32_t (&q)[kRowsPerLane][Fields<BITS>::kWords],
                                                 float (&part)[kRowsPerLane][M][2]) {
 #pragma unroll
   for (int c = 0; c < kBlockSize / 8; ++c) {
@@ -198,7 +198,7 @@ __device__ __forceinline__ void dot_block(const float4* __restrict__ a_stage, co
                                           const uint8_t* __restrict__ lut, uint32_t lut_lane,
                                           const uint4 (&planes)[kRowsPerLane][BITS],
                                           const uint32_t (&codes)[kRowsPerLane], float (&acc)[kRowsPerLane][M]) {
-  constexpr int F = Fields<BITS>::kBits;
+  constexpr int F = Fields<BITS>::kWords;
   uint32_t q[kRowsPerLane][F];
 #pragma unroll
   for (int row = 0; row < kRowsPerLane; ++row) {

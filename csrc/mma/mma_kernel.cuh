@@ -164,7 +164,7 @@ template <typename T, int BITS, int P, int R, bool kGrouped>
 __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma_kernel(const MmaParams<T> prm) {
   using S = Shape<BITS, P, R>;
   constexpr bool kLut = S::kLut;
-  constexpr int F = Fields<BITS>::kBits;
+  constexpr int F = Fields<BITS>::kWords;
   constexpr int kTileBytes = tile_bytes<BITS>();
   constexpr int kTileChunks = kTileBytes / 16;
   constexpr int kPlaneBytes = BITS * kTileN * kTileKB * 4;

@@ -61,12 +61,12 @@ enum class RsKind { kDense, kNarrow, kGrouped };
 // the warp-specialized kernel's producers do at k <= 4; the dense kernel keeps the shuffle decode. At one CTA per
 // SM the shared memory has room for the wide table (64 KB at k = 2, 4), whose row offset is one PRMT, and for k = 5's
 // 1024 pairs (128 KB, one stage fewer).
-template <int BITS, RsKind kKind>
+template <RsKind kKind>
 constexpr bool rs_uses_lut() { return kKind != RsKind::kDense; }
 template <int BITS>
 using RsLut = Lut<BITS, true>;
 template <int BITS, RsKind kKind>
-constexpr int rs_lut_bytes() { return rs_uses_lut<BITS, kKind>() ? RsLut<BITS>::kBytes : 0; }
+constexpr int rs_lut_bytes() { return rs_uses_lut<kKind>() ? RsLut<BITS>::kBytes : 0; }
 // Warpgroups per CTA, one runtime n-tile each (the planner sizes the grid by it: plan.h, wgmma_rs_warpgroups):
 // grouped 3 where the table decodes (the third copies no activations): a k-tile's decode is a chain of dependent
 // table loads and multiplies that two warps per scheduler do not hide; narrow 4 (128 registers: its fragments and
@@ -76,8 +76,8 @@ constexpr int kWarpGroupsOf =
     wgmma_rs_warpgroups(kKind == RsKind::kGrouped, kKind == RsKind::kNarrow);
 static_assert(kWarpGroupsOf<4, RsKind::kGrouped> == 3 && kWarpGroupsOf<5, RsKind::kGrouped> == 3 &&
                   kWarpGroupsOf<4, RsKind::kDense> == 2 && kWarpGroupsOf<4, RsKind::kNarrow> == 4 &&
-                  kWarpGroupsOf<5, RsKind::kNarrow> == 4 && rs_uses_lut<5, RsKind::kGrouped>() &&
-                  !rs_uses_lut<4, RsKind::kDense>(),
+                  kWarpGroupsOf<5, RsKind::kNarrow> == 4 && rs_uses_lut<RsKind::kGrouped>() &&
+                  !rs_uses_lut<RsKind::kDense>(),
               "more than two warpgroups exactly where the table decodes");
 constexpr int kCopyThreads = 256;  // the activation copies' threads: the first two warpgroups
 // Fragment buffering. A warpgroup decodes k-tile kt + 1 while the wgmmas of kt run, into a second set of 32 fragment
@@ -179,7 +179,7 @@ template <typename T, int BITS, int NR, bool kLut, int WG>
 __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t* qweight, const uint8_t* absmax,
                                         int m0, int m_end, uint32_t smem, const uint8_t* lut) {
   static_assert(NR % 16 == 0 && NR <= kRows, "activation copies run in steps of 16 rows");
-  constexpr int F = Fields<BITS>::kBits;
+  constexpr int F = Fields<BITS>::kWords;
   constexpr int kStages = kStagesOf<BITS, kLut>;
   const int tid = threadIdx.x;
   // Warp index within the warpgroup through a shuffle from lane 0: provably warp-uniform, so the
@@ -254,21 +254,17 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
   // The same through the table: per row, its block's index words, then per 8 elements (c) the four
   // pairs (8c, +1), (8c + 2, +3), (8c + 4, +5), (8c + 6, +7) = fragments k16 steps 2c (h, 2 + h) and
   // 2c + 1 (h, 2 + h), scaled in pairs.
-  constexpr int LB = BITS;
-  const uint32_t lut_lane = lut_lane_offset<LB>(lane);
+  const uint32_t lut_lane = lut_lane_offset<BITS>(lane);
   // Row h's index words and scale (both halves of T) from its block's words.
-  const auto lut_row = [&](const Words& w, int h, uint32_t (&q)[Lut<LB>::kWords], uint32_t& scale) {
-    uint32_t words[LB];
-#pragma unroll
-    for (int b = 0; b < LB; ++b) words[b] = w.plane[h][b];
-    lut_indices<LB>(words, q);
+  const auto lut_row = [&](const Words& w, int h, uint32_t (&q)[Lut<BITS>::kWords], uint32_t& scale) {
+    lut_indices<BITS>(w.plane[h], q);
     const float sc = decode_scale(w.code[h], 0);
     scale = Half2<T>::pack(sc, sc);
   };
   // Row h's part of k16 steps 2c and 2c + 1.
-  const auto lut_steps = [&](uint32_t (&a)[8][4], const uint32_t (&q)[Lut<LB>::kWords], uint32_t scale, int h, int c) {
+  const auto lut_steps = [&](uint32_t (&a)[8][4], const uint32_t (&q)[Lut<BITS>::kWords], uint32_t scale, int h, int c) {
     uint32_t v[4];
-    lut_scaled_pairs<T, LB, true>(lut, q, c, lut_lane, scale, v);
+    lut_scaled_pairs<T, BITS, true>(lut, q, c, lut_lane, scale, v);
     a[2 * c][h] = v[0];
     a[2 * c][2 + h] = v[1];
     a[2 * c + 1][h] = v[2];
@@ -277,7 +273,7 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
   const auto build_lut = [&](uint32_t (&a)[8][4], const Words& w) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      uint32_t q[Lut<LB>::kWords], scale;
+      uint32_t q[Lut<BITS>::kWords], scale;
       lut_row(w, h, q, scale);
 #pragma unroll
       for (int c = 0; c < 4; ++c) lut_steps(a, q, scale, h, c);
@@ -294,7 +290,7 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
   // index words and scales first, then k16 steps 2c, 2c + 1 once commit group c has completed (wgmma_wait<3 - c>).
   // pin keeps the old registers live up to that wait, so the new values cannot take them before it.
   const auto build_lut_after = [&](uint32_t (&a)[8][4], const Words& w) {
-    uint32_t q[2][Lut<LB>::kWords], scale[2];
+    uint32_t q[2][Lut<BITS>::kWords], scale[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) lut_row(w, h, q[h], scale[h]);
 #pragma unroll
@@ -432,7 +428,7 @@ __device__ __forceinline__ void rs_tile(const WgmmaParams<T>& prm, const uint8_t
 template <typename T, int BITS, RsKind kKind, int WG = kWarpGroupsOf<BITS, kKind>>
 __global__ void __launch_bounds__(128 * WG, 1) wgmma_kernel(const __grid_constant__ WgmmaParams<T> prm) {
   extern __shared__ __align__(16) uint8_t smem_raw[];
-  constexpr bool kLut = rs_uses_lut<BITS, kKind>();
+  constexpr bool kLut = rs_uses_lut<kKind>();
   // The table (if any) first, at the window's start; the stages after it, aligned for the 128-byte swizzle.
   const uint32_t smem =
       (static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) + rs_lut_bytes<BITS, kKind>() + 1023) & ~1023u;
@@ -515,7 +511,7 @@ void launch_typed(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a,
                            grouped ? static_cast<int64_t>(a.nbytes()) / a.size(0) : 0};
   const auto go = [&](auto kind_c) {
     constexpr RsKind kKind = decltype(kind_c)::value;
-    constexpr int bytes = kSmemBytes<BITS, rs_uses_lut<BITS, kKind>()> + rs_lut_bytes<BITS, kKind>();
+    constexpr int bytes = kSmemBytes<BITS, rs_uses_lut<kKind>()> + rs_lut_bytes<BITS, kKind>();
     static_assert(bytes <= 227 * 1024, "one CTA's shared memory must fit an SM (227 KB on Hopper)");
     const dim3 grid(static_cast<unsigned>(cols), static_cast<unsigned>(grid_rows));
     record_launch({name, 0, 0, grid.y, grid.x, 1, 0, 0, false});  // launched without programmatic dependence

@@ -150,7 +150,7 @@ struct WsWork {
 template <typename T, int BITS, int NP>
 __device__ __forceinline__ void produce(const WsParams<T>& prm, const WsWork& work, uint32_t smem, uint32_t full,
                                         uint32_t empty, uint8_t* lut, int p) {
-  constexpr int F = Fields<BITS>::kBits;
+  constexpr int F = Fields<BITS>::kWords;
   constexpr int kAhead = kProducerAhead<NP>;
   const int r = threadIdx.x % 128, lane = r % 32;
   // A row of an n-tile past the last one reads the last tile (its outputs are never stored).
