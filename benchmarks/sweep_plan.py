@@ -421,6 +421,7 @@ def sweep_moe_gemv_splits(argv: list[str]) -> None:
 
 def moe_gemv_splits_measure(args, meta: Meta):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    reach = torch.ops.kbit._cluster_sms()  # the SMs clusters of 1..8 reach: the rule's device facts
     direct = torch.ops.kbit._moe_path_id("gemv_direct")
 
     def measure(layer, E, top_k, H, I, k, cb, W):
@@ -430,7 +431,7 @@ def moe_gemv_splits_measure(args, meta: Meta):
             S = T * top_k
             x = torch.randn(T, H, device="cuda", dtype=torch.bfloat16)
             routes = [topk_routing(T, E, top_k) for _ in range(GEMV_ROUTINGS)]
-            auto = {s: torch.ops.kbit._gemv_splits(S * n, kt, sms) for s, (n, kt) in tiles.items()}
+            auto = {s: torch.ops.kbit._gemv_splits(S * n, kt, sms, reach) for s, (n, kt) in tiles.items()}
             configs = [("auto", 0, 0)] + [("gate_up", s, 0) for s in GEMV_SPLITS if s <= tiles["gate_up"][1]] + \
                       [("down", 0, s) for s in GEMV_SPLITS if s <= tiles["down"][1]]
             for stage, g, d in configs:

@@ -145,6 +145,26 @@ def test_gemv_split_heuristic_never_makes_an_empty_split(sms):
         _assert_no_empty_split(torch.ops.kbit._gemv_splits(n_tiles, k_tiles, sms), k_tiles, "gemv", (n_tiles, k_tiles, sms))
 
 
+# SMs that clusters of 1..8 CTAs reach on an H200 at one CTA per SM (torch.ops.kbit._cluster_sms() there, 2026-12-04).
+H200_CLUSTER_SMS = [132, 132, 117, 120, 110, 102, 105, 120]
+
+
+def test_gemv_splits_count_only_the_sms_clusters_reach():
+    """GLM-4.5-Air's shared-expert gate_up at decode (160 n-tiles, 16 k-tiles): counting every SM, 4 splits look
+    cheaper than 2, but clusters of 4 reach 120 of the 132 SMs, 6 CTAs on the busiest SM; told so, the rule takes 2
+    (measured 1.2-1.45x faster, docs/decisions.md). Where clusters reach every SM the facts change nothing."""
+    splits = torch.ops.kbit._gemv_splits
+    assert splits(160, 16, 132) == 4
+    assert splits(160, 16, 132, H200_CLUSTER_SMS) == 2
+    assert all(splits(n, kt, 132, [0] * 8) == splits(n, kt, 132) == splits(n, kt, 132, [132] * 8)
+               for n in (1, 8, 32, 64, 80, 160, 224, 448, 2374) for kt in (6, 16, 32, 40, 64, 80, 112))
+    for n_tiles, k_tiles in [(*gemv_tiles(N, K),) for K, N in DESIGN_SHAPES] + [(8 * 24, 16), (8 * 32, 6)]:
+        _assert_no_empty_split(splits(n_tiles, k_tiles, 132, H200_CLUSTER_SMS), k_tiles, "gemv", (n_tiles, k_tiles))
+    for bad in ([132] * 7, [132, 132, -1, 120, 110, 102, 105, 120]):
+        with pytest.raises(ValueError, match="cluster_sms"):
+            splits(160, 16, 132, bad)
+
+
 @pytest.mark.parametrize("sms", [114, 132, 148])
 def test_mma_split_heuristic_never_makes_an_empty_split(sms):
     cases = []

@@ -1,6 +1,6 @@
 // Where the hardware places the CTAs of cluster launches, the fact behind the dense MMA kernel's split rule: for
 // grids of cps x s CTAs in clusters of s (cps = CTA columns per split, s = K splits), with dynamic shared memory
-// sized for 3, 4, 5 or 10 CTAs per SM, how many SMs the grid lands on and the most CTAs one SM gets. Every CTA spins
+// sized for 1, 3, 4, 5 or 10 CTAs per SM, how many SMs the grid lands on and the most CTAs one SM gets. Every CTA spins
 // ~11 us so that all CTAs that fit are resident together; a time past ~20 us means a second wave.
 //
 //   nvcc -O2 -arch=sm_90a -o cluster_placement benchmarks/probes/cluster_placement.cu && ./cluster_placement
@@ -25,7 +25,7 @@ int main() {
   cudaFuncSetAttribute(probe, cudaFuncAttributeMaxDynamicSharedMemorySize, 200 * 1024);
   cudaFuncSetAttribute(probe, cudaFuncAttributeNonPortableClusterSizeAllowed, 1);
   int* d; cudaMalloc(&d, 4096 * sizeof(int));
-  const int smems[] = {42 * 1024, 50 * 1024, 62 * 1024, 20 * 1024};
+  const int smems[] = {150 * 1024, 42 * 1024, 50 * 1024, 62 * 1024, 20 * 1024};
   const int cpss[] = {8, 32, 64, 80, 160};
   for (int smem : smems) {
     int per_sm = 0; cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, probe, 128, smem);

@@ -133,9 +133,24 @@ void check_num_sms(const char* op, int64_t num_sms) {
   KBIT_CHECK_VALUE(num_sms >= 1, "kbit ", op, ": num_sms must be >= 1, got ", num_sms);
 }
 
-int64_t gemv_splits_op(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
+// cluster_sms: the SMs clusters of 1..kGemvMaxSplits CTAs reach (DeviceFacts::cluster_sms from index 1; 0: all).
+int64_t gemv_splits_op(int64_t n_tiles, int64_t k_tiles, int64_t num_sms, at::OptionalIntArrayRef cluster_sms) {
   check_num_sms("_gemv_splits", num_sms);
-  return gemv_splits(n_tiles, k_tiles, num_sms);
+  if (!cluster_sms.has_value()) return gemv_splits(n_tiles, k_tiles, num_sms);
+  KBIT_CHECK_VALUE(cluster_sms->size() == kGemvMaxSplits, "kbit _gemv_splits: cluster_sms must hold ", kGemvMaxSplits,
+                   " SM counts (clusters of 1..", kGemvMaxSplits, " CTAs), got ", cluster_sms->size());
+  int64_t reach[kGemvMaxSplits + 1] = {};
+  for (int s = 1; s <= kGemvMaxSplits; ++s) {
+    reach[s] = (*cluster_sms)[s - 1];
+    KBIT_CHECK_VALUE(reach[s] >= 0, "kbit _gemv_splits: cluster_sms must be >= 0 (0: every SM), got ", reach[s]);
+  }
+  return gemv_splits(n_tiles, k_tiles, num_sms, reach);
+}
+
+// The current GPU's DeviceFacts::cluster_sms for clusters of 1..kGemvMaxSplits CTAs.
+std::vector<int64_t> cluster_sms_op() {
+  const DeviceFacts f = device_facts(c10::cuda::current_device());
+  return std::vector<int64_t>(f.cluster_sms + 1, f.cluster_sms + kGemvMaxSplits + 1);
 }
 
 int64_t mma_splits_op(int64_t cols, int64_t m_blocks, int64_t k_tiles, int64_t num_sms, int64_t ctas_per_sm,
@@ -199,7 +214,8 @@ TORCH_LIBRARY_FRAGMENT(kbit, m) {
   m.def("_linear_path_id(str path) -> int", &kbit::linear_path_id_op);
   m.def("_moe_path_id(str path) -> int", &kbit::moe_path_id_op);
   m.def("_moe_path_override() -> int", &kbit::moe_path_override_id);
-  m.def("_gemv_splits(int n_tiles, int k_tiles, int num_sms) -> int", &kbit::gemv_splits_op);
+  m.def("_gemv_splits(int n_tiles, int k_tiles, int num_sms, int[]? cluster_sms=None) -> int", &kbit::gemv_splits_op);
+  m.def("_cluster_sms() -> int[]", &kbit::cluster_sms_op);
   m.def("_mma_splits(int cols, int m_blocks, int k_tiles, int num_sms, int ctas_per_sm, int split_cost=1) -> int",
         &kbit::mma_splits_op);
   m.def("_mma_split_cost(bool grouped) -> int", &kbit::mma_split_cost_op);

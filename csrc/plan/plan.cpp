@@ -106,10 +106,15 @@ MmaInstanceFacts mma_facts(const DeviceFacts& facts, int64_t bits, int p, int r,
 DeviceFacts device_facts(int device) {
   KBIT_CHECK(device >= 0 && device < kMaxDevices, "kbit: device index ", device, " >= ", kMaxDevices);
   static std::atomic<int64_t> num_sms[kMaxDevices] = {}, sm_major[kMaxDevices] = {};
+  static std::atomic<int64_t> cluster_sms[kMaxDevices][kGemvMaxSplits + 1] = {};
   int64_t sms = num_sms[device].load(std::memory_order_acquire);
   if (sms == 0) {  // querying twice is harmless
     const cudaDeviceProp* props = at::cuda::getDeviceProperties(device);
     sm_major[device].store(props->major, std::memory_order_relaxed);
+    // Thread-block clusters exist from sm_90 on; before, every launch is clusters of one.
+    for (int s = 1; s <= kGemvMaxSplits; ++s) {
+      cluster_sms[device][s].store(props->major >= 9 ? cluster_sms_of(s, device) : 0, std::memory_order_relaxed);
+    }
     sms = props->multiProcessorCount;
     num_sms[device].store(sms, std::memory_order_release);
   }
@@ -117,6 +122,7 @@ DeviceFacts device_facts(int device) {
   f.num_sms = sms;
   f.sm_major = sm_major[device].load(std::memory_order_relaxed);
   f.device = device;
+  for (int s = 1; s <= kGemvMaxSplits; ++s) f.cluster_sms[s] = cluster_sms[device][s].load(std::memory_order_relaxed);
   return f;
 }
 
@@ -223,13 +229,15 @@ bool pdl_rule(int64_t sm_major) {
   return overrides::pdl() && sm_major >= 9;
 }
 
-int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
+int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms, const int64_t* cluster_sms) {
   // Cost model: k-tile slots the busiest SM spends (its CTAs times the slowest warp's k-tiles plus
   // kCtaOverhead, times the warps), slowed down when fewer than kStreamingWarps warps per SM have loads
   // in flight. The overhead is what a CTA costs beyond its tiles: its first tile's load, which nothing
   // hides, and the split-K reduction; without it the model split few-row MoE GEMVs 4-8 ways where 1-2
-  // run up to 25% faster (benchmarks/sweep_plan.py moe_gemv_splits). Cost = num / den; the smallest wins,
-  // ties to fewer splits.
+  // run up to 25% faster (benchmarks/sweep_plan.py moe_gemv_splits). A grid in clusters of s spreads over the SMs
+  // such clusters reach (from s = 3 on, fewer than the GPU has: GLM-4.5-Air's shared-expert gate_up at 4 splits put
+  // 5 CTAs on some SMs where 2 splits run 1.2-1.45x faster; docs/decisions.md). Cost = num / den; the smallest
+  // wins, ties to fewer splits.
   constexpr int64_t kWarps = kGemvWarps;
   constexpr int64_t kResidentCtas = 8;      // CTAs of kThreads one SM holds at once (registers)
   constexpr int64_t kStreamingWarps = 16;   // warps per SM that keep enough bytes in flight
@@ -238,7 +246,8 @@ int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms) {
   int best = 1;
   int64_t best_num = -1, best_den = 1;
   for (int64_t s = 1; s <= max_splits; ++s) {
-    const int64_t per_sm = (n_tiles * s + num_sms - 1) / num_sms;   // CTAs on the busiest SM
+    const int64_t sms = cluster_sms != nullptr && cluster_sms[s] > 0 ? std::min(num_sms, cluster_sms[s]) : num_sms;
+    const int64_t per_sm = (n_tiles * s + sms - 1) / sms;            // CTAs on the busiest SM
     const int64_t tiles = (k_tiles + s - 1) / s;                        // k-tiles of the largest split
     const int64_t warp_iters = (tiles + kWarps - 1) / kWarps;           // its slowest warp's k-tiles
     const int64_t active = std::min<int64_t>(kWarps, tiles);
@@ -381,7 +390,7 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
     plan.max_splits = std::min<int64_t>(kGemvMaxSplits, k_tiles);
     KBIT_CHECK(forced.splits >= 0 && forced.splits <= plan.max_splits, "kbit linear_plan: gemv splits=", forced.splits,
                      " outside 0 (heuristic) .. ", plan.max_splits);
-    plan.splits = forced.splits > 0 ? forced.splits : gemv_splits(n_tiles, k_tiles, facts.num_sms);
+    plan.splits = forced.splits > 0 ? forced.splits : gemv_splits(n_tiles, k_tiles, facts.num_sms, facts.cluster_sms);
     plan.m_blocks = 1;  // one CTA row multiplies every row of x
     plan.cols = n_tiles;
     plan.table_blocks = gemv_table_blocks(bits, M, /*grouped=*/false);
@@ -541,7 +550,7 @@ MoeProjPlan moe_gemv_plan(int64_t grid_rows, int64_t chunk_rows, int64_t n_tiles
   plan.cols = n_tiles;
   KBIT_CHECK_VALUE(splits >= 0 && splits <= std::min<int64_t>(kGemvMaxSplits, k_tiles), "kbit fused_moe: splits=",
                    splits, " outside 0 (the rule) .. ", std::min<int64_t>(kGemvMaxSplits, k_tiles), " for the GEMV");
-  plan.splits = splits > 0 ? splits : gemv_splits(grid_rows * n_tiles, k_tiles, facts.num_sms);
+  plan.splits = splits > 0 ? splits : gemv_splits(grid_rows * n_tiles, k_tiles, facts.num_sms, facts.cluster_sms);
   plan.table_blocks = gemv_table_blocks(bits, chunk_rows, /*grouped=*/true);
   plan.pdl = pdl_rule(facts.sm_major);
   return plan;

@@ -69,10 +69,16 @@ struct DeviceFacts {
   int64_t sm_major = 0;
   int device = -1;
   int64_t ctas_per_sm = 1;  // device = -1 only
+  // SMs that clusters of s CTAs (s = 1..kGemvMaxSplits; index 0 unused) fill at one CTA per SM: a cluster sits in
+  // one GPC, so from s = 3 on some SMs of each GPC stay out of reach (0 = unknown: num_sms).
+  int64_t cluster_sms[kGemvMaxSplits + 1] = {};
 };
 
 // The facts of a GPU, queried once per device (thread-safe).
 DeviceFacts device_facts(int device);
+// Defined by the GEMV launcher (gemv.cu, which has a kernel to ask about): DeviceFacts::cluster_sms for clusters of
+// s on `device`, from the driver's cluster occupancy (cudaOccupancyMaxActiveClusters) of a one-CTA-per-SM launch.
+int64_t cluster_sms_of(int s, int device);
 // Facts given by the caller (what-if plans, property tests; no GPU needed).
 DeviceFacts given_facts(int64_t sm_major, int64_t num_sms, int64_t ctas_per_sm);
 
@@ -127,8 +133,9 @@ constexpr int kMmaSplitCostDense = 2;
 constexpr int kMmaSplitCostGrouped = 16;
 
 // Number of K splits (CTAs of one cluster per 64-row n-tile) of the GEMV for a grid of n_tiles x k_tiles
-// runtime tiles on num_sms SMs. Always in [1, min(kGemvMaxSplits, k_tiles)].
-int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms);
+// runtime tiles on num_sms SMs, of which clusters of s reach cluster_sms[s] (DeviceFacts::cluster_sms; null or
+// 0: all). Always in [1, min(kGemvMaxSplits, k_tiles)].
+int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms, const int64_t* cluster_sms = nullptr);
 
 // How many of the 4 blocks of each k-tile a GEMV kernel (dense, or grouped over routed experts, with up to
 // `rows` activation rows) decodes through a shared-memory table of codebook pairs (k = 3, 4) or quads

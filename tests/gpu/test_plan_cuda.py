@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from vllm_kbit import ops
+from vllm_kbit.linear import gemv_tiles
 from test_linear_cuda import DESIGN_SHAPES, _random_weight  # a sibling: pytest puts tests/gpu on sys.path
 from test_moe_cuda import KERNEL_OF_ROWS, Experts, random_routing
 
@@ -81,6 +82,7 @@ def test_linear_launches_its_plan(dtype):
     torch.cuda.set_device(DEVICE)
     props = torch.cuda.get_device_properties(DEVICE)
     pdl = torch.ops.kbit._pdl_enabled()
+    reach = torch.ops.kbit._cluster_sms()
     launched()
     for K, N, k, w in _weights():
         for M in MS:
@@ -91,15 +93,42 @@ def test_linear_launches_its_plan(dtype):
             assert got == expected_linear(plan), (M, N, K, k, dtype, plan)
             # PDL: the GEMV and MMA kernels as the GPU allows, the wgmma kernels and cuBLAS never.
             assert plan.pdl == (pdl and plan.path in ("gemv", "mma")), plan
-            # The plan on given facts with the same k agrees but for the MMA split count (it cannot see
-            # cluster capacities).
+            # The plan on given facts with the same k agrees but for the MMA and GEMV split counts (it cannot see
+            # cluster capacities); the GEMV's is the rule's on the SMs this GPU's clusters reach.
             given = ops.named(torch.ops.kbit.linear_plan, M, N, K, dtype, props.major, props.multi_processor_count, 1,
                               "auto", k)
-            assert (given._replace(splits=plan.splits) if plan.path == "mma" else given) == plan, (given, plan)
+            assert (given._replace(splits=plan.splits) if plan.path in ("mma", "gemv") else given) == plan, (given, plan)
+            if plan.path == "gemv":
+                sms = props.multi_processor_count
+                assert plan.splits == torch.ops.kbit._gemv_splits(*gemv_tiles(N, K), sms, reach), (M, N, K, k, plan)
             if plan.path == "wgmma_ws":
                 assert plan.producers == (1 if k == 5 else 2), (M, N, K, k, plan)
             if plan.path == "gemv":
                 assert plan.table_blocks == {2: 0, 3: 4, 4: 3 if M == 1 else 4, 5: 0}[k], (M, k, plan)
+
+
+def test_gemv_splits_count_the_sms_this_gpus_clusters_reach():
+    """The device facts behind the GEMV's split rule: clusters of 1..8 CTAs reach between 1 and all of the SMs, all
+    of them at 1 (Hopper places a cluster in one GPC); the device plan's split count is the rule's on those facts,
+    and it launches. GLM-4.5-Air's shared-expert gate_up (2048 -> 10240) at decode takes 2 splits on an H100 / H200
+    (measured 1.2-1.45x faster than the 4 that counting every SM gave; docs/decisions.md)."""
+    torch.cuda.set_device(DEVICE)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    reach = torch.ops.kbit._cluster_sms()
+    assert len(reach) == 8 and reach[0] == sms and all(1 <= r <= sms for r in reach), reach
+    gen = torch.Generator().manual_seed(11)
+    for K, N in DESIGN_SHAPES:
+        plan = linear_plan(1, N, K, torch.bfloat16, 4, DEVICE)
+        assert plan.splits == torch.ops.kbit._gemv_splits(*gemv_tiles(N, K), sms, reach), (K, N, plan)
+    if sms == 132:
+        assert linear_plan(1, 10240, 2048, torch.bfloat16, 3, DEVICE).splits == 2
+    w = _random_weight(10240, 2048, 3, gen)[0]
+    x = torch.randn(1, 2048, dtype=torch.bfloat16, device=DEVICE)
+    launched()
+    out = torch.ops.kbit.linear(x, w.qweight_rt, w.absmax_rt, w.codebook, 10240, 2048, None)
+    assert launched() == expected_linear(linear_plan(1, 10240, 2048, torch.bfloat16, 3, DEVICE))
+    ref = forced(x, w, "mma")
+    assert torch.isfinite(out).all() and ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
 
 
 def test_large_weights_take_the_warp_specialized_wgmma_from_33_rows_where_it_has_two_producers():
