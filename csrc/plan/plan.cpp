@@ -99,6 +99,22 @@ MmaInstanceFacts mma_facts(const DeviceFacts& facts, int64_t bits, int p, int r,
   return f;
 }
 
+// The dense MMA's split count at p >= 4 (more than 24 activation rows) where one exists that puts a CTA on each of
+// at least 95% of the SMs, one per SM within the SMs its clusters reach (DeviceFacts::cluster_sms; unknown on given
+// facts: 0, none); the largest such count. Measured: a CTA of 32..64 rows streams best alone on its SM; 2-3 CTAs
+// sharing one at half the k-tiles each ran 1.2-1.45x slower on 1536..3072 x 4096..4224 weights, the grids mma_splits
+// (which counts an SM's slots, not its CTAs) gave; docs/decisions.md, "Dense MMA split count".
+int64_t mma_one_wave_splits(int64_t ctas_per_split, int64_t k_tiles, int p, const DeviceFacts& facts) {
+  static_assert(kMmaMaxSplits <= kGemvMaxSplits, "cluster_sms covers clusters of up to kGemvMaxSplits CTAs");
+  if (p < 4) return 0;
+  int64_t best = 0;
+  for (int64_t s = 1; s <= std::min<int64_t>(kMmaMaxSplits, k_tiles); ++s) {
+    const int64_t ctas = ctas_per_split * s, reach = std::min(facts.num_sms, facts.cluster_sms[s]);
+    if (reach > 0 && ctas <= reach && 100 * ctas >= 95 * facts.num_sms) best = s;
+  }
+  return best;
+}
+
 }  // namespace
 
 // ----------------------------------------------------------------------------- device facts
@@ -412,8 +428,11 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
     } else {
       // Dense grids are exact, so the waves their clusters take count (cluster capacities: on a GPU only).
       const MmaInstanceFacts f = mma_facts(facts, bits, c.p, c.r, /*grouped=*/false, dtype == at::kBFloat16);
-      plan.splits = mma_splits((n_tiles + c.r - 1) / c.r, c.m_blocks, k_tiles, facts.num_sms, f.ctas_per_sm,
-                               kMmaSplitCostDense, f.cluster_ctas);
+      const int64_t cols = (n_tiles + c.r - 1) / c.r;
+      const int64_t one_wave = mma_one_wave_splits(cols * c.m_blocks, k_tiles, c.p, facts);
+      plan.splits = one_wave > 0 ? one_wave
+                                 : mma_splits(cols, c.m_blocks, k_tiles, facts.num_sms, f.ctas_per_sm,
+                                              kMmaSplitCostDense, f.cluster_ctas);
     }
     plan.cols = (n_tiles + c.r - 1) / c.r;
     plan.pdl = pdl_rule(facts.sm_major);

@@ -131,6 +131,19 @@ def test_gemv_splits_count_the_sms_this_gpus_clusters_reach():
     assert torch.isfinite(out).all() and ((out.float() - ref.float()).norm() / ref.float().norm()).item() < 1e-2
 
 
+def test_dense_mma_takes_one_full_wave_of_lone_ctas_past_24_rows():
+    """The attention qkv weight (2048 -> 4096: 64 CTA columns) at M = 25..64 on a 132-SM GPU: 2 splits, one CTA on
+    each of 128 SMs (measured 1.2-1.45x faster than the 4 the cost model gives, whose CTAs share SMs)."""
+    torch.cuda.set_device(DEVICE)
+    sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
+    if sms != 132:
+        pytest.skip("the counts below are for 132 SMs")
+    for k in (2, 3, 4, 5):
+        for M in (25, 32, 48, 64):
+            plan = linear_plan(M, 4096, 2048, torch.bfloat16, k, DEVICE)
+            assert (plan.path, plan.splits, plan.cols * plan.m_blocks * plan.splits) == ("mma", 2, 128), (M, k, plan)
+
+
 def test_large_weights_take_the_warp_specialized_wgmma_from_33_rows_where_it_has_two_producers():
     """M = 33..64 on a >= 2^25-element weight whose 2-tile CTAs fill 3/4 of the SMs and whose 4-tile ones are too few for
     the narrow wgmma (224 n-tiles: 112 and 56 CTAs): wgmma_ws at k = 2..4 (launched, and correct), the MMA kernel at
