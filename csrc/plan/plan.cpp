@@ -102,7 +102,7 @@ MmaInstanceFacts mma_facts(const DeviceFacts& facts, int64_t bits, int p, int r,
 // The dense MMA's split count at p >= 4 (more than 24 activation rows) where one exists that puts a CTA on each of
 // at least 95% of the SMs, one per SM within the SMs its clusters reach (DeviceFacts::cluster_sms; unknown on given
 // facts: 0, none); the largest such count. Measured: a CTA of 32..64 rows streams best alone on its SM; 2-3 CTAs
-// sharing one at half the k-tiles each ran 1.2-1.45x slower on 1536..3072 x 4096..4224 weights, the grids mma_splits
+// sharing one at half the k-tiles each ran 1.1-1.45x slower on 1024..3072 x 4096..8192 weights, the grids mma_splits
 // (which counts an SM's slots, not its CTAs) gave; docs/decisions.md, "Dense MMA split count".
 int64_t mma_one_wave_splits(int64_t ctas_per_split, int64_t k_tiles, int p, const DeviceFacts& facts) {
   static_assert(kMmaMaxSplits <= kGemvMaxSplits, "cluster_sms covers clusters of up to kGemvMaxSplits CTAs");
@@ -252,7 +252,7 @@ int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms, const int64_t
   // hides, and the split-K reduction; without it the model split few-row MoE GEMVs 4-8 ways where 1-2
   // run up to 25% faster (benchmarks/sweep_plan.py moe_gemv_splits). A grid in clusters of s spreads over the SMs
   // such clusters reach (from s = 3 on, fewer than the GPU has: GLM-4.5-Air's shared-expert gate_up at 4 splits put
-  // 5 CTAs on some SMs where 2 splits run 1.2-1.45x faster; docs/decisions.md). Cost = num / den; the smallest
+  // up to 6 CTAs on an SM where 2 splits run 1.05-1.45x faster; docs/decisions.md). Cost = num / den; the smallest
   // wins, ties to fewer splits.
   constexpr int64_t kWarps = kGemvWarps;
   constexpr int64_t kResidentCtas = 8;      // CTAs of kThreads one SM holds at once (registers)
