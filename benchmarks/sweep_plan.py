@@ -178,7 +178,7 @@ def sweep_dense_splits(argv: list[str]) -> None:
     args = sweep_args("dense_splits", argv, {
         "--kernel": dict(choices=("mma", "gemv"), default="mma"),
         "--shapes": dict(default="qkv,o,gate_up,down,llama8b_gate_up,llama70b_gate_up",
-                         help="comma-separated names of bench_linear.SHAPES, or 'all'"),
+                         help="comma-separated names of bench_linear.SHAPES or KxN weights (2048x3968), or 'all'"),
         "--m": dict(help="default: 8,16,32,64 (mma), 1,2,4 (gemv)"),
         "--bits": dict(default=str(SPLITS_K_BITS), help="comma list of k")}, commit=os.environ.get("KBIT_COMMIT", "unknown"))
     run(args, f"sweep_{args.kernel}_splits", dense_splits_measure, dense_splits_report, key=None)
@@ -190,8 +190,7 @@ def dense_splits_measure(args, meta: Meta):
     props = torch.cuda.get_device_properties(0)
     op = torch.ops.kbit._linear_forced.default
     path = torch.ops.kbit._linear_path_id(args.kernel)
-    shapes = [s for s in SHAPES if args.shapes == "all" or s[0] in args.shapes.split(",")]
-    for (name, K, N), k in ((s, int(b)) for s in shapes for b in args.bits.split(",")):
+    for (name, K, N), k in ((s, int(b)) for s in split_shapes(args.shapes) for b in args.bits.split(",")):
         w0 = random_runtime_weight(N, K, k)
         nbytes = w0.qweight_rt.numel() * 4 + w0.absmax_rt.numel()
         ws = [w0] + [random_runtime_weight(N, K, k) for _ in range(copies_for(nbytes, "cold", meta.l2) - 1)]
@@ -213,12 +212,28 @@ def dense_splits_measure(args, meta: Meta):
         del ws, w0
 
 
+def split_shapes(names: str) -> list[tuple[str, int, int]]:
+    """--shapes of dense_splits: (name, K, N) of bench_linear.SHAPES by name ('all': every one) and of KxN weights."""
+    if names == "all":
+        return list(SHAPES)
+    known = {s[0]: s for s in SHAPES}
+    out = []
+    for n in names.split(","):
+        if n in known:
+            out.append(known[n])
+        elif len(n.split("x")) == 2 and all(d.isdigit() for d in n.split("x")):
+            out.append((n, int(n.split("x")[0]), int(n.split("x")[1])))
+        else:
+            sys.exit(f"sweep_plan.py dense_splits: shape {n!r} is neither in bench_linear.SHAPES nor KxN")
+    return out
+
+
 def dense_splits_report(args, meta: Meta, records: list) -> list[str]:
     lines = [title(f"{args.kernel.upper()} kernel split sweep", meta), "",
              "COLD, bf16, µs per call (CUDA-graph replay); `*` marks the fastest split count; auto = the "
              f"heuristic's ({args.kernel}_splits) launch, on this GPU's plan.", f"Command: `{meta.command}`", "",
              *table_head(["shape", "k", "M", "r", "auto", *(f"S={s}" for s in range(1, 9))], left=("shape",))]
-    order = [s[0] for s in SHAPES]
+    order = list(dict.fromkeys(x["shape"] for x in records))  # as measured
     keys = {(x["shape"], x["k"], x["M"], x["r"]) for x in records}
     for shape, k, M, r in sorted(keys, key=lambda t: (order.index(t[0]), t[1], t[2], t[3])):
         rows = {x["splits"]: x["us"] for x in records if (x["shape"], x["k"], x["M"], x["r"]) == (shape, k, M, r)}
