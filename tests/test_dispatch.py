@@ -150,7 +150,7 @@ H200_CLUSTER_SMS = [132, 132, 117, 120, 110, 102, 105, 120]
 
 
 def test_gemv_splits_count_only_the_sms_clusters_reach():
-    """GLM-4.5-Air's shared-expert gate_up at decode (160 n-tiles, 16 k-tiles): counting every SM, 4 splits look
+    """The GLM shared-expert gate_up at decode (160 n-tiles, 16 k-tiles): counting every SM, 4 splits look
     cheaper than 2, but clusters of 4 reach 120 of the 132 SMs, 6 CTAs on the busiest SM; told so, the rule takes 2
     (measured 1.05-1.45x faster, docs/decisions.md). Where clusters reach every SM the facts change nothing."""
     splits = torch.ops.kbit._gemv_splits

@@ -251,7 +251,7 @@ int gemv_splits(int64_t n_tiles, int64_t k_tiles, int64_t num_sms, const int64_t
   // in flight. The overhead is what a CTA costs beyond its tiles: its first tile's load, which nothing
   // hides, and the split-K reduction; without it the model split few-row MoE GEMVs 4-8 ways where 1-2
   // run up to 25% faster (benchmarks/sweep_plan.py moe_gemv_splits). A grid in clusters of s spreads over the SMs
-  // such clusters reach (from s = 3 on, fewer than the GPU has: GLM-4.5-Air's shared-expert gate_up at 4 splits put
+  // such clusters reach (from s = 3 on, fewer than the GPU has: the GLM shared-expert gate_up at 4 splits put
   // up to 6 CTAs on an SM where 2 splits run 1.05-1.45x faster; docs/decisions.md). Cost = num / den; the smallest
   // wins, ties to fewer splits.
   constexpr int64_t kWarps = kGemvWarps;

@@ -110,7 +110,7 @@ def test_linear_launches_its_plan(dtype):
 def test_gemv_splits_count_the_sms_this_gpus_clusters_reach():
     """The device facts behind the GEMV's split rule: clusters of 1..8 CTAs reach between 1 and all of the SMs, all
     of them at 1 (Hopper places a cluster in one GPC); the device plan's split count is the rule's on those facts,
-    and it launches. GLM-4.5-Air's shared-expert gate_up (2048 -> 10240) at decode takes 2 splits on an H100 / H200
+    and it launches. The GLM shared-expert gate_up (2048 -> 10240) at decode takes 2 splits on an H100 / H200
     (measured 1.05-1.45x faster than the 4 that counting every SM gave; docs/decisions.md)."""
     torch.cuda.set_device(DEVICE)
     sms = torch.cuda.get_device_properties(DEVICE).multi_processor_count
