@@ -219,10 +219,11 @@ def split_shapes(names: str) -> list[tuple[str, int, int]]:
     known = {s[0]: s for s in SHAPES}
     out = []
     for n in names.split(","):
+        dims = n.split("x")
         if n in known:
             out.append(known[n])
-        elif len(n.split("x")) == 2 and all(d.isdigit() for d in n.split("x")):
-            out.append((n, int(n.split("x")[0]), int(n.split("x")[1])))
+        elif len(dims) == 2 and all(d.isdigit() for d in dims):
+            out.append((n, int(dims[0]), int(dims[1])))
         else:
             sys.exit(f"sweep_plan.py dense_splits: shape {n!r} is neither in bench_linear.SHAPES nor KxN")
     return out

@@ -36,6 +36,29 @@ inline int persistent_grid(Kernel kernel, int threads, int64_t work_blocks) {
   return static_cast<int>(std::max<int64_t>(1, std::min(work_blocks, resident)));
 }
 
+// CTAs of `kernel` (`threads` threads, `smem_bytes` of dynamic shared memory each) the GPU holds at once in clusters
+// of s along x, asked for a grid of `grid_ctas` CTAs (cudaOccupancyMaxActiveClusters); 0 if the driver cannot say.
+template <typename Kernel>
+int64_t cluster_capacity(Kernel kernel, int s, int threads, int smem_bytes, int grid_ctas) {
+  cudaLaunchConfig_t config = {};
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = static_cast<unsigned>(s);
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  config.gridDim = dim3(static_cast<unsigned>(grid_ctas), 1, 1);
+  config.blockDim = dim3(static_cast<unsigned>(threads), 1, 1);
+  config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
+  config.attrs = attr;
+  config.numAttrs = 1;
+  int clusters = 0;
+  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();  // leaves no sticky error behind; the callers' rules fall back to what they know
+    return 0;
+  }
+  return static_cast<int64_t>(clusters) * s;
+}
+
 // Waits for the previous grid in the stream (no-op when not launched as a dependent).
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900

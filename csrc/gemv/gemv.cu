@@ -156,26 +156,13 @@ __global__ void cluster_reach_kernel() {}
 
 int64_t cluster_sms_of(int s, int device) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
-  // All of an SM's shared memory per CTA, so that one CTA holds an SM and clusters x s counts SMs.
+  // All of an SM's shared memory per CTA, so that one CTA holds an SM and the CTAs that fit count SMs.
   const int smem = static_cast<int>(at::cuda::getDeviceProperties(device)->sharedMemPerBlockOptin);
-  cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(s);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.gridDim = dim3(static_cast<unsigned>(s), 1, 1);
-  config.blockDim = dim3(32, 1, 1);
-  config.dynamicSmemBytes = static_cast<size_t>(smem);
-  config.attrs = attr;
-  config.numAttrs = 1;
-  int clusters = 0;
-  if (cudaFuncSetAttribute(cluster_reach_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess ||
-      cudaOccupancyMaxActiveClusters(&clusters, cluster_reach_kernel, &config) != cudaSuccess) {
+  if (cudaFuncSetAttribute(cluster_reach_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem) != cudaSuccess) {
     (void)cudaGetLastError();  // leaves no sticky error behind; the split rule then counts every SM
     return 0;
   }
-  return static_cast<int64_t>(clusters) * s;
+  return cluster_capacity(cluster_reach_kernel, s, 32, smem, s);
 }
 
 void launch_gemv(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,

@@ -478,28 +478,6 @@ struct MmaLaunch {
   cudaStream_t stream;
 };
 
-// CTAs of `kernel` the GPU holds at once in clusters of s along x (0 if the driver cannot say).
-template <typename Kernel>
-int64_t cluster_capacity(Kernel kernel, int s, int smem_bytes) {
-  cudaLaunchConfig_t config = {};
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeClusterDimension;
-  attr[0].val.clusterDim.x = static_cast<unsigned>(s);
-  attr[0].val.clusterDim.y = 1;
-  attr[0].val.clusterDim.z = 1;
-  config.gridDim = dim3(static_cast<unsigned>(s * 64), 1, 1);
-  config.blockDim = dim3(kThreads, 1, 1);
-  config.dynamicSmemBytes = static_cast<size_t>(smem_bytes);
-  config.attrs = attr;
-  config.numAttrs = 1;
-  int clusters = 0;
-  if (cudaOccupancyMaxActiveClusters(&clusters, kernel, &config) != cudaSuccess) {
-    (void)cudaGetLastError();  // leaves no sticky error behind; the split rule falls back to occupancy
-    return 0;
-  }
-  return static_cast<int64_t>(clusters) * s;
-}
-
 // The instance's facts on `device` (plan.h: MmaInstanceFacts), prepared and queried once per instance and
 // device (the opt-in is per device): the shared-memory opt-in above 48 KB, how many CTAs an SM holds
 // (0 = not prepared yet; preparing twice is harmless) and how many CTAs the GPU holds at once in clusters
@@ -519,7 +497,7 @@ MmaInstanceFacts instance_facts(int device) {
     ctas_per_sm = std::max(ctas_per_sm, 1);
     if constexpr (!kGrouped) {
       for (int s = 1; s <= kMmaMaxSplits; ++s) {
-        cluster_ctas[device][s].store(cluster_capacity(kernel, s, S::kSmemBytes), std::memory_order_relaxed);
+        cluster_ctas[device][s].store(cluster_capacity(kernel, s, kThreads, S::kSmemBytes, s * 64), std::memory_order_relaxed);
       }
     }
     prepared[device].store(ctas_per_sm, std::memory_order_release);

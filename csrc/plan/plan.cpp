@@ -427,12 +427,13 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
       plan.splits = forced.splits;
     } else {
       // Dense grids are exact, so the waves their clusters take count (cluster capacities: on a GPU only).
-      const MmaInstanceFacts f = mma_facts(facts, bits, c.p, c.r, /*grouped=*/false, dtype == at::kBFloat16);
       const int64_t cols = (n_tiles + c.r - 1) / c.r;
-      const int64_t one_wave = mma_one_wave_splits(cols * c.m_blocks, k_tiles, c.p, facts);
-      plan.splits = one_wave > 0 ? one_wave
-                                 : mma_splits(cols, c.m_blocks, k_tiles, facts.num_sms, f.ctas_per_sm,
-                                              kMmaSplitCostDense, f.cluster_ctas);
+      plan.splits = mma_one_wave_splits(cols * c.m_blocks, k_tiles, c.p, facts);
+      if (plan.splits == 0) {
+        const MmaInstanceFacts f = mma_facts(facts, bits, c.p, c.r, /*grouped=*/false, dtype == at::kBFloat16);
+        plan.splits = mma_splits(cols, c.m_blocks, k_tiles, facts.num_sms, f.ctas_per_sm, kMmaSplitCostDense,
+                                 f.cluster_ctas);
+      }
     }
     plan.cols = (n_tiles + c.r - 1) / c.r;
     plan.pdl = pdl_rule(facts.sm_major);
