@@ -676,11 +676,11 @@ def cached(model_tag: str, tag: str, compute):
     return weights, info
 
 
-# kbit rows' variants, written in their kind: kbit[-gptq][-rot[-b<B>]][-nf][-damp<F>][-noact][-c<tokens>][-s<seed>]
-# (rotation with that seed and largest Hadamard block B; codebook normal_float; GPTQ dampening, natural column order,
-# calibration tokens).
+# kbit rows' variants, written in their kind:
+# kbit[-gptq][-rot[-b<B>]][-nf][-damp<F>][-noact][-ref<P>][-c<tokens>][-s<seed>] (rotation with that seed and largest
+# Hadamard block B; codebook normal_float; GPTQ dampening, natural column order, P refinement passes, calibration tokens).
 _KBIT_KIND = re.compile(r"^kbit(?P<gptq>-gptq)?(?P<rot>-rot(?:-b(?P<block>\d+))?)?(?P<nf>-nf)?(?:-damp(?P<damp>[0-9.]+))?(?P<noact>-noact)?"
-                        r"(?:-c(?P<calib>\d+))?(?:-s(?P<seed>\d+))?$")
+                        r"(?:-ref(?P<refine>\d+))?(?:-c(?P<calib>\d+))?(?:-s(?P<seed>\d+))?$")
 
 
 def kbit_variant(kind: str) -> dict | None:
@@ -691,7 +691,8 @@ def kbit_variant(kind: str) -> dict | None:
     return {"gptq": bool(m["gptq"]), "rotate": bool(m["rot"]), "seed": int(m["seed"] or 0),
             "max_block": int(m["block"]) if m["block"] else None,
             "codebook": "normal_float" if m["nf"] else None, "damp": float(m["damp"]) if m["damp"] else None,
-            "act_order": False if m["noact"] else None, "calib_tokens": int(m["calib"]) if m["calib"] else None}
+            "act_order": False if m["noact"] else None, "refine_passes": int(m["refine"]) if m["refine"] else None,
+            "calib_tokens": int(m["calib"]) if m["calib"] else None}
 
 
 def kbit_online(ev: Evaluator, k: int, rotate: bool = False, seed: int = 0, codebook: str | None = None,
@@ -743,7 +744,7 @@ def float32_copy(model_dir: str, out_dir: pathlib.Path) -> str:
 def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pathlib.Path,
               expert_blocks: int = 0, float32: bool = False, rotate: bool = False, seed: int = 0,
               codebook: str | None = None, damp: float | None = None, act_order: bool | None = None,
-              tag: str = "", max_block: int | None = None) -> tuple[dict, dict]:
+              tag: str = "", max_block: int | None = None, refine_passes: int | None = None) -> tuple[dict, dict]:
     """``vllm-kbit convert --gptq`` on the calibration text, read back and decoded; counts the tensors whose
     indices differ from online rounding (those GPTQ rounded). ``expert_blocks`` E > 0 (the dense model's
     control): every down projection's H keeps only its E diagonal blocks, what the MoE rewrite's experts each
@@ -776,6 +777,8 @@ def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pat
         cmd += ["--damp", str(damp)]
     if act_order is False:
         cmd += ["--no-act-order"]
+    if refine_passes is not None:
+        cmd += ["--refine-passes", str(refine_passes)]
     t = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if proc.returncode:
@@ -910,6 +913,15 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
              ("kbit-3 --gptq, damp 0.1, 16384 calibration tokens", "kbit-gptq", 3, "kbit-gptq-damp0.1-c16384"),
              *((f"kbit-3 --gptq + rotation, damp 0.1, 16384 calibration tokens (seed {s})", "kbit-gptq", 3,
                 f"kbit-gptq-rot-damp0.1-c16384-s{s}") for s in ROTATION_SEEDS)]
+    # Coordinate-descent refinement after GPTQ (convert --refine-passes P), at convert's calibration budget.
+    for P in REFINE_PASSES:
+        rows += [(f"kbit-3 --gptq, refine {P}, 16384 calibration tokens", "kbit-gptq", 3, f"kbit-gptq-ref{P}-c16384"),
+                 *((f"kbit-3 --gptq + rotation, refine {P}, 16384 calibration tokens (seed {s})", "kbit-gptq", 3,
+                    f"kbit-gptq-rot-ref{P}-c16384-s{s}") for s in ROTATION_SEEDS),
+                 *((f"kbit-2 --gptq + rotation, codebook normal_float, refine {P}, 16384 calibration tokens (seed {s})",
+                    "kbit-gptq", 2, f"kbit-gptq-rot-nf-ref{P}-c16384-s{s}") for s in ROTATION_SEEDS),
+                 *((f"kbit-4 --gptq + rotation, refine {P}, 16384 calibration tokens (seed {s})", "kbit-gptq", 4,
+                    f"kbit-gptq-rot-ref{P}-c16384-s{s}") for s in ROTATION_SEEDS)]
     rows += [(f"llm-compressor QuIP + GPTQ W{k}A16 {g}", "llmc-quip-gptq", k, f"llmc-quip-gptq-w{k}") for k in (4, 3, 2)]
     if expert_controls:
         rows += [(BLOCKDIAG_CONTROL.format(k=k), "kbit-gptq", k, "kbit-gptq-blockdiag") for k in (4, 3)]
@@ -926,6 +938,7 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
 
 
 ROTATION_SEEDS = (0, 1, 2)  # the rotated rows' sign seeds: each such row is measured once per seed
+REFINE_PASSES = (4,)  # convert --refine-passes values the refinement rows measure
 CALIBRATED = ("kbit-gptq", "llmc-gptq", "llmc-awq", "gptqmodel-gptq", "llmc-quip-gptq")
 # Controls: llm-compressor's own round-to-nearest at GPTQ W4A16's storage (the MoE must equal the dense model), and
 # its GPTQ W4A16 weights with the MLP's down projections (dense down_proj, the experts' w2) taken from that RTN.
@@ -1048,7 +1061,8 @@ def main(argv: list[str] | None = None) -> None:
                     v = kbit_variant(kind)
                     if control is None and v is not None:
                         opts.update(rotate=v["rotate"], seed=v["seed"], codebook=v["codebook"], damp=v["damp"],
-                                    act_order=v["act_order"], max_block=v["max_block"], tag=kind[len("kbit-gptq"):])
+                                    act_order=v["act_order"], max_block=v["max_block"], tag=kind[len("kbit-gptq"):],
+                                    refine_passes=v["refine_passes"])
                         if v["calib_tokens"]:
                             cfile = str(work / f"calib{v['calib_tokens']}.txt")
                             pathlib.Path(cfile).write_text(calibration_ids(tok, v["calib_tokens"])[1])
@@ -1514,8 +1528,10 @@ def rotation_section(records: list[dict], mkeys, level: str = "##") -> list[str]
     return lines
 
 
-# The rotated --gptq rows each goal is checked for: the default block cap, and the cap of 128 (what decode kernels fuse).
-ROTATION_VARIANTS = ("", ", block <= 128")
+# The rotated --gptq rows each goal is checked for, (rotated row's suffix, its unrotated row's suffix): the default
+# block cap, the cap of 128 (what decode kernels fuse), convert's default calibration budget, and that with refinement.
+ROTATION_VARIANTS = (("", ""), (", block <= 128", ""), (", 16384 calibration tokens", ", 16384 calibration tokens"),
+                     (", refine 4, 16384 calibration tokens", ", refine 4, 16384 calibration tokens"))
 
 
 def rotation_goals(records: list[dict], mkeys) -> list[str]:
@@ -1538,21 +1554,23 @@ def rotation_goals(records: list[dict], mkeys) -> list[str]:
             return f"{p:.3f} ({p - bf['perplexity']:+.3f})" if p < 1e4 else ppl_cell(p)
 
         for k, bound in ((3, 0.6), (2, 0.5)):
-            for variant in ROTATION_VARIANTS:
+            for variant, unrotated in ROTATION_VARIANTS:
                 a, an = ppl(f"kbit-{k} --gptq + rotation{variant}")
-                b, bn = ppl(f"kbit-{k} --gptq")
+                b, bn = ppl(f"kbit-{k} --gptq{unrotated}")
                 if a is not None and b is not None:
                     ratio = (a - bf["perplexity"]) / (b - bf["perplexity"])
                     out.append(f"| {mkey} | gap ratio <= {bound} | {an} | {cell(a)} | {bn} | {cell(b)} | {ratio:.2f}x | "
                                f"{'yes' if ratio <= bound else '**no**'} |")
-        for variant in ROTATION_VARIANTS:
+        for variant, _ in ROTATION_VARIANTS:
             a, an = ppl(f"kbit-3 --gptq + rotation{variant}")
             b, bn = ppl("kbit-4")
             if a is not None and b is not None:
                 out.append(f"| {mkey} | below online kbit-4 | {an} | {cell(a)} | {bn} | {cell(b)} | {a / b:.3f}x | "
                            f"{'yes' if a < b else '**no**'} |")
         for k in (4, 3, 2):
-            for variant in ROTATION_VARIANTS:
+            for variant, _ in ROTATION_VARIANTS:
+                if "calibration tokens" in variant:  # the peer rows ran at the default budget only: same tokens or none
+                    continue
                 a, an = ppl(f"kbit-{k} --gptq + rotation{variant}")
                 peer = next((r for r in records if r["model"] == mkey and r["kind"] == f"llmc-quip-gptq-w{k}"), None)
                 if a is not None and peer is not None:

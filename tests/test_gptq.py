@@ -124,6 +124,71 @@ def test_gptq_reduces_layer_output_error(k):
     assert (gptq_W - W.float()).square().sum() > (rtn_W - W.float()).square().sum()
 
 
+def _layer_loss(W, q, a, cb, H):
+    E = W.float() - fmt.dequantize(q, a, cb, torch.float32)
+    return torch.einsum("nk,kl,nl->", E.double(), H.double(), E.double()).item()
+
+
+@pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
+def test_refinement_lowers_gptqs_loss_pass_by_pass(k):
+    """Coordinate descent from GPTQ's rounding: each pass keeps or lowers the loss it descends on (the damped H's),
+    the first pass by a clear margin on correlated inputs, and the result is a kbit weight of the same layout."""
+    K, N = 256, 96
+    W = (torch.randn(N, K, generator=torch.Generator().manual_seed(70 + k)) * 0.02).to(torch.bfloat16)
+    X = _correlated_inputs(2048, K, 80 + k, scattered=True)
+    H = X.T @ X
+    Hd = gptq._damped(H, gptq.DEFAULT_DAMP)
+    cb = fmt.normal_float_codebook(k)
+    losses, last = [], None
+    for passes in (0, 1, 2, 3):
+        q, a = gptq.gptq_quantize(W, H, cb, k, refine_passes=passes)
+        assert q.shape == (N, K // 32, k) and q.dtype == torch.int32 and a.shape == (N, K // 32) and a.dtype == torch.uint8
+        losses.append(_layer_loss(W, q, a, cb, Hd))
+        last = (q, a)
+    assert all(b <= a * (1 + 1e-6) for a, b in zip(losses, losses[1:])), losses
+    assert losses[1] < 0.98 * losses[0], losses
+    assert not torch.equal(last[0], gptq.gptq_quantize(W, H, cb, k)[0])
+
+
+def test_refinement_with_identity_hessian_rounds_to_nearest_and_moves_scales_on_correlated_inputs():
+    """H = I: a column's exact step is the nearest level, so every index ends as round-to-nearest under its block's
+    final scale, at a block error no larger than the reference's scale search. Correlated inputs: some block
+    scales move (the pass revisits scales, not only indices)."""
+    k, K, N = 3, 128, 64
+    W = torch.randn(N, K, generator=torch.Generator().manual_seed(5)) * 0.02
+    cb = fmt.normal_float_codebook(k)
+    q0, a0 = fmt.quantize(W, cb, k)
+    idx0 = fmt.unpack_bitplanes(q0).reshape(N, K).to(torch.uint8)
+    idx, codes = gptq.refine_rounding(W, torch.eye(K), idx0, a0, cb, 2)
+    assert torch.equal(idx, fmt.choose_indices(W, fmt.e4m4_decode(codes), cb).reshape(N, K))
+    err = (W - cb[idx.long()] * fmt.e4m4_decode(codes).repeat_interleave(32, -1)).square().sum()
+    assert err <= (W - fmt.dequantize(q0, a0, cb, torch.float32)).square().sum() * (1 + 1e-6)
+    X = _correlated_inputs(1024, K, 6, scattered=True)
+    q, a = gptq.gptq_quantize(W, X.T @ X, cb, k)
+    idx1 = fmt.unpack_bitplanes(q).reshape(N, K).to(torch.uint8)
+    _, codes = gptq.refine_rounding(W, gptq._damped(X.T @ X, gptq.DEFAULT_DAMP), idx1, a, cb, 2)
+    assert (codes != a).any()
+
+
+def test_refinement_of_experts_is_each_expert_alone():
+    """The experts' loop refines each weight with its own H: the same words as one weight at a time."""
+    k, K, N = 3, 128, 48
+    g = torch.Generator().manual_seed(9)
+    W = torch.randn(3, N, K, generator=g) * 0.02
+    Hs = torch.stack([(lambda X: X.T @ X)(_correlated_inputs(512, K, 20 + b)) for b in range(3)])
+    cb = fmt.normal_float_codebook(k)
+    q, a = gptq.gptq_quantize_experts(W, Hs, cb, k, refine_passes=2)
+    for b in range(3):
+        qb, ab = gptq.gptq_quantize(W[b], Hs[b], cb, k, refine_passes=2)
+        assert torch.equal(q[b], qb) and torch.equal(a[b], ab)
+
+
+@pytest.mark.parametrize("passes", [-1, 17, 1.5, True, "2"])
+def test_gptq_quantize_refuses_bad_refine_passes(passes):
+    with pytest.raises(ValueError, match=r"refine_passes=.* is not supported; it must be an integer in \[0, 16\]"):
+        gptq.gptq_quantize(torch.randn(8, 64), torch.eye(64), fmt.normal_float_codebook(4), 4, refine_passes=passes)
+
+
 def test_gptq_quantize_refuses_a_wrong_hessian():
     W = torch.randn(8, 64)
     with pytest.raises(ValueError, match=r"H has shape \[32, 32\], weight \[8, 64\] needs \[64, 64\]"):

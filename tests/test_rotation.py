@@ -260,6 +260,9 @@ def _cli(*args):
     (["--damp", "0.1"], "--damp needs --gptq"),
     (["--no-act-order"], "--no-act-order needs --gptq"),
     (["--gptq", "--damp", "-1"], "--damp -1.0 is not supported"),
+    (["--refine-passes", "2"], "--refine-passes needs --gptq"),
+    (["--gptq", "--refine-passes", "17"], "--refine-passes 17 is not supported; it must be 0 to 16"),
+    (["--gptq", "--refine-passes", "-1"], "--refine-passes -1 is not supported"),
     (["--codebook", "nf9"], "codebook must be"),
 ])
 def test_cli_refuses_bad_rotation_flags_in_one_line(tmp_path, flags, match):

@@ -2,7 +2,7 @@
 
     vllm-kbit convert IN_DIR OUT_DIR --bits 4 [--bits-overrides experts=3 self_attn=5]
         [--modules-to-not-convert lm_head gate] [--quantize-lm-head] [--device auto|cpu|cuda] [--max-shard-size 4GB] [--overwrite]
-        [--codebook NAME] [--gptq [--calibration-file PATH] [--calibration-tokens N] [--damp F] [--no-act-order]]
+        [--codebook NAME] [--gptq [--calibration-file PATH] [--calibration-tokens N] [--damp F] [--no-act-order] [--refine-passes N]]
         [--rotate | --no-rotate] [--rotation-block B] [--rotation-seed S] [--rotation-tp T]
 """
 
@@ -126,6 +126,9 @@ def _parser() -> argparse.ArgumentParser:
                    help=f"--gptq: dampening added to H's diagonal, as a fraction of its mean (default {gptq.DEFAULT_DAMP})")
     c.add_argument("--no-act-order", action="store_true",
                    help="--gptq: round columns in their natural order instead of decreasing input energy")
+    c.add_argument("--refine-passes", type=int, default=None, metavar="N",
+                   help="--gptq: passes of coordinate descent on GPTQ's loss after its rounding (block scales and "
+                   f"indices; 0 to {gptq.MAX_REFINE_PASSES}, default {gptq.DEFAULT_REFINE_PASSES})")
     c.add_argument(
         "--rotate",
         action=argparse.BooleanOptionalAction,
@@ -174,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         flag = "--calibration-file" if args.calibration_file else "--calibration-tokens"
         print(f"error: {flag} needs --gptq (the text calibrates GPTQ rounding)", file=sys.stderr)
         return 2
-    gptq_only = [f for f, v in (("--damp", args.damp), ("--no-act-order", args.no_act_order or None)) if v is not None]
+    gptq_only = [f for f, v in (("--damp", args.damp), ("--no-act-order", args.no_act_order or None),
+                                ("--refine-passes", args.refine_passes)) if v is not None]
     if gptq_only and not args.gptq:
         print(f"error: {gptq_only[0]} needs --gptq (it sets GPTQ rounding)", file=sys.stderr)
         return 2
@@ -188,6 +192,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.damp is not None and not (0 < args.damp < 10 and args.damp == args.damp):
         print(f"error: --damp {args.damp} is not supported; it must be a fraction of H's mean diagonal in (0, 10)",
+              file=sys.stderr)
+        return 2
+    if args.refine_passes is not None and not 0 <= args.refine_passes <= gptq.MAX_REFINE_PASSES:
+        print(f"error: --refine-passes {args.refine_passes} is not supported; it must be 0 to {gptq.MAX_REFINE_PASSES}",
               file=sys.stderr)
         return 2
     try:
@@ -217,8 +225,8 @@ def main(argv: list[str] | None = None) -> int:
             gptq=args.gptq,
             calibration_text=_read_text(args.calibration_file) if args.calibration_file else None,
             calibration_tokens=args.calibration_tokens,
-            gptq_options={k: v for k, v in (("damp", args.damp), ("act_order", False if args.no_act_order else None))
-                          if v is not None},
+            gptq_options={k: v for k, v in (("damp", args.damp), ("act_order", False if args.no_act_order else None),
+                                            ("refine_passes", args.refine_passes)) if v is not None},
         )
     except (ConvertError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -56,6 +56,15 @@ DEFAULT_ROTATE = ROTATE_WITH_GPTQ
 # by 1 / [H^-1]_ii of the columns still open when it is rounded (GPTQ's own loss for that column).
 SCALE_RULES = ("mse", "hdiag", "gptq")
 DEFAULT_SCALE_RULE = "gptq"
+# Passes of coordinate descent on GPTQ's loss after its column loop (:func:`refine_rounding`); 0 = plain GPTQ.
+DEFAULT_REFINE_PASSES = 0
+MAX_REFINE_PASSES = 16
+# Scale codes a refinement pass tries around each block's current one: +-2 finds nearly all that the reference's
+# whole search radius does, at a third of the time (docs/decisions.md, "GPTQ refinement").
+REFINE_SCALE_OFFSETS = (-2, -1, 1, 2)
+# Blocks refined at once hold [rows, scale candidates, 32] floats a few times over; rows go in chunks of this many
+# weights x candidates (64 MiB per tensor).
+REFINE_CHUNK = 1 << 24
 # A routed expert with fewer routed calibration tokens than this many per block of 32 inputs (K/8) is
 # rounded on the Hessian of every token entering its layer (see expert_min_tokens).
 EXPERT_MIN_TOKENS_PER_BLOCK = 4
@@ -106,6 +115,7 @@ def gptq_quantize(
     lazy_cols: int = 128,
     act_order: bool = DEFAULT_ACT_ORDER,
     scale_rule: str = DEFAULT_SCALE_RULE,
+    refine_passes: int = DEFAULT_REFINE_PASSES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """W[N, K] and H[K, K] (sum of x x^T over calibration inputs) -> (qweight, absmax) in the flat layout.
 
@@ -114,7 +124,8 @@ def gptq_quantize(
     over ``lazy_cols`` columns (a multiple of 32) of that order. A block's scale is fixed when the
     order first reaches one of its columns, from the block's values as updated so far (``scale_rule``:
     see :data:`SCALE_RULES`). Inputs that never fire (H[i, i] == 0) get H[i, i] = 1, so their
-    columns are rounded to nearest with nothing to compensate.
+    columns are rounded to nearest with nothing to compensate. ``refine_passes`` > 0 then improves the
+    result by :func:`refine_rounding`.
     """
     fmt.check_quantize(W, codebook, k)
     N, K = W.shape
@@ -122,7 +133,7 @@ def gptq_quantize(
         raise ValueError(f"kbit gptq: H has shape {list(H.shape)}, weight {list(W.shape)} needs [{K}, {K}]")
     # One weight is the experts' loop with B = 1: the algorithm is written once.
     qweight, codes = gptq_quantize_experts(W.unsqueeze(0), H.unsqueeze(0), codebook, k, search_scale, damp, lazy_cols,
-                                           act_order, scale_rule)
+                                           act_order, scale_rule, refine_passes)
     return qweight[0], codes[0]
 
 
@@ -136,6 +147,7 @@ def gptq_quantize_experts(
     lazy_cols: int = 128,
     act_order: bool = DEFAULT_ACT_ORDER,
     scale_rule: str = DEFAULT_SCALE_RULE,
+    refine_passes: int = DEFAULT_REFINE_PASSES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`gptq_quantize` of B weights W[B, N, K], each with its own H[B, K, K] (routed experts), in one
     column loop: every weight is processed in its own order, so position j of the loop is column perm_b[j] of
@@ -155,6 +167,7 @@ def gptq_quantize_experts(
         raise ValueError(f"kbit gptq: lazy_cols={lazy_cols} is not a multiple of {fmt.BLOCK_SIZE}")
     if scale_rule not in SCALE_RULES:
         raise ValueError(f"kbit gptq: scale_rule={scale_rule!r}, expected one of {sorted(SCALE_RULES)}")
+    check_refine_passes(refine_passes)
     dev, KB, bs = W.device, K // fmt.BLOCK_SIZE, fmt.BLOCK_SIZE
     perms, Hinv, col_weight = [], torch.empty(B, K, K, device=dev), []
     for b in range(B):  # the factorizations one weight at a time: its values alone, and one H in memory
@@ -208,7 +221,77 @@ def gptq_quantize_experts(
         for b in range(B):  # one product per weight, as it would be alone
             Wf[b, :, c1:] -= Eb[b] @ Hinv[b, c0:c1, c1:]
     idx = idx.gather(2, pos.unsqueeze(1).expand(B, N, K))  # back to the original column order
+    del Wf, Hinv
+    if refine_passes:
+        for b in range(B):  # one weight at a time: one damped H in memory
+            idx[b], codes[b] = refine_rounding(W[b].to(dev, torch.float32), _damped(H[b].to(dev, torch.float32), damp),
+                                               idx[b], codes[b], cb, refine_passes)
     return _pack_bitplanes(idx.view(B * N, KB, bs), k).view(B, N, KB, k), codes
+
+
+def check_refine_passes(passes) -> None:
+    if isinstance(passes, bool) or not isinstance(passes, int) or not 0 <= passes <= MAX_REFINE_PASSES:
+        raise ValueError(f"kbit gptq: refine_passes={passes!r} is not supported; it must be an integer in "
+                         f"[0, {MAX_REFINE_PASSES}]")
+
+
+@torch.no_grad()
+def refine_rounding(W: torch.Tensor, H: torch.Tensor, idx: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor,
+                    passes: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Coordinate descent on GPTQ's loss ``tr((W - Q) H (W - Q)^T)`` from a rounding (idx [N, K] uint8, scale codes
+    [N, K/32]) of W [N, K] (float32) with H [K, K] (damped), as QuantEase (Behdin et al., 2023) does after GPTQ.
+
+    GPTQ decides each column once, against the columns after it; a pass here revisits every block of 32 in column
+    order with all other columns fixed: first its scale, among the reference's candidates around the current code
+    (each candidate's indices by two sweeps of the exact one-column step below, the current solution kept as
+    candidate 0), then, inside the sweeps, each column's index: the loss as a function of one weight q_j is
+    H_jj (q_j - t_j)^2 + const with t_j = w_j + (E H)_j / H_jj - e_j, so the level nearest t_j is exact. Every step
+    keeps or lowers the loss, so the result is never worse than its start. Returns (idx, codes), new tensors.
+    """
+    N, K = W.shape
+    bs = fmt.BLOCK_SIZE
+    cb = codebook.to(W.device)
+    thresholds = fmt.codebook_thresholds(cb)
+    offsets = torch.tensor((0, *REFINE_SCALE_OFFSETS), device=W.device)
+    idx, codes = idx.clone(), codes.clone()
+    E = W - cb[idx.long()] * fmt.e4m4_decode(codes).repeat_interleave(bs, dim=-1)
+    G = E @ H  # (E H)[n, j]: the loss's gradient / 2, kept current block by block
+    rows = max(1, REFINE_CHUNK // (offsets.numel() * bs))
+    for _ in range(passes):
+        for blk in range(K // bs):
+            c = slice(blk * bs, (blk + 1) * bs)
+            Hbb, E_old = H[c, c], E[:, c].clone()
+            for r in range(0, N, rows):
+                n = slice(r, min(r + rows, N))
+                outside = G[n, c] - E_old[n] @ Hbb  # what the other blocks' errors add to this block's gradient
+                cand = (codes[n, blk].int().unsqueeze(-1) + offsets).clamp(0, 255).to(torch.uint8)  # [n, C]
+                scale = fmt.e4m4_decode(cand)
+                w = W[n, c].unsqueeze(1).expand(-1, cand.shape[1], -1)  # [n, C, 32]
+                e = w - cb[(w.unsqueeze(-1) > thresholds * scale[..., None, None]).sum(-1)] * scale.unsqueeze(-1)
+                e[:, 0] = E_old[n]
+                e, q = _block_sweeps(w, e, outside.unsqueeze(1) + e @ Hbb, Hbb, scale, cb, thresholds, 2)
+                loss = (e * (e @ Hbb + 2 * outside.unsqueeze(1))).sum(-1)  # [n, C]: e Hbb e^T + 2 e . outside
+                best = loss.argmin(-1, keepdim=True)  # the first smallest: ties keep the current scale
+                pick = best.unsqueeze(-1).expand(-1, 1, bs)
+                E[n, c], idx[n, c] = e.gather(1, pick)[:, 0], q.gather(1, pick)[:, 0].to(idx.dtype)
+                codes[n, blk] = cand.gather(1, best)[:, 0]
+            G += (E[:, c] - E_old) @ H[c]
+    return idx, codes
+
+
+def _block_sweeps(w, e, grad, Hbb, scale, cb, thresholds, sweeps):
+    """``sweeps`` passes of the exact one-column step over a block's 32 columns, for blocks [..., 32] with scales
+    [...] (w: target values, e: their errors, grad: (E H) restricted to the block); returns (e, indices)."""
+    products = thresholds * scale.unsqueeze(-1)
+    q = torch.empty(e.shape, dtype=torch.long, device=e.device)
+    for _ in range(sweeps):
+        for j in range(w.shape[-1]):
+            target = w[..., j] + grad[..., j] / Hbb[j, j] - e[..., j]
+            q[..., j] = (target.unsqueeze(-1) > products).sum(-1)
+            new = w[..., j] - cb[q[..., j]] * scale
+            grad.addcmul_((new - e[..., j]).unsqueeze(-1), Hbb[j])
+            e[..., j] = new
+    return e, q
 
 
 def _row_chunks(rows: int, row_weights: int):
@@ -318,7 +401,7 @@ def expert_min_tokens(K: int) -> int:
 def quantize_model(model, tokenizer, select, text: str | None = None, n_tokens: int = DEFAULT_CALIBRATION_TOKENS,
                    window: int = DEFAULT_CALIBRATION_WINDOW, search_scale: bool = fmt.DEFAULT_SEARCH_SCALE,
                    damp: float = DEFAULT_DAMP, act_order: bool = DEFAULT_ACT_ORDER, scale_rule: str = DEFAULT_SCALE_RULE,
-                   progress=None, device=None, min_expert_tokens: int | None = None,
+                   refine_passes: int = DEFAULT_REFINE_PASSES, progress=None, device=None, min_expert_tokens: int | None = None,
                    report: CalibrationReport | None = None, rotation=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """GPTQ-quantizes the model's decoder layers one at a time (see the module docstring).
 
@@ -345,7 +428,9 @@ def quantize_model(model, tokenizer, select, text: str | None = None, n_tokens: 
         raise ValueError(f"kbit gptq: {type(model).__name__} has no decoder layer list (model.layers)")
     names = {id(m): n for n, m in model.named_modules()}
     hidden, layer_args = _capture_layer_inputs(body, layers, batch, device)
-    options = dict(search_scale=search_scale, damp=damp, act_order=act_order, scale_rule=scale_rule)
+    check_refine_passes(refine_passes)
+    options = dict(search_scale=search_scale, damp=damp, act_order=act_order, scale_rule=scale_rule,
+                   refine_passes=refine_passes)
     results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for i, layer in enumerate(layers):
         t0 = time.perf_counter()
