@@ -910,6 +910,8 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
     rows += [("kbit-3 --gptq, 16384 calibration tokens", "kbit-gptq", 3, "kbit-gptq-c16384"),
              *((f"kbit-3 --gptq + rotation, 16384 calibration tokens (seed {s})", "kbit-gptq", 3, f"kbit-gptq-rot-c16384-s{s}")
                for s in ROTATION_SEEDS),
+             *((f"kbit-4 --gptq + rotation, 16384 calibration tokens (seed {s})", "kbit-gptq", 4, f"kbit-gptq-rot-c16384-s{s}")
+               for s in ROTATION_SEEDS),
              ("kbit-3 --gptq, damp 0.1, 16384 calibration tokens", "kbit-gptq", 3, "kbit-gptq-damp0.1-c16384"),
              *((f"kbit-3 --gptq + rotation, damp 0.1, 16384 calibration tokens (seed {s})", "kbit-gptq", 3,
                 f"kbit-gptq-rot-damp0.1-c16384-s{s}") for s in ROTATION_SEEDS)]

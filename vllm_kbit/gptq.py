@@ -222,10 +222,9 @@ def gptq_quantize_experts(
             Wf[b, :, c1:] -= Eb[b] @ Hinv[b, c0:c1, c1:]
     idx = idx.gather(2, pos.unsqueeze(1).expand(B, N, K))  # back to the original column order
     del Wf, Hinv
-    if refine_passes:
-        for b in range(B):  # one weight at a time: one damped H in memory
-            idx[b], codes[b] = refine_rounding(W[b].to(dev, torch.float32), _damped(H[b].to(dev, torch.float32), damp),
-                                               idx[b], codes[b], cb, refine_passes)
+    if refine_passes:  # all B weights in one loop, as the column loop above
+        Hd = torch.stack([_damped(H[b].to(dev, torch.float32), damp) for b in range(B)])
+        idx, codes = refine_rounding(W.to(dev, torch.float32), Hd, idx, codes, cb, refine_passes)
     return _pack_bitplanes(idx.view(B * N, KB, bs), k).view(B, N, KB, k), codes
 
 
@@ -239,57 +238,68 @@ def check_refine_passes(passes) -> None:
 def refine_rounding(W: torch.Tensor, H: torch.Tensor, idx: torch.Tensor, codes: torch.Tensor, codebook: torch.Tensor,
                     passes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Coordinate descent on GPTQ's loss ``tr((W - Q) H (W - Q)^T)`` from a rounding (idx [N, K] uint8, scale codes
-    [N, K/32]) of W [N, K] (float32) with H [K, K] (damped), as QuantEase (Behdin et al., 2023) does after GPTQ.
+    [N, K/32]) of W [N, K] (float32) with H [K, K] (damped), as QuantEase (Behdin et al., 2023) does after GPTQ;
+    or of B weights at once (W, idx [B, N, K], H [B, K, K], codes [B, N, K/32]), each on its own H.
 
     GPTQ decides each column once, against the columns after it; a pass here revisits every block of 32 in column
-    order with all other columns fixed: first its scale, among the reference's candidates around the current code
+    order with all other columns fixed: first its scale, among :data:`REFINE_SCALE_OFFSETS` around the current code
     (each candidate's indices by two sweeps of the exact one-column step below, the current solution kept as
     candidate 0), then, inside the sweeps, each column's index: the loss as a function of one weight q_j is
     H_jj (q_j - t_j)^2 + const with t_j = w_j + (E H)_j / H_jj - e_j, so the level nearest t_j is exact. Every step
     keeps or lowers the loss, so the result is never worse than its start. Returns (idx, codes), new tensors.
     """
-    N, K = W.shape
+    if W.dim() == 2:
+        i, c = refine_rounding(W[None], H[None], idx[None], codes[None], codebook, passes)
+        return i[0], c[0]
+    B, N, K = W.shape
     bs = fmt.BLOCK_SIZE
     cb = codebook.to(W.device)
     thresholds = fmt.codebook_thresholds(cb)
     offsets = torch.tensor((0, *REFINE_SCALE_OFFSETS), device=W.device)
     idx, codes = idx.clone(), codes.clone()
     E = W - cb[idx.long()] * fmt.e4m4_decode(codes).repeat_interleave(bs, dim=-1)
-    G = E @ H  # (E H)[n, j]: the loss's gradient / 2, kept current block by block
-    rows = max(1, REFINE_CHUNK // (offsets.numel() * bs))
+    G = torch.stack([E[b] @ H[b] for b in range(B)])  # (E H)[n, j]: the loss's gradient / 2, kept current per block
+    rows = max(1, REFINE_CHUNK // (B * offsets.numel() * bs))
     for _ in range(passes):
         for blk in range(K // bs):
             c = slice(blk * bs, (blk + 1) * bs)
-            Hbb, E_old = H[c, c], E[:, c].clone()
+            Hbb, E_old = H[:, c, c], E[:, :, c].clone()
             for r in range(0, N, rows):
                 n = slice(r, min(r + rows, N))
-                outside = G[n, c] - E_old[n] @ Hbb  # what the other blocks' errors add to this block's gradient
-                cand = (codes[n, blk].int().unsqueeze(-1) + offsets).clamp(0, 255).to(torch.uint8)  # [n, C]
+                # what the other blocks' errors add to this block's gradient (matrix products one weight at a time,
+                # so a weight's arithmetic is what it would be alone)
+                outside = G[:, n, c] - torch.stack([E_old[b, n] @ Hbb[b] for b in range(B)])
+                cand = (codes[:, n, blk].int().unsqueeze(-1) + offsets).clamp(0, 255).to(torch.uint8)  # [B, n, C]
                 scale = fmt.e4m4_decode(cand)
-                w = W[n, c].unsqueeze(1).expand(-1, cand.shape[1], -1)  # [n, C, 32]
+                w = W[:, n, c].unsqueeze(2).expand(-1, -1, cand.shape[-1], -1)  # [B, n, C, 32]
                 e = w - cb[(w.unsqueeze(-1) > thresholds * scale[..., None, None]).sum(-1)] * scale.unsqueeze(-1)
-                e[:, 0] = E_old[n]
-                e, q = _block_sweeps(w, e, outside.unsqueeze(1) + e @ Hbb, Hbb, scale, cb, thresholds, 2)
-                loss = (e * (e @ Hbb + 2 * outside.unsqueeze(1))).sum(-1)  # [n, C]: e Hbb e^T + 2 e . outside
-                best = loss.argmin(-1, keepdim=True)  # the first smallest: ties keep the current scale
-                pick = best.unsqueeze(-1).expand(-1, 1, bs)
-                E[n, c], idx[n, c] = e.gather(1, pick)[:, 0], q.gather(1, pick)[:, 0].to(idx.dtype)
-                codes[n, blk] = cand.gather(1, best)[:, 0]
-            G += (E[:, c] - E_old) @ H[c]
+                e[:, :, 0] = E_old[:, n]
+                grad = outside.unsqueeze(2) + torch.stack([e[b] @ Hbb[b] for b in range(B)])
+                e, q = _block_sweeps(w, e, grad, Hbb, scale, cb, thresholds, 2)
+                # e Hbb e^T + 2 e . outside per candidate: the block's part of the loss
+                loss = (e * (torch.stack([e[b] @ Hbb[b] for b in range(B)]) + 2 * outside.unsqueeze(2))).sum(-1)
+                best = loss.argmin(-1, keepdim=True)  # [B, n, 1]; the first smallest: ties keep the current scale
+                pick = best.unsqueeze(-1).expand(-1, -1, 1, bs)
+                E[:, n, c], idx[:, n, c] = e.gather(2, pick)[:, :, 0], q.gather(2, pick)[:, :, 0].to(idx.dtype)
+                codes[:, n, blk] = cand.gather(2, best)[..., 0]
+            for b in range(B):
+                G[b] += (E[b, :, c] - E_old[b]) @ H[b, c]
     return idx, codes
 
 
 def _block_sweeps(w, e, grad, Hbb, scale, cb, thresholds, sweeps):
-    """``sweeps`` passes of the exact one-column step over a block's 32 columns, for blocks [..., 32] with scales
-    [...] (w: target values, e: their errors, grad: (E H) restricted to the block); returns (e, indices)."""
+    """``sweeps`` passes of the exact one-column step over a block's 32 columns, for blocks [B, ..., 32] with scales
+    [B, ...] and each weight's block of H, Hbb [B, 32, 32] (w: target values, e: their errors, grad: (E H)
+    restricted to the block); returns (e, indices)."""
+    lead = (Hbb.shape[0],) + (1,) * (w.dim() - 2)  # Hbb's weight dimension against the blocks' [B, ...]
     products = thresholds * scale.unsqueeze(-1)
     q = torch.empty(e.shape, dtype=torch.long, device=e.device)
     for _ in range(sweeps):
         for j in range(w.shape[-1]):
-            target = w[..., j] + grad[..., j] / Hbb[j, j] - e[..., j]
+            target = w[..., j] + grad[..., j] / Hbb[:, j, j].view(lead) - e[..., j]
             q[..., j] = (target.unsqueeze(-1) > products).sum(-1)
             new = w[..., j] - cb[q[..., j]] * scale
-            grad.addcmul_((new - e[..., j]).unsqueeze(-1), Hbb[j])
+            grad.addcmul_((new - e[..., j]).unsqueeze(-1), Hbb[:, j].view(*lead, -1))
             e[..., j] = new
     return e, q
 
