@@ -777,8 +777,7 @@ def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pat
         cmd += ["--damp", str(damp)]
     if act_order is False:
         cmd += ["--no-act-order"]
-    if refine_passes is not None:
-        cmd += ["--refine-passes", str(refine_passes)]
+    cmd += ["--refine-passes", str(refine_passes or 0)]  # rows that name no refinement: plain GPTQ, as before it
     t = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if proc.returncode:

@@ -57,11 +57,14 @@ DEFAULT_ROTATE = ROTATE_WITH_GPTQ
 SCALE_RULES = ("mse", "hdiag", "gptq")
 DEFAULT_SCALE_RULE = "gptq"
 # Passes of coordinate descent on GPTQ's loss after its column loop (:func:`refine_rounding`); 0 = plain GPTQ.
+# 4: lower perplexity at k = 2, 3 on every model and seed measured (docs/decisions.md, "GPTQ refinement").
 DEFAULT_REFINE_PASSES = 0
 MAX_REFINE_PASSES = 16
 # Scale codes a refinement pass tries around each block's current one: +-2 finds nearly all that the reference's
 # whole search radius does, at a third of the time (docs/decisions.md, "GPTQ refinement").
 REFINE_SCALE_OFFSETS = (-2, -1, 1, 2)
+# Sweeps of a block's 32 columns per scale candidate: 2 sweeps x 4 passes lowered the loss more than 1 x 8 (same steps).
+REFINE_SWEEPS = 2
 # Blocks refined at once hold [rows, scale candidates, 32] floats a few times over; rows go in chunks of this many
 # weights x candidates (64 MiB per tensor).
 REFINE_CHUNK = 1 << 24
@@ -243,7 +246,7 @@ def refine_rounding(W: torch.Tensor, H: torch.Tensor, idx: torch.Tensor, codes: 
 
     GPTQ decides each column once, against the columns after it; a pass here revisits every block of 32 in column
     order with all other columns fixed: first its scale, among :data:`REFINE_SCALE_OFFSETS` around the current code
-    (each candidate's indices by two sweeps of the exact one-column step below, the current solution kept as
+    (each candidate's indices by :data:`REFINE_SWEEPS` sweeps of the exact one-column step below, the current solution kept as
     candidate 0), then, inside the sweeps, each column's index: the loss as a function of one weight q_j is
     H_jj (q_j - t_j)^2 + const with t_j = w_j + (E H)_j / H_jj - e_j, so the level nearest t_j is exact. Every step
     keeps or lowers the loss, so the result is never worse than its start. Returns (idx, codes), new tensors.
@@ -275,7 +278,7 @@ def refine_rounding(W: torch.Tensor, H: torch.Tensor, idx: torch.Tensor, codes: 
                 e = w - cb[(w.unsqueeze(-1) > thresholds * scale[..., None, None]).sum(-1)] * scale.unsqueeze(-1)
                 e[:, :, 0] = E_old[:, n]
                 grad = outside.unsqueeze(2) + torch.stack([e[b] @ Hbb[b] for b in range(B)])
-                e, q = _block_sweeps(w, e, grad, Hbb, scale, cb, thresholds, 2)
+                e, q = _block_sweeps(w, e, grad, Hbb, scale, cb, thresholds, REFINE_SWEEPS)
                 # e Hbb e^T + 2 e . outside per candidate: the block's part of the loss
                 loss = (e * (torch.stack([e[b] @ Hbb[b] for b in range(B)]) + 2 * outside.unsqueeze(2))).sum(-1)
                 best = loss.argmin(-1, keepdim=True)  # [B, n, 1]; the first smallest: ties keep the current scale
