@@ -18,6 +18,10 @@ search offsets) by the squared error of each column weighted by what GPTQ's loss
 (``scale_rule="gptq"``), not by the plain block error, which treats an input that is always
 near zero like the largest one.
 
+After the column loop, :func:`refine_rounding` (``refine_passes``, default :data:`DEFAULT_REFINE_PASSES`) revisits
+every block with the other columns fixed: its scale among a few codes around the current one, then each index by
+the exact one-weight step of the same loss (coordinate descent, as QuantEase does after GPTQ); the loss never rises.
+
 :func:`quantize_model` calibrates one decoder layer at a time, as llm-compressor's sequential
 pipeline does: the model stays where it was loaded (the CPU), a forward of the decoder with every layer
 passing its input through records the first layer's input and every layer's other arguments (masks,
@@ -57,8 +61,9 @@ DEFAULT_ROTATE = ROTATE_WITH_GPTQ
 SCALE_RULES = ("mse", "hdiag", "gptq")
 DEFAULT_SCALE_RULE = "gptq"
 # Passes of coordinate descent on GPTQ's loss after its column loop (:func:`refine_rounding`); 0 = plain GPTQ.
-# 4: lower perplexity at k = 2, 3 on every model and seed measured (docs/decisions.md, "GPTQ refinement").
-DEFAULT_REFINE_PASSES = 0
+# 4: lower perplexity in every pair measured (k = 2..4; SmolLM2, its MoE rewrite, Gemma 3 270M; docs/decisions.md,
+# "GPTQ refinement").
+DEFAULT_REFINE_PASSES = 4
 MAX_REFINE_PASSES = 16
 # Scale codes a refinement pass tries around each block's current one: +-2 finds nearly all that the reference's
 # whole search radius does, at a third of the time (docs/decisions.md, "GPTQ refinement").
