@@ -251,8 +251,8 @@ def refine_rounding(W: torch.Tensor, H: torch.Tensor, idx: torch.Tensor, codes: 
 
     GPTQ decides each column once, against the columns after it; a pass here revisits every block of 32 in column
     order with all other columns fixed: first its scale, among :data:`REFINE_SCALE_OFFSETS` around the current code
-    (each candidate's indices by :data:`REFINE_SWEEPS` sweeps of the exact one-column step below, the current solution kept as
-    candidate 0), then, inside the sweeps, each column's index: the loss as a function of one weight q_j is
+    (each candidate's indices by :data:`REFINE_SWEEPS` sweeps of the exact one-column step below, the current
+    solution kept as candidate 0), then, inside the sweeps, each column's index: the loss as a function of one weight q_j is
     H_jj (q_j - t_j)^2 + const with t_j = w_j + (E H)_j / H_jj - e_j, so the level nearest t_j is exact. Every step
     keeps or lowers the loss, so the result is never worse than its start. Returns (idx, codes), new tensors.
     """
