@@ -252,8 +252,8 @@ def refine_rounding(W: torch.Tensor, H: torch.Tensor, idx: torch.Tensor, codes: 
     GPTQ decides each column once, against the columns after it; a pass here revisits every block of 32 in column
     order with all other columns fixed: first its scale, among :data:`REFINE_SCALE_OFFSETS` around the current code
     (each candidate's indices by :data:`REFINE_SWEEPS` sweeps of the exact one-column step below, the current
-    solution kept as candidate 0), then, inside the sweeps, each column's index: the loss as a function of one weight q_j is
-    H_jj (q_j - t_j)^2 + const with t_j = w_j + (E H)_j / H_jj - e_j, so the level nearest t_j is exact. Every step
+    solution kept as candidate 0), then, inside the sweeps, each column's index: the loss as a function of one
+    weight q_j is H_jj (q_j - t_j)^2 + const with t_j = w_j + (E H)_j / H_jj - e_j, so the level nearest t_j is exact. Every step
     keeps or lowers the loss, so the result is never worse than its start. Returns (idx, codes), new tensors.
     """
     if W.dim() == 2:
@@ -266,7 +266,7 @@ def refine_rounding(W: torch.Tensor, H: torch.Tensor, idx: torch.Tensor, codes: 
     offsets = torch.tensor((0, *REFINE_SCALE_OFFSETS), device=W.device)
     idx, codes = idx.clone(), codes.clone()
     E = W - cb[idx.long()] * fmt.e4m4_decode(codes).repeat_interleave(bs, dim=-1)
-    G = torch.stack([E[b] @ H[b] for b in range(B)])  # (E H)[n, j]: the loss's gradient / 2, kept current per block
+    G = _per_weight_matmul(E, H)  # (E H)[n, j]: the loss's gradient / 2, kept current per block
     rows = max(1, REFINE_CHUNK // (B * offsets.numel() * bs))
     for _ in range(passes):
         for blk in range(K // bs):
@@ -274,25 +274,28 @@ def refine_rounding(W: torch.Tensor, H: torch.Tensor, idx: torch.Tensor, codes: 
             Hbb, E_old = H[:, c, c], E[:, :, c].clone()
             for r in range(0, N, rows):
                 n = slice(r, min(r + rows, N))
-                # what the other blocks' errors add to this block's gradient (matrix products one weight at a time,
-                # so a weight's arithmetic is what it would be alone)
-                outside = G[:, n, c] - torch.stack([E_old[b, n] @ Hbb[b] for b in range(B)])
+                outside = G[:, n, c] - _per_weight_matmul(E_old[:, n], Hbb)  # the other blocks' part of the gradient
                 cand = (codes[:, n, blk].int().unsqueeze(-1) + offsets).clamp(0, 255).to(torch.uint8)  # [B, n, C]
                 scale = fmt.e4m4_decode(cand)
                 w = W[:, n, c].unsqueeze(2).expand(-1, -1, cand.shape[-1], -1)  # [B, n, C, 32]
                 e = w - cb[(w.unsqueeze(-1) > thresholds * scale[..., None, None]).sum(-1)] * scale.unsqueeze(-1)
                 e[:, :, 0] = E_old[:, n]
-                grad = outside.unsqueeze(2) + torch.stack([e[b] @ Hbb[b] for b in range(B)])
+                grad = outside.unsqueeze(2) + _per_weight_matmul(e, Hbb)
                 e, q = _block_sweeps(w, e, grad, Hbb, scale, cb, thresholds, REFINE_SWEEPS)
                 # e Hbb e^T + 2 e . outside per candidate: the block's part of the loss
-                loss = (e * (torch.stack([e[b] @ Hbb[b] for b in range(B)]) + 2 * outside.unsqueeze(2))).sum(-1)
+                loss = (e * (_per_weight_matmul(e, Hbb) + 2 * outside.unsqueeze(2))).sum(-1)
                 best = loss.argmin(-1, keepdim=True)  # [B, n, 1]; the first smallest: ties keep the current scale
                 pick = best.unsqueeze(-1).expand(-1, -1, 1, bs)
                 E[:, n, c], idx[:, n, c] = e.gather(2, pick)[:, :, 0], q.gather(2, pick)[:, :, 0].to(idx.dtype)
                 codes[:, n, blk] = cand.gather(2, best)[..., 0]
-            for b in range(B):
-                G[b] += (E[b, :, c] - E_old[b]) @ H[b, c]
+            G += _per_weight_matmul(E[:, :, c] - E_old, H[:, c])
     return idx, codes
+
+
+def _per_weight_matmul(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """x[b] @ m[b] for each weight b of [B, ...] stacks, one product at a time, so a weight's arithmetic is what it
+    would be alone (a batched product may round differently)."""
+    return torch.stack([x[b] @ m[b] for b in range(m.shape[0])])
 
 
 def _block_sweeps(w, e, grad, Hbb, scale, cb, thresholds, sweeps):
@@ -436,6 +439,7 @@ def quantize_model(model, tokenizer, select, text: str | None = None, n_tokens: 
     W R with the Hessian of the rotated inputs, R^T H R (:func:`rounded_weight`); the packed result is Q(W R),
     and the layer runs on with W_hat = Q(W R) R^T, so the next layers calibrate on what the model will compute.
     """
+    check_refine_passes(refine_passes)
     report = CalibrationReport() if report is None else report
     batch = _calibration_batch(tokenizer, text, n_tokens, window)
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -446,7 +450,6 @@ def quantize_model(model, tokenizer, select, text: str | None = None, n_tokens: 
         raise ValueError(f"kbit gptq: {type(model).__name__} has no decoder layer list (model.layers)")
     names = {id(m): n for n, m in model.named_modules()}
     hidden, layer_args = _capture_layer_inputs(body, layers, batch, device)
-    check_refine_passes(refine_passes)
     options = dict(search_scale=search_scale, damp=damp, act_order=act_order, scale_rule=scale_rule,
                    refine_passes=refine_passes)
     results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
