@@ -241,8 +241,9 @@ def git_commit() -> str:
 
 
 def run(args) -> tuple[dict, list[str]]:
+    from vllm_kbit import gptq
     from vllm_kbit.convert import convert, resolve_device
-    from vllm_kbit.settings import KbitSettings
+    from vllm_kbit.settings import KbitSettings, Rotation
 
     device = resolve_device(args.device)
     cuda = device.startswith("cuda")
@@ -262,8 +263,12 @@ def run(args) -> tuple[dict, list[str]]:
         cpu_tracker = _TrackCalibration() if device == "cpu" else None
         t0 = time.perf_counter()
         with sampler if sampler else _nothing(), cpu_tracker if cpu_tracker else _nothing():
-            summary = convert(src, dst, KbitSettings(bits=args.bits), device=device, overwrite=True, progress=True,
-                              gptq=True, calibration_text=text, calibration_tokens=args.tokens)
+            rotate = gptq.DEFAULT_ROTATE if args.rotate is None else args.rotate
+            settings = KbitSettings(bits=args.bits, rotation=Rotation() if rotate else None)
+            summary = convert(src, dst, settings, device=device, overwrite=True, progress=True, gptq=True,
+                              calibration_text=text, calibration_tokens=args.tokens,
+                              gptq_options={} if args.refine_passes is None else {"refine_passes": args.refine_passes})
+        refine = gptq.DEFAULT_REFINE_PASSES if args.refine_passes is None else args.refine_passes
         convert_s = time.perf_counter() - t0
     finally:
         if not args.workdir:
@@ -278,7 +283,8 @@ def run(args) -> tuple[dict, list[str]]:
         gpu=gpu, date=now.isoformat(timespec="seconds"), commit=args.commit, torch=torch.__version__,
         transformers=_version("transformers"), command="python3 " + " ".join(shlex.quote(a) for a in sys.argv),
         equivalent_cli=f"vllm-kbit convert BF16_DIR OUT_DIR --bits {args.bits} --gptq --calibration-tokens {args.tokens} "
-        f"--device {device}",
+        f"--refine-passes {refine} --{'' if rotate else 'no-'}rotate --device {device}",
+        refine_passes=refine, rotate=rotate,
         shape=args.shape, config=shape, layers=args.layers, bits=args.bits, tokens=g.tokens, device=device,
         layer_bf16_bytes=layer, activations_bytes=g.tokens * shape["hidden_size"] * 2,
         layer_seconds=g.layer_seconds, convert_seconds=convert_s, checkpoint_build_seconds=build_s,
@@ -362,6 +368,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4, help="decoder layers (the real model has 48)")
     parser.add_argument("--tokens", type=int, default=16384, help="calibration tokens (convert --gptq's default)")
     parser.add_argument("--bits", type=int, default=4)
+    parser.add_argument("--refine-passes", type=int, default=None,
+                        help="GPTQ refinement passes (convert --refine-passes; default: convert's)")
+    parser.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=None,
+                        help="convert --rotate / --no-rotate (default: convert's with --gptq)")
+    parser.add_argument("--tag", default="", help="suffix of the result files' names")
     parser.add_argument("--device", default="auto", help="auto, cuda, cuda:1 or cpu")
     parser.add_argument("--workdir", help="keep the checkpoints here (default: a temporary directory, removed)")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
@@ -371,7 +382,7 @@ def main() -> None:
     md = "\n".join(lines) + "\n"
     print(md)
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, f"gptq_memory_{result['gpu'].replace(' ', '_')}_{result['date'][:10]}")
+    stem = os.path.join(args.out, f"gptq_memory_{result['gpu'].replace(' ', '_')}_{result['date'][:10]}{args.tag}")
     with open(stem + ".json", "w") as f:
         json.dump(result, f, indent=1)
     with open(stem + ".md", "w") as f:
