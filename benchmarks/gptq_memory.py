@@ -267,7 +267,8 @@ def run(args) -> tuple[dict, list[str]]:
             settings = KbitSettings(bits=args.bits, rotation=Rotation() if rotate else None)
             summary = convert(src, dst, settings, device=device, overwrite=True, progress=True, gptq=True,
                               calibration_text=text, calibration_tokens=args.tokens,
-                              gptq_options={} if args.refine_passes is None else {"refine_passes": args.refine_passes})
+                              gptq_options={k: v for k, v in (("refine_passes", args.refine_passes),
+                                                               ("asymmetric", args.asymmetric)) if v is not None})
         refine = gptq.DEFAULT_REFINE_PASSES if args.refine_passes is None else args.refine_passes
         convert_s = time.perf_counter() - t0
     finally:
@@ -283,8 +284,9 @@ def run(args) -> tuple[dict, list[str]]:
         gpu=gpu, date=now.isoformat(timespec="seconds"), commit=args.commit, torch=torch.__version__,
         transformers=_version("transformers"), command="python3 " + " ".join(shlex.quote(a) for a in sys.argv),
         equivalent_cli=f"vllm-kbit convert BF16_DIR OUT_DIR --bits {args.bits} --gptq --calibration-tokens {args.tokens} "
-        f"--refine-passes {refine} --{'' if rotate else 'no-'}rotate --device {device}",
-        refine_passes=refine, rotate=rotate,
+        f"--refine-passes {refine}" + ("" if args.asymmetric is None else f" --asymmetric {args.asymmetric}")
+        + f" --{'' if rotate else 'no-'}rotate --device {device}",
+        refine_passes=refine, rotate=rotate, asymmetric=args.asymmetric,
         shape=args.shape, config=shape, layers=args.layers, bits=args.bits, tokens=g.tokens, device=device,
         layer_bf16_bytes=layer, activations_bytes=g.tokens * shape["hidden_size"] * 2,
         layer_seconds=g.layer_seconds, convert_seconds=convert_s, checkpoint_build_seconds=build_s,
@@ -370,6 +372,8 @@ def main() -> None:
     parser.add_argument("--bits", type=int, default=4)
     parser.add_argument("--refine-passes", type=int, default=None,
                         help="GPTQ refinement passes (convert --refine-passes; default: convert's)")
+    parser.add_argument("--asymmetric", type=float, default=None, metavar="A",
+                        help="asymmetric calibration (convert --asymmetric A; default: convert's)")
     parser.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=None,
                         help="convert --rotate / --no-rotate (default: convert's with --gptq)")
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
