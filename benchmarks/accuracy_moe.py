@@ -677,10 +677,11 @@ def cached(model_tag: str, tag: str, compute):
 
 
 # kbit rows' variants, written in their kind:
-# kbit[-gptq][-rot[-b<B>]][-nf][-damp<F>][-noact][-ref<P>][-c<tokens>][-s<seed>] (rotation with that seed and largest
-# Hadamard block B; codebook normal_float; GPTQ dampening, natural column order, P refinement passes, calibration tokens).
+# kbit[-gptq][-rot[-b<B>]][-nf][-damp<F>][-noact][-ref<P>][-asym<A>][-c<tokens>][-s<seed>] (rotation with that seed and
+# largest Hadamard block B; codebook normal_float; GPTQ dampening, natural column order, P refinement passes, asymmetric
+# calibration A, calibration tokens).
 _KBIT_KIND = re.compile(r"^kbit(?P<gptq>-gptq)?(?P<rot>-rot(?:-b(?P<block>\d+))?)?(?P<nf>-nf)?(?:-damp(?P<damp>[0-9.]+))?(?P<noact>-noact)?"
-                        r"(?:-ref(?P<refine>\d+))?(?:-c(?P<calib>\d+))?(?:-s(?P<seed>\d+))?$")
+                        r"(?:-ref(?P<refine>\d+))?(?:-asym(?P<asym>[0-9.]+))?(?:-c(?P<calib>\d+))?(?:-s(?P<seed>\d+))?$")
 
 
 def kbit_variant(kind: str) -> dict | None:
@@ -692,7 +693,7 @@ def kbit_variant(kind: str) -> dict | None:
             "max_block": int(m["block"]) if m["block"] else None,
             "codebook": "normal_float" if m["nf"] else None, "damp": float(m["damp"]) if m["damp"] else None,
             "act_order": False if m["noact"] else None, "refine_passes": int(m["refine"]) if m["refine"] else None,
-            "calib_tokens": int(m["calib"]) if m["calib"] else None}
+            "asymmetric": float(m["asym"]) if m["asym"] else None, "calib_tokens": int(m["calib"]) if m["calib"] else None}
 
 
 def kbit_online(ev: Evaluator, k: int, rotate: bool = False, seed: int = 0, codebook: str | None = None,
@@ -744,7 +745,8 @@ def float32_copy(model_dir: str, out_dir: pathlib.Path) -> str:
 def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pathlib.Path,
               expert_blocks: int = 0, float32: bool = False, rotate: bool = False, seed: int = 0,
               codebook: str | None = None, damp: float | None = None, act_order: bool | None = None,
-              tag: str = "", max_block: int | None = None, refine_passes: int | None = None) -> tuple[dict, dict]:
+              tag: str = "", max_block: int | None = None, refine_passes: int | None = None,
+              asymmetric: float | None = None) -> tuple[dict, dict]:
     """``vllm-kbit convert --gptq`` on the calibration text, read back and decoded; counts the tensors whose
     indices differ from online rounding (those GPTQ rounded). ``expert_blocks`` E > 0 (the dense model's
     control): every down projection's H keeps only its E diagonal blocks, what the MoE rewrite's experts each
@@ -778,6 +780,8 @@ def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pat
     if act_order is False:
         cmd += ["--no-act-order"]
     cmd += ["--refine-passes", str(refine_passes or 0)]  # rows that name no refinement: plain GPTQ, as before it
+    if asymmetric is not None:
+        cmd += ["--asymmetric", str(asymmetric)]
     t = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if proc.returncode:
@@ -923,6 +927,18 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
                     "kbit-gptq", 2, f"kbit-gptq-rot-nf-ref{P}-c16384-s{s}") for s in ROTATION_SEEDS),
                  *((f"kbit-4 --gptq + rotation, refine {P}, 16384 calibration tokens (seed {s})", "kbit-gptq", 4,
                     f"kbit-gptq-rot-ref{P}-c16384-s{s}") for s in ROTATION_SEEDS)]
+    # Asymmetric calibration (convert --asymmetric A: GPTAQ's full-precision target) with refinement, same budget.
+    for P in REFINE_PASSES:
+        for A in ASYMMETRIC:
+            rows += [(f"kbit-3 --gptq, refine {P}, asymmetric {A}, 16384 calibration tokens", "kbit-gptq", 3,
+                      f"kbit-gptq-ref{P}-asym{A}-c16384"),
+                     *((f"kbit-3 --gptq + rotation, refine {P}, asymmetric {A}, 16384 calibration tokens (seed {s})",
+                        "kbit-gptq", 3, f"kbit-gptq-rot-ref{P}-asym{A}-c16384-s{s}") for s in ROTATION_SEEDS),
+                     *((f"kbit-2 --gptq + rotation, codebook normal_float, refine {P}, asymmetric {A}, 16384 calibration "
+                        f"tokens (seed {s})", "kbit-gptq", 2, f"kbit-gptq-rot-nf-ref{P}-asym{A}-c16384-s{s}")
+                       for s in ROTATION_SEEDS),
+                     *((f"kbit-4 --gptq + rotation, refine {P}, asymmetric {A}, 16384 calibration tokens (seed {s})",
+                        "kbit-gptq", 4, f"kbit-gptq-rot-ref{P}-asym{A}-c16384-s{s}") for s in ROTATION_SEEDS)]
     rows += [(f"llm-compressor QuIP + GPTQ W{k}A16 {g}", "llmc-quip-gptq", k, f"llmc-quip-gptq-w{k}") for k in (4, 3, 2)]
     if expert_controls:
         rows += [(BLOCKDIAG_CONTROL.format(k=k), "kbit-gptq", k, "kbit-gptq-blockdiag") for k in (4, 3)]
@@ -940,6 +956,7 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
 
 ROTATION_SEEDS = (0, 1, 2)  # the rotated rows' sign seeds: each such row is measured once per seed
 REFINE_PASSES = (4,)  # convert --refine-passes values the refinement rows measure
+ASYMMETRIC = (0.25, 1.0)  # convert --asymmetric values the asymmetric rows measure (GPTAQ's default 0.25; the full target)
 CALIBRATED = ("kbit-gptq", "llmc-gptq", "llmc-awq", "gptqmodel-gptq", "llmc-quip-gptq")
 # Controls: llm-compressor's own round-to-nearest at GPTQ W4A16's storage (the MoE must equal the dense model), and
 # its GPTQ W4A16 weights with the MLP's down projections (dense down_proj, the experts' w2) taken from that RTN.
@@ -1063,7 +1080,7 @@ def main(argv: list[str] | None = None) -> None:
                     if control is None and v is not None:
                         opts.update(rotate=v["rotate"], seed=v["seed"], codebook=v["codebook"], damp=v["damp"],
                                     act_order=v["act_order"], max_block=v["max_block"], tag=kind[len("kbit-gptq"):],
-                                    refine_passes=v["refine_passes"])
+                                    refine_passes=v["refine_passes"], asymmetric=v["asymmetric"])
                         if v["calib_tokens"]:
                             cfile = str(work / f"calib{v['calib_tokens']}.txt")
                             pathlib.Path(cfile).write_text(calibration_ids(tok, v["calib_tokens"])[1])

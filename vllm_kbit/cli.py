@@ -2,7 +2,7 @@
 
     vllm-kbit convert IN_DIR OUT_DIR --bits 4 [--bits-overrides experts=3 self_attn=5]
         [--modules-to-not-convert lm_head gate] [--quantize-lm-head] [--device auto|cpu|cuda] [--max-shard-size 4GB] [--overwrite]
-        [--codebook NAME] [--gptq [--calibration-file PATH] [--calibration-tokens N] [--damp F] [--no-act-order] [--refine-passes N]]
+        [--codebook NAME] [--gptq [--calibration-file PATH] [--calibration-tokens N] [--damp F] [--no-act-order] [--refine-passes N] [--asymmetric A]]
         [--rotate | --no-rotate] [--rotation-block B] [--rotation-seed S] [--rotation-tp T]
 """
 
@@ -129,6 +129,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--refine-passes", type=int, default=None, metavar="N",
                    help="--gptq: passes of coordinate descent on GPTQ's loss after its rounding (block scales and "
                    f"indices; 0 to {gptq.MAX_REFINE_PASSES}, default {gptq.DEFAULT_REFINE_PASSES})")
+    c.add_argument("--asymmetric", type=float, default=None, metavar="A",
+                   help="--gptq: asymmetric calibration (GPTAQ): round each layer towards the full-precision model's "
+                   "output on its full-precision inputs, A of the way (0 to 1, default "
+                   f"{gptq.DEFAULT_ASYMMETRIC:g}: each layer's own output on the rounded model's inputs)")
     c.add_argument(
         "--rotate",
         action=argparse.BooleanOptionalAction,
@@ -178,7 +182,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {flag} needs --gptq (the text calibrates GPTQ rounding)", file=sys.stderr)
         return 2
     gptq_only = [f for f, v in (("--damp", args.damp), ("--no-act-order", args.no_act_order or None),
-                                ("--refine-passes", args.refine_passes)) if v is not None]
+                                ("--refine-passes", args.refine_passes), ("--asymmetric", args.asymmetric))
+                if v is not None]
     if gptq_only and not args.gptq:
         print(f"error: {gptq_only[0]} needs --gptq (it sets GPTQ rounding)", file=sys.stderr)
         return 2
@@ -193,6 +198,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.damp is not None and not (0 < args.damp < 10 and args.damp == args.damp):
         print(f"error: --damp {args.damp} is not supported; it must be a fraction of H's mean diagonal in (0, 10)",
               file=sys.stderr)
+        return 2
+    if args.asymmetric is not None and not 0 <= args.asymmetric <= 1:
+        print(f"error: --asymmetric {args.asymmetric} is not supported; it must be 0 to 1", file=sys.stderr)
         return 2
     if args.refine_passes is not None and not 0 <= args.refine_passes <= gptq.MAX_REFINE_PASSES:
         print(f"error: --refine-passes {args.refine_passes} is not supported; it must be 0 to {gptq.MAX_REFINE_PASSES}",
@@ -226,7 +234,8 @@ def main(argv: list[str] | None = None) -> int:
             calibration_text=_read_text(args.calibration_file) if args.calibration_file else None,
             calibration_tokens=args.calibration_tokens,
             gptq_options={k: v for k, v in (("damp", args.damp), ("act_order", False if args.no_act_order else None),
-                                            ("refine_passes", args.refine_passes)) if v is not None},
+                                            ("refine_passes", args.refine_passes), ("asymmetric", args.asymmetric))
+                          if v is not None},
         )
     except (ConvertError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

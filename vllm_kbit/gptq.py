@@ -73,6 +73,10 @@ REFINE_SWEEPS = 2
 # Blocks refined at once hold [rows, scale candidates, 32] floats a few times over; rows go in chunks of this many
 # weights x candidates (64 MiB per tensor).
 REFINE_CHUNK = 1 << 24
+# Asymmetric calibration (GPTAQ, Li et al. 2025): each layer's target is the full-precision model's output on its
+# full-precision inputs, not the layer's own output on the (already rounded) model's inputs; ``asymmetric`` = a in
+# [0, 1] moves GPTQ's target from W to W + a W dC H^-1 (see :func:`asymmetric_target`); 0 = plain GPTQ.
+DEFAULT_ASYMMETRIC = 0.0
 # A routed expert with fewer routed calibration tokens than this many per block of 32 inputs (K/8) is
 # rounded on the Hessian of every token entering its layer (see expert_min_tokens).
 EXPERT_MIN_TOKENS_PER_BLOCK = 4
@@ -292,6 +296,55 @@ def refine_rounding(W: torch.Tensor, H: torch.Tensor, idx: torch.Tensor, codes: 
     return idx, codes
 
 
+def check_asymmetric(alpha) -> None:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+        raise ValueError(f"kbit gptq: asymmetric={alpha!r} is not supported; it must be a number from 0 to 1 "
+                         "(0 = plain GPTQ)")
+
+
+def asymmetric_target(W: torch.Tensor, H: torch.Tensor, dC: torch.Tensor, damp: float, alpha: float) -> torch.Tensor:
+    """GPTQ's target for asymmetric calibration, float32: W + alpha W dC H_d^-1, of W [N, K] (or [B, N, K] with
+    H, dC [B, K, K]), H = x^T x and dC = (x_fp - x)^T x over the calibration tokens (x: the layer's inputs in the
+    rounded model, x_fp: in the full-precision one), H_d = H damped as GPTQ damps it. At alpha = 1 it is the
+    least-squares weight for x of the full-precision output x_fp W^T, so ||x_fp W^T - x Q^T||^2 = ||x (W' - Q)^T||^2
+    + const: GPTQ on W' with H minimizes the error against the full-precision model."""
+    Wf = W.float()
+    batched = Wf.dim() == 3
+    Wb, Hb, dCb = (Wf, H, dC) if batched else (Wf[None], H[None], dC[None])
+    out = torch.empty_like(Wb)
+    for b in range(Wb.shape[0]):
+        L = torch.linalg.cholesky(_damped(Hb[b], damp))
+        G = Wb[b] @ dCb[b]  # [N, K]
+        out[b] = Wb[b] + alpha * torch.cholesky_solve(G.T.contiguous(), L).T  # G H_d^-1 (H_d symmetric)
+    return out if batched else out[0]
+
+
+def _full_precision_inputs(layer, prefix, hidden_fp, call, plan):
+    """({planned name: its input in the full-precision model}, the layer's full-precision output), from one run of
+    the layer with its own (not yet rounded) weights on the full-precision stream. Fused routed experts record
+    their hidden-state input under the module's name."""
+    inputs, handles = {}, []
+
+    def record(name):
+        def hook(mod, args, kwargs=None):
+            inputs.setdefault(name, args[0] if args else kwargs["hidden_states"])
+        return hook
+
+    for name, module in layer.named_modules():
+        full = f"{prefix}.{name}" if name else prefix
+        if isinstance(module, torch.nn.Linear) and f"{full}.weight" in plan:
+            handles.append(module.register_forward_pre_hook(record(f"{full}.weight")))
+        elif _is_fused_experts(module) and {f"{full}.gate_up_proj", f"{full}.down_proj"} & plan.keys():
+            handles.append(module.register_forward_pre_hook(record(full), with_kwargs=True))
+    try:
+        args, kwargs = call
+        out = layer(hidden_fp, *args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    return inputs, (out[0] if isinstance(out, tuple) else out)
+
+
 def _per_weight_matmul(x: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """x[b] @ m[b] for each weight b of [B, ...] stacks, one product at a time, so a weight's arithmetic is what it
     would be alone (a batched product may round differently)."""
@@ -400,6 +453,12 @@ def _linear_inputs_hessian(x: torch.Tensor) -> torch.Tensor:
     return x.T @ x
 
 
+def _input_shift(x_fp: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """dC = (x_fp - x)^T x [K, K], summed over the tokens as H is (asymmetric calibration)."""
+    x = x.reshape(-1, x.shape[-1]).float()
+    return (x_fp.reshape(-1, x.shape[-1]).float() - x).T @ x
+
+
 @dataclass
 class CalibrationReport:
     """What :func:`quantize_model` did: filled in as it goes (``convert`` prints it)."""
@@ -423,7 +482,8 @@ def quantize_model(model, tokenizer, select, text: str | None = None, n_tokens: 
                    window: int = DEFAULT_CALIBRATION_WINDOW, search_scale: bool = fmt.DEFAULT_SEARCH_SCALE,
                    damp: float = DEFAULT_DAMP, act_order: bool = DEFAULT_ACT_ORDER, scale_rule: str = DEFAULT_SCALE_RULE,
                    refine_passes: int = DEFAULT_REFINE_PASSES, progress=None, device=None, min_expert_tokens: int | None = None,
-                   report: CalibrationReport | None = None, rotation=None) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+                   report: CalibrationReport | None = None, rotation=None,
+                   asymmetric: float = DEFAULT_ASYMMETRIC) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """GPTQ-quantizes the model's decoder layers one at a time (see the module docstring).
 
     ``select(checkpoint_module_name) -> (k, codebook) or None`` picks the layers and their settings; it is
@@ -438,8 +498,14 @@ def quantize_model(model, tokenizer, select, text: str | None = None, n_tokens: 
     ``rotation`` (a :class:`vllm_kbit.settings.Rotation`) rounds every weight in the rotated basis: GPTQ on
     W R with the Hessian of the rotated inputs, R^T H R (:func:`rounded_weight`); the packed result is Q(W R),
     and the layer runs on with W_hat = Q(W R) R^T, so the next layers calibrate on what the model will compute.
+
+    ``asymmetric`` = a > 0 also runs the full-precision model alongside: each decoder layer first runs with its own
+    weights on the full-precision stream of hidden states, recording every planned weight's input x_fp there, and
+    each weight is then rounded towards :func:`asymmetric_target` (its output on x_fp, by least squares on the
+    rounded model's inputs x, moved a of the way), so errors the rounded layers before it made are compensated.
     """
     check_refine_passes(refine_passes)
+    check_asymmetric(asymmetric)
     report = CalibrationReport() if report is None else report
     batch = _calibration_batch(tokenizer, text, n_tokens, window)
     device = torch.device(device) if device is not None else next(model.parameters()).device
@@ -450,6 +516,7 @@ def quantize_model(model, tokenizer, select, text: str | None = None, n_tokens: 
         raise ValueError(f"kbit gptq: {type(model).__name__} has no decoder layer list (model.layers)")
     names = {id(m): n for n, m in model.named_modules()}
     hidden, layer_args = _capture_layer_inputs(body, layers, batch, device)
+    hidden_fp = hidden if asymmetric > 0 else None  # the full-precision model's stream (same input to layer 0)
     options = dict(search_scale=search_scale, damp=damp, act_order=act_order, scale_rule=scale_rule,
                    refine_passes=refine_passes)
     results: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -458,9 +525,12 @@ def quantize_model(model, tokenizer, select, text: str | None = None, n_tokens: 
         plan = _layer_plan(model, layer, names[id(layer)], select, rotation)
         _onload(layer, device)
         try:
-            packed = {}
+            packed, fp_inputs = {}, None
+            if hidden_fp is not None:
+                fp_inputs, hidden_fp = _full_precision_inputs(layer, names[id(layer)], hidden_fp, layer_args[i], plan)
+                fp_inputs["alpha"] = asymmetric
             hidden = _calibrate_layer(layer, names[id(layer)], hidden, layer_args[i], plan, packed, options,
-                                      min_expert_tokens, report, rotation)
+                                      min_expert_tokens, report, rotation, fp_inputs)
         finally:
             _release(layer)
         for param, (qweight, absmax) in packed.items():
@@ -642,10 +712,12 @@ def rounded_weight(W: torch.Tensor, H: torch.Tensor, codebook: torch.Tensor, k: 
     return qweight, absmax, W_hat
 
 
-def _calibrate_layer(layer, prefix, hidden, call, plan, packed, options, min_expert_tokens, report, rotation=None):
+def _calibrate_layer(layer, prefix, hidden, call, plan, packed, options, min_expert_tokens, report, rotation=None,
+                     fp_inputs=None):
     """Runs the layer once on all calibration tokens, rounding each planned weight when its input first
     arrives (linear layers: a pre-hook; routed experts: :func:`_experts_forward`); returns the layer's
-    output, computed with the rounded weights: the next layer's input."""
+    output, computed with the rounded weights: the next layer's input. ``fp_inputs`` (from
+    :func:`_full_precision_inputs`, with "alpha"): round towards :func:`asymmetric_target`."""
     last = {}  # the last input seen and its H: q/k/v (and gate/up) read the same tensor
 
     def hessian(x):
@@ -653,17 +725,24 @@ def _calibrate_layer(layer, prefix, hidden, call, plan, packed, options, min_exp
             last.update(x=x, H=_linear_inputs_hessian(x))
         return last["H"]
 
-    def rounded(name, W, H):
+    def rounded(name, W, H, dC=None):
         """(qweight, absmax, W's rounded values in its dtype) by GPTQ with the planned settings; W [N, K], or
-        [G, N, K] with H [G, K, K] for a group of experts."""
+        [G, N, K] with H [G, K, K] for a group of experts; with dC (asymmetric calibration) towards
+        :func:`asymmetric_target`."""
         k, cb, _ = plan[name]
+        if dC is not None:
+            W_target = asymmetric_target(W, H, dC, options["damp"], fp_inputs["alpha"])
+            qweight, absmax, W_hat = rounded_weight(W_target, H, cb, k, rotation, **options)
+            return qweight, absmax, W_hat.to(W.dtype)
         return rounded_weight(W, H, cb, k, rotation, **options)
 
     def linear_hook(name):
         def hook(mod, args):
             if name in packed:
                 return
-            qweight, absmax, W_hat = rounded(name, mod.weight.detach(), hessian(args[0]))
+            x = args[0]
+            dC = None if fp_inputs is None else _input_shift(fp_inputs[name], x)
+            qweight, absmax, W_hat = rounded(name, mod.weight.detach(), hessian(x), dC)
             mod.weight.copy_(W_hat)
             packed[name] = (qweight.cpu(), absmax.cpu())
         return hook
@@ -674,7 +753,8 @@ def _calibrate_layer(layer, prefix, hidden, call, plan, packed, options, min_exp
         if isinstance(module, torch.nn.Linear) and f"{full}.weight" in plan:
             handles.append(module.register_forward_pre_hook(linear_hook(f"{full}.weight")))
         elif _is_fused_experts(module) and {f"{full}.gate_up_proj", f"{full}.down_proj"} & plan.keys():
-            module.forward = _experts_forward(module, full, plan, packed, rounded, min_expert_tokens, report)
+            extra = {} if fp_inputs is None else {"x_fp_all": fp_inputs[full]}
+            module.forward = _experts_forward(module, full, plan, packed, rounded, min_expert_tokens, report, **extra)
             patched.append(module)
     try:
         args, kwargs = call
@@ -687,13 +767,16 @@ def _calibrate_layer(layer, prefix, hidden, call, plan, packed, options, min_exp
     return out[0] if isinstance(out, tuple) else out
 
 
-def _experts_forward(mod, name, plan, packed, rounded, min_expert_tokens, report):
+def _experts_forward(mod, name, plan, packed, rounded, min_expert_tokens, report, x_fp_all=None):
     """The experts' forward (transformers' eager one: act(x gate^T) * (x up^T), then down, weighted by the
     router) that rounds the experts just before they run, :data:`EXPERT_GROUP` at a time
     (:func:`gptq_quantize_experts`): gate_up on the Hessian of the tokens routed to each, down on the Hessian
     of its intermediate activations on those tokens. An expert with fewer than ``min_expert_tokens``
     (default :func:`expert_min_tokens`) is rounded on every token entering the layer instead (and its down
-    projection on its activations of all of them); it still outputs only its own tokens."""
+    projection on its activations of all of them); it still outputs only its own tokens. ``x_fp_all`` (asymmetric
+    calibration): the layer's input in the full-precision model; each expert's gate_up then rounds towards the
+    full-precision output on the same tokens, and its down projection towards its full-precision activations (its
+    gate_up's own weights on x_fp)."""
     E, two_i, K = mod.gate_up_proj.shape
     names = (f"{name}.gate_up_proj", f"{name}.down_proj")
     threshold = expert_min_tokens(K) if min_expert_tokens is None else min_expert_tokens
@@ -704,11 +787,11 @@ def _experts_forward(mod, name, plan, packed, rounded, min_expert_tokens, report
             N, KB = param.shape[1], param.shape[2] // fmt.BLOCK_SIZE
             packed[param_name] = (torch.empty(E, N, KB, k, dtype=torch.int32), torch.empty(E, N, KB, dtype=torch.uint8))
 
-    def round_experts(param_name, param, group, H):
-        """The group's weights [G, N, K] (a view of the layer's), rounded in place when planned; H [G, K, K]."""
+    def round_experts(param_name, param, group, H, dC=None):
+        """The group's weights [G, N, K] (a view of the layer's), rounded in place when planned; H (and dC) [G, K, K]."""
         experts = slice(group[0], group[-1] + 1)
         if param_name in plan:
-            qweight, absmax, W_hat = rounded(param_name, param[experts].detach(), H)
+            qweight, absmax, W_hat = rounded(param_name, param[experts].detach(), H, dC)
             param[experts].copy_(W_hat)
             packed[param_name][0][experts], packed[param_name][1][experts] = qweight.cpu(), absmax.cpu()
         return param[experts]
@@ -732,19 +815,30 @@ def _experts_forward(mod, name, plan, packed, rounded, min_expert_tokens, report
             H = hidden_states.new_empty(len(group), K, K, dtype=torch.float32)
             for i, (f, x) in enumerate(zip(few, xs)):
                 H[i] = H_all if f else _linear_inputs_hessian(x)
-            W_up = round_experts(names[0], mod.gate_up_proj, group, H)
-            del H
+            dC = dC_down = xs_fp = W_up_fp = None
+            if x_fp_all is not None:
+                xs_fp = [x_fp_all if f else x_fp_all[token_idx] for f, (token_idx, _) in zip(few, routes)]
+                dC = torch.stack([_input_shift(x_fp, x) for x_fp, x in zip(xs_fp, xs)])
+                W_up_fp = mod.gate_up_proj[group[0]: group[-1] + 1].detach().clone()  # before it is rounded in place
+            W_up = round_experts(names[0], mod.gate_up_proj, group, H, dC)
+            del H, dC
             H_down, acts = hidden_states.new_empty(len(group), two_i // 2, two_i // 2, dtype=torch.float32), []
+            if x_fp_all is not None:
+                dC_down = torch.empty_like(H_down)
             for i, (f, x, (token_idx, _)) in enumerate(zip(few, xs, routes)):
                 gate, up = torch.nn.functional.linear(x, W_up[i]).chunk(2, dim=-1)
                 act = mod.act_fn(gate) * up
                 del gate, up
                 H_down[i] = _linear_inputs_hessian(act)
+                if dC_down is not None:
+                    gate, up = torch.nn.functional.linear(xs_fp[i], W_up_fp[i]).chunk(2, dim=-1)
+                    dC_down[i] = _input_shift(mod.act_fn(gate) * up, act)
+                    del gate, up
                 acts.append(act[token_idx] if f else act)  # what the expert outputs: its routed tokens
                 del act
-            del xs
-            W_down = round_experts(names[1], mod.down_proj, group, H_down)
-            del H_down
+            del xs, xs_fp, W_up_fp
+            W_down = round_experts(names[1], mod.down_proj, group, H_down, dC_down)
+            del H_down, dC_down
             for i, (token_idx, pos) in enumerate(routes):
                 y = torch.nn.functional.linear(acts[i], W_down[i]) * top_k_weights[token_idx, pos, None]
                 out.index_add_(0, token_idx, y.to(out.dtype))
