@@ -73,6 +73,8 @@ REFINE_SWEEPS = 2
 # Blocks refined at once hold [rows, scale candidates, 32] floats a few times over; rows go in chunks of this many
 # weights x candidates (64 MiB per tensor).
 REFINE_CHUNK = 1 << 24
+# On a GPU each refinement step (one block, one chunk of rows) runs as a replayed CUDA graph (_GraphedStep).
+REFINE_CUDA_GRAPHS = True
 # Asymmetric calibration (GPTAQ, Li et al. 2025): each layer's target is the full-precision model's output on its
 # full-precision inputs, not the layer's own output on the (already rounded) model's inputs; ``asymmetric`` = a in
 # [0, 1] moves GPTQ's target from W to W + a W dC H^-1 (see :func:`asymmetric_target`); 0 = plain GPTQ.
@@ -266,34 +268,74 @@ def refine_rounding(W: torch.Tensor, H: torch.Tensor, idx: torch.Tensor, codes: 
     B, N, K = W.shape
     bs = fmt.BLOCK_SIZE
     cb = codebook.to(W.device)
-    thresholds = fmt.codebook_thresholds(cb)
-    offsets = torch.tensor((0, *REFINE_SCALE_OFFSETS), device=W.device)
+    consts = (cb, fmt.codebook_thresholds(cb), torch.tensor((0, *REFINE_SCALE_OFFSETS), device=W.device),
+              fmt.e4m4_table(W.device))
     idx, codes = idx.clone(), codes.clone()
     E = W - cb[idx.long()] * fmt.e4m4_decode(codes).repeat_interleave(bs, dim=-1)
     G = _per_weight_matmul(E, H)  # (E H)[n, j]: the loss's gradient / 2, kept current per block
-    rows = max(1, REFINE_CHUNK // (B * offsets.numel() * bs))
+    rows = max(1, REFINE_CHUNK // (B * consts[2].numel() * bs))
+    graphs = {}  # chunk shape -> its captured step (CUDA only), alive for this call
+
+    def step(*inputs):
+        if not (W.is_cuda and REFINE_CUDA_GRAPHS):
+            return _refine_block(*inputs, *consts)
+        key = tuple(t.shape for t in inputs)
+        if key not in graphs:
+            graphs[key] = _GraphedStep(lambda *x: _refine_block(*x, *consts), inputs)
+        return graphs[key](*inputs)
+
     for _ in range(passes):
         for blk in range(K // bs):
             c = slice(blk * bs, (blk + 1) * bs)
-            Hbb, E_old = H[:, c, c], E[:, :, c].clone()
+            Hbb, E_old = H[:, c, c].contiguous(), E[:, :, c].clone()
             for r in range(0, N, rows):
                 n = slice(r, min(r + rows, N))
-                outside = G[:, n, c] - _per_weight_matmul(E_old[:, n], Hbb)  # the other blocks' part of the gradient
-                cand = (codes[:, n, blk].int().unsqueeze(-1) + offsets).clamp(0, 255).to(torch.uint8)  # [B, n, C]
-                scale = fmt.e4m4_decode(cand)
-                w = W[:, n, c].unsqueeze(2).expand(-1, -1, cand.shape[-1], -1)  # [B, n, C, 32]
-                e = w - cb[(w.unsqueeze(-1) > thresholds * scale[..., None, None]).sum(-1)] * scale.unsqueeze(-1)
-                e[:, :, 0] = E_old[:, n]
-                grad = outside.unsqueeze(2) + _per_weight_matmul(e, Hbb)
-                e, q = _block_sweeps(w, e, grad, Hbb, scale, cb, thresholds, REFINE_SWEEPS)
-                # e Hbb e^T + 2 e . outside per candidate: the block's part of the loss
-                loss = (e * (_per_weight_matmul(e, Hbb) + 2 * outside.unsqueeze(2))).sum(-1)
-                best = loss.argmin(-1, keepdim=True)  # [B, n, 1]; the first smallest: ties keep the current scale
-                pick = best.unsqueeze(-1).expand(-1, -1, 1, bs)
-                E[:, n, c], idx[:, n, c] = e.gather(2, pick)[:, :, 0], q.gather(2, pick)[:, :, 0].to(idx.dtype)
-                codes[:, n, blk] = cand.gather(2, best)[..., 0]
+                e, q, code = step(W[:, n, c], G[:, n, c], E_old[:, n], codes[:, n, blk], Hbb)
+                E[:, n, c], idx[:, n, c], codes[:, n, blk] = e, q.to(idx.dtype), code
             G += _per_weight_matmul(E[:, :, c] - E_old, H[:, c])
     return idx, codes
+
+
+def _refine_block(w_c, g_c, e_old, code, Hbb, cb, thresholds, offsets, table):
+    """One block of 32 columns of :func:`refine_rounding` for a chunk of rows of B weights: w_c, g_c (the gradient E H
+    on the block), e_old (its current errors) [B, n, 32], code (its scale codes) [B, n], Hbb [B, 32, 32]; returns the
+    best candidate's (errors, indices, scale code)."""
+    outside = g_c - _per_weight_matmul(e_old, Hbb)  # the other blocks' part of the gradient
+    cand = (code.int().unsqueeze(-1) + offsets).clamp(0, 255).to(torch.uint8)  # [B, n, C]
+    scale = table[cand.long()]
+    w = w_c.unsqueeze(2).expand(-1, -1, cand.shape[-1], -1)  # [B, n, C, 32]
+    e = w - cb[(w.unsqueeze(-1) > thresholds * scale[..., None, None]).sum(-1)] * scale.unsqueeze(-1)
+    e[:, :, 0] = e_old
+    grad = outside.unsqueeze(2) + _per_weight_matmul(e, Hbb)
+    e, q = _block_sweeps(w, e, grad, Hbb, scale, cb, thresholds, REFINE_SWEEPS)
+    # e Hbb e^T + 2 e . outside per candidate: the block's part of the loss
+    loss = (e * (_per_weight_matmul(e, Hbb) + 2 * outside.unsqueeze(2))).sum(-1)
+    best = loss.argmin(-1, keepdim=True)  # [B, n, 1]; the first smallest: ties keep the current scale
+    pick = best.unsqueeze(-1).expand(-1, -1, 1, w.shape[-1])
+    return e.gather(2, pick)[:, :, 0], q.gather(2, pick)[:, :, 0], cand.gather(2, best)[..., 0]
+
+
+class _GraphedStep:
+    """``fn`` captured once in a CUDA graph on static copies of its inputs (tensors of one shape): a call copies the
+    inputs in and replays it. Refinement's steps are hundreds of small kernels each, so on a GPU its loop is bound by
+    their launches; replayed, they cost one launch (the same kernels, so the same results)."""
+
+    def __init__(self, fn, inputs):
+        self.inputs = [t.clone() for t in inputs]
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up outside the capture (library handles, allocator)
+            fn(*self.inputs)
+        torch.cuda.current_stream().wait_stream(side)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.outputs = fn(*self.inputs)
+
+    def __call__(self, *inputs):
+        for static, t in zip(self.inputs, inputs):
+            static.copy_(t)
+        self.graph.replay()
+        return self.outputs
 
 
 def check_asymmetric(alpha) -> None:
