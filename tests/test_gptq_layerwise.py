@@ -355,3 +355,58 @@ def test_bounded_memory_experts_equal_the_committed_calibration(tmp_path, monkey
     assert sorted(got) == sorted(want) and sum(".experts." in n for n in want) == 2 * 16 * 3
     for name in want:
         assert torch.equal(got[name][0], want[name][0]) and torch.equal(got[name][1], want[name][1]), name
+
+
+def test_asymmetric_target_is_the_least_squares_fit_of_the_full_precision_output():
+    """asymmetric_target at a = 1 (no damping to speak of): for any Q, ||x_fp W^T - x Q^T||^2 - ||x (W' - Q)^T||^2 is
+    one constant, so GPTQ on W' minimizes the error against the full-precision output; x_fp = x leaves W as it is;
+    a = 0.5 moves W half the way."""
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(800, 48, generator=g, dtype=torch.float64).float()
+    x_fp = x + 0.2 * torch.randn(800, 48, generator=g)
+    W = torch.randn(24, 48, generator=g)
+    H, dC = gptq._linear_inputs_hessian(x), gptq._input_shift(x_fp, x)
+    Wt = gptq.asymmetric_target(W, H, dC, 1e-9, 1.0)
+    gaps = []
+    for _ in range(3):
+        Q = W + 0.3 * torch.randn(24, 48, generator=g)
+        full = (x_fp.double() @ W.double().T - x.double() @ Q.double().T).square().sum()
+        gaps.append(full - (x.double() @ (Wt.double() - Q.double()).T).square().sum())
+    assert max(gaps) - min(gaps) <= 1e-4 * gaps[0].abs() + 1e-3, gaps
+    assert torch.equal(gptq.asymmetric_target(W, H, gptq._input_shift(x, x), gptq.DEFAULT_DAMP, 1.0), W)
+    half = gptq.asymmetric_target(W, H, dC, 1e-9, 0.5)
+    assert torch.allclose(half, (W + Wt) / 2, atol=1e-4)
+    batched = gptq.asymmetric_target(torch.stack([W, 2 * W]), torch.stack([H, H]), torch.stack([dC, dC]), 1e-9, 1.0)
+    assert torch.allclose(batched[1], 2 * Wt, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe"])
+def test_asymmetric_calibration_leaves_the_first_inputs_and_moves_the_rest(tmp_path, arch):
+    """Layer 0's q/k/v read the same input in the full-precision and the rounded model, so asymmetric calibration
+    packs them as plain GPTQ does, bit for bit; weights after the first rounded ones (o, the MLP or routed experts,
+    layer 1) see rounded inputs and move. asymmetric = 0 is plain GPTQ."""
+    from kbit_dev import tiny_models
+
+    src = tiny_models.build(arch, str(tmp_path / "src"), hidden=128, layers=2)
+    select = _select()
+    plain = gptq.quantize_model(*_load(src), select, _text(), n_tokens=2048, window=512)
+    zero = gptq.quantize_model(*_load(src), select, _text(), n_tokens=2048, window=512, asymmetric=0.0)
+    asym = gptq.quantize_model(*_load(src), select, _text(), n_tokens=2048, window=512, asymmetric=1.0)
+    assert sorted(asym) == sorted(plain)
+    for name in plain:
+        assert torch.equal(zero[name][0], plain[name][0]) and torch.equal(zero[name][1], plain[name][1]), name
+    first = [n for n in plain if ".layers.0.self_attn." in n and n.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")]
+    assert len(first) == 3
+    for name in first:
+        assert torch.equal(asym[name][0], plain[name][0]) and torch.equal(asym[name][1], plain[name][1]), name
+    moved = [n for n in plain if n not in first and not torch.equal(asym[n][0], plain[n][0])]
+    assert len(moved) >= len(plain) - len(first) - 2, (moved, sorted(plain))
+    if arch == "qwen3_moe":
+        assert any(".experts." in n for n in moved)
+
+
+@pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), True, "1"])
+def test_bad_asymmetric_is_refused_before_calibration(bad):
+    with pytest.raises(ValueError, match="asymmetric=.* is not supported; it must be a number from 0 to 1") as e:
+        gptq.quantize_model(None, None, lambda n: None, asymmetric=bad)
+    assert "\n" not in str(e.value)

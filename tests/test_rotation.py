@@ -263,6 +263,9 @@ def _cli(*args):
     (["--refine-passes", "2"], "--refine-passes needs --gptq"),
     (["--gptq", "--refine-passes", "17"], "--refine-passes 17 is not supported; it must be 0 to 16"),
     (["--gptq", "--refine-passes", "-1"], "--refine-passes -1 is not supported"),
+    (["--asymmetric", "0.5"], "--asymmetric needs --gptq"),
+    (["--gptq", "--asymmetric", "1.5"], "--asymmetric 1.5 is not supported; it must be 0 to 1"),
+    (["--gptq", "--asymmetric", "nan"], "--asymmetric nan is not supported"),
     (["--codebook", "nf9"], "codebook must be"),
 ])
 def test_cli_refuses_bad_rotation_flags_in_one_line(tmp_path, flags, match):
