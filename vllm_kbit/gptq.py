@@ -495,10 +495,16 @@ def _linear_inputs_hessian(x: torch.Tensor) -> torch.Tensor:
     return x.T @ x
 
 
-def _input_shift(x_fp: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """dC = (x_fp - x)^T x [K, K], summed over the tokens as H is (asymmetric calibration)."""
-    x = x.reshape(-1, x.shape[-1]).float()
-    return (x_fp.reshape(-1, x.shape[-1]).float() - x).T @ x
+def _input_shift(x_fp: torch.Tensor, x: torch.Tensor, rows: int = 4096) -> torch.Tensor:
+    """dC = (x_fp - x)^T x [K, K], summed over the tokens as H is (asymmetric calibration); ``rows`` tokens at a
+    time, so its float32 temporaries stay small beside the layer."""
+    K = x.shape[-1]
+    x, x_fp = x.reshape(-1, K), x_fp.reshape(-1, K)
+    dC = torch.zeros(K, K, dtype=torch.float32, device=x.device)
+    for r in range(0, x.shape[0], rows):
+        xr = x[r:r + rows].float()
+        dC.addmm_((x_fp[r:r + rows].float() - xr).T, xr)
+    return dC
 
 
 @dataclass
@@ -860,7 +866,9 @@ def _experts_forward(mod, name, plan, packed, rounded, min_expert_tokens, report
             dC = dC_down = xs_fp = W_up_fp = None
             if x_fp_all is not None:
                 xs_fp = [x_fp_all if f else x_fp_all[token_idx] for f, (token_idx, _) in zip(few, routes)]
-                dC = torch.stack([_input_shift(x_fp, x) for x_fp, x in zip(xs_fp, xs)])
+                dC = torch.empty_like(H)
+                for i, (x_fp, x) in enumerate(zip(xs_fp, xs)):
+                    dC[i] = _input_shift(x_fp, x)
                 W_up_fp = mod.gate_up_proj[group[0]: group[-1] + 1].detach().clone()  # before it is rounded in place
             W_up = round_experts(names[0], mod.gate_up_proj, group, H, dC)
             del H, dC
