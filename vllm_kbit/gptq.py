@@ -315,17 +315,6 @@ def _refine_block(w_c, g_c, e_old, code, Hbb, cb, thresholds, offsets, table):
     return e.gather(2, pick)[:, :, 0], q.gather(2, pick)[:, :, 0], cand.gather(2, best)[..., 0]
 
 
-_GRAPH_POOL = []
-
-
-def _graph_pool():
-    """One memory pool for every captured step of the process: steps run one after another, so a step captured later
-    reuses what earlier ones freed instead of holding a pool of its own."""
-    if not _GRAPH_POOL:
-        _GRAPH_POOL.append(torch.cuda.graph_pool_handle())
-    return _GRAPH_POOL[0]
-
-
 class _GraphedStep:
     """``fn`` captured once in a CUDA graph on static copies of its inputs (tensors of one shape): a call copies the
     inputs in and replays it. Refinement's steps are hundreds of small kernels each, so on a GPU its loop is bound by
@@ -339,7 +328,7 @@ class _GraphedStep:
             fn(*self.inputs)
         torch.cuda.current_stream().wait_stream(side)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=_graph_pool()):
+        with torch.cuda.graph(self.graph):
             self.outputs = fn(*self.inputs)
 
     def __call__(self, *inputs):
