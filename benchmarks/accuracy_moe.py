@@ -780,8 +780,7 @@ def kbit_gptq(ev: Evaluator, k: int, calib_file: str, threads: int, workdir: pat
     if act_order is False:
         cmd += ["--no-act-order"]
     cmd += ["--refine-passes", str(refine_passes or 0)]  # rows that name no refinement: plain GPTQ, as before it
-    if asymmetric is not None:
-        cmd += ["--asymmetric", str(asymmetric)]
+    cmd += ["--asymmetric", str(asymmetric or 0)]  # rows that name no asymmetric calibration: plain targets, as before it
     t = time.time()
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
     if proc.returncode:
@@ -956,7 +955,7 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
 
 ROTATION_SEEDS = (0, 1, 2)  # the rotated rows' sign seeds: each such row is measured once per seed
 REFINE_PASSES = (4,)  # convert --refine-passes values the refinement rows measure
-ASYMMETRIC = (0.25, 1.0)  # convert --asymmetric values the asymmetric rows measure (GPTAQ's default 0.25; the full target)
+ASYMMETRIC = (0.25, 0.5, 1.0)  # convert --asymmetric values the asymmetric rows measure (GPTAQ's default 0.25 .. the full target)
 CALIBRATED = ("kbit-gptq", "llmc-gptq", "llmc-awq", "gptqmodel-gptq", "llmc-quip-gptq")
 # Controls: llm-compressor's own round-to-nearest at GPTQ W4A16's storage (the MoE must equal the dense model), and
 # its GPTQ W4A16 weights with the MLP's down projections (dense down_proj, the experts' w2) taken from that RTN.
