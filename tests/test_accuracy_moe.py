@@ -276,10 +276,11 @@ def test_rotation_rows_average_over_seeds_and_issue_61_goals_compare_gaps(acc):
 
 def test_kbit_kinds_spell_their_options(acc):
     assert acc.kbit_variant("kbit") == {"gptq": False, "rotate": False, "seed": 0, "max_block": None, "codebook": None,
-                                        "damp": None, "act_order": None, "refine_passes": None, "calib_tokens": None}
-    v = acc.kbit_variant("kbit-gptq-rot-nf-damp0.1-noact-ref4-c8192-s2")
+                                        "damp": None, "act_order": None, "refine_passes": None, "asymmetric": None,
+                                        "calib_tokens": None}
+    v = acc.kbit_variant("kbit-gptq-rot-nf-damp0.1-noact-ref4-asym0.25-c8192-s2")
     assert v == {"gptq": True, "rotate": True, "seed": 2, "max_block": None, "codebook": "normal_float", "damp": 0.1,
-                 "act_order": False, "refine_passes": 4, "calib_tokens": 8192}
+                 "act_order": False, "refine_passes": 4, "asymmetric": 0.25, "calib_tokens": 8192}
     v = acc.kbit_variant("kbit-gptq-rot-b128-s1")
     assert (v["rotate"], v["max_block"], v["seed"]) == (True, 128, 1)
     assert acc.kbit_variant("kbit-gptq-b128") is None  # a block without rotation means nothing

@@ -77,8 +77,9 @@ REFINE_CHUNK = 1 << 24
 REFINE_CUDA_GRAPHS = True
 # Asymmetric calibration (GPTAQ, Li et al. 2025): each layer's target is the full-precision model's output on its
 # full-precision inputs, not the layer's own output on the (already rounded) model's inputs; ``asymmetric`` = a in
-# [0, 1] moves GPTQ's target from W to W + a W dC H^-1 (see :func:`asymmetric_target`); 0 = plain GPTQ.
-DEFAULT_ASYMMETRIC = 0.0
+# [0, 1] moves GPTQ's target from W to W + a W dC H^-1 (see :func:`asymmetric_target`); 0 = plain GPTQ. 0.25 (GPTAQ's
+# own): lower perplexity in every pair measured, 0.5 as low, 1.0 less so (docs/decisions.md, "Asymmetric calibration").
+DEFAULT_ASYMMETRIC = 0.25
 # A routed expert with fewer routed calibration tokens than this many per block of 32 inputs (K/8) is
 # rounded on the Hessian of every token entering its layer (see expert_min_tokens).
 EXPERT_MIN_TOKENS_PER_BLOCK = 4
