@@ -1546,9 +1546,12 @@ def rotation_section(records: list[dict], mkeys, level: str = "##") -> list[str]
 
 
 # The rotated --gptq rows each goal is checked for, (rotated row's suffix, its unrotated row's suffix): the default
-# block cap, the cap of 128 (what decode kernels fuse), convert's default calibration budget, and that with refinement.
+# block cap, the cap of 128 (what decode kernels fuse), convert's default calibration budget, that with refinement and
+# with refinement and asymmetric calibration.
 ROTATION_VARIANTS = (("", ""), (", block <= 128", ""), (", 16384 calibration tokens", ", 16384 calibration tokens"),
-                     *((f", refine {P}, 16384 calibration tokens",) * 2 for P in REFINE_PASSES))
+                     *((f", refine {P}, 16384 calibration tokens",) * 2 for P in REFINE_PASSES),
+                     *((f", refine {P}, asymmetric {A}, 16384 calibration tokens",) * 2 for P in REFINE_PASSES
+                       for A in ASYMMETRIC))
 
 
 def rotation_goals(records: list[dict], mkeys) -> list[str]:
