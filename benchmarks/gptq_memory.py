@@ -2,6 +2,7 @@
 checkpoint of random bf16 weights.
 
     python3 benchmarks/gptq_memory.py [--layers 4] [--tokens 16384] [--bits 4] [--out benchmarks/results]
+        [--refine-passes P] [--asymmetric A] [--rotate | --no-rotate] [--tag SUFFIX]   (default: convert's)
     python3 benchmarks/gptq_memory.py --shape tiny --device cpu --out /tmp/gptq-memory   # a CPU check, ~1 minute
     python3 benchmarks/gptq_memory.py --layers 1 --tokens 2048 --device cpu   # the 30B shape's peak on a CPU
 
