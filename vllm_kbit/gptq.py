@@ -362,6 +362,17 @@ def asymmetric_target(W: torch.Tensor, H: torch.Tensor, dC: torch.Tensor, damp: 
     return out if batched else out[0]
 
 
+def _planned_modules(layer, prefix, plan):
+    """(name, module, is_experts) of the layer's modules that hold planned weights: linear layers under their
+    weight's name, fused routed experts under the module's name."""
+    for name, module in layer.named_modules():
+        full = f"{prefix}.{name}" if name else prefix
+        if isinstance(module, torch.nn.Linear) and f"{full}.weight" in plan:
+            yield f"{full}.weight", module, False
+        elif _is_fused_experts(module) and {f"{full}.gate_up_proj", f"{full}.down_proj"} & plan.keys():
+            yield full, module, True
+
+
 def _full_precision_inputs(layer, prefix, hidden_fp, call, plan):
     """({planned name: its input in the full-precision model}, the layer's full-precision output), from one run of
     the layer with its own (not yet rounded) weights on the full-precision stream. Fused routed experts record
@@ -373,12 +384,8 @@ def _full_precision_inputs(layer, prefix, hidden_fp, call, plan):
             inputs.setdefault(name, args[0] if args else kwargs["hidden_states"])
         return hook
 
-    for name, module in layer.named_modules():
-        full = f"{prefix}.{name}" if name else prefix
-        if isinstance(module, torch.nn.Linear) and f"{full}.weight" in plan:
-            handles.append(module.register_forward_pre_hook(record(f"{full}.weight")))
-        elif _is_fused_experts(module) and {f"{full}.gate_up_proj", f"{full}.down_proj"} & plan.keys():
-            handles.append(module.register_forward_pre_hook(record(full), with_kwargs=True))
+    for name, module, experts in _planned_modules(layer, prefix, plan):
+        handles.append(module.register_forward_pre_hook(record(name), with_kwargs=experts))
     try:
         args, kwargs = call
         out = layer(hidden_fp, *args, **kwargs)
@@ -767,12 +774,19 @@ def _calibrate_layer(layer, prefix, hidden, call, plan, packed, options, min_exp
     arrives (linear layers: a pre-hook; routed experts: :func:`_experts_forward`); returns the layer's
     output, computed with the rounded weights: the next layer's input. ``fp_inputs`` (from
     :func:`_full_precision_inputs`, with "alpha"): round towards :func:`asymmetric_target`."""
-    last = {}  # the last input seen and its H: q/k/v (and gate/up) read the same tensor
+    last = {}  # the last input seen, its H and dC: q/k/v (and gate/up) read the same tensor
 
     def hessian(x):
         if last.get("x") is not x:
+            last.clear()
             last.update(x=x, H=_linear_inputs_hessian(x))
         return last["H"]
+
+    def shift(x_fp, x):
+        hessian(x)
+        if "dC" not in last:
+            last["dC"] = _input_shift(x_fp, x)
+        return last["dC"]
 
     def rounded(name, W, H, dC=None):
         """(qweight, absmax, W's rounded values in its dtype) by GPTQ with the planned settings; W [N, K], or
@@ -790,21 +804,20 @@ def _calibrate_layer(layer, prefix, hidden, call, plan, packed, options, min_exp
             if name in packed:
                 return
             x = args[0]
-            dC = None if fp_inputs is None else _input_shift(fp_inputs[name], x)
+            dC = None if fp_inputs is None else shift(fp_inputs[name], x)
             qweight, absmax, W_hat = rounded(name, mod.weight.detach(), hessian(x), dC)
             mod.weight.copy_(W_hat)
             packed[name] = (qweight.cpu(), absmax.cpu())
         return hook
 
     handles, patched = [], []
-    for name, module in layer.named_modules():
-        full = f"{prefix}.{name}" if name else prefix
-        if isinstance(module, torch.nn.Linear) and f"{full}.weight" in plan:
-            handles.append(module.register_forward_pre_hook(linear_hook(f"{full}.weight")))
-        elif _is_fused_experts(module) and {f"{full}.gate_up_proj", f"{full}.down_proj"} & plan.keys():
-            extra = {} if fp_inputs is None else {"x_fp_all": fp_inputs[full]}
-            module.forward = _experts_forward(module, full, plan, packed, rounded, min_expert_tokens, report, **extra)
-            patched.append(module)
+    for name, module, experts in _planned_modules(layer, prefix, plan):
+        if not experts:
+            handles.append(module.register_forward_pre_hook(linear_hook(name)))
+            continue
+        extra = {} if fp_inputs is None else {"x_fp_all": fp_inputs[name]}
+        module.forward = _experts_forward(module, name, plan, packed, rounded, min_expert_tokens, report, **extra)
+        patched.append(module)
     try:
         args, kwargs = call
         out = layer(hidden, *args, **kwargs)
