@@ -262,6 +262,8 @@ def run(args) -> tuple[dict, list[str]]:
         index = torch.device(device).index or 0 if cuda else 0
         sampler = DeviceMemorySampler(index) if cuda else None
         cpu_tracker = _TrackCalibration() if device == "cpu" else None
+        if cuda and args.peak_trace:  # every allocation with its Python stack, replayed after to the peak
+            torch.cuda.memory._record_memory_history(max_entries=TRACE_EVENTS, stacks="python")
         t0 = time.perf_counter()
         with sampler if sampler else _nothing(), cpu_tracker if cpu_tracker else _nothing():
             rotate = gptq.DEFAULT_ROTATE if args.rotate is None else args.rotate
@@ -272,6 +274,10 @@ def run(args) -> tuple[dict, list[str]]:
                                                                ("asymmetric", args.asymmetric)) if v is not None})
         refine = gptq.DEFAULT_REFINE_PASSES if args.refine_passes is None else args.refine_passes
         convert_s = time.perf_counter() - t0
+        peak_live = None
+        if cuda and args.peak_trace:
+            peak_live = live_at_peak(torch.cuda.memory._snapshot(), args.peak_trace)
+            torch.cuda.memory._record_memory_history(enabled=None)
     finally:
         if not args.workdir:
             shutil.rmtree(work, ignore_errors=True)
@@ -299,11 +305,47 @@ def run(args) -> tuple[dict, list[str]]:
                       nvml_source=sampler.source, nvml_baseline=sampler.baseline, nvml_peak=sampler.peak)
         result["goal_bytes"] = layer + 2 * GIB
         result["goal_met"] = result["max_memory_allocated"] <= result["goal_bytes"]
+    if peak_live is not None:
+        result["peak_live"] = peak_live
     if cpu_tracker is not None:
         result["cpu_calibration_peak_bytes"] = cpu_tracker.tracker.peak
         result["goal_bytes"] = layer + 2 * GIB
         result["goal_met"] = layer + cpu_tracker.tracker.peak <= result["goal_bytes"]
     return result, report_lines(result)
+
+
+TRACE_EVENTS = 4_000_000  # the allocation trace keeps this many events, the newest
+
+
+def live_at_peak(snapshot: dict, top: int) -> dict:
+    """From a memory-history snapshot: the allocations live when the allocated total peaked, grouped by their stack's
+    frames in vllm_kbit (the innermost three), the ``top`` largest groups. The replay counts only what the trace
+    holds, so its peak is the allocator's if the trace kept every event (``events_dropped`` says if it did not)."""
+    trace = snapshot["device_traces"][0]
+    live, total, peak, at = {}, 0, 0, -1
+    for i, e in enumerate(trace):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])
+        if total > peak:
+            peak, at = total, i
+    groups, live = {}, {}
+    for e in trace[:at + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live.pop(e["addr"], None)
+    for e in live.values():
+        frames = [f"{os.path.basename(f['filename'])}:{f['line']} {f['name']}" for f in e.get("frames", ())
+                  if "vllm_kbit" in f["filename"]][:3]
+        key = " < ".join(frames) or "(no vllm_kbit frame)"
+        n, b = groups.get(key, (0, 0))
+        groups[key] = (n + 1, b + e["size"])
+    rows = sorted(groups.items(), key=lambda kv: -kv[1][1])[:top]
+    return dict(peak_bytes=peak, events=len(trace), events_dropped=len(trace) >= TRACE_EVENTS,
+                groups=[dict(where=k, tensors=n, bytes=b) for k, (n, b) in rows])
 
 
 def _size(n: float) -> str:
@@ -345,6 +387,12 @@ def report_lines(r: dict) -> list[str]:
               f"| routed experts rounded / on all tokens (fewer than {'/'.join(map(str, r['min_expert_tokens']))} "
               f"routed tokens) | {r['experts']} / {r['experts_fallback']} |",
               f"| writing the random checkpoint | {r['checkpoint_build_seconds']:.1f} s |"]
+    if r.get("peak_live"):
+        p = r["peak_live"]
+        lines += ["", f"Tensors live at the peak of the allocation trace ({_size(p['peak_bytes'])}, {p['events']} events"
+                  + (", the oldest dropped: incomplete" if p["events_dropped"] else "") + "), by where they were made:",
+                  "", "| where (innermost vllm_kbit frames) | tensors | size |", "| --- | ---: | ---: |"]
+        lines += [f"| `{g['where']}` | {g['tensors']} | {_size(g['bytes'])} |" for g in p["groups"]]
     return lines
 
 
@@ -377,6 +425,9 @@ def main() -> None:
                         help="asymmetric calibration (convert --asymmetric A; default: convert's)")
     parser.add_argument("--rotate", action=argparse.BooleanOptionalAction, default=None,
                         help="convert --rotate / --no-rotate (default: convert's with --gptq)")
+    parser.add_argument("--peak-trace", type=int, default=0, metavar="N",
+                        help="CUDA: record every allocation's Python stack and report the N largest groups of "
+                        "tensors live at the peak (slower)")
     parser.add_argument("--tag", default="", help="suffix of the result files' names")
     parser.add_argument("--device", default="auto", help="auto, cuda, cuda:1 or cpu")
     parser.add_argument("--workdir", help="keep the checkpoints here (default: a temporary directory, removed)")
