@@ -76,9 +76,13 @@ def test_experts_together_equal_one_at_a_time(k, rule, act_order):
 
 @pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
 @pytest.mark.parametrize("search", [True, False])
-def test_all_candidate_block_scales_equal_the_reference(k, search):
+@pytest.mark.parametrize("rows_at_once", [None, 128])
+def test_all_candidate_block_scales_equal_the_reference(k, search, rows_at_once, monkeypatch):
     """The experts' scale decision (every candidate at once) picks the reference's code: zero blocks, blocks
-    with tied candidates (values on a coarse grid) and per-row column weights included."""
+    with tied candidates (values on a coarse grid) and per-row column weights included; also when it takes the
+    blocks a few rows at a time (SCALE_SEARCH_ROWS below the 600 here: 4 full chunks and a short one)."""
+    if rows_at_once:
+        monkeypatch.setattr(gptq, "SCALE_SEARCH_ROWS", rows_at_once)
     g = torch.Generator().manual_seed(20 + k)
     W = torch.randn(600, 32, generator=g) * torch.rand(600, 1, generator=g) * 0.1
     W[:50] = 0

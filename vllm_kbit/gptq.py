@@ -88,6 +88,9 @@ EXPERT_GROUP = 8  # routed experts rounded together (gptq_quantize_experts): a f
 # decode go through int64 tensors of k (decode: 2 x k) x 8 bytes per weight, 1.7 GiB for a group of 8 of
 # Qwen3-30B-A3B's gate_up at k = 4 in one call; per chunk of 2^20 weights at most 80 MiB (k = 5).
 PACK_CHUNK_WEIGHTS = 1 << 20
+# Blocks whose scale candidates _block_scales tries at once: its comparisons take about 25 KB per block at
+# k = 5, so 4096 bound them near 100 MiB (a group of 8 experts' 12288 blocks at once took 0.44 GiB).
+SCALE_SEARCH_ROWS = 4096
 # Modules whose docstrings make up the default calibration text (prose with some code, like the
 # instructions and documentation a language model reads). Fixed, so a Python version always gives
 # the same text.
@@ -321,9 +324,14 @@ class _GraphedStep:
     inputs in and replays it. Refinement's steps are hundreds of small kernels each, so on a GPU its loop is bound by
     their launches; replayed, they cost one launch (the same kernels, so the same results)."""
 
+    _warmup_streams: dict = {}  # device -> the one side stream of every warm-up (see __init__)
+
     def __init__(self, fn, inputs):
         self.inputs = [t.clone() for t in inputs]
-        side = torch.cuda.Stream()
+        # One warm-up stream per device for all steps: cuBLAS keeps a workspace (32 MiB on Hopper) per stream it
+        # ran on, and the allocator caches freed blocks per stream, so a new stream per step kept a GiB allocated.
+        dev = inputs[0].device
+        side = self._warmup_streams.setdefault(dev, torch.cuda.Stream(dev))
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):  # warm-up outside the capture (library handles, allocator)
             fn(*self.inputs)
@@ -451,6 +459,10 @@ def _block_scales(block: torch.Tensor, codebook: torch.Tensor, search: bool, col
     absmax_code = fmt.block_absmax_codes(block)[:, 0]
     if not search:
         return absmax_code
+    if block.shape[0] > SCALE_SEARCH_ROWS:  # rows are independent: a few at a time bounds the temporaries
+        return torch.cat([_block_scales(block[r:r + SCALE_SEARCH_ROWS], codebook, search,
+                                        None if col_weight is None else col_weight[r:r + SCALE_SEARCH_ROWS])
+                          for r in range(0, block.shape[0], SCALE_SEARCH_ROWS)])
     offsets = torch.tensor((0, *fmt.SCALE_SEARCH_OFFSETS), device=block.device)
     codes = (absmax_code.int().unsqueeze(-1) + offsets).clamp(0, 255).to(torch.uint8)  # [R, C]
     scale = fmt.e4m4_decode(codes)
