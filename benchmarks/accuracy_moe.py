@@ -939,6 +939,9 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
                      *((f"kbit-4 --gptq + rotation, refine {P}, asymmetric {A}, 16384 calibration tokens (seed {s})",
                         "kbit-gptq", 4, f"kbit-gptq-rot-ref{P}-asym{A}-c16384-s{s}") for s in ROTATION_SEEDS)]
     rows += [(f"llm-compressor QuIP + GPTQ W{k}A16 {g}", "llmc-quip-gptq", k, f"llmc-quip-gptq-w{k}") for k in (4, 3, 2)]
+    # The peer at convert --gptq's default budget (the kbit rows above that name 16384 tokens).
+    rows += [(f"llm-compressor QuIP + GPTQ W{k}A16 {g}, 16384 calibration tokens", "llmc-quip-gptq", k,
+              f"llmc-quip-gptq-w{k}-c16384") for k in (4, 3, 2)]
     if expert_controls:
         rows += [(BLOCKDIAG_CONTROL.format(k=k), "kbit-gptq", k, "kbit-gptq-blockdiag") for k in (4, 3)]
     rows += [(FP32_CONTROL.format(k=k), "kbit-gptq", k, "kbit-gptq-fp32") for k in (4, 3)]
@@ -1097,7 +1100,12 @@ def main(argv: list[str] | None = None) -> None:
                             "notes": ["the GPTQ W4A16 row's weights with every down projection replaced by the RTN control's"]}
                 else:
                     python = args.gptqmodel_python if family == "gptqmodel-gptq" else args.peer_python
-                    weights, info = cached(ckey, tag, lambda: run_peer(python, kind, mdir, str(calib_json), args.threads, work / mkey,
+                    peer, cjson, pdir = kind, calib_json, work / mkey
+                    budget = re.fullmatch(r"(.+)-c(\d+)", kind)  # a peer row at its own calibration budget
+                    if budget:
+                        peer, cjson, pdir = budget[1], work / f"calib_ids{budget[2]}.json", work / mkey / kind
+                        cjson.write_text(json.dumps(calibration_ids(tok, int(budget[2]))[0]))
+                    weights, info = cached(ckey, tag, lambda: run_peer(python, peer, mdir, str(cjson), args.threads, pdir,
                                                                        group, quip_block))
             except Exception as e:  # a tool that does not run here: recorded, the table goes on
                 print(f"[{mkey}] {name}: FAILED {type(e).__name__}: {str(e)[-800:]}", flush=True)
