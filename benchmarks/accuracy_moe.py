@@ -257,7 +257,10 @@ PEER_METHODS = {
     "bnb-nf4": ("nf4", 4),
     "humming-u5": ("humming", 5), "humming-u4": ("humming", 4), "humming-u3": ("humming", 3), "humming-u2": ("humming", 2),
     "gptqmodel-gptq-w4": ("gptqmodel-gptq", 4), "gptqmodel-gptq-w3": ("gptqmodel-gptq", 3),
+    # GPTQModel's GPTAQ (asymmetric calibration at its recommended alpha 0.25, what convert --asymmetric 0.25 does)
+    "gptqmodel-gptaq-w4": ("gptqmodel-gptq", 4), "gptqmodel-gptaq-w3": ("gptqmodel-gptq", 3),
 }
+GPTAQ_ALPHA = 0.25
 
 
 def _versions(mods) -> dict:
@@ -418,7 +421,12 @@ def _peer_gptqmodel(method: str, model_dir: str, out_dir: str, calib: list[int])
 
     family, k = PEER_METHODS[method]
     rows = [calib[i : i + CALIB_WINDOW] for i in range(0, len(calib), CALIB_WINDOW)]
-    cfg = QuantizeConfig(bits=k, group_size=PEER_GROUP)
+    gptaq = None
+    if "gptaq" in method:
+        from gptqmodel.quantization.config import GPTAQConfig
+
+        gptaq = GPTAQConfig(alpha=GPTAQ_ALPHA, device="cpu")
+    cfg = QuantizeConfig(bits=k, group_size=PEER_GROUP, gptaq=gptaq)
     model = GPTQModel.load(model_dir, cfg)
     model.quantize([{"input_ids": r, "attention_mask": [1] * len(r)} for r in rows], batch_size=1)
     packed_dir = os.path.join(out_dir, "packed")
@@ -440,7 +448,8 @@ def _peer_gptqmodel(method: str, model_dir: str, out_dir: str, calib: list[int])
             W = mod.dequantize_weight().t()  # its kernels keep weights as [in, out]
             assert tuple(W.shape) == (mod.out_features, mod.in_features), (name, tuple(W.shape))
             out[canonical_module(name) + ".weight"] = W.to(torch.bfloat16).contiguous()
-    notes += [f"GPTQModel QuantizeConfig(bits={k}, group_size={PEER_GROUP}), the rest its defaults (desc_act "
+    notes += [f"GPTQModel QuantizeConfig(bits={k}, group_size={PEER_GROUP}"
+              + (f", gptaq=GPTAQConfig(alpha={GPTAQ_ALPHA})" if gptaq else "") + "), the rest its defaults (desc_act "
              f"{qcfg.get('desc_act')}, sym {qcfg.get('sym')}, damp {qcfg.get('meta', {}).get('damp_percent')}, act-group-aware "
              f"{qcfg.get('meta', {}).get('act_group_aware')}); checkpoint format {qcfg.get('checkpoint_format')}, loaded "
              f"back with BACKEND.TORCH and decoded by dequantize_weight ({len(out)} linears); torchvision stubbed (see "
@@ -950,6 +959,8 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
              (RTN_CONTROL.format(g=g), "llmc-rtn", 4, "llmc-rtn-w4"), (DOWN_DIAGNOSTIC.format(g=g), "llmc-gptq", 4, "diag-gptq-down-rtn"),
              ("GPTQModel GPTQ W4A16 g64", "gptqmodel-gptq", 4, "gptqmodel-gptq-w4"),
              ("GPTQModel GPTQ W3A16 g64", "gptqmodel-gptq", 3, "gptqmodel-gptq-w3"),
+             *((f"GPTQModel GPTAQ W{k}A16 g64, 16384 calibration tokens", "gptqmodel-gptq", k,
+                f"gptqmodel-gptaq-w{k}-c16384") for k in (4, 3)),
              ("HQQ 5-bit g64", "hqq", 5, "hqq-5"), ("HQQ 4-bit g64", "hqq", 4, "hqq-4"), ("HQQ 3-bit g64", "hqq", 3, "hqq-3"),
              ("bitsandbytes NF4 bs64", "nf4", 4, "bnb-nf4")]
     rows += [(f"Humming uint{k} g128 (RTN)", "humming", k, f"humming-u{k}") for k in (5, 4, 3, 2)]
