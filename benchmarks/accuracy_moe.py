@@ -1608,10 +1608,13 @@ def rotation_goals(records: list[dict], mkeys) -> list[str]:
                            f"{'yes' if a < b else '**no**'} |")
         for k in (4, 3, 2):
             for variant, _ in ROTATION_VARIANTS:
-                if "calibration tokens" in variant:  # the peer rows ran at the default budget only: same tokens or none
-                    continue
+                # the peer at the same calibration tokens: its 2048-token rows, or those naming 16384
+                budget = re.search(r"(\d+) calibration tokens", variant)
                 a, an = ppl(f"kbit-{k} --gptq + rotation{variant}")
-                peer = next((r for r in records if r["model"] == mkey and r["kind"] == f"llmc-quip-gptq-w{k}"), None)
+                if a is None and k == 2:  # k = 2's rows at the full budget take the symmetric codebook
+                    a, an = ppl(f"kbit-{k} --gptq + rotation, codebook normal_float{variant}")
+                pkind = f"llmc-quip-gptq-w{k}" + (f"-c{budget[1]}" if budget else "")
+                peer = next((r for r in records if r["model"] == mkey and r["kind"] == pkind), None)
                 if a is not None and peer is not None:
                     b = peer["perplexity"]
                     out.append(f"| {mkey} | at or below QuIP + GPTQ W{k} | {an} | {cell(a)} | {peer['method']} "
