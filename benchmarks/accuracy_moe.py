@@ -947,6 +947,15 @@ def method_specs(calibrated_tokens: int, group: int = PEER_GROUP, expert_control
                        for s in ROTATION_SEEDS),
                      *((f"kbit-4 --gptq + rotation, refine {P}, asymmetric {A}, 16384 calibration tokens (seed {s})",
                         "kbit-gptq", 4, f"kbit-gptq-rot-ref{P}-asym{A}-c16384-s{s}") for s in ROTATION_SEEDS)]
+    # convert's defaults (refinement, asymmetric 0.25) at twice its default calibration budget: does k = 2, 3 still gain?
+    for P in REFINE_PASSES:
+        A = ASYMMETRIC[0]
+        rows += [(f"kbit-3 --gptq, refine {P}, asymmetric {A}, 32768 calibration tokens", "kbit-gptq", 3,
+                  f"kbit-gptq-ref{P}-asym{A}-c32768"),
+                 (f"kbit-3 --gptq + rotation, refine {P}, asymmetric {A}, 32768 calibration tokens (seed 0)", "kbit-gptq", 3,
+                  f"kbit-gptq-rot-ref{P}-asym{A}-c32768-s0"),
+                 (f"kbit-2 --gptq + rotation, codebook normal_float, refine {P}, asymmetric {A}, 32768 calibration tokens "
+                  "(seed 0)", "kbit-gptq", 2, f"kbit-gptq-rot-nf-ref{P}-asym{A}-c32768-s0")]
     rows += [(f"llm-compressor QuIP + GPTQ W{k}A16 {g}", "llmc-quip-gptq", k, f"llmc-quip-gptq-w{k}") for k in (4, 3, 2)]
     # The peer at convert --gptq's default budget (the kbit rows above that name 16384 tokens).
     rows += [(f"llm-compressor QuIP + GPTQ W{k}A16 {g}, 16384 calibration tokens", "llmc-quip-gptq", k,
@@ -1569,8 +1578,8 @@ def rotation_section(records: list[dict], mkeys, level: str = "##") -> list[str]
 # with refinement and asymmetric calibration.
 ROTATION_VARIANTS = (("", ""), (", block <= 128", ""), (", 16384 calibration tokens", ", 16384 calibration tokens"),
                      *((f", refine {P}, 16384 calibration tokens",) * 2 for P in REFINE_PASSES),
-                     *((f", refine {P}, asymmetric {A}, 16384 calibration tokens",) * 2 for P in REFINE_PASSES
-                       for A in ASYMMETRIC))
+                     *((f", refine {P}, asymmetric {A}, {c} calibration tokens",) * 2 for P in REFINE_PASSES
+                       for A in ASYMMETRIC for c in (16384, 32768)))
 
 
 def rotation_goals(records: list[dict], mkeys) -> list[str]:
