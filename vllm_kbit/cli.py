@@ -131,8 +131,8 @@ def _parser() -> argparse.ArgumentParser:
                    f"indices; 0 to {gptq.MAX_REFINE_PASSES}, default {gptq.DEFAULT_REFINE_PASSES})")
     c.add_argument("--asymmetric", type=float, default=None, metavar="A",
                    help="--gptq: asymmetric calibration (GPTAQ): round each layer towards the full-precision model's "
-                   "output on its full-precision inputs, A of the way (0 to 1, default "
-                   f"{gptq.DEFAULT_ASYMMETRIC:g}: each layer's own output on the rounded model's inputs)")
+                   f"output on its full-precision inputs, A of the way (0 to 1, default {gptq.DEFAULT_ASYMMETRIC:g}; 0: plain "
+                   "GPTQ, each layer's own output on the rounded model's inputs)")
     c.add_argument(
         "--rotate",
         action=argparse.BooleanOptionalAction,
