@@ -459,13 +459,13 @@ def _block_scales(block: torch.Tensor, codebook: torch.Tensor, search: bool, col
     """:func:`reference.block_scales` of blocks [R, 32] (per-row column weights [R, 32] or None) -> codes [R]: the
     same candidates, indices, errors and first-smallest rule, with every candidate at once (a few dozen ops
     instead of a loop of a thousand, which the column loop would pay at each of its scale decisions)."""
-    absmax_code = fmt.block_absmax_codes(block)[:, 0]
-    if not search:
-        return absmax_code
-    if block.shape[0] > SCALE_SEARCH_ROWS:  # rows are independent: a few at a time bounds the temporaries
+    if search and block.shape[0] > SCALE_SEARCH_ROWS:  # rows are independent: a few at a time bounds the temporaries
         return torch.cat([_block_scales(block[r:r + SCALE_SEARCH_ROWS], codebook, search,
                                         None if col_weight is None else col_weight[r:r + SCALE_SEARCH_ROWS])
                           for r in range(0, block.shape[0], SCALE_SEARCH_ROWS)])
+    absmax_code = fmt.block_absmax_codes(block)[:, 0]
+    if not search:
+        return absmax_code
     offsets = torch.tensor((0, *fmt.SCALE_SEARCH_OFFSETS), device=block.device)
     codes = (absmax_code.int().unsqueeze(-1) + offsets).clamp(0, 255).to(torch.uint8)  # [R, C]
     scale = fmt.e4m4_decode(codes)
