@@ -235,6 +235,21 @@ def test_large_tensor():
     _assert_same(torch.ops.kbit.dequantize(q, a, cb.cuda(), torch.bfloat16), fmt.dequantize(q_ref, a_ref, cb, torch.bfloat16), "dequantize")
 
 
+@pytest.mark.parametrize("k", fmt.SUPPORTED_BITS)
+def test_large_runtime_dequantize(k):
+    """The runtime layout's dequantize over a grid-stride loop of many steps per warp, with a partial last
+    runtime tile in both N (an odd count of rows) and K (blocks not a multiple of 4), every code pattern."""
+    gen = torch.Generator().manual_seed(20 + k)
+    N, KB = 64 * 37 + 29, 4 * 61 + 3
+    q, a = _random_packed(N, KB, k, gen)
+    cb = _codebook(k, random.Random(k))
+    q_rt, a_rt = fmt.repack(q, a)
+    for out_dtype in DTYPES:
+        _poison_cache(N * KB * 32 * 4)
+        got = torch.ops.kbit.dequantize_runtime(q_rt.cuda(), a_rt.cuda(), cb.cuda(), N, KB * 32, out_dtype)
+        _assert_same(got, fmt.dequantize_runtime(q_rt, a_rt, cb, N, KB * 32, out_dtype), "dequantize_runtime")
+
+
 # ----------------------------------------------------------------------------- bad inputs
 
 
