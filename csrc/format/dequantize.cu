@@ -97,6 +97,7 @@ __global__ void __launch_bounds__(kThreads)
 // every load issued before the first decode, so each warp keeps kSteps sectors per plane in flight.
 constexpr int kSteps = 4;
 constexpr int kPairsPerTile = kTileN / 2;
+constexpr int kTileBlocks = kTileN * kTileKB;  // blocks of a runtime tile: words of one plane, scale codes
 static_assert(kPairsPerTile % kSteps == 0, "a warp's pairs share one runtime tile");
 
 template <typename OutT, int K>
@@ -112,22 +113,22 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t p0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * kSteps; p0 < n_pairs; p0 += warp_stride) {
     const int64_t tile = p0 / kPairsPerTile;  // nt * KT + kt
     const uint32_t nt = static_cast<uint32_t>(tile / KT), kb = static_cast<uint32_t>(tile % KT) * kTileKB + blk_in_tile;
+    const int r0 = 2 * static_cast<int>(p0 % kPairsPerTile) + odd;  // this lane's row in the tile at step 0
     uint32_t words[kSteps][K], code[kSteps];
     bool active[kSteps];
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
-      const int r = 2 * static_cast<int>((p0 + u) % kPairsPerTile) + odd;  // row in the tile
-      active[u] = nt * kTileN + r < N && kb < KB;
-      const int64_t w = tile * K * kTileN * kTileKB + r * kTileKB + blk_in_tile;
+      const int in_tile = (r0 + 2 * u) * kTileKB + blk_in_tile;  // the block's index among the tile's blocks
+      active[u] = nt * kTileN + r0 + 2 * u < N && kb < KB;
 #pragma unroll
-      for (int b = 0; b < K; ++b) words[u][b] = active[u] ? __ldg(qweight + w + b * kTileN * kTileKB) : 0u;
-      code[u] = active[u] ? __ldg(absmax + tile * kTileN * kTileKB + r * kTileKB + blk_in_tile) : 0u;
+      for (int b = 0; b < K; ++b) words[u][b] = active[u] ? __ldg(qweight + (tile * K + b) * kTileBlocks + in_tile) : 0u;
+      code[u] = active[u] ? __ldg(absmax + tile * kTileBlocks + in_tile) : 0u;
     }
 #pragma unroll
     for (int u = 0; u < kSteps; ++u) {
       float v[8];
       decode_octet<K, true>(words[u], q, level, e4m4_decode(code[u]), v);
-      const int64_t n = static_cast<int64_t>(nt) * kTileN + 2 * ((p0 + u) % kPairsPerTile) + odd;
+      const int64_t n = static_cast<int64_t>(nt) * kTileN + r0 + 2 * u;
       if (active[u]) store_octet<OutT>(out + n * K_elems + kb * kBlockSize + q * 8, v);
     }
   }
