@@ -97,7 +97,6 @@ __global__ void __launch_bounds__(kThreads)
 // every load issued before the first decode, so each warp keeps kSteps sectors per plane in flight.
 constexpr int kSteps = 4;
 constexpr int kPairsPerTile = kTileN / 2;
-constexpr int kTileBlocks = kTileN * kTileKB;  // blocks of a runtime tile: words of one plane, scale codes
 static_assert(kPairsPerTile % kSteps == 0, "a warp's pairs share one runtime tile");
 
 template <typename OutT, int K>

@@ -14,6 +14,8 @@
 
 namespace kbit {
 
+// Blocks of one runtime tile (kTileN rows x kTileKB blocks): the words of one index plane, the scale codes.
+constexpr int kTileBlocks = kTileN * kTileKB;
 
 // Reinterprets the bits of one 32-bit value as another type (packed halves <-> registers).
 template <typename To, typename From>

@@ -36,17 +36,16 @@ __global__ void __launch_bounds__(kThreads)
     repack_kernel(const int32_t* __restrict__ qweight, const uint8_t* __restrict__ absmax, int32_t* __restrict__ qweight_rt,
                   uint8_t* __restrict__ absmax_rt, int64_t N, int64_t KB, int64_t k, int64_t KT, int64_t rt_words,
                   int64_t rt_codes) {
-  constexpr int64_t kTile = kTileN * kTileKB;
   for (int64_t o = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; o < rt_words;
        o += static_cast<int64_t>(gridDim.x) * kThreads) {
     // qweight_rt[nt, kt, b, r, j] = runtime word b of the block qweight[nt*64 + r, kt*4 + j, :]
-    const int64_t j = o % kTileKB, r = (o / kTileKB) % kTileN, rest = o / kTile;
+    const int64_t j = o % kTileKB, r = (o / kTileKB) % kTileN, rest = o / kTileBlocks;
     const int64_t b = rest % k, tile = rest / k;
     const int64_t n = (tile / KT) * kTileN + r, kb = (tile % KT) * kTileKB + j;
     qweight_rt[o] = (n < N && kb < KB) ? runtime_word(qweight + (n * KB + kb) * k, k, b) : 0;
     if (o < rt_codes) {
       // absmax_rt[nt, kt, r, j] = absmax[nt*64 + r, kt*4 + j]
-      const int64_t ctile = o / kTile;
+      const int64_t ctile = o / kTileBlocks;
       const int64_t cn = (ctile / KT) * kTileN + r, ckb = (ctile % KT) * kTileKB + j;
       absmax_rt[o] = (cn < N && ckb < KB) ? absmax[cn * KB + ckb] : 0;
     }

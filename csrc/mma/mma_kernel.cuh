@@ -64,7 +64,7 @@ constexpr int kMaxDevices = 64;                   // devices the per-device laun
 // Bytes of one runtime tile: BITS planes of 64 rows x 4 words, then 64 rows x 4 scale codes.
 template <int BITS>
 constexpr int tile_bytes() {
-  return BITS * kTileN * kTileKB * 4 + kTileN * kTileKB;
+  return BITS * kTileBlocks * 4 + kTileBlocks;
 }
 
 // How an instance decodes: through a shared-memory table of 16-bit pairs / quads (dequant_core.cuh:
@@ -167,9 +167,9 @@ __global__ void __launch_bounds__(kThreads, (Shape<BITS, P, R>::kCtasPerSm)) mma
   constexpr int F = Fields<BITS>::kWords;
   constexpr int kTileBytes = tile_bytes<BITS>();
   constexpr int kTileChunks = kTileBytes / 16;
-  constexpr int kPlaneBytes = BITS * kTileN * kTileKB * 4;
+  constexpr int kPlaneBytes = BITS * kTileBlocks * 4;
   constexpr int kPlaneChunks = kPlaneBytes / 16;
-  constexpr int kCodeBytes = kTileN * kTileKB;
+  constexpr int kCodeBytes = kTileBlocks;
   extern __shared__ __align__(16) uint8_t smem[];
 
   // The warp index through a shuffle from lane 0: provably warp-uniform, so the shuffles below

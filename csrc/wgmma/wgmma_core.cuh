@@ -25,8 +25,8 @@ namespace kbit {
 namespace wgmma_core {
 
 constexpr int kTileK = kTileKB * kBlockSize;       // 128 elements of K per runtime k-tile
-constexpr int kPlaneBytes = kTileN * kTileKB * 4;  // one bit plane of a runtime tile
-constexpr int kCodeBytes = kTileN * kTileKB;       // scale codes of a runtime tile
+constexpr int kPlaneBytes = kTileBlocks * 4;      // one bit plane of a runtime tile
+constexpr int kCodeBytes = kTileBlocks;           // scale codes of a runtime tile
 constexpr int kMaxDevices = 64;                    // devices whose launch preparation is tracked
 
 // The 64 fp32 accumulators of one m64n128 wgmma, as asm operands %0..%63.
