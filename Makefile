@@ -94,7 +94,7 @@ CUDA_BUILD_TESTS ?= tests/test_dispatch.py tests/test_bad_input.py tests/test_fo
   tests/vllm/test_e2e.py::test_mixed_bits_and_modules_to_not_convert_take_effect \
   tests/vllm/test_e2e.py::test_expert_parallel_2_matches_dequantized_tp2 \
   tests/vllm/test_checkpoint_format.py tests/test_fused_moe_stages.py \
-  tests/vllm/test_serve.py
+  tests/vllm/test_serve.py tests/test_sass_guard.py
 
 .PHONY: env test demo gpu-test test-cuda-build test-real check-ext clean-env
 
