@@ -2,9 +2,9 @@
 forced, beside the planner's own choice, COLD (weight copies rotated past the L2), CUDA-graph replay. Each field
 is a subcommand; each writes <out>/<stem>_<gpu>_<date>.{json,md} (the stems the results index cites):
 
-    python benchmarks/sweep_plan.py dense_splits [--kernel mma|gemv] [--shapes qkv,o,...|all] [--m 8,16]
-        K splits of the dense MMA (at both row-group widths r) or GEMV (M = 1..4), through kbit::_linear_forced:
-        the data for gemv_splits / mma_splits. Stem sweep_<kernel>_splits.
+    python benchmarks/sweep_plan.py dense_splits [--kernel mma|gemv|wgmma_ws] [--shapes qkv,o,...|all] [--m 8,16]
+        K splits of the dense MMA (at both row-group widths r), GEMV (M = 1..4) or warp-specialized wgmma (clusters
+        of up to 8), through kbit::_linear_forced: the data for gemv_splits / mma_splits / ws_rule_splits. Stem sweep_<kernel>_splits.
     python benchmarks/sweep_plan.py dense_paths [--shapes ...] [--bits 2,3,4,5] [--m 1,2] [--paths gemv,mma]
         [--report JSON]
         The dense path per M, each forced at the planner's splits: the GEMV against the MMA kernel at few rows
@@ -176,17 +176,18 @@ SPLITS_K_BITS = 4
 def sweep_dense_splits(argv: list[str]) -> None:
     """dense_splits: the dense GEMV or MMA kernel at every K split count (and the MMA at both row-group widths)."""
     args = sweep_args("dense_splits", argv, {
-        "--kernel": dict(choices=("mma", "gemv"), default="mma"),
+        "--kernel": dict(choices=("mma", "gemv", "wgmma_ws"), default="mma"),
         "--shapes": dict(default="qkv,o,gate_up,down,llama8b_gate_up,llama70b_gate_up",
                          help="comma-separated names of bench_linear.SHAPES or KxN weights (2048x3968), or 'all'"),
-        "--m": dict(help="default: 8,16,32,64 (mma), 1,2,4 (gemv)"),
+        "--m": dict(help="default: 8,16,32,64 (mma), 1,2,4 (gemv), 128,256,512 (wgmma_ws)"),
         "--bits": dict(default=str(SPLITS_K_BITS), help="comma list of k")}, commit=os.environ.get("KBIT_COMMIT", "unknown"))
     run(args, f"sweep_{args.kernel}_splits", dense_splits_measure, dense_splits_report, key=None)
 
 
 def dense_splits_measure(args, meta: Meta):
     gemv = args.kernel == "gemv"
-    ms = [int(m) for m in (args.m or ("1,2,4" if gemv else "8,16,32,64")).split(",")]
+    is_ws = args.kernel == "wgmma_ws"
+    ms = [int(m) for m in (args.m or ("1,2,4" if gemv else "128,256,512" if is_ws else "8,16,32,64")).split(",")]
     props = torch.cuda.get_device_properties(0)
     op = torch.ops.kbit._linear_forced.default
     path = torch.ops.kbit._linear_path_id(args.kernel)
@@ -198,10 +199,10 @@ def dense_splits_measure(args, meta: Meta):
         for M in ms:
             x = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
             plan = vllm_kbit.ops.named(torch.ops.kbit.linear_plan.device, M, N, K, torch.bfloat16, k, x.device,
-                                       "gemv" if gemv else "mma")
+                                       args.kernel)
             max_splits, p, r_auto, m_blocks = plan.max_splits, plan.p, plan.r, plan.m_blocks
-            for r in [0] if gemv else sorted({1, r_auto}):
-                ctas_per_split = n_tiles if gemv else -(-n_tiles // r) * m_blocks
+            for r in [0] if gemv or is_ws else sorted({1, r_auto}):
+                ctas_per_split = n_tiles if gemv else plan.cols * m_blocks if is_ws else -(-n_tiles // r) * m_blocks
                 for s in range(0, max_splits + 1):  # 0: the heuristic's choice
                     us = graph_time_us([lambda w=w: op(x, w.qweight_rt, w.absmax_rt, w.codebook, N, K, None, path, r, s)
                                         for w in ws])

@@ -25,7 +25,9 @@ def plan(M, N, K, dtype=torch.bfloat16, sm_major=9, num_sms=132, ctas_per_sm=1, 
 
 
 def test_linear_plan_paths_on_both_sides_of_each_bound():
-    big, small = (14336, 4096), (8192, 4096)  # big: >= 10240 rows (register-fragment wgmma); small: 2^25 elements
+    # big: >= 10240 rows (register-fragment wgmma); small: 2^25 elements; short: 2^25 elements, K short of the
+    # K-split rule's 32 k-tiles (test_wgmma_ws_k_split_rule)
+    big, small, short = (14336, 4096), (8192, 4096), (8960, 3840)
     assert [plan(M, *big)[0] for M in (1, 2, 3, 32, 33, 64, 65, 128, 129, 512, 513)] == [
         "gemv", "mma", "mma", "mma", "wgmma_ws", "wgmma_ws", "wgmma", "wgmma", "wgmma_ws", "wgmma_ws", "dequant_cublas"]
     # M = 33..64: the warp-specialized wgmma on weights of >= 2^25 elements (two producers: k <= 4) whose 2-tile CTAs
@@ -34,8 +36,9 @@ def test_linear_plan_paths_on_both_sides_of_each_bound():
         "wgmma_ws", "mma", "mma", "mma"]
     assert plan(48, 12672, 8192)[0] == "wgmma_ws" and plan(48, 12544, 8192)[0] == "mma"  # 99 / 98 CTAs: 0.75 x 132 = 99
     assert {plan(M, *big, sm_major=8)[0] for M in (33, 64)} == {"mma"}
-    assert [plan(M, *small)[0] for M in (65, 128, 129, 512)] == ["dequant_cublas", "dequant_cublas", "wgmma_ws", "wgmma_ws"]
-    assert plan(129, 8192, 4064)[0] == "dequant_cublas"  # under 2^25 elements
+    assert [plan(M, *short)[0] for M in (65, 128, 129, 512)] == ["dequant_cublas", "dequant_cublas", "wgmma_ws", "wgmma_ws"]
+    assert [plan(M, *small)[0] for M in (65, 128, 129, 512)] == ["wgmma_ws"] * 4  # 65, 128: the K-split rule
+    assert plan(129, 8704, 3840)[0] == "dequant_cublas"  # under 2^25 elements
     assert plan(100, 10240, 2048)[0] == "wgmma" and plan(100, 10240, 2016)[0] == "dequant_cublas"
     assert {plan(M, *big, sm_major=8)[0] for M in (65, 128, 129, 512)} == {"dequant_cublas"}  # wgmma: Hopper only
     assert {plan(M, *big, dtype=torch.float16)[0] for M in (1, 3, 100)} == {"gemv", "mma", "wgmma"}
@@ -120,6 +123,38 @@ def test_overrides_reach_the_plan(env, field, want):
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.strip() == repr(want), (env, run.stdout)
     assert getattr(plan(1, 4096, 2048, path="gemv", bits=4), field) != want  # this process: the rules (3; on)
+
+
+def test_wgmma_ws_takes_k_splits_up_to_a_cluster_of_eight():
+    """The warp-specialized kernel's K splits (clusters of up to 8 CTAs per column, the portable cluster size); below
+    the rule's 32 k-tiles, or forced at M <= 64, the rule keeps 1."""
+    for K, want in ((128, 1), (384, 3), (2048, 8)):
+        p = plan(256, 5120, K, path="wgmma_ws", bits=4)
+        assert (p.path, p.splits, p.max_splits) == ("wgmma_ws", 1, want), (K, p)
+    assert plan(64, 2048, 8192, path="wgmma_ws", bits=4).splits == 1
+    _assert_no_empty_split(3, 3, "wgmma_ws", "3 splits of 3 k-tiles")
+
+
+def test_wgmma_ws_k_split_rule():
+    """Above M = 64 on Hopper, a weight of >= 32 k-tiles whose 128-row x 256-row CTA tiles leave SMs idle runs the
+    warp-specialized kernel with K split over clusters: the count minimising waves x (k-tiles per split + 10), here
+    with every SM reachable (given facts: no cluster capacities); dequantize + cuBLAS keeps small weights past M = 256."""
+    def ws(M, N, K, **kw):
+        p = plan(M, N, K, **kw)
+        return p.path, p.splits
+
+    # 2048 x 4096 (16 CTA tiles at M <= 256, 32 k-tiles): 8 splits, 128 CTAs, cost 14 (7: 15; 1: 42)
+    assert [ws(M, 2048, 4096) for M in (65, 128, 256)] == [("wgmma_ws", 8)] * 3
+    assert ws(64, 2048, 4096)[0] == "mma" and ws(512, 2048, 4096) == ("dequant_cublas", 1)
+    # 32 CTA tiles: 4 splits; 64 tiles (Llama-8B down, 58.7 M elements, M = 512 too): 2; 112 (Llama-8B gate_up): none
+    assert ws(200, 4096, 8192) == ("wgmma_ws", 4) and ws(512, 4096, 14336) == ("wgmma_ws", 2)
+    assert ws(128, 14336, 4096) == ("wgmma", 1) and ws(256, 14336, 4096) == ("wgmma_ws", 1)
+    # 31 k-tiles, fp32 x, no wgmma (sm_80), k = 5 (one producer: the same rule)
+    assert ws(128, 2048, 3968) == ("dequant_cublas", 1) and ws(128, 2048, 4096, dtype=torch.float32)[0] == "dequant_cublas"
+    assert ws(128, 2048, 4096, sm_major=8)[0] == "dequant_cublas" and ws(128, 2048, 4096, bits=5) == ("wgmma_ws", 8)
+    assert ws(128, 2048, 4096, dtype=torch.float16) == ("wgmma_ws", 8)
+    # fewer SMs, fewer splits: 16 tiles on 66 SMs, 4 splits (64 CTAs, cost 18; 8: 2 waves x 14)
+    assert ws(128, 2048, 4096, num_sms=66) == ("wgmma_ws", 4)
 
 
 @functools.lru_cache(maxsize=None)

@@ -22,7 +22,8 @@ namespace {
 // dequant + wgmma kernels: the register-fragment one
 // (wgmma.cu) up to kWgmmaMaxM on weights of at least kWgmmaMinN rows and kWgmmaMinK columns (one CTA
 // per 128 rows: fewer rows leave most SMs idle), the warp-specialized one (wgmma_ws.cu, 256 rows of x
-// per CTA) up to kWgmmaWsMaxM on weights of at least kWgmmaWsMinWeight elements; everything else
+// per CTA) up to kWgmmaWsMaxM on weights of at least kWgmmaWsMinWeight elements, and from kMmaMaxM + 1 with K
+// split over clusters on long-K weights whose tiles leave SMs idle (ws_rule_splits); everything else
 // dequantize + cuBLAS. The warp-specialized kernel also takes M = kWgmmaWsMinM..kMmaMaxM from the MMA
 // kernel on those large weights where it runs two producer warpgroups (k <= 4): with 64 rows the MMA
 // kernel's mma.sync and per-CTA decode bound it, the wgmma pipeline's do not (k = 5's single producer
@@ -51,6 +52,15 @@ constexpr double kRsNarrowWsMinWave = 0.6;
 // At M <= kMmaMaxM wgmma_ws (no split of K) beats the MMA kernel only where its 2-tile CTAs fill at least this share
 // of the SMs; on weights of few n-tiles and long K (a down projection) the MMA kernel's K splits win.
 constexpr double kWgmmaWsMinWave = 0.75;
+// Above kMmaMaxM, on weights of at least kWsSplitMinKTiles k-tiles whose warp-specialized CTA tiles leave SMs idle,
+// that kernel with K split over clusters of s CTAs per column (ws_rule_splits) beats dequantize + cuBLAS up to
+// kWsSplitMaxCublasM rows, and the register-operand or unsplit kernel up to kWgmmaWsMaxM: the s that minimises
+// waves(s) x (k_tiles / s + kWsSplitFixedKTiles), a wave being the CTAs clusters of s reach at one per SM, and a
+// launch's fill, table and reduction costing about kWsSplitFixedKTiles k-tiles (benchmarks/probes/ws_splits.py;
+// docs/decisions.md, "Dense K splits of the warp-specialized wgmma").
+constexpr int64_t kWsSplitMinKTiles = 32;
+constexpr int64_t kWsSplitMaxCublasM = 256;
+constexpr int64_t kWsSplitFixedKTiles = 10;
 
 // MoE path by slots. The GEMV wins only while few experts are touched (its per-byte cost is higher,
 // its latency lower), and it runs direct: one CTA row per slot, its expert read from topk_ids, no
@@ -381,6 +391,21 @@ bool rs_narrow_rule(int64_t M, int64_t N, int64_t bits, const DeviceFacts& facts
          fills_sms(N, wg, wave, facts);
 }
 
+// The warp-specialized kernel's K splits by the rule (kWsSplitMinKTiles above); 1 where the rule does not apply.
+int64_t ws_rule_splits(int64_t M, int64_t N, int64_t K, const DeviceFacts& facts) {
+  static_assert(kWgmmaWsMaxSplits <= kGemvMaxSplits, "cluster_sms covers clusters of up to kGemvMaxSplits CTAs");
+  const int64_t k_tiles = k_tiles_of(K);
+  if (facts.sm_major != 9 || M <= mma_max_m() || M > kWgmmaWsMaxM || k_tiles < kWsSplitMinKTiles) return 1;
+  const int64_t tiles = (n_tiles_of(N) + kWgmmaWsTileN - 1) / kWgmmaWsTileN * ((M + kMoeWsChunkRows - 1) / kMoeWsChunkRows);
+  int64_t best = 1, best_cost = -1;
+  for (int64_t s = 1; s <= std::min<int64_t>(kWgmmaWsMaxSplits, k_tiles); ++s) {
+    const int64_t reach = facts.cluster_sms[s] > 0 ? std::min(facts.num_sms, facts.cluster_sms[s]) : facts.num_sms;
+    const int64_t cost = (tiles * s + reach - 1) / reach * ((k_tiles + s - 1) / s + kWsSplitFixedKTiles);
+    if (best_cost < 0 || cost < best_cost) best = s, best_cost = cost;
+  }
+  return best;
+}
+
 }  // namespace
 
 LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, int64_t bits, const DeviceFacts& facts,
@@ -395,6 +420,10 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
     plan.path = LinearPath::kMma;
   if ((plan.path == LinearPath::kMma || plan.path == LinearPath::kWgmmaWs) && rs_narrow_rule(M, N, bits, facts))
     plan.path = LinearPath::kWgmma;
+  // Long K and too few CTA tiles for the SMs: the warp-specialized kernel with K split (kWsSplitMinKTiles above).
+  const bool x16 = dtype == at::kBFloat16 || dtype == at::kHalf;
+  if (x16 && (plan.path != LinearPath::kDequantCublas || M <= kWsSplitMaxCublasM) && ws_rule_splits(M, N, K, facts) > 1)
+    plan.path = LinearPath::kWgmmaWs;
   if (forced.path >= 0) {
     KBIT_CHECK_VALUE(forced.path < static_cast<int64_t>(std::size(kLinearPathNames)), "kbit linear_plan: path id ",
                      forced.path, " is not one kbit::_linear_path_id returns");
@@ -437,9 +466,16 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
     }
     plan.cols = (n_tiles + c.r - 1) / c.r;
     plan.pdl = pdl_rule(facts.sm_major);
+  } else if (plan.path == LinearPath::kWgmmaWs) {
+    KBIT_CHECK_VALUE(forced.row_groups == 0, "kbit linear_plan: row_groups apply to the mma path only, not wgmma_ws");
+    // K splits in clusters (wgmma_ws.cu).
+    plan.max_splits = std::min<int64_t>(kWgmmaWsMaxSplits, k_tiles);
+    KBIT_CHECK(forced.splits >= 0 && forced.splits <= plan.max_splits, "kbit linear_plan: wgmma_ws splits=",
+               forced.splits, " outside 0 (the rule) .. ", plan.max_splits);
+    plan.splits = forced.splits > 0 ? forced.splits : ws_rule_splits(M, N, K, facts);
   } else {
     KBIT_CHECK_VALUE(forced.splits == 0 && forced.row_groups == 0, "kbit linear_plan: splits and row_groups apply to ",
-                     "the gemv and mma paths only, not ", linear_path_name(plan.path));
+                     "the gemv, mma and wgmma_ws paths only, not ", linear_path_name(plan.path));
   }
   if (plan.path == LinearPath::kWgmma) {
     // One CTA per kMoeRsChunkRows rows of x and per warpgroup count of n-tiles (the same kernel as the grouped one's).

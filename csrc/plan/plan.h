@@ -31,6 +31,7 @@ constexpr int kMoeWsChunkRows = 256;  // rows of one chunk of the grouped wgmma 
 constexpr int kMoeRsChunkRows = 128;  // ... of its register-operand kernel (wgmma.cu: a CTA's 128 rows, the widest N)
 constexpr int64_t kMaxLocalExperts = 4096;  // the routing kernel's shared-memory counters (2 ints each)
 constexpr int kWgmmaWsTileN = 2;  // runtime n-tiles of one warp-specialized wgmma CTA (wgmma_ws.cu: kWeightRows)
+constexpr int kWgmmaWsMaxSplits = 8;  // K splits of one dense warp-specialized CTA column (a cluster of that many)
 // Dense launches of the register-operand wgmma with at most this many rows of x run its narrow instance (wgmma.cu).
 constexpr int64_t kRsNarrowRows = 64;
 constexpr bool wgmma_rs_narrow(bool grouped, int64_t rows) { return !grouped && rows <= kRsNarrowRows; }
@@ -211,7 +212,7 @@ LinearPath linear_path(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
 
 struct LinearPlan {
   LinearPath path;
-  int64_t splits = 1;        // K splits per n-tile (GEMV) or CTA column (MMA); 1 for the other paths
+  int64_t splits = 1;        // K splits per n-tile (GEMV) or CTA column (MMA, wgmma_ws); 1 for the other paths
   int64_t max_splits = 1;    // the most splits the kernel accepts for this weight
   int64_t p = 0, r = 0;      // the MMA tile shape (MmaConfig); 0 for the other paths
   int64_t m_blocks = 0;      // CTA rows of the kernel's grid (its y); 0 for dequant_cublas

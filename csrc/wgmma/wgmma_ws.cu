@@ -21,12 +21,19 @@
 // stores and an async-proxy fence) and an `empty` mbarrier (the consumers' 256 threads arrive once
 // their wgmmas on the stage are complete, before the producer may overwrite its weights).
 // Weights are stored in their natural K order, so unlike wgmma.cu the activations need no permutation.
+// Dense split-K (splits > 1, where a weight has fewer CTA columns than SMs): the `splits` CTAs of one column and
+// row block are a thread-block cluster, each multiplying a contiguous share of the k-tiles; at the end each parks
+// its fp32 tile in its own (then idle) stages, and rank s sums slice s of the tile over the ranks in rank order
+// through distributed shared memory and stores it (deterministic, no workspace; as mma_kernel.cuh).
 #include "wgmma.cuh"
 
 #include "dequant_core.cuh"
-#include "plan.h"  // kMoeWsChunkRows, record_launch
+#include "launch_utils.cuh"  // launch_kernel (cluster launches)
+#include "plan.h"  // kMoeWsChunkRows, kWgmmaWsMaxSplits, record_launch
 #include "wgmma_core.cuh"
 
+
+#include <cooperative_groups.h>
 
 #include <ATen/ATen.h>
 #include <ATen/cuda/CUDAContext.h>
@@ -37,6 +44,7 @@ namespace kbit {
 namespace {
 
 using namespace wgmma_core;
+namespace cg = cooperative_groups;
 
 constexpr int kWeightRows = 2 * kTileN;                 // per CTA: two runtime n-tiles
 constexpr int kConsumers = 2;
@@ -71,6 +79,9 @@ constexpr int smem_bytes() {  // table + stages + mbarriers + alignment slack
   return lut_bytes<BITS>() + kStages * kStageBytes + kBarrierBytes + 1024;
 }
 static_assert(smem_bytes<4>() <= 227 * 1024, "one CTA's shared memory must fit an SM (227 KB on Hopper)");
+// Split-K: the CTA's fp32 tile (256 activation rows x 128 weight rows) parks in the stages once they are idle.
+constexpr int kPartialUnits = kActRows * kWeightRows / 4;  // float4 units
+static_assert(kPartialUnits * 16 <= kStages * kStageBytes, "the parked partial tile fits the stages");
 
 // ----------------------------------------------------------------------------- the MMA
 
@@ -131,17 +142,20 @@ struct WsParams {
   const T* bias;
   T* C;
   int M, N, K, n_tiles, k_tiles;
+  int splits;  // dense: K splits per CTA column (the cluster's size along x); grouped: 1
   // Grouped (routed experts): CTA row y multiplies chunk y = {expert, first row, rows, 0} of A's rows
   // (moe_route), with that expert's weights; nullptr for a dense launch.
   const int4* chunks;
   int64_t expert_vectors, expert_words;  // plane vectors / scale words of one expert's weight
 };
 
-// What one CTA multiplies: rows [row0, row_end) of A and C with the weight at (qweight, absmax).
+// What one CTA multiplies: rows [row0, row_end) of A and C with the weight at (qweight, absmax), CTA column col
+// (its 128 weight rows), k-tiles [kt0, kt1) of the weight (its K split).
 struct WsWork {
   const uint4* qweight;
   const uint32_t* absmax;
   int row0, row_end;
+  int col, kt0, kt1;
 };
 
 // The producer: thread r (0..127) dequantizes weight row r of the CTA, every k-tile, into the stages.
@@ -154,12 +168,12 @@ __device__ __forceinline__ void produce(const WsParams<T>& prm, const WsWork& wo
   constexpr int kAhead = kProducerAhead<NP>;
   const int r = threadIdx.x % 128, lane = r % 32;
   // A row of an n-tile past the last one reads the last tile (its outputs are never stored).
-  const int n_tile = min(static_cast<int>(blockIdx.x) * 2 + r / kTileN, prm.n_tiles - 1), tile_row = r % kTileN;
-  const int k_tiles = prm.k_tiles;
+  const int n_tile = min(work.col * 2 + r / kTileN, prm.n_tiles - 1), tile_row = r % kTileN;
+  const int k_tiles = work.kt1 - work.kt0;  // this split's; k below counts from its first (work.kt0)
   const float codebook_reg = __ldg(prm.codebook + (lane & ((1 << BITS) - 1)));
   // Plane b of runtime tile (n, kt) is 64 consecutive 16-byte vectors, one per row (word j = block j).
-  const uint4* planes = work.qweight + static_cast<int64_t>(n_tile) * k_tiles * BITS * kTileN + tile_row;
-  const uint32_t* codes = work.absmax + static_cast<int64_t>(n_tile) * k_tiles * kTileN + tile_row;
+  const uint4* planes = work.qweight + (static_cast<int64_t>(n_tile) * prm.k_tiles + work.kt0) * BITS * kTileN + tile_row;
+  const uint32_t* codes = work.absmax + (static_cast<int64_t>(n_tile) * prm.k_tiles + work.kt0) * kTileN + tile_row;
   struct Row {
     uint4 plane[BITS];
     uint32_t codes;
@@ -266,26 +280,44 @@ __device__ __forceinline__ void issue_stage(float (&acc)[2][64], uint32_t st, in
   wgmma_wait_all();
 }
 
+// C[m, n], C[m, n + 1] = y0, y1 (+ bias) where they exist: two adjacent weight rows of a thread are two adjacent
+// outputs, so one 32-bit store where both exist.
+template <typename T>
+__device__ __forceinline__ void store_pair(const WsParams<T>& prm, const WsWork& work, int m, int n, float y0, float y1) {
+  if (m >= work.row_end || n >= prm.N) return;
+  T* c_row = prm.C + static_cast<int64_t>(m) * prm.N;
+  if (prm.bias != nullptr) {
+    y0 += Half2<T>::to_float(prm.bias[n]);
+    if (n + 1 < prm.N) y1 += Half2<T>::to_float(prm.bias[n + 1]);
+  }
+  if (n + 1 < prm.N && prm.N % 2 == 0) {
+    *reinterpret_cast<uint32_t*>(c_row + n) = Half2<T>::pack(y0, y1);
+  } else {
+    c_row[n] = Half2<T>::narrow(y0);
+    if (n + 1 < prm.N) c_row[n + 1] = Half2<T>::narrow(y1);
+  }
+}
+
 // A consumer: warpgroup c (0, 1) multiplies activation rows row0 + 128c .. +127 (those below row_end)
 // with the CTA's 128 weight rows; D = acc[h]: activation rows 64h + 16 warp + g (+8), weight rows
 // 8i + 2t (+1). A 64-row half with no rows skips its wgmmas (a grouped chunk is often one or two
 // halves); the warpgroup still takes part in every stage's barriers.
 template <typename T>
 __device__ __forceinline__ void consume(const WsParams<T>& prm, const WsWork& work, uint32_t smem, uint32_t full,
-                                        uint32_t empty, int c) {
+                                        uint32_t empty, int c, void* stages) {
   const int ct = threadIdx.x % 128, warp = ct / 32, lane = ct % 32, g = lane / 4, t = lane % 4;
   const int rows0 = work.row0 + c * kConsumerRows;  // first activation row of this warpgroup
   const int halves = max(0, min(2, (work.row_end - rows0 + 63) / 64));
-  const int k_tiles = prm.k_tiles;
+  const int k_tiles = work.kt1 - work.kt0;  // this split's; kt below counts from its first (work.kt0)
 
   // Thread ct copies 16-byte chunk ct % 16 of rows ct / 16 + 8i (i < 16) of the warpgroup's rows.
   const int x_row = ct / 16, x_ch = ct % 16;
   const uint32_t x_dst = kWeightBytes + swizzled_chunk(kActRows, c * kConsumerRows + x_row, x_ch);
-  const T* x_src = prm.A + static_cast<int64_t>(rows0 + x_row) * prm.K + x_ch * 8;
+  const T* x_src = prm.A + static_cast<int64_t>(rows0 + x_row) * prm.K + work.kt0 * kTileK + x_ch * 8;
   const int rows_valid = work.row_end - rows0 - x_row;  // copies of rows x_row + 8i with 8i >= this read nothing
   const auto load_acts = [&](int kt) {
     const uint32_t st = smem + (kt % kStages) * kStageBytes + x_dst;
-    const bool k_valid = kt * kTileK + x_ch * 8 < prm.K;
+    const bool k_valid = (work.kt0 + kt) * kTileK + x_ch * 8 < prm.K;
 #pragma unroll
     for (int i = 0; i < kConsumerRows / 8; ++i) {
       if (8 * i >= 64 * halves) break;  // rows of a skipped half are never read
@@ -334,45 +366,66 @@ __device__ __forceinline__ void consume(const WsParams<T>& prm, const WsWork& wo
   }
   cp_async_wait<0>();
 
-  // Two adjacent weight rows of a thread are two adjacent outputs: one 32-bit store where both exist.
-  const int n0 = blockIdx.x * kWeightRows;
+  if (prm.splits == 1) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < 2; ++h)
 #pragma unroll
-    for (int v = 0; v < 2; ++v) {
-      const int m = rows0 + 64 * h + 16 * warp + g + 8 * v;
-      if (m >= work.row_end) continue;
-      T* c_row = prm.C + static_cast<int64_t>(m) * prm.N;
+      for (int v = 0; v < 2; ++v)
 #pragma unroll
-      for (int i = 0; i < kWeightRows / 8; ++i) {
-        const int n = n0 + 8 * i + 2 * t;
-        if (n >= prm.N) continue;
-        float y0 = acc[h][4 * i + 2 * v], y1 = acc[h][4 * i + 2 * v + 1];
-        if (prm.bias != nullptr) {
-          y0 += Half2<T>::to_float(prm.bias[n]);
-          if (n + 1 < prm.N) y1 += Half2<T>::to_float(prm.bias[n + 1]);
-        }
-        if (n + 1 < prm.N && prm.N % 2 == 0) {
-          *reinterpret_cast<uint32_t*>(c_row + n) = Half2<T>::pack(y0, y1);
-        } else {
-          c_row[n] = Half2<T>::narrow(y0);
-          if (n + 1 < prm.N) c_row[n + 1] = Half2<T>::narrow(y1);
-        }
-      }
+        for (int i = 0; i < kWeightRows / 8; ++i)
+          store_pair(prm, work, rows0 + 64 * h + 16 * warp + g + 8 * v, work.col * kWeightRows + 8 * i + 2 * t,
+                     acc[h][4 * i + 2 * v], acc[h][4 * i + 2 * v + 1]);
+    return;
+  }
+  // Split-K: both warpgroups' wgmmas are complete (the producers' last stores were too, before the last full
+  // phase), so the stages are idle: park the tile there, float4 unit ((c, h, i), ct) = acc[h][4i .. 4i + 3].
+  asm volatile("bar.sync 4, %0;" ::"n"(128 * kConsumers) : "memory");
+  float4* part = reinterpret_cast<float4*>(stages);
+#pragma unroll
+  for (int h = 0; h < 2; ++h)
+#pragma unroll
+    for (int i = 0; i < kWeightRows / 8; ++i)
+      part[((c * 2 + h) * (kWeightRows / 8) + i) * 128 + ct] =
+          make_float4(acc[h][4 * i], acc[h][4 * i + 1], acc[h][4 * i + 2], acc[h][4 * i + 3]);
+}
+
+// Split-K, after every CTA of the cluster parked its tile (a cluster barrier): the consumers of rank `split` sum
+// slice `split` of the units over the ranks in rank order and store them.
+template <typename T>
+__device__ __forceinline__ void reduce_splits(const WsParams<T>& prm, const WsWork& work, float4* part, int split) {
+  cg::cluster_group cluster = cg::this_cluster();
+  const int splits = prm.splits;
+  for (int u = split * kPartialUnits / splits + static_cast<int>(threadIdx.x) % (128 * kConsumers);
+       u < (split + 1) * kPartialUnits / splits; u += 128 * kConsumers) {
+    float4 sum = cluster.map_shared_rank(part, 0)[u];
+    for (int s = 1; s < splits; ++s) {
+      const float4 x = cluster.map_shared_rank(part, s)[u];
+      sum.x += x.x, sum.y += x.y, sum.z += x.z, sum.w += x.w;
     }
+    // Unit ((c, h, i), ct): thread ct of consumer c held it, as acc[h][4i .. 4i + 3] (rows g, g + 8; columns 2t, 2t + 1).
+    const int ct = u % 128, i = (u / 128) % (kWeightRows / 8), h = (u / (128 * (kWeightRows / 8))) % 2;
+    const int c = u / (2 * 128 * (kWeightRows / 8)), warp = ct / 32, g = (ct % 32) / 4, t = ct % 4;
+    const int m = work.row0 + c * kConsumerRows + 64 * h + 16 * warp + g, n = work.col * kWeightRows + 8 * i + 2 * t;
+    store_pair(prm, work, m, n, sum.x, sum.y);
+    store_pair(prm, work, m + 8, n, sum.z, sum.w);
   }
 }
 
-// Grid: (ceil(n_tiles / 2), ceil(M / 256)) dense, or (ceil(n_tiles / 2), chunks) grouped.
+// Grid: (ceil(n_tiles / 2) * splits, ceil(M / 256)) dense, in clusters of `splits` along x (CTA x = col * splits +
+// split), or (ceil(n_tiles / 2), chunks) grouped.
 template <typename T, int BITS, int NP>
 __global__ void __launch_bounds__(kThreads<NP>, 1) wgmma_ws_kernel(const __grid_constant__ WsParams<T> prm) {
-  WsWork work{prm.qweight, prm.absmax, static_cast<int>(blockIdx.y) * kActRows, prm.M};
+  const int splits = prm.splits, split = static_cast<int>(blockIdx.x) % splits;
+  WsWork work{prm.qweight, prm.absmax, static_cast<int>(blockIdx.y) * kActRows, prm.M,
+              static_cast<int>(blockIdx.x) / splits, split * prm.k_tiles / splits, (split + 1) * prm.k_tiles / splits};
   if (prm.chunks != nullptr) {
     // Every chunk entry holds defined values; unused ones have expert -1 (moe_route).
     const int4 chunk = prm.chunks[blockIdx.y];
     if (chunk.x < 0 || chunk.z <= 0) return;
-    work = {prm.qweight + chunk.x * prm.expert_vectors, prm.absmax + chunk.x * prm.expert_words, chunk.y,
-            chunk.y + min(chunk.z, kActRows)};
+    work.qweight = prm.qweight + chunk.x * prm.expert_vectors;
+    work.absmax = prm.absmax + chunk.x * prm.expert_words;
+    work.row0 = chunk.y;
+    work.row_end = chunk.y + min(chunk.z, kActRows);
   }
   extern __shared__ __align__(16) uint8_t smem_raw[];
   const uint32_t raw = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw));
@@ -394,7 +447,14 @@ __global__ void __launch_bounds__(kThreads<NP>, 1) wgmma_ws_kernel(const __grid_
     produce<T, BITS, NP>(prm, work, smem, full, empty, lut, role);
   } else {
     if constexpr (NP == 2) asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(kConsumerRegs));
-    consume<T>(prm, work, smem, full, empty, role - NP);
+    consume<T>(prm, work, smem, full, empty, role - NP, smem_raw + (smem - raw));
+  }
+  if (splits > 1) {
+    // Every CTA of the cluster has parked its tile (a release / acquire barrier over all their threads); the consumers
+    // sum their rank's slice; the second barrier keeps every CTA's shared memory alive until the remote reads end.
+    cg::this_cluster().sync();
+    if (role >= NP) reduce_splits<T>(prm, work, reinterpret_cast<float4*>(smem_raw + (smem - raw)), split);
+    cg::this_cluster().sync();
   }
 }
 
@@ -403,10 +463,10 @@ static_assert(kWeightRows == kWgmmaWsTileN * kTileN, "the planner sizes the grid
 template <typename T, int BITS, int NP>
 void launch_np(const WsParams<T>& prm, int grid_rows, int cols, int device, const char* name) {
   opt_in_shared_memory<wgmma_ws_kernel<T, BITS, NP>>(smem_bytes<BITS>(), device);
-  const dim3 grid(static_cast<unsigned>(cols), static_cast<unsigned>(grid_rows));
-  record_launch({name, 0, 0, grid.y, grid.x, 1, NP, 0, false});  // launched without programmatic dependence
-  wgmma_ws_kernel<T, BITS, NP><<<grid, kThreads<NP>, smem_bytes<BITS>(), at::cuda::getCurrentCUDAStream()>>>(prm);
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
+  const dim3 grid(static_cast<unsigned>(cols * prm.splits), static_cast<unsigned>(grid_rows));
+  record_launch({name, 0, 0, grid.y, cols, prm.splits, NP, 0, false});  // launched without programmatic dependence
+  launch_kernel(wgmma_ws_kernel<T, BITS, NP>, grid, dim3(kThreads<NP>), smem_bytes<BITS>(),
+                at::cuda::getCurrentCUDAStream(), prm.splits > 1 ? static_cast<int>(prm.splits) : 0, false, prm);
 }
 
 // The plan's producer count (k = 5 is built with one: its shuffle decode needs the registers a second
@@ -426,12 +486,14 @@ void launch(const WsParams<T>& prm, int grid_rows, int cols, int producers, int 
 void launch_ws(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, const at::Tensor& codebook,
                const std::optional<at::Tensor>& bias, int64_t N, int64_t K, at::Tensor& C, int64_t bits,
                int64_t n_tiles, int64_t k_tiles, const at::Tensor* chunks, int64_t grid_rows, int64_t cols,
-               int64_t producers, const char* what, const char* name) {
+               int64_t splits, int64_t producers, const char* what, const char* name) {
   const int64_t want_rows = chunks != nullptr ? chunks->size(0) : (A.size(0) + kActRows - 1) / kActRows;
   const int64_t want_cols = (n_tiles + kWgmmaWsTileN - 1) / kWgmmaWsTileN;
   KBIT_CHECK(grid_rows == want_rows && cols == want_cols, what, ": the plan's grid ", cols, " x ", grid_rows,
              " is not the ", want_cols, " x ", want_rows, " CTAs covering ", n_tiles, " n-tiles and ",
              chunks != nullptr ? "the chunk list" : "M rows");
+  KBIT_CHECK(splits >= 1 && splits <= std::min<int64_t>(kWgmmaWsMaxSplits, k_tiles) && (splits == 1 || chunks == nullptr),
+             what, ": splits=", splits, " outside 1 .. min(", kWgmmaWsMaxSplits, ", ", k_tiles, " k-tiles) (grouped: 1)");
   dispatch_type_and_bits(A.scalar_type(), bits, what, [&](auto type, auto k) {
     using T = decltype(type);
     const WsParams<T> prm{reinterpret_cast<const T*>(A.data_ptr()),
@@ -441,7 +503,7 @@ void launch_ws(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, co
                           bias.has_value() ? reinterpret_cast<const T*>(bias->data_ptr()) : nullptr,
                           reinterpret_cast<T*>(C.data_ptr()),
                           static_cast<int>(A.size(0)), static_cast<int>(N), static_cast<int>(K),
-                          static_cast<int>(n_tiles), static_cast<int>(k_tiles),
+                          static_cast<int>(n_tiles), static_cast<int>(k_tiles), static_cast<int>(splits),
                           chunks != nullptr ? reinterpret_cast<const int4*>(chunks->data_ptr<int>()) : nullptr,
                           chunks != nullptr ? q.numel() / q.size(0) / 4 : 0,
                           chunks != nullptr ? a.numel() / a.size(0) / 4 : 0};
@@ -455,10 +517,11 @@ void launch_ws(const at::Tensor& A, const at::Tensor& q, const at::Tensor& a, co
 void launch_wgmma_ws(const at::Tensor& A, const at::Tensor& qweight_rt, const at::Tensor& absmax_rt,
                      const at::Tensor& codebook, const std::optional<at::Tensor>& bias, int64_t N, int64_t K,
                      at::Tensor& C, const LinearPlan& plan) {
-  KBIT_CHECK(plan.path == LinearPath::kWgmmaWs && plan.splits == 1 && !plan.pdl, "kbit wgmma_ws: the plan (",
+  KBIT_CHECK(plan.path == LinearPath::kWgmmaWs && !plan.pdl, "kbit wgmma_ws: the plan (",
              linear_path_name(plan.path), ") is not the wgmma_ws path's");
   launch_ws(A, qweight_rt, absmax_rt, codebook, bias, N, K, C, qweight_rt.size(2), qweight_rt.size(0),
-            qweight_rt.size(1), nullptr, plan.m_blocks, plan.cols, plan.producers, "kbit wgmma_ws", "wgmma_ws");
+            qweight_rt.size(1), nullptr, plan.m_blocks, plan.cols, plan.splits, plan.producers, "kbit wgmma_ws",
+            "wgmma_ws");
 }
 
 void launch_wgmma_ws_grouped(const at::Tensor& A, const at::Tensor& chunks, const at::Tensor& qweight,
@@ -468,7 +531,7 @@ void launch_wgmma_ws_grouped(const at::Tensor& A, const at::Tensor& chunks, cons
              ") is not the warp-specialized kernel's");
   if (chunks.size(0) == 0) return;
   launch_ws(A, qweight, absmax, codebook, std::nullopt, N, K, C, qweight.size(3), qweight.size(1), qweight.size(2),
-            &chunks, plan.m_blocks, plan.cols, plan.producers, "kbit wgmma_ws grouped", "wgmma_ws_grouped");
+            &chunks, plan.m_blocks, plan.cols, 1, plan.producers, "kbit wgmma_ws grouped", "wgmma_ws_grouped");
 }
 
 }  // namespace kbit

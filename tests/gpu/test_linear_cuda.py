@@ -224,6 +224,28 @@ def test_wgmma_random_cases_match_reference(seed, warp_specialized):
     _check(out, _reference(x, flat, bias), dtype, f"M={M} N={N} K={K} k={k} {dtype} bias={with_bias}")
 
 
+@pytest.mark.parametrize("seed", range(60))
+@pytest.mark.gpu
+@requires_hopper
+def test_wgmma_ws_k_splits_match_reference(seed):
+    """The warp-specialized kernel with its K split over a cluster of 2..4 CTAs (forced; fp32 tiles summed through
+    distributed shared memory): M across one and several 256-row blocks, N and K tails, every k, both dtypes, bias; the
+    launch records the split count."""
+    M, N, K, k, dtype, with_bias = _random_wgmma_case(seed)
+    K = max(K, 256)  # at least two k-tiles
+    gen = torch.Generator().manual_seed(seed)
+    w, flat = _random_weight(N, K, k, gen)
+    x = torch.randn(M, K, generator=gen).to(dtype).cuda()
+    bias = torch.randn(N, generator=gen).to(dtype).cuda() if with_bias else None
+    ref = _reference(x, flat, bias)
+    for splits in range(2, _plan(M, N, K, "wgmma_ws").max_splits + 1):
+        _poison_cache(M * N * 2 + M * K * 2)
+        out = _forced(x, w, "wgmma_ws", bias, 0, splits)
+        _check(out, ref, dtype, f"M={M} N={N} K={K} k={k} {dtype} bias={with_bias} splits={splits}")
+        again = _forced(x, w, "wgmma_ws", bias, 0, splits)
+        assert torch.equal(out, again), "the rank-ordered sum is deterministic"
+
+
 @pytest.mark.parametrize("K,N", DESIGN_SHAPES)
 @pytest.mark.gpu
 @requires_hopper

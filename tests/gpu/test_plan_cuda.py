@@ -93,11 +93,12 @@ def test_linear_launches_its_plan(dtype):
             assert got == expected_linear(plan), (M, N, K, k, dtype, plan)
             # PDL: the GEMV and MMA kernels as the GPU allows, the wgmma kernels and cuBLAS never.
             assert plan.pdl == (pdl and plan.path in ("gemv", "mma")), plan
-            # The plan on given facts with the same k agrees but for the MMA and GEMV split counts (it cannot see
-            # cluster capacities); the GEMV's is the rule's on the SMs this GPU's clusters reach.
+            # The plan on given facts with the same k agrees but for the MMA, GEMV and wgmma_ws split counts (it cannot
+            # see cluster capacities); the GEMV's is the rule's on the SMs this GPU's clusters reach.
             given = ops.named(torch.ops.kbit.linear_plan, M, N, K, dtype, props.major, props.multi_processor_count, 1,
                               "auto", k)
-            assert (given._replace(splits=plan.splits) if plan.path in ("mma", "gemv") else given) == plan, (given, plan)
+            split_paths = ("mma", "gemv", "wgmma_ws")
+            assert (given._replace(splits=plan.splits) if plan.path in split_paths else given) == plan, (given, plan)
             if plan.path == "gemv":
                 sms = props.multi_processor_count
                 assert plan.splits == torch.ops.kbit._gemv_splits(*gemv_tiles(N, K), sms, reach), (M, N, K, k, plan)
