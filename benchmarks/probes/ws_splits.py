@@ -24,24 +24,14 @@ EXTRA = [("qkv_5120", 2048, 5120), ("glm45_o", 12288, 4096), ("qwen3_235b_o", 81
 
 
 def check(cases: int) -> int:
+    """Random cases 0 .. cases-1 at every split count (tests/gpu/test_linear_cuda.py: _check_ws_k_splits); how many fail."""
     bad = 0
     for seed in range(cases):
-        M, N, K, k, dtype, with_bias = t._random_wgmma_case(seed)
-        K = max(K, 256)
-        gen = torch.Generator().manual_seed(seed)
-        w, flat = t._random_weight(N, K, k, gen)
-        x = torch.randn(M, K, generator=gen).to(dtype).cuda()
-        bias = torch.randn(N, generator=gen).to(dtype).cuda() if with_bias else None
-        ref = t._reference(x, flat, bias)
-        for splits in range(1, t._plan(M, N, K, "wgmma_ws").max_splits + 1):
-            t._poison_cache(M * N * 2 + M * K * 2)
-            out = t._forced(x, w, "wgmma_ws", bias, 0, splits)
-            try:
-                t._check(out, ref, dtype, f"seed {seed} M={M} N={N} K={K} k={k} splits={splits}")
-                assert torch.equal(out, t._forced(x, w, "wgmma_ws", bias, 0, splits)), "not deterministic"
-            except AssertionError as e:
-                bad += 1
-                print("FAIL", str(e)[:300], flush=True)
+        try:
+            t._check_ws_k_splits(seed, first=1)
+        except AssertionError as e:
+            bad += 1
+            print("FAIL", str(e)[:300], flush=True)
     return bad
 
 

@@ -422,7 +422,8 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
     plan.path = LinearPath::kWgmma;
   // Long K and too few CTA tiles for the SMs: the warp-specialized kernel with K split (kWsSplitMinKTiles above).
   const bool x16 = dtype == at::kBFloat16 || dtype == at::kHalf;
-  if (x16 && (plan.path != LinearPath::kDequantCublas || M <= kWsSplitMaxCublasM) && ws_rule_splits(M, N, K, facts) > 1)
+  const int64_t ws_splits = ws_rule_splits(M, N, K, facts);  // also the wgmma_ws launch's count below
+  if (x16 && (plan.path != LinearPath::kDequantCublas || M <= kWsSplitMaxCublasM) && ws_splits > 1)
     plan.path = LinearPath::kWgmmaWs;
   if (forced.path >= 0) {
     KBIT_CHECK_VALUE(forced.path < static_cast<int64_t>(std::size(kLinearPathNames)), "kbit linear_plan: path id ",
@@ -472,7 +473,7 @@ LinearPlan linear_plan(int64_t M, int64_t N, int64_t K, at::ScalarType dtype, in
     plan.max_splits = std::min<int64_t>(kWgmmaWsMaxSplits, k_tiles);
     KBIT_CHECK(forced.splits >= 0 && forced.splits <= plan.max_splits, "kbit linear_plan: wgmma_ws splits=",
                forced.splits, " outside 0 (the rule) .. ", plan.max_splits);
-    plan.splits = forced.splits > 0 ? forced.splits : ws_rule_splits(M, N, K, facts);
+    plan.splits = forced.splits > 0 ? forced.splits : ws_splits;
   } else {
     KBIT_CHECK_VALUE(forced.splits == 0 && forced.row_groups == 0, "kbit linear_plan: splits and row_groups apply to ",
                      "the gemv, mma and wgmma_ws paths only, not ", linear_path_name(plan.path));

@@ -228,9 +228,15 @@ def test_wgmma_random_cases_match_reference(seed, warp_specialized):
 @pytest.mark.gpu
 @requires_hopper
 def test_wgmma_ws_k_splits_match_reference(seed):
-    """The warp-specialized kernel with its K split over a cluster of 2..4 CTAs (forced; fp32 tiles summed through
+    """The warp-specialized kernel with its K split over a cluster of 2..8 CTAs (forced; fp32 tiles summed through
     distributed shared memory): M across one and several 256-row blocks, N and K tails, every k, both dtypes, bias; the
     launch records the split count."""
+    _check_ws_k_splits(seed, first=2)
+
+
+def _check_ws_k_splits(seed, first):
+    """Random case `seed` through the warp-specialized kernel forced at splits first .. max, each against the fp32
+    reference and equal to itself on repeat (also benchmarks/probes/ws_splits.py --cases, at every count)."""
     M, N, K, k, dtype, with_bias = _random_wgmma_case(seed)
     K = max(K, 256)  # at least two k-tiles
     gen = torch.Generator().manual_seed(seed)
@@ -238,10 +244,10 @@ def test_wgmma_ws_k_splits_match_reference(seed):
     x = torch.randn(M, K, generator=gen).to(dtype).cuda()
     bias = torch.randn(N, generator=gen).to(dtype).cuda() if with_bias else None
     ref = _reference(x, flat, bias)
-    for splits in range(2, _plan(M, N, K, "wgmma_ws").max_splits + 1):
+    for splits in range(first, _plan(M, N, K, "wgmma_ws").max_splits + 1):
         _poison_cache(M * N * 2 + M * K * 2)
         out = _forced(x, w, "wgmma_ws", bias, 0, splits)
-        _check(out, ref, dtype, f"M={M} N={N} K={K} k={k} {dtype} bias={with_bias} splits={splits}")
+        _check(out, ref, dtype, f"seed {seed} M={M} N={N} K={K} k={k} {dtype} bias={with_bias} splits={splits}")
         again = _forced(x, w, "wgmma_ws", bias, 0, splits)
         assert torch.equal(out, again), "the rank-ordered sum is deterministic"
 
