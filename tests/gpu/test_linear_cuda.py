@@ -229,8 +229,8 @@ def test_wgmma_random_cases_match_reference(seed, warp_specialized):
 @requires_hopper
 def test_wgmma_ws_k_splits_match_reference(seed):
     """The warp-specialized kernel with its K split over a cluster of 2..8 CTAs (forced; fp32 tiles summed through
-    distributed shared memory): M across one and several 256-row blocks, N and K tails, every k, both dtypes, bias; the
-    launch records the split count."""
+    distributed shared memory): M across one and several 256-row blocks, N and K tails, every k, both dtypes, bias
+    (tests/gpu/test_plan_cuda.py checks that launches record their split count)."""
     _check_ws_k_splits(seed, first=2)
 
 
